@@ -1,0 +1,137 @@
+"""Target devices: the numbers a roofline needs and the memory semantics of the device kind.
+
+A DeviceSpec lets a CPU-only machine plan for a GPU: runtimes come from peak FLOP/s and memory
+bandwidth, memory accounting follows the device's allocator (``allocator_block_bytes``).
+Peak numbers are the vendors' dense (no sparsity) datasheet figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+__all__ = ["DeviceSpec", "DEVICE_SPECS", "get_device_spec", "UnknownDeviceError"]
+
+_TF = 1e12
+_GB = 1e9
+_GiB = 2**30
+
+
+class UnknownDeviceError(ValueError):
+    """A device name that has no DeviceSpec."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """Peak throughput and memory semantics of one accelerator (or the host CPU)."""
+
+    name: str
+    """Registry key, e.g. ``"h100"``."""
+    kind: str
+    """``"cuda"`` or ``"cpu"``: decides the memory semantics applied to a CPU trace."""
+    peak_flops_per_s: Mapping[torch.dtype, float]
+    """Dense matrix-multiply peak per dtype; dtypes not listed fall back to float32."""
+    memory_bandwidth_bytes_per_s: float
+    """Main-memory (HBM / DRAM) bandwidth."""
+    memory_bytes: int
+    """Device memory capacity."""
+    allocator_block_bytes: int = 1
+    """Allocations are rounded up to a multiple of this (CUDA caching allocator: 512)."""
+    compute_efficiency: float = 0.75
+    """Fraction of peak FLOP/s a well-shaped kernel reaches (roofline derating)."""
+    bandwidth_efficiency: float = 0.85
+    """Fraction of peak bandwidth a memory-bound kernel reaches."""
+    kernel_launch_ms: float = 0.0
+    """Fixed per-kernel overhead added to every non-view op."""
+    interconnect_bytes_per_s: float = 0.0
+    """Per-GPU collective bandwidth (NVLink etc.); 0 when not modelled."""
+    extra: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("cuda", "cpu"):
+            raise ValueError(f"DeviceSpec.kind must be 'cuda' or 'cpu', got {self.kind!r}")
+        if self.memory_bandwidth_bytes_per_s <= 0 or not self.peak_flops_per_s:
+            raise ValueError("DeviceSpec needs positive bandwidth and at least one peak FLOP/s")
+        if not (0 < self.compute_efficiency <= 1 and 0 < self.bandwidth_efficiency <= 1):
+            raise ValueError("DeviceSpec efficiencies must be in (0, 1]")
+        if self.allocator_block_bytes < 1:
+            raise ValueError("DeviceSpec.allocator_block_bytes must be >= 1")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    def flops_per_s(self, dtype: torch.dtype) -> float:
+        peaks = self.peak_flops_per_s
+        return peaks.get(dtype) or peaks.get(torch.float32) or max(peaks.values())
+
+    def round_bytes(self, nbytes: int) -> int:
+        """Bytes the allocator really reserves for a request of ``nbytes``."""
+        b = self.allocator_block_bytes
+        return nbytes if b == 1 or nbytes == 0 else -(-nbytes // b) * b
+
+    def replace(self, **changes) -> "DeviceSpec":
+        return dataclasses.replace(self, **changes)
+
+
+def _cuda(name, bf16_tflops, fp32_tflops, bw_gbps, mem_bytes, fp8_tflops=None, link_gbps=0.0):
+    peaks = {
+        torch.bfloat16: bf16_tflops * _TF,
+        torch.float16: bf16_tflops * _TF,
+        torch.float32: fp32_tflops * _TF,
+        torch.float64: fp32_tflops / 2 * _TF,
+    }
+    if fp8_tflops:
+        peaks[torch.float8_e4m3fn] = fp8_tflops * _TF
+        peaks[torch.float8_e5m2] = fp8_tflops * _TF
+    return DeviceSpec(
+        name=name,
+        kind="cuda",
+        peak_flops_per_s=peaks,
+        memory_bandwidth_bytes_per_s=bw_gbps * _GB,
+        memory_bytes=mem_bytes,
+        allocator_block_bytes=512,
+        kernel_launch_ms=0.004,
+        interconnect_bytes_per_s=link_gbps * _GB,
+    )
+
+
+DEVICE_SPECS: dict[str, DeviceSpec] = {
+    # fp32 column is plain FP32 (no TF32), the default of torch.matmul on CUDA.
+    "h100": _cuda("h100", 989.4, 66.9, 3350, 80 * _GiB, fp8_tflops=1978.9, link_gbps=450),
+    "h200": _cuda("h200", 989.4, 66.9, 4800, 141 * 10**9, fp8_tflops=1978.9, link_gbps=450),
+    "a100-40gb": _cuda("a100-40gb", 312.0, 19.5, 1555, 40 * _GiB, link_gbps=300),
+    "a100-80gb": _cuda("a100-80gb", 312.0, 19.5, 2039, 80 * _GiB, link_gbps=300),
+    "l4": _cuda("l4", 121.0, 30.3, 300, 24 * _GiB, fp8_tflops=242.0),
+    "b200": _cuda("b200", 2250.0, 75.0, 8000, 180 * _GiB, fp8_tflops=4500.0, link_gbps=900),
+    # A modest server CPU core pair: numbers for relative costing, not a promise.
+    "cpu": DeviceSpec(
+        name="cpu",
+        kind="cpu",
+        peak_flops_per_s={torch.float32: 0.2 * _TF, torch.bfloat16: 0.1 * _TF},
+        memory_bandwidth_bytes_per_s=20 * _GB,
+        memory_bytes=24 * _GiB,
+        compute_efficiency=0.5,
+        bandwidth_efficiency=0.5,
+    ),
+}
+_ALIASES = {"h100-sxm": "h100", "a100": "a100-80gb", "h100_sxm": "h100"}
+
+
+def get_device_spec(device: str | DeviceSpec) -> DeviceSpec:
+    """Look up a DeviceSpec by name (case-insensitive) or pass one through."""
+    if isinstance(device, DeviceSpec):
+        return device
+    if not isinstance(device, str):
+        raise UnknownDeviceError(f"device must be a name or a DeviceSpec, got {type(device).__name__}")
+    key = device.strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in DEVICE_SPECS:
+        raise UnknownDeviceError(
+            f"unknown device {device!r}; known devices: {', '.join(sorted(DEVICE_SPECS))}. "
+            "For another accelerator pass a DeviceSpec(...) with its peak FLOP/s and bandwidth."
+        )
+    return DEVICE_SPECS[key]
