@@ -83,7 +83,8 @@ class SACOp:
     """View-like: aliases its input; always recomputed (never costs memory)."""
     inplace_parent: int = -1
     """For an in-place op, the index (in this table) of the op that created the storage it
-    mutates; the two are saved or recomputed together. -1 otherwise."""
+    mutates; the two are saved or recomputed together. Its own index when that storage was made
+    outside the module (the op must then be saved). -1 for ops that are not in-place."""
     is_random: bool = False
     """Draws random numbers; all random ops of a module are recomputed together or not at all."""
     is_saved: bool = False
@@ -207,7 +208,8 @@ class ModStats:
     fw_pre_op: int = -1
     """Op index (in the step trace) of the module's first forward op; -1 if never ran."""
     fw_post_op: int = -1
-    """Op index after which the module's forward ended (last call)."""
+    """First op index after the module's forward ended (last call): from here on its discarded
+    activations are gone."""
     bw_pre_op: int = -1
     """Op index of the module's first backward op; -1 if it has no backward."""
     bw_post_op: int = -1

@@ -1,0 +1,204 @@
+"""Trace + memory timeline -> ModuleInfo: one ModStats per module and the memory points."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from estimators.memory import MemoryTimeline
+from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo
+from estimators.sac import greedy_units, module_ops, tradeoff_curve
+from estimators.trace import ModuleCall, Phase, StepTrace, StorageKind
+
+__all__ = ["build_module_info"]
+
+_PHASE_NAMES = {Phase.FW: "fw", Phase.BW: "bw", Phase.OPTIM: "optim"}
+
+
+def _order(calls: list[ModuleCall], key) -> tuple[str, ...]:
+    seen: dict[str, None] = {}
+    for c in sorted(calls, key=key):
+        seen.setdefault(c.fqn, None)
+    return tuple(seen)
+
+
+def _mod_order(trace: StepTrace) -> ModOrder:
+    calls = trace.calls
+    with_bw = [c for c in calls if c.bw_first_op >= 0]
+    return ModOrder(
+        fw_pre_order=_order(calls, lambda c: c.cid),
+        fw_post_order=_order(calls, lambda c: c.post_rank),
+        # A parent's backward starts with (before) its first child's and ends after its last.
+        bw_pre_order=_order(with_bw, lambda c: (c.bw_first_op, c.depth)),
+        bw_post_order=_order(with_bw, lambda c: (c.bw_last_op, -c.depth)),
+    )
+
+
+def _ancestors_and_self(trace: StepTrace, cid: int):
+    while cid >= 0:
+        yield cid
+        cid = trace.calls[cid].parent
+
+
+def _per_call_saved_bytes(trace: StepTrace) -> dict[int, set[int]]:
+    """Call id -> sids autograd packed while that call (or a nested one) ran; params excluded."""
+    saved: dict[int, set[int]] = defaultdict(set)
+    for s in trace.storages:
+        if not s.saved or s.kind is StorageKind.PARAM:
+            continue
+        for cid in s.saved_by_calls:
+            for a in _ancestors_and_self(trace, cid):
+                saved[a].add(s.sid)
+    return saved
+
+
+def _bw_runtime_by_call(trace: StepTrace) -> dict[int, float]:
+    out: dict[int, float] = defaultdict(float)
+    for op in trace.ops:
+        if op.phase is Phase.BW:
+            for a in _ancestors_and_self(trace, op.call):
+                out[a] += op.runtime_ms
+    return out
+
+
+def _sum_bytes(trace: StepTrace, sids) -> int:
+    return sum(trace.storages[s].nbytes for s in set(sids))
+
+
+def _mod_stats(
+    trace: StepTrace,
+    tl: MemoryTimeline,
+    fqn: str,
+    calls: list[ModuleCall],
+    saved: dict[int, set[int]],
+    bw_rt: dict[int, float],
+    fw_rt_cum: np.ndarray,
+) -> ModStats:
+    is_leaf = fqn in trace.leaf_fqns
+    first, last = calls[0], max(calls, key=lambda c: c.fw_last_op)
+    act_kinds = [StorageKind.ACTIVATION, StorageKind.TEMP, StorageKind.INPUT]
+    live_act = tl.live_by_kind[:, act_kinds].sum(axis=1)
+    temp = tl.live_by_kind[:, StorageKind.TEMP]
+    bw_calls = [c for c in calls if c.bw_first_op >= 0]
+    bw_pre = min((c.bw_first_op for c in bw_calls), default=-1)
+    bw_post = max((c.bw_last_op for c in bw_calls), default=-1)
+
+    ops = () if is_leaf else module_ops(trace, calls)
+    curve = tradeoff_curve(greedy_units(ops)) if ops else tradeoff_curve([])
+    transient = 0
+    act_bw_peak = act_grad = grad_total = 0
+    if bw_pre >= 0:
+        act_bw_peak = int(live_act[bw_pre : bw_post + 1].max())
+        act_grad = max(0, int(temp[bw_pre : bw_post + 1].max() - temp[bw_pre]))
+        grad_total = int(tl.live_by_kind[bw_pre, StorageKind.GRAD])
+    if not is_leaf:
+        # The recompute replays the forward: its temporaries above the end-of-forward level.
+        w = tl.total[first.fw_first_op : first.fw_last_op + 1]
+        if len(w):
+            transient = max(0, int(w.max() - tl.total[first.fw_last_op]))
+    fw_ms = sum(
+        float(fw_rt_cum[c.fw_last_op + 1] - fw_rt_cum[c.fw_first_op]) for c in calls
+    )
+    return ModStats(
+        fqn=fqn,
+        is_leaf=is_leaf,
+        n_calls=len(calls),
+        param_bytes=trace.param_bytes_by_module.get(fqn, 0),
+        grad_bytes=trace.grad_bytes_by_module.get(fqn, 0),
+        input_bytes=_sum_bytes(trace, first.input_sids),
+        output_bytes=_sum_bytes(trace, first.output_sids),
+        act_fw_bytes=_sum_bytes(trace, set().union(*(saved.get(c.cid, set()) for c in calls))),
+        act_total_bytes=int(live_act[last.fw_last_op]),
+        grad_total_bytes=grad_total,
+        act_bw_peak_bytes=act_bw_peak,
+        act_grad_bytes=act_grad,
+        fw_runtime_ms=fw_ms,
+        bw_runtime_ms=sum(bw_rt.get(c.cid, 0.0) for c in calls),
+        sac_memory_bytes=curve.total_bytes,
+        sac_runtime_ms=curve.total_ms,
+        tradeoff=curve,
+        ops=ops,
+        recompute_transient_bytes=transient,
+        fw_pre_op=min(c.fw_first_op for c in calls),
+        fw_post_op=last.fw_last_op + 1,
+        bw_pre_op=bw_pre,
+        bw_post_op=bw_post,
+    )
+
+
+def _point(trace: StepTrace, tl: MemoryTimeline, k: int, recompute_of: str | None) -> MemoryPoint:
+    row = tl.live_by_kind[k]
+    op = trace.ops[k] if k < len(trace.ops) else None
+    fqn = trace.calls[op.call].fqn if op is not None and op.call >= 0 else ""
+    return MemoryPoint(
+        op_index=k,
+        phase=_PHASE_NAMES[op.phase] if op is not None else "fw",
+        fqn=fqn,
+        param_bytes=int(row[StorageKind.PARAM]),
+        grad_bytes=int(row[StorageKind.GRAD]),
+        optimizer_bytes=int(row[StorageKind.OPTIMIZER]),
+        activation_bytes=int(row[StorageKind.ACTIVATION]),
+        other_bytes=int(row[StorageKind.TEMP] + row[StorageKind.INPUT] + row[StorageKind.BUFFER]),
+        recompute_of=recompute_of,
+    )
+
+
+def _memory_points(trace: StepTrace, tl: MemoryTimeline, stats: list[ModStats]) -> list[MemoryPoint]:
+    """One point per interval in which the set of discarded modules is constant (its highest
+    live-bytes op), plus one recompute point at the start of each candidate's backward."""
+    n = len(tl.total)
+    if n == 0:
+        return []
+    cands = [s for s in stats if not s.is_leaf and s.sac_memory_bytes > 0]
+    bounds = {0}
+    for s in cands:
+        bounds.add(min(s.fw_post_op, n - 1))
+        if s.bw_pre_op >= 0:
+            bounds.add(s.bw_pre_op)
+    starts = np.array(sorted(bounds), dtype=np.int64)
+    maxes = np.maximum.reduceat(tl.total, starts)
+    points = []
+    ends = list(starts[1:]) + [n]
+    for a, b, m in zip(starts, ends, maxes):
+        k = int(a + np.argmax(tl.total[a:b] == m))
+        points.append(_point(trace, tl, k, None))
+    for s in cands:
+        if s.bw_pre_op >= 0:
+            points.append(_point(trace, tl, s.bw_pre_op, s.fqn))
+    points.sort(key=lambda p: (p.op_index, p.recompute_of or ""))
+    return points
+
+
+def build_module_info(trace: StepTrace, tl: MemoryTimeline) -> ModuleInfo:
+    by_fqn: dict[str, list[ModuleCall]] = {}
+    for c in trace.calls:
+        by_fqn.setdefault(c.fqn, []).append(c)
+    saved = _per_call_saved_bytes(trace)
+    bw_rt = _bw_runtime_by_call(trace)
+    rts = np.array([op.runtime_ms if op.phase is Phase.FW else 0.0 for op in trace.ops])
+    fw_rt_cum = np.concatenate([[0.0], np.cumsum(rts)])
+    stats = [
+        _mod_stats(trace, tl, fqn, calls, saved, bw_rt, fw_rt_cum) for fqn, calls in by_fqn.items()
+    ]
+    peak_k = tl.peak_op_index
+    peak_op = ""
+    if 0 <= peak_k < len(trace.ops):
+        op = trace.ops[peak_k]
+        where = trace.calls[op.call].fqn if op.call >= 0 else "(outside modules)"
+        peak_op = f"{op.func} in {where} ({_PHASE_NAMES[op.phase]})"
+    by_phase = defaultdict(float)
+    for op in trace.ops:
+        by_phase[op.phase] += op.runtime_ms
+    return ModuleInfo(
+        mod_order=_mod_order(trace),
+        mod_stats=tuple(stats),
+        memory_points=tuple(_memory_points(trace, tl, stats)),
+        peak_bytes=tl.peak_bytes,
+        peak_op_index=peak_k,
+        peak_op=peak_op,
+        fw_runtime_ms=by_phase[Phase.FW],
+        bw_runtime_ms=by_phase[Phase.BW],
+        optimizer_runtime_ms=by_phase[Phase.OPTIM],
+        device=trace.device,
+    )

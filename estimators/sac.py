@@ -1,0 +1,154 @@
+"""Selective-AC statistics: each module's forward ops, what recomputing them frees, and the curve.
+
+Rules (each has its own test in tests/estimators/test_sac.py):
+
+* a view-like op never costs memory: it aliases a storage another op created;
+* an in-place op goes with the op that created the storage it mutates (one unit); when that
+  storage was made outside the module, the op can only be saved;
+* random ops are recomputed together or not at all (a checkpoint replays the RNG from the start of
+  the region, so a saved random op in between would shift every later draw);
+* an op frees memory only through new storages that autograd saves for backward *inside this
+  module alone*; a storage another module also saves stays alive anyway.
+
+The greedy order takes units by memory freed per ms of recompute, largest first, so the cumulative
+(discarded bytes, recompute ms) curve is convex and exact at every breakpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from estimators.module_info import SACOp, TradeoffCurve
+from estimators.trace import ModuleCall, Phase, StepTrace
+
+__all__ = ["module_ops", "greedy_units", "tradeoff_curve", "RecomputeUnit"]
+
+
+def _subtree(trace: StepTrace, call: ModuleCall) -> set[int]:
+    """Call ids of ``call`` and every call nested in it (calls are recorded in pre-order)."""
+    ids = {call.cid}
+    for c in trace.calls[call.cid + 1 :]:
+        if c.parent in ids:
+            ids.add(c.cid)
+        elif c.depth <= call.depth:
+            break
+    return ids
+
+
+def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
+    inside = _subtree(trace, call)
+    ops: list[SACOp] = []
+    seen: dict[str, int] = {}
+    creator: dict[int, int] = {}  # sid -> index in `ops`
+    for rec in trace.ops[call.fw_first_op : call.fw_last_op + 1]:
+        if rec.phase is not Phase.FW:
+            continue
+        name = str(rec.func)
+        occ = seen.get(name, 0)
+        seen[name] = occ + 1
+        i = len(ops)
+        memory = 0
+        saved = False
+        for sid in rec.new_sids:
+            st = trace.storages[sid]
+            creator[sid] = i
+            saved |= st.saved
+            if st.saved and st.saved_by_calls <= inside:
+                memory += st.nbytes
+        parent = -1
+        if rec.mutated_sids:
+            parent = creator.get(rec.mutated_sids[0], i)
+            saved |= any(trace.storages[s].saved for s in rec.mutated_sids)
+        ops.append(
+            SACOp(
+                func=name,
+                occurrence=occ,
+                runtime_ms=rec.runtime_ms,
+                memory_bytes=memory,
+                is_view=rec.is_view,
+                inplace_parent=parent,
+                is_random=rec.is_random,
+                is_saved=saved,
+            )
+        )
+    return ops
+
+
+def module_ops(trace: StepTrace, calls: list[ModuleCall]) -> tuple[SACOp, ...]:
+    """Op table of a module, summed over its calls (matched by (func, occurrence))."""
+    if not calls:
+        return ()
+    first = _call_ops(trace, calls[0])
+    if len(calls) == 1:
+        return tuple(first)
+    mem = [o.memory_bytes for o in first]
+    rt = [o.runtime_ms for o in first]
+    index = {(o.func, o.occurrence): i for i, o in enumerate(first)}
+    for call in calls[1:]:
+        for o in _call_ops(trace, call):
+            i = index.get((o.func, o.occurrence))
+            if i is not None:
+                mem[i] += o.memory_bytes
+                rt[i] += o.runtime_ms
+    return tuple(
+        SACOp(**{**o.__dict__, "memory_bytes": m, "runtime_ms": r})
+        for o, m, r in zip(first, mem, rt)
+    )
+
+
+@dataclass(frozen=True)
+class RecomputeUnit:
+    """Ops that are saved or recomputed together."""
+
+    ops: tuple[int, ...]
+    memory_bytes: int
+    runtime_ms: float
+
+
+def greedy_units(ops: tuple[SACOp, ...]) -> list[RecomputeUnit]:
+    """Units worth recomputing, in greedy order (most bytes per ms first, then op order)."""
+    parent = list(range(len(ops)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def union(a: int, b: int) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+
+    forced_save = set()
+    for i, o in enumerate(ops):
+        if o.inplace_parent == i:
+            forced_save.add(i)
+        elif o.inplace_parent >= 0:
+            union(i, o.inplace_parent)
+    randoms = [i for i, o in enumerate(ops) if o.is_random]
+    for a, b in zip(randoms, randoms[1:]):
+        union(a, b)
+
+    groups: dict[int, list[int]] = {}
+    for i, o in enumerate(ops):
+        if not o.is_view:
+            groups.setdefault(find(i), []).append(i)
+    blocked = {find(i) for i in forced_save}
+    units = []
+    for root, members in groups.items():
+        mem = sum(ops[i].memory_bytes for i in members)
+        if root in blocked or mem <= 0:
+            continue
+        units.append(RecomputeUnit(tuple(members), mem, sum(ops[i].runtime_ms for i in members)))
+    # Cheapest time per byte first; ties by first op so the order is deterministic.
+    units.sort(key=lambda u: (u.runtime_ms / u.memory_bytes, u.ops[0]))
+    return units
+
+
+def tradeoff_curve(units: list[RecomputeUnit]) -> TradeoffCurve:
+    xs, ys = [0], [0.0]
+    for u in units:
+        xs.append(xs[-1] + u.memory_bytes)
+        ys.append(ys[-1] + u.runtime_ms)
+    return TradeoffCurve(discarded_bytes=tuple(xs), recompute_ms=tuple(ys))

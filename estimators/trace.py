@@ -1,0 +1,408 @@
+"""One training step, recorded op by op: the single trace every estimator reads.
+
+``StepTracer`` is a TorchDispatchMode. For each aten op of forward, loss, backward and optimizer
+step it records the phase, the innermost module call, the new storages the op allocated, whether
+it is a view / in-place / random op, and its estimated runtime. Storage lifetimes come from weak
+references: a storage's free is stamped with the index of the last op that ran before it.
+
+Module attribution
+------------------
+Forward: module pre/post hooks keep a call stack. Backward: every autograd Node carries a
+thread-local sequence number assigned at creation; the tracer stamps the counter at each module
+call's entry and exit, so a backward op belongs to the innermost call whose range contains
+``torch._C._current_autograd_node()._sequence_nr()``. Unlike output/input grad hooks this also
+sees the backward of modules whose inputs do not require grad, of modules called several times,
+and of custom autograd Functions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from estimators.runtime import RuntimeModel
+
+__all__ = ["Phase", "OpRecord", "StorageRecord", "ModuleCall", "StepTrace", "StepTracer"]
+
+logger = logging.getLogger(__name__)
+
+_NO_SEQ = 2**64 - 1  # AccumulateGrad nodes carry UINT64_MAX as sequence number
+_METADATA_OPS = {torch.ops.prim.device.default, torch.ops.aten.sym_size.int}
+
+
+class Phase(enum.IntEnum):
+    FW = 0  # model forward and the loss
+    BW = 1
+    OPTIM = 2
+
+
+class StorageKind(enum.IntEnum):
+    """What a storage is, decided once the step is over."""
+
+    PARAM = 0
+    BUFFER = 1
+    INPUT = 2
+    GRAD = 3
+    OPTIMIZER = 4
+    ACTIVATION = 5  # saved for backward by autograd
+    TEMP = 6  # everything else
+
+
+@dataclass(slots=True)
+class StorageRecord:
+    sid: int
+    nbytes: int
+    alloc_op: int  # -1: existed before the step
+    free_op: int | None = None  # last op during which it was alive; None: alive at the end
+    kind: StorageKind = StorageKind.TEMP
+    phase: Phase = Phase.FW
+    owner_call: int = -1  # module call whose op created it
+    saved: bool = False  # packed by autograd in the forward
+    saved_by_calls: set[int] = field(default_factory=set)  # innermost calls whose ops packed it
+
+
+@dataclass(slots=True)
+class OpRecord:
+    index: int
+    func: Any  # torch._ops.OpOverload
+    phase: Phase
+    call: int  # innermost module call, -1 outside every module
+    runtime_ms: float
+    new_sids: tuple[int, ...]
+    arg_sids: tuple[int, ...]
+    is_view: bool
+    mutated_sids: tuple[int, ...]
+    is_random: bool
+
+
+@dataclass(slots=True)
+class ModuleCall:
+    cid: int
+    fqn: str
+    parent: int  # enclosing call, -1 for the root call
+    depth: int
+    seq_start: int
+    seq_end: int = -1
+    fw_first_op: int = -1
+    fw_last_op: int = -1
+    bw_first_op: int = -1
+    bw_last_op: int = -1
+    input_sids: tuple[int, ...] = ()
+    output_sids: tuple[int, ...] = ()
+    post_rank: int = -1  # order in which forward post hooks fired
+
+
+@dataclass
+class StepTrace:
+    """Everything recorded in one step; estimators.memory / runtime / sac derive from it."""
+
+    ops: list[OpRecord]
+    storages: list[StorageRecord]
+    calls: list[ModuleCall]
+    module_fqns: list[str]  # every module of the model, forward pre-order of definition
+    leaf_fqns: set[str]
+    param_bytes_by_module: dict[str, int]
+    grad_bytes_by_module: dict[str, int]
+    phase_bounds: dict[Phase, tuple[int, int]]  # first, last op index per phase
+    device: str
+
+    def calls_of(self, fqn: str) -> list[ModuleCall]:
+        return [c for c in self.calls if c.fqn == fqn]
+
+
+def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return t.untyped_storage()
+    except (NotImplementedError, RuntimeError):  # sparse, nested, functional wrappers
+        return None
+
+
+def _mutated_arg_positions(func) -> tuple[int, ...]:
+    return tuple(
+        i
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+class StepTracer(TorchDispatchMode):
+    """Records every aten op and storage of a step; see the module docstring."""
+
+    def __init__(
+        self,
+        runtime_model: RuntimeModel,
+        round_bytes: Callable[[int], int] = lambda n: n,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.runtime_model = runtime_model
+        self.round_bytes = round_bytes
+        self.progress = progress
+        self.ops: list[OpRecord] = []
+        self.storages: list[StorageRecord] = []
+        self.calls: list[ModuleCall] = []
+        self.phase = Phase.FW
+        self._live: dict[int, int] = {}  # id(storage pyobject) -> sid
+        self._stack: list[int] = []  # module call ids, forward
+        self._seq_probe = torch.zeros(1, requires_grad=True)  # real, tiny, outside every mode
+        self._seq_index: tuple[list[int], list[int]] | None = None
+        self._last_bw_call = -1
+        self._mutates: dict[Any, tuple[int, ...]] = {}
+        self._func_is_random: dict[Any, bool] = {}
+        self._hooks: list[Any] = []
+        self._calls_done = 0
+        self._sealed = False  # after finish(): later frees (the caller dropping tensors) are not the step's
+
+    # ------------------------------------------------------------------ storages
+    def _sid(self, st: torch.UntypedStorage) -> int | None:
+        return self._live.get(id(st))
+
+    def register(self, t: torch.Tensor, kind: StorageKind) -> int | None:
+        """Track a tensor that exists before the step (parameter, buffer, input, state)."""
+        st = _storage_of(t)
+        if st is None:
+            return None
+        sid = self._sid(st)
+        if sid is None:
+            sid = self._new_storage(st, alloc_op=-1)
+            self.storages[sid].kind = kind
+        return sid
+
+    def _new_storage(self, st: torch.UntypedStorage, alloc_op: int) -> int:
+        sid = len(self.storages)
+        rec = StorageRecord(sid, self.round_bytes(st.nbytes()), alloc_op, phase=self.phase)
+        rec.owner_call = self._stack[-1] if self._stack else -1
+        self.storages.append(rec)
+        key = id(st)
+        self._live[key] = sid
+        weakref.finalize(st, self._on_free, key, sid)
+        return sid
+
+    def _on_free(self, key: int, sid: int) -> None:
+        if self._sealed:
+            return
+        if self._live.get(key) == sid:
+            del self._live[key]
+        # Freed after the last op that ran: alive during it, not during the next one.
+        self.storages[sid].free_op = len(self.ops) - 1
+
+    # ------------------------------------------------------------------ dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _METADATA_OPS:
+            return out
+        index = len(self.ops)
+        flat_in, _ = tree_flatten((args, kwargs))
+        in_tensors = [a for a in flat_in if isinstance(a, torch.Tensor)]
+        arg_sids = []
+        for t in in_tensors:
+            st = _storage_of(t)
+            sid = self._sid(st) if st is not None else None
+            if sid is None and st is not None:
+                # A tensor made outside the trace (a constant, a tensor the user built): count it
+                # from here on, as a temporary of this op.
+                sid = self._new_storage(st, alloc_op=index)
+            if sid is not None:
+                arg_sids.append(sid)
+        mutated = self._mutated_sids(func, args, kwargs)
+        new_sids = []
+        flat_out, _ = tree_flatten(out)
+        for t in flat_out:
+            if isinstance(t, torch.Tensor):
+                st = _storage_of(t)
+                if st is not None and self._sid(st) is None:
+                    new_sids.append(self._new_storage(st, alloc_op=index))
+        call = self._current_call()
+        runtime_ms = self.runtime_model.op_runtime_ms(func, args, kwargs, out)
+        self.ops.append(
+            OpRecord(
+                index=index,
+                func=func,
+                phase=self.phase,
+                call=call,
+                runtime_ms=runtime_ms,
+                new_sids=tuple(new_sids),
+                arg_sids=tuple(arg_sids),
+                is_view=not new_sids and not mutated,
+                mutated_sids=mutated,
+                is_random=self._is_random(func),
+            )
+        )
+        if self.phase is Phase.BW and call >= 0:
+            self._last_bw_call = call
+        return out
+
+    def _mutated_sids(self, func, args, kwargs) -> tuple[int, ...]:
+        pos = self._mutates.get(func)
+        if pos is None:
+            pos = self._mutates[func] = _mutated_arg_positions(func)
+        if not pos:
+            return ()
+        sids = []
+        names = [a.name for a in func._schema.arguments]
+        for i in pos:
+            a = args[i] if i < len(args) else kwargs.get(names[i])
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, torch.Tensor):
+                    st = _storage_of(t)
+                    sid = self._sid(st) if st is not None else None
+                    if sid is not None:
+                        sids.append(sid)
+        return tuple(sids)
+
+    def _is_random(self, func) -> bool:
+        r = self._func_is_random.get(func)
+        if r is None:
+            r = self._func_is_random[func] = torch.Tag.nondeterministic_seeded in func.tags
+        return r
+
+    def _current_call(self) -> int:
+        if self.phase is not Phase.BW:
+            return self._stack[-1] if self._stack else -1
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return self._last_bw_call
+        seq = node._sequence_nr()
+        if seq == _NO_SEQ:
+            return self._last_bw_call  # AccumulateGrad: stays with the module that fed it
+        return self._call_of_seq(seq)
+
+    # ------------------------------------------------------------------ saved tensors
+    def pack_hook(self, t: torch.Tensor) -> torch.Tensor:
+        st = _storage_of(t)
+        if st is not None:
+            sid = self._sid(st)
+            if sid is not None:
+                rec = self.storages[sid]
+                rec.saved = True
+                rec.saved_by_calls.add(self._stack[-1] if self._stack else -1)
+        return t
+
+    @staticmethod
+    def unpack_hook(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    # ------------------------------------------------------------------ module calls
+    def _peek_seq(self) -> int:
+        """The autograd sequence number the next Node will get (consumes one number)."""
+        with torch._C._DisableTorchDispatch(), torch.enable_grad():
+            return self._seq_probe.view_as(self._seq_probe).grad_fn._sequence_nr() + 1
+
+    def attach(self, root: torch.nn.Module, root_name: str) -> None:
+        for name, mod in root.named_modules(remove_duplicate=True):
+            fqn = f"{root_name}.{name}" if name else root_name
+            self._hooks.append(
+                mod.register_forward_pre_hook(self._make_pre_hook(fqn), with_kwargs=True)
+            )
+            self._hooks.append(
+                mod.register_forward_hook(self._make_post_hook(), with_kwargs=True, always_call=True)
+            )
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _make_pre_hook(self, fqn: str):
+        def pre_hook(module, args, kwargs):
+            if self.phase is not Phase.FW:
+                return None  # a module called from the optimizer or a hook: not part of forward
+            parent = self._stack[-1] if self._stack else -1
+            call = ModuleCall(
+                cid=len(self.calls),
+                fqn=fqn,
+                parent=parent,
+                depth=len(self._stack),
+                seq_start=self._peek_seq(),
+                fw_first_op=len(self.ops),
+                input_sids=self._tensor_sids((args, kwargs)),
+            )
+            self.calls.append(call)
+            self._stack.append(call.cid)
+            self._seq_index = None
+            return None
+
+        return pre_hook
+
+    def _make_post_hook(self):
+        def post_hook(module, args, kwargs, output):
+            if self.phase is not Phase.FW or not self._stack:
+                return None
+            call = self.calls[self._stack.pop()]
+            call.seq_end = self._peek_seq()
+            call.fw_last_op = len(self.ops) - 1
+            call.output_sids = self._tensor_sids(output)
+            call.post_rank = self._calls_done
+            self._calls_done += 1
+            if call.depth <= 1 and self.progress is not None:
+                self.progress(f"forward: {call.fqn} done ({len(self.ops)} ops)")
+            return None
+
+        return post_hook
+
+    def _tensor_sids(self, obj: Any) -> tuple[int, ...]:
+        flat, _ = tree_flatten(obj)
+        sids = []
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                st = _storage_of(t)
+                sid = self._sid(st) if st is not None else None
+                if sid is not None and sid not in sids:
+                    sids.append(sid)
+        return tuple(sids)
+
+    def _call_of_seq(self, seq: int) -> int:
+        if self._seq_index is None:
+            self._seq_index = self._build_seq_index()
+        bounds, owners = self._seq_index
+        return owners[bisect.bisect_right(bounds, seq) - 1] if bounds else -1
+
+    def _build_seq_index(self) -> tuple[list[int], list[int]]:
+        """Boundaries of the laminar call intervals -> innermost call of each gap."""
+        events: list[tuple[int, int, int]] = []  # (seq, order, call) ; ends sort before starts
+        for c in self.calls:
+            end = c.seq_end if c.seq_end >= 0 else 2**63
+            events.append((c.seq_start, 1, c.cid))
+            events.append((end, 0, c.cid))
+        events.sort()
+        bounds: list[int] = [-1]
+        owners: list[int] = [-1]
+        stack: list[int] = []
+        for seq, is_start, cid in events:
+            if is_start:
+                stack.append(cid)
+            elif stack and stack[-1] == cid:
+                stack.pop()
+            else:  # ill-nested (should not happen): drop it wherever it is
+                stack.remove(cid)
+            owner = stack[-1] if stack else -1
+            if bounds[-1] == seq:
+                owners[-1] = owner
+            else:
+                bounds.append(seq)
+                owners.append(owner)
+        return bounds, owners
+
+    # ------------------------------------------------------------------ results
+    def finish(self) -> None:
+        """Close backward attribution: first/last backward op of every call and its ancestors."""
+        self._sealed = True
+        for op in self.ops:
+            if op.phase is not Phase.BW:
+                continue
+            c = op.call
+            while c >= 0:
+                call = self.calls[c]
+                if call.bw_first_op < 0:
+                    call.bw_first_op = op.index
+                call.bw_last_op = op.index
+                c = call.parent
