@@ -1,0 +1,126 @@
+"""estimators/estimate.py: predictions against autograd's own view and an independent tracker."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from estimators.estimate import EstimateOptions, TraceError, TraceMode, estimate
+from estimators.device import UnknownDeviceError
+from examples import EXAMPLES
+from tests.estimators.oracles import saved_bytes_per_module
+
+REAL = EstimateOptions(mode=TraceMode.REAL)
+MODELS = ["gpt_tiny", "convnet_tiny"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_saved_bytes_match_autograd_per_module(name):
+    model, inputs = EXAMPLES[name]()
+    assert any(isinstance(m, torch.nn.Dropout) for m in model.modules()), "dropout must be on"
+    oracle = saved_bytes_per_module(model, inputs, type(model).__name__)
+    est = estimate(model, inputs, loss_fn=model.loss_fn, options=REAL)
+    non_leaf = [s for s in est.module_info.mod_stats if not s.is_leaf]
+    assert len(non_leaf) >= 4
+    for s in non_leaf:
+        assert oracle[s.fqn] > 0
+        assert abs(s.act_fw_bytes - oracle[s.fqn]) <= 0.01 * oracle[s.fqn], s.fqn
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_step_peak_matches_mem_tracker(name):
+    model, inputs = EXAMPLES[name]()
+    opt = torch.optim.Adam(model.parameters())
+    mt = MemTracker()
+    mt.track_external(model, opt)
+    with mt:
+        est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer=opt, options=REAL)
+    measured = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    predicted = est.module_info.peak_bytes
+    assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
+
+
+@pytest.mark.parametrize("name", MODELS + ["llama_tiny"])
+def test_fake_mode_equals_real_mode(name):
+    model, inputs = EXAMPLES[name]()
+    fake = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adamw", device="cpu")
+    model2, inputs2 = EXAMPLES[name]()
+    real = estimate(model2, inputs2, loss_fn=model2.loss_fn, optimizer="adamw", options=REAL)
+    f, r = fake.module_info, real.module_info
+    assert f.mod_order == r.mod_order
+    assert f.peak_bytes == r.peak_bytes
+    assert f.memory_points == r.memory_points
+    for a, b in zip(f.mod_stats, r.mod_stats, strict=True):
+        assert a == b, a.fqn
+
+
+def test_fake_mode_does_not_touch_the_model():
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="h100")
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_meta_model_traces_in_fake_mode():
+    model, inputs = EXAMPLES["gpt_tiny"](device="meta")
+    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="h100")
+    ref_model, ref_inputs = EXAMPLES["gpt_tiny"]()
+    ref = estimate(ref_model, ref_inputs, loss_fn=ref_model.loss_fn, optimizer="adam", device="h100")
+    assert est.module_info.peak_bytes == ref.module_info.peak_bytes > 0
+
+
+def test_optimizer_state_counted():
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam")
+    last = est.timeline.live_by_kind[-1]
+    from estimators.trace import StorageKind
+
+    # Adam keeps exp_avg and exp_avg_sq per parameter (+ a scalar step each).
+    assert 2 * params <= last[StorageKind.OPTIMIZER] <= 2 * params + 64 * len(list(model.parameters()))
+    assert last[StorageKind.GRAD] == params
+
+
+# ---------------------------------------------------------------- bad input
+class _Raises(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        raise RuntimeError("boom in forward")
+
+
+def test_forward_that_raises_names_the_model():
+    with pytest.raises(TraceError, match=r"_Raises.forward raised RuntimeError: boom"):
+        estimate(_Raises(), (torch.randn(2, 4),))
+
+
+def test_inputs_on_wrong_device():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TraceError, match=r"input tensor is on meta.*model is on cpu.*\.to\('cpu'\)"):
+        estimate(model, (torch.empty(2, 4, device="meta"),), options=REAL)
+
+
+def test_loss_not_scalar():
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TraceError, match=r"loss must be a scalar.*\(2, 4\).*\.mean\(\)"):
+        estimate(model, (torch.randn(2, 4),), loss_fn=lambda out, inp: out)
+
+
+def test_unknown_device_lists_known_ones():
+    with pytest.raises(UnknownDeviceError, match=r"unknown device 'h1000'.*h100"):
+        estimate(torch.nn.Linear(4, 4), (torch.randn(2, 4),), device="h1000")
+
+
+def test_no_inputs_and_no_example_inputs():
+    with pytest.raises(ValueError, match=r"pass inputs="):
+        estimate(torch.nn.Linear(4, 4))
+
+
+def test_unknown_optimizer_name():
+    with pytest.raises(ValueError, match=r"unknown optimizer 'adamx'.*adam"):
+        estimate(torch.nn.Linear(4, 4), (torch.randn(2, 4),), optimizer="adamx")

@@ -1,0 +1,60 @@
+"""estimators/module_info.py: JSON round trip, format errors, the exact curve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from estimators.estimate import estimate
+from estimators.module_info import ModuleInfo, ModuleInfoFormatError, TradeoffCurve
+from examples import EXAMPLES
+
+
+@pytest.fixture(scope="module")
+def info() -> ModuleInfo:
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    return estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="h100").module_info
+
+
+def test_json_round_trip_is_exact(info, tmp_path):
+    path = tmp_path / "info.json"
+    info.to_json(path)
+    assert ModuleInfo.from_json(path) == info
+    assert ModuleInfo.from_json(info.to_json()) == info
+
+
+def test_newer_version_is_refused(info):
+    d = json.loads(info.to_json())
+    d["version"] = 99
+    with pytest.raises(ModuleInfoFormatError, match="newer than this SAC Planner"):
+        ModuleInfo.from_dict(d)
+
+
+def test_foreign_and_corrupt_files(info, tmp_path):
+    with pytest.raises(ModuleInfoFormatError, match="not a SAC Planner ModuleInfo"):
+        ModuleInfo.from_dict({"mod_order": {}, "mod_stats": []})
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"kind": "sac_planner.ModuleInfo", "version": 1, "mod_stats": [')
+    with pytest.raises(ModuleInfoFormatError, match="does not parse"):
+        ModuleInfo.from_json(bad)
+    d = json.loads(info.to_json())
+    del d["mod_stats"][0]["fqn"]
+    with pytest.raises(ModuleInfoFormatError, match="corrupt"):
+        ModuleInfo.from_dict(d)
+
+
+def test_curve_validation_and_envelope():
+    with pytest.raises(ValueError, match="start at"):
+        TradeoffCurve(discarded_bytes=(10, 20), recompute_ms=(0.0, 1.0))
+    c = TradeoffCurve(discarded_bytes=(0, 50, 100), recompute_ms=(0.0, 1.0, 4.0))
+    # normalized points (0, 0), (0.5, 0.25), (1, 1)
+    assert c.lower_convex_envelope() == [(0.5, 0.0), (1.5, -0.5)]
+    assert c.recompute_ms_at(75) == 2.5
+    assert c.recompute_ms_at(1000) == 4.0
+
+
+def test_every_non_leaf_has_a_curve_and_memory_points_cover_the_peak(info):
+    cands = [s for s in info.mod_stats if not s.is_leaf]
+    assert cands and all(s.tradeoff.total_bytes == s.sac_memory_bytes for s in cands)
+    assert max(p.total_bytes for p in info.memory_points) == info.peak_bytes

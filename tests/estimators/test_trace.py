@@ -1,0 +1,91 @@
+"""estimators/trace.py: module order and attribution in forward and backward."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from estimators.estimate import EstimateOptions, TraceMode, estimate
+
+REAL = EstimateOptions(mode=TraceMode.REAL)
+
+
+class Chain(nn.Module):
+    def __init__(self, shared_twice: bool = False, tied: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.a = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.b = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 50, bias=False)
+        self.shared_twice = shared_twice
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x = self.emb(idx)  # idx does not require grad
+        x = self.a(x)
+        if self.shared_twice:
+            x = self.a(x)
+        return self.head(self.b(x))
+
+
+def _info(model, mode=REAL):
+    idx = torch.randint(0, 50, (3, 5))
+    return estimate(model, (idx,), options=mode).module_info
+
+
+def test_orders_of_a_chain():
+    info = _info(Chain())
+    o = info.mod_order
+    assert o.fw_pre_order == (
+        "Chain", "Chain.emb", "Chain.a", "Chain.a.0", "Chain.a.1", "Chain.a.2",
+        "Chain.b", "Chain.b.0", "Chain.b.1", "Chain.head",
+    )
+    assert o.fw_post_order == (
+        "Chain.emb", "Chain.a.0", "Chain.a.1", "Chain.a.2", "Chain.a",
+        "Chain.b.0", "Chain.b.1", "Chain.b", "Chain.head", "Chain",
+    )
+    assert o.bw_pre_order == (
+        "Chain", "Chain.head", "Chain.b", "Chain.b.1", "Chain.b.0",
+        "Chain.a", "Chain.a.2", "Chain.a.1", "Chain.a.0", "Chain.emb",
+    )
+    assert o.bw_post_order[-1] == "Chain"
+    assert o.bw_post_order.index("Chain.b") < o.bw_post_order.index("Chain.a")
+
+
+def test_module_with_non_grad_inputs_gets_its_backward():
+    # ModTracker misses the post-backward of modules whose inputs do not require grad.
+    info = _info(Chain())
+    emb = info.stats("Chain.emb")
+    assert 0 <= emb.bw_pre_op <= emb.bw_post_op
+    assert emb.bw_runtime_ms > 0
+    assert "Chain.emb" in info.mod_order.bw_post_order
+
+
+def test_module_called_twice_sums_its_calls():
+    once = _info(Chain()).stats("Chain.a")
+    twice = _info(Chain(shared_twice=True)).stats("Chain.a")
+    assert once.n_calls == 1 and twice.n_calls == 2
+    act = 3 * 5 * 8 * 4  # one (3, 5, 8) float activation
+    # A call saves its input (first addmm) and its tanh output (tanh and the second addmm); its
+    # output is saved by the next module, so only the tanh output can be discarded.
+    assert (once.act_fw_bytes, once.sac_memory_bytes) == (2 * act, act)
+    assert (twice.act_fw_bytes, twice.sac_memory_bytes) == (4 * act, 2 * act)
+    assert twice.fw_runtime_ms > once.fw_runtime_ms
+    assert twice.bw_pre_op < twice.bw_post_op
+
+
+def test_shared_parameters_counted_once():
+    plain = _info(Chain()).stats("Chain")
+    tied = _info(Chain(tied=True)).stats("Chain")
+    emb_bytes = 50 * 8 * 4
+    assert plain.param_bytes - tied.param_bytes == emb_bytes
+    assert tied.param_bytes == sum(p.numel() * 4 for p in Chain(tied=True).parameters())
+
+
+def test_backward_ops_attributed_to_modules_in_fake_mode_too():
+    fake = _info(Chain(), EstimateOptions(mode=TraceMode.FAKE))
+    real = _info(Chain())
+    assert fake.mod_order == real.mod_order
+    for a, b in zip(fake.mod_stats, real.mod_stats):
+        assert (a.bw_pre_op, a.bw_post_op) == (b.bw_pre_op, b.bw_post_op), a.fqn
