@@ -8,7 +8,7 @@ import numpy as np
 
 from estimators.memory import MemoryTimeline
 from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo
-from estimators.sac import greedy_units, module_ops, tradeoff_curve
+from estimators.sac import fixed_recompute_ms, greedy_units, module_ops, tradeoff_curve
 from estimators.trace import ModuleCall, Phase, StepTrace, StorageKind
 
 __all__ = ["build_module_info"]
@@ -117,6 +117,7 @@ def _mod_stats(
         bw_runtime_ms=sum(bw_rt.get(c.cid, 0.0) for c in calls),
         sac_memory_bytes=curve.total_bytes,
         sac_runtime_ms=curve.total_ms,
+        recompute_fixed_ms=fixed_recompute_ms(ops),
         tradeoff=curve,
         ops=ops,
         recompute_transient_bytes=transient,

@@ -51,14 +51,33 @@ class DeviceSpec:
     extra: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("DeviceSpec.name must be a non-empty string")
         if self.kind not in ("cuda", "cpu"):
             raise ValueError(f"DeviceSpec.kind must be 'cuda' or 'cpu', got {self.kind!r}")
-        if self.memory_bandwidth_bytes_per_s <= 0 or not self.peak_flops_per_s:
-            raise ValueError("DeviceSpec needs positive bandwidth and at least one peak FLOP/s")
+        self._check_peaks()
+        if self.memory_bandwidth_bytes_per_s <= 0:
+            raise ValueError(
+                f"DeviceSpec.memory_bandwidth_bytes_per_s must be > 0, "
+                f"got {self.memory_bandwidth_bytes_per_s}"
+            )
+        if self.memory_bytes <= 0:
+            raise ValueError(f"DeviceSpec.memory_bytes must be > 0, got {self.memory_bytes}")
         if not (0 < self.compute_efficiency <= 1 and 0 < self.bandwidth_efficiency <= 1):
             raise ValueError("DeviceSpec efficiencies must be in (0, 1]")
         if self.allocator_block_bytes < 1:
             raise ValueError("DeviceSpec.allocator_block_bytes must be >= 1")
+        if self.kernel_launch_ms < 0 or self.interconnect_bytes_per_s < 0:
+            raise ValueError("DeviceSpec.kernel_launch_ms and interconnect_bytes_per_s must be >= 0")
+
+    def _check_peaks(self) -> None:
+        if not self.peak_flops_per_s:
+            raise ValueError("DeviceSpec.peak_flops_per_s needs at least one dtype")
+        for dtype, peak in self.peak_flops_per_s.items():
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"DeviceSpec.peak_flops_per_s keys must be torch.dtype, got {dtype!r}")
+            if not peak > 0:  # also rejects NaN
+                raise ValueError(f"DeviceSpec.peak_flops_per_s[{dtype}] must be > 0, got {peak}")
 
     @property
     def is_cuda(self) -> bool:
@@ -102,7 +121,9 @@ def _cuda(name, bf16_tflops, fp32_tflops, bw_gbps, mem_bytes, fp8_tflops=None, l
 DEVICE_SPECS: dict[str, DeviceSpec] = {
     # fp32 column is plain FP32 (no TF32), the default of torch.matmul on CUDA.
     "h100": _cuda("h100", 989.4, 66.9, 3350, 80 * _GiB, fp8_tflops=1978.9, link_gbps=450),
-    "h200": _cuda("h200", 989.4, 66.9, 4800, 141 * 10**9, fp8_tflops=1978.9, link_gbps=450),
+    # "141 GB" on the datasheet is what CUDA reports as ~140 GiB (HBM sizes are binary in
+    # practice, as for the "80 GB" H100), so GiB, not 10**9: 141e9 would understate it by 10 GiB.
+    "h200": _cuda("h200", 989.4, 66.9, 4800, 141 * _GiB, fp8_tflops=1978.9, link_gbps=450),
     "a100-40gb": _cuda("a100-40gb", 312.0, 19.5, 1555, 40 * _GiB, link_gbps=300),
     "a100-80gb": _cuda("a100-80gb", 312.0, 19.5, 2039, 80 * _GiB, link_gbps=300),
     "l4": _cuda("l4", 121.0, 30.3, 300, 24 * _GiB, fp8_tflops=242.0),

@@ -19,7 +19,7 @@ CATEGORY_NAMES = {
     StorageKind.BUFFER: "buffers",
     StorageKind.INPUT: "inputs",
     StorageKind.GRAD: "gradients",
-    StorageKind.OPTIMIZER: "optimizer state",
+    StorageKind.OPTIMIZER: "optimizer state and step temporaries",
     StorageKind.ACTIVATION: "activations (saved for backward)",
     StorageKind.TEMP: "temporaries",
 }
@@ -74,7 +74,8 @@ def classify_storages(trace: StepTrace, grad_sids: set[int], optimizer_sids: set
             continue  # parameters, buffers, inputs, pre-existing state: set at registration
         if s.sid in grad_sids:
             s.kind = StorageKind.GRAD
-        elif s.sid in optimizer_sids or (s.phase is Phase.OPTIM and s.free_op is None):
+        elif s.sid in optimizer_sids or s.phase is Phase.OPTIM:
+            # Step temporaries count with the state: both scale with the (sharded) parameters.
             s.kind = StorageKind.OPTIMIZER
         elif s.saved and s.phase is Phase.FW:
             s.kind = StorageKind.ACTIVATION

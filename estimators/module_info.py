@@ -200,6 +200,9 @@ class ModStats:
     """Activation bytes checkpointing this module can discard (= tradeoff.total_bytes)."""
     sac_runtime_ms: float = 0.0
     """Time to recompute all of it (= tradeoff.total_ms)."""
+    recompute_fixed_ms: float = 0.0
+    """Time any checkpointing of this module costs, whatever the ratio: the recompute re-runs the
+    ops whose outputs autograd does not save, up to the last op whose output it does."""
     tradeoff: TradeoffCurve = field(default_factory=TradeoffCurve)
     ops: tuple[SACOp, ...] = ()
     """Forward ops of one call (leaf modules: empty), in execution order."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from estimators.module_info import SACOp, TradeoffCurve
 from estimators.trace import ModuleCall, Phase, StepTrace
 
-__all__ = ["module_ops", "greedy_units", "tradeoff_curve", "RecomputeUnit"]
+__all__ = ["module_ops", "greedy_units", "tradeoff_curve", "fixed_recompute_ms", "RecomputeUnit"]
 
 
 def _subtree(trace: StepTrace, call: ModuleCall) -> set[int]:
@@ -152,3 +152,11 @@ def tradeoff_curve(units: list[RecomputeUnit]) -> TradeoffCurve:
         xs.append(xs[-1] + u.memory_bytes)
         ys.append(ys[-1] + u.runtime_ms)
     return TradeoffCurve(discarded_bytes=tuple(xs), recompute_ms=tuple(ys))
+
+
+def fixed_recompute_ms(ops: tuple[SACOp, ...]) -> float:
+    """Recompute time paid by any checkpoint of the module: the non-view ops autograd does not save
+    are re-run (saving them would cost memory the baseline never held), up to the last op whose
+    output is saved, where the recompute stops early."""
+    last = max((i for i, o in enumerate(ops) if o.is_saved), default=-1)
+    return sum(o.runtime_ms for o in ops[:last] if not o.is_view and not o.is_saved)
