@@ -32,6 +32,7 @@ from estimators.device import DeviceSpec, get_device_spec
 from estimators.memory import MemoryTimeline, build_timeline, classify_storages
 from estimators.module_info import ModuleInfo
 from estimators.runtime import RuntimeKind, make_runtime_model
+from estimators.step import StepError, run_step, split_inputs
 from estimators.trace import StepTrace, StepTracer, StorageKind
 
 __all__ = ["TraceMode", "EstimateOptions", "Estimate", "estimate", "TraceError", "resolve_optimizer"]
@@ -42,7 +43,7 @@ LossFn = Callable[[Any, tuple], torch.Tensor]
 _OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
-class TraceError(RuntimeError):
+class TraceError(StepError):
     """The step could not be traced; the message says what to change."""
 
 
@@ -119,14 +120,6 @@ def _default_inputs(model: torch.nn.Module) -> Any:
     return make()
 
 
-def _split_inputs(inputs: Any) -> tuple[tuple, dict]:
-    if isinstance(inputs, dict):
-        return (), dict(inputs)
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs), {}
-    return (inputs,), {}
-
-
 def _check_real_devices(model: torch.nn.Module, inputs: Any) -> None:
     devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
     if len(devices) > 1:
@@ -174,61 +167,6 @@ def _fake_copy(model: torch.nn.Module, mode: FakeTensorMode) -> tuple[torch.nn.M
         ) from e
 
 
-def _run_step(model, args, kwargs, inputs, loss_fn, optimizer, tracer: StepTracer) -> None:
-    from estimators.trace import Phase
-
-    try:
-        out = model(*args, **kwargs)
-    except Exception as e:
-        raise TraceError(_forward_hint(model, e)) from e
-    loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise TraceError(
-            f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) "
-            "or pass loss_fn=lambda output, inputs: ... returning a scalar"
-        )
-    if not loss.requires_grad:
-        raise TraceError(
-            "the loss does not require grad: no parameter took part in it "
-            "(is the model in no_grad / are all parameters frozen?)"
-        )
-    del out  # a training loop that keeps only the loss
-    tracer.phase = Phase.BW
-    _progress(tracer, "backward ...")
-    loss.backward()
-    del loss
-    if optimizer is not None:
-        tracer.phase = Phase.OPTIM
-        _progress(tracer, "optimizer step ...")
-        optimizer.step()
-
-
-def _progress(tracer: StepTracer, msg: str) -> None:
-    if tracer.progress is not None:
-        tracer.progress(f"{msg} ({len(tracer.ops)} ops so far)")
-
-
-def _default_loss(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out.sum()
-    tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-    if len(tensors) == 1:
-        return tensors[0].sum()
-    raise TraceError(
-        f"the model returned {type(out).__name__} with {len(tensors)} tensors; "
-        "pass loss_fn=lambda output, inputs: <scalar> to say how the loss is computed"
-    )
-
-
-def _forward_hint(model: torch.nn.Module, e: Exception) -> str:
-    name = type(e).__name__
-    hint = "check that inputs match the model's forward signature"
-    if "DataDependent" in name or "data-dependent" in str(e).lower():
-        hint = "the forward reads tensor values (.item(), data-dependent shapes); trace in real mode"
-    return f"{type(model).__name__}.forward raised {name}: {e} — {hint}"
-
-
 def estimate(
     model: torch.nn.Module,
     inputs: Any = None,
@@ -237,6 +175,7 @@ def estimate(
     optimizer: Any = None,
     device: str | DeviceSpec = "cpu",
     options: EstimateOptions = EstimateOptions(),
+    prepare: Callable[[torch.nn.Module], Any] | None = None,
 ) -> Estimate:
     """Trace one training step of ``model`` and estimate memory, runtime and SAC trade-offs.
 
@@ -247,6 +186,8 @@ def estimate(
         loss_fn: ``loss_fn(output, inputs) -> scalar``; default ``output.sum()``.
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd"``, an optimizer instance/class, or None.
         device: DeviceSpec or its name (``"h100"``, ``"a100-80gb"``, ``"cpu"``...).
+        prepare: called with the module that is traced (the fake copy in fake mode) before the
+            step, e.g. to apply a checkpointing plan to it.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -270,12 +211,15 @@ def estimate(
     tracer = StepTracer(runtime, round_bytes=round_bytes, progress=progress)
     root = type(model).__name__
     _register_state(tracer, traced, inputs, opt)
-    args, kwargs = _split_inputs(inputs)
+    if prepare is not None:
+        prepare(traced)
     tracer.attach(traced, root)
     try:
         with _maybe(fake_mode), tracer, _maybe(CudaSemanticsMode() if cuda_rules else None):
             with torch.autograd.graph.saved_tensors_hooks(tracer.pack_hook, tracer.unpack_hook):
-                _run_step(traced, args, kwargs, inputs, loss_fn, opt, tracer)
+                run_step(traced, inputs, loss_fn, opt, on_phase=tracer.set_phase)
+    except StepError as e:
+        raise TraceError(str(e)) from e.__cause__
     finally:
         tracer.detach()
     tracer.finish()

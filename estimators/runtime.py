@@ -13,21 +13,22 @@ tensors; both give the same roofline number. Example::
 
 What the roofline models, exactly:
 
-* ``time = max(flops / (peak(dtype) * compute_efficiency), bytes / (bandwidth * bandwidth_efficiency))
-  + kernel_launch_ms``. ``peak(dtype)`` is the spec's peak for the dtype of the op's first floating
-  tensor input (its output's when it has none).
+* ``time = max(flops / (peak(dtype) * compute_efficiency),
+  bytes / (bandwidth * bandwidth_efficiency)) + kernel_launch_ms``. ``peak(dtype)`` is the spec's
+  peak for the dtype of the op's first floating tensor input (its output's when it has none).
 * FLOPs come from ``torch.utils.flop_counter``'s formulas (matmuls, convolutions, attention), plus
-  the CPU / "overrideable" fused-attention ops and ``_addmm_activation`` that torch's registry lacks.
-  Attention follows torch's convention: ``is_causal`` does not halve the count. Other ops count 0
-  FLOPs, so they are memory-bound by construction.
+  the CPU / "overrideable" fused-attention ops and ``_addmm_activation`` that torch's registry
+  lacks. Attention follows torch's convention: ``is_causal`` does not halve the count. Other ops
+  count 0 FLOPs, so they are memory-bound by construction.
 * Bytes = tensor inputs read + tensor outputs written, per view (not whole storages). A stride-0
-  (broadcast) dimension is read once, as torch's own ``get_num_bytes`` does. ``out=`` arguments and
-  the ``self`` of write-only ops (``copy_``, ``fill_``, ``zero_``, in-place RNG) are not read. Ops that
-  return nothing (``_foreach_add_``) write their mutated arguments.
+  (broadcast) dimension is read once, as torch's own ``get_num_bytes`` does. ``out=`` arguments
+  and the ``self`` of write-only ops (``copy_``, ``fill_``, ``zero_``, in-place RNG) are not read.
+  Ops that return nothing (``_foreach_add_``) write their mutated arguments.
 * Free (0 ms, no launch): views and in-place view ops, metadata queries, allocation-only ops
-  (``empty*``, ``resize_``, ``set_``), profiler markers, ``_local_scalar_dense`` (a host read: a
-  device sync is not modelled), ops whose written tensors are all empty, and ops that touch no bytes.
-* Not modelled: collectives (timed as plain memory ops), cache effects, kernel fusion.
+  (``empty*``, ``resize_``, ``set_``), profiler markers, ``_local_scalar_dense`` (a host read; a
+  device sync is not modelled), ops whose written tensors are all empty, ops that touch no bytes.
+* Not modelled: collectives and host<->device copies (priced as plain memory ops at device
+  bandwidth), cache effects, kernel fusion.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
+from torch._ops import OpOverload
 from torch.utils import flop_counter
 
 from estimators.device import DeviceSpec, get_device_spec
@@ -66,6 +68,8 @@ logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 FlopFormula = Callable[..., Any]
+Args = Sequence[Any]
+Kwargs = Mapping[str, Any]
 
 
 @runtime_checkable
@@ -75,9 +79,7 @@ class RuntimeModel(Protocol):
     name: str
     """Short label recorded with the estimates, e.g. ``"roofline:h100"``."""
 
-    def op_runtime_ms(
-        self, func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
-    ) -> float:
+    def op_runtime_ms(self, func: OpOverload, args: Args, kwargs: Kwargs, out: Any) -> float:
         """Estimated runtime of ``func(*args, **kwargs)`` that produced ``out``."""
         ...
 
@@ -121,17 +123,16 @@ _WRITE_ONLY_SELF = _packets(
 )
 
 
-def _sdpa_forward_flop(query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+# Same convention as torch's registry: the op's raw args, its output as ``out_val``.
+def _sdpa_forward_flop(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
     return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
 
 
-def _sdpa_backward_flop(
-    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_val: Any = None, **kwargs: Any
-) -> int:
-    return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+def _sdpa_backward_flop(grad_out: Any, q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
 
 
-def _addmm_activation_flop(bias: Any, mat1: Any, mat2: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+def _addmm_activation_flop(bias: Any, mat1: Any, mat2: Any, *args: Any, **kwargs: Any) -> int:
     return flop_counter.mm_flop(mat1.shape, mat2.shape)
 
 
@@ -266,7 +267,7 @@ def _hashable(v: Any) -> bool:
     return True
 
 
-def _cache_key(func: Any, info: _OpInfo, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any, safe: bool) -> tuple:
+def _cache_key(func: Any, info: _OpInfo, args: Args, kwargs: Kwargs, out: Any, safe: bool) -> tuple:
     sign = _safe_signature if safe else _signature
     key: tuple = (func, sign(args))
     if kwargs:
@@ -278,14 +279,17 @@ def _cache_key(func: Any, info: _OpInfo, args: Sequence[Any], kwargs: Mapping[st
 
 def _tensor_bytes(t: torch.Tensor) -> int:
     """Bytes a kernel touches in this view; a stride-0 (broadcast) dim is read once."""
-    if t.layout != torch.strided:
+    try:
+        strides = t.stride()
+    except (RuntimeError, NotImplementedError):  # sparse and other non-strided layouts
         return _hint(t.numel()) * t.element_size()
     n = 1
-    for size, stride in zip(t.shape, t.stride()):
-        size = _hint(size)
+    for size, stride in zip(t.shape, strides):
+        if type(size) is not int or type(stride) is not int:
+            size, stride = _hint(size), _hint(stride)
         if size == 0:
             return 0
-        if _hint(stride) != 0:
+        if stride != 0:
             n *= size
     return n * t.element_size()
 
@@ -305,7 +309,7 @@ def _tensors(values: Any) -> list[torch.Tensor]:
     return found
 
 
-def _read_tensors(info: _OpInfo, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+def _read_tensors(info: _OpInfo, args: Args, kwargs: Kwargs) -> list[torch.Tensor]:
     if not info.unread:
         return _tensors(args) + _tensors(kwargs.values())
     read = _tensors(a for i, a in enumerate(args) if i not in info.unread)
@@ -313,7 +317,7 @@ def _read_tensors(info: _OpInfo, args: Sequence[Any], kwargs: Mapping[str, Any])
     return read
 
 
-def _written_tensors(info: _OpInfo, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> list[torch.Tensor]:
+def _written_tensors(info: _OpInfo, args: Args, kwargs: Kwargs, out: Any) -> list[torch.Tensor]:
     written = _tensors(out if isinstance(out, (list, tuple)) else (out,))
     for pos, name in info.written_args:
         value = args[pos] if pos < len(args) else kwargs.get(name)
@@ -328,8 +332,8 @@ def _first_float_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype | None:
     return None
 
 
-def op_flops(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> int:
-    """FLOPs of one aten op by torch's flop_counter formulas (plus the CPU attention ops); 0 if none.
+def op_flops(func: Any, args: Args, kwargs: Kwargs, out: Any) -> int:
+    """FLOPs of one aten op by torch's flop_counter formulas (plus CPU attention); 0 if none.
 
     >>> op_flops(torch.ops.aten.mm.default, (torch.ones(2, 3), torch.ones(3, 4)), {}, None)
     48
@@ -343,7 +347,7 @@ def op_flops(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
 _FORMULA_FAILED: set[Any] = set()
 
 
-def _call_formula(func: Any, formula: FlopFormula, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> int:
+def _call_formula(func: Any, formula: FlopFormula, args: Args, kwargs: Kwargs, out: Any) -> int:
     try:
         # The registry's own convention (FlopCounterMode._count_flops): raw args, output as out_val;
         # its shape_wrapper turns tensors into shapes.
@@ -371,9 +375,7 @@ class RooflineRuntime(RuntimeModel):
         self._cache: dict[tuple, float] = {}
         self._bytes_per_ms = spec.memory_bandwidth_bytes_per_s * spec.bandwidth_efficiency / 1e3
 
-    def op_runtime_ms(
-        self, func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
-    ) -> float:
+    def op_runtime_ms(self, func: OpOverload, args: Args, kwargs: Kwargs, out: Any) -> float:
         info = _OP_INFO.get(func) or _op_info(func)  # inlined lookup: this is the hot path
         if info.free:
             return 0.0
@@ -388,7 +390,7 @@ class RooflineRuntime(RuntimeModel):
             ms = self._cache[key] = self._price(func, info, args, kwargs, out)
         return ms
 
-    def _price(self, func: Any, info: _OpInfo, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> float:
+    def _price(self, func: Any, info: _OpInfo, args: Args, kwargs: Kwargs, out: Any) -> float:
         """Uncached roofline time in ms (``info`` from the op classification)."""
         reads = _read_tensors(info, args, kwargs)
         writes = _written_tensors(info, args, kwargs, out)
@@ -451,25 +453,21 @@ class BenchmarkRuntime(RuntimeModel):
         """
         Args:
             device: where kernels run: ``"cpu"`` or a CUDA device (needs CUDA).
-            fallback_spec: DeviceSpec (or name) whose roofline prices ops that cannot run standalone.
-            warmup_runs: untimed runs first (>= 1: the first run also checks the op can run).
-            timed_runs: most timed runs; the median is returned.
-            max_ms_per_op: fewer timed runs (at least 1) when the op is slow, to bound the cost.
-            cache_path: JSON file to load timings from and save them to; ``None`` keeps them in memory.
+            fallback_spec: DeviceSpec (or name) whose roofline prices ops that cannot run alone.
+            warmup_runs: untimed runs first (>= 1: the first run also proves the op runs).
+            timed_runs: most timed runs; their median is the result.
+            max_ms_per_op: fewer timed runs (at least 1) for slow ops, to bound the cost.
+            cache_path: JSON file timings are loaded from and saved to; ``None``: memory only.
             autosave_every: with ``cache_path``, save after this many new timings (and at exit).
         """
-        self.device = torch.device(device)
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"BenchmarkRuntime runs on 'cpu' or 'cuda', got {self.device}")
-        if self.device.type == "cuda" and not torch.cuda.is_available():
+        self.device = _check_device(torch.device(device))
+        if min(warmup_runs, timed_runs, autosave_every) < 1 or not max_ms_per_op > 0:
             raise ValueError(
-                "BenchmarkRuntime(device='cuda') needs a CUDA device and this torch sees none; "
-                "benchmark on 'cpu' or use the roofline model (RooflineRuntime) to plan for a GPU"
+                "warmup_runs, timed_runs and autosave_every must be >= 1, max_ms_per_op > 0"
             )
-        if warmup_runs < 1 or timed_runs < 1 or max_ms_per_op <= 0 or autosave_every < 1:
-            raise ValueError("warmup_runs, timed_runs, autosave_every must be >= 1 and max_ms_per_op > 0")
         self.fallback = RooflineRuntime(get_device_spec(fallback_spec))
-        self.warmup_runs, self.timed_runs, self.max_ms_per_op = warmup_runs, timed_runs, max_ms_per_op
+        self.warmup_runs, self.timed_runs = warmup_runs, timed_runs
+        self.max_ms_per_op = max_ms_per_op
         self.device_label = _device_label(self.device)
         self.name = f"benchmark:{self.device_label}"
         self.hits = 0
@@ -485,12 +483,12 @@ class BenchmarkRuntime(RuntimeModel):
         self._autosave_every, self._unsaved = autosave_every, 0
         if self._cache_path is not None:
             self._measured.update(_load_cache(self._cache_path, self.device_label))
-            # Save at interpreter exit / collection too; holds the dict, not self.
-            weakref.finalize(self, _save_quietly, self._cache_path, self.device_label, self._measured)
+            # Also save at exit / collection; the finaliser holds the dict, not self.
+            weakref.finalize(
+                self, _save_quietly, self._cache_path, self.device_label, self._measured
+            )
 
-    def op_runtime_ms(
-        self, func: torch._ops.OpOverload, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
-    ) -> float:
+    def op_runtime_ms(self, func: OpOverload, args: Args, kwargs: Kwargs, out: Any) -> float:
         info = _op_info(func)
         if info.free:
             return 0.0
@@ -507,17 +505,25 @@ class BenchmarkRuntime(RuntimeModel):
         ms = self._memory[key] = self._measure_or_fallback(func, info, key, args, kwargs, out)
         return ms
 
+    def save(self) -> None:
+        """Write the measured timings to ``cache_path`` (atomically); no-op without one."""
+        if self._cache_path is not None:
+            _save_cache(self._cache_path, self.device_label, self._measured)
+            self._unsaved = 0
+
     def _measure_or_fallback(
-        self, func: Any, info: _OpInfo, key: tuple, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any
+        self, func: Any, info: _OpInfo, key: tuple, args: Args, kwargs: Kwargs, out: Any
     ) -> float:
         try:
             ms = self._measure(func, args, kwargs)
-        except Exception as exc:  # noqa: BLE001 -- any kernel error means "cannot run standalone"
+        except Exception as exc:  # noqa: BLE001 -- any kernel error: "cannot run standalone"
             self.fallbacks += 1
             if func not in self._fallback_funcs:
                 self._fallback_funcs.add(func)
-                logger.debug("cannot benchmark %s standalone (%s: %s); using roofline of %s",
-                             func, type(exc).__name__, exc, self.fallback.spec.name)
+                logger.debug(
+                    "cannot benchmark %s standalone (%s: %s); using the roofline of %s",
+                    func, type(exc).__name__, exc, self.fallback.spec.name,
+                )
             return self.fallback._price(func, info, args, kwargs, out)
         # Only real measurements are persisted: a later run must not read a roofline as a timing.
         self._measured[repr(key)] = ms
@@ -526,7 +532,7 @@ class BenchmarkRuntime(RuntimeModel):
             self.save()
         return ms
 
-    def _measure(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> float:
+    def _measure(self, func: Any, args: Args, kwargs: Kwargs) -> float:
         # Leave every dispatch mode (FakeTensorMode, the tracer, user modes): these are our kernels.
         with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
             memo: dict[int, torch.Tensor] = {}
@@ -542,22 +548,29 @@ class BenchmarkRuntime(RuntimeModel):
         runs = max(1, min(self.timed_runs, int(self.max_ms_per_op / max(first_ms, 1e-6))))
         return statistics.median(timer(run) for _ in range(runs))
 
-    def save(self) -> None:
-        """Write the measured timings to ``cache_path`` (atomically); no-op without one."""
-        if self._cache_path is not None:
-            _save_cache(self._cache_path, self.device_label, self._measured)
-            self._unsaved = 0
-
     def __repr__(self) -> str:
-        return (f"BenchmarkRuntime({self.device_label!r}, hits={self.hits}, misses={self.misses}, "
-                f"fallbacks={self.fallbacks})")
+        return (
+            f"BenchmarkRuntime({self.device_label!r}, hits={self.hits}, misses={self.misses}, "
+            f"fallbacks={self.fallbacks})"
+        )
+
+
+def _check_device(device: torch.device) -> torch.device:
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"BenchmarkRuntime runs on 'cpu' or 'cuda', got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "BenchmarkRuntime(device='cuda') needs a CUDA device and this torch sees none; "
+            "benchmark on 'cpu' or plan for a GPU with the roofline model (RooflineRuntime)"
+        )
+    return device
 
 
 def _device_label(device: torch.device) -> str:
     """Identifies the hardware timings belong to; a cache file from another label is refused."""
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
-    # Thread count changes CPU kernel times as much as the chip does.
+    # The thread count changes CPU kernel times as much as the chip does.
     return f"cpu:{platform.machine()}:{torch.get_num_threads()}threads"
 
 
@@ -621,27 +634,37 @@ def _load_cache(path: Path, device_label: str) -> dict[str, float]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise BenchmarkCacheError(f"benchmark cache {path} is unreadable ({exc}); delete it or pass another cache_path") from exc
-    if not isinstance(data, dict) or data.get("format") != _CACHE_FORMAT:
-        raise BenchmarkCacheError(f"{path} is not a SAC Planner benchmark cache (format {_CACHE_FORMAT!r})")
-    if data.get("version") != _CACHE_VERSION:
         raise BenchmarkCacheError(
-            f"benchmark cache {path} has version {data.get('version')!r}, this code reads {_CACHE_VERSION}; "
-            "delete it to re-measure"
-        )
-    if data.get("device") != device_label:
-        raise BenchmarkCacheError(
-            f"benchmark cache {path} was measured on {data.get('device')!r}, this runtime benchmarks on "
-            f"{device_label!r}; pass a cache_path per device"
-        )
+            f"benchmark cache {path} is unreadable ({exc}); delete it or pass another cache_path"
+        ) from exc
+    _check_cache_header(data, path, device_label)
     entries = data.get("entries")
-    if not isinstance(entries, dict) or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in entries.values()):
-        raise BenchmarkCacheError(f"benchmark cache {path} has malformed entries; delete it to re-measure")
+    if not isinstance(entries, dict) or not all(_is_time(v) for v in entries.values()):
+        raise BenchmarkCacheError(f"benchmark cache {path} has malformed entries; delete it")
     return {str(k): float(v) for k, v in entries.items()}
 
 
+def _check_cache_header(data: Any, path: Path, device_label: str) -> None:
+    if not isinstance(data, dict) or data.get("format") != _CACHE_FORMAT:
+        raise BenchmarkCacheError(f"{path} is not a benchmark cache (format {_CACHE_FORMAT!r})")
+    if data.get("version") != _CACHE_VERSION:
+        raise BenchmarkCacheError(
+            f"benchmark cache {path} has version {data.get('version')!r}, this code reads "
+            f"{_CACHE_VERSION}; delete it to re-measure"
+        )
+    if data.get("device") != device_label:
+        raise BenchmarkCacheError(
+            f"benchmark cache {path} was measured on {data.get('device')!r}, this runtime "
+            f"benchmarks on {device_label!r}; pass one cache_path per device"
+        )
+
+
+def _is_time(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
 def _save_quietly(path: Path, device_label: str, entries: Mapping[str, float]) -> None:
-    """Last-chance save at exit / collection: report a failure instead of raising from a finaliser."""
+    """Last-chance save at exit / collection: a finaliser reports a failure, never raises."""
     if not entries:
         return
     try:
@@ -655,7 +678,7 @@ def _save_cache(path: Path, device_label: str, entries: Mapping[str, float]) -> 
         # Merge, do not overwrite: several runtimes (or processes) may share one cache file.
         merged = {**_load_cache(path, device_label), **entries}
     except BenchmarkCacheError:
-        merged = dict(entries)  # a foreign or corrupt file was refused when loading; replace it
+        merged = dict(entries)  # a foreign or corrupt file was refused at load; replace it
     payload = {
         "format": _CACHE_FORMAT,
         "version": _CACHE_VERSION,
@@ -680,12 +703,11 @@ def _save_cache(path: Path, device_label: str, entries: Mapping[str, float]) -> 
 
 
 def make_runtime_model(kind: RuntimeKind | str, spec: DeviceSpec, **kw: Any) -> RuntimeModel:
-    """Build the RuntimeModel of ``kind`` for target ``spec``.
+    """Build the RuntimeModel of ``kind`` for the target ``spec``.
 
-    ``ROOFLINE`` takes no options. ``BENCHMARK`` takes :class:`BenchmarkRuntime`'s keywords; it times
-    kernels on ``device`` (default: ``"cuda"`` for a CUDA spec, else ``"cpu"``) and prices ops that
-    cannot run with ``spec``'s roofline when ``spec`` is that kind of device, the ``"cpu"`` spec
-    otherwise.
+    ``ROOFLINE`` takes no options. ``BENCHMARK`` takes :class:`BenchmarkRuntime`'s keywords: it
+    times kernels on ``device`` (default ``"cuda"`` for a CUDA spec, else ``"cpu"``); ops that
+    cannot run get ``spec``'s roofline when ``spec`` is that kind of device, else the cpu spec's.
 
     >>> make_runtime_model("roofline", get_device_spec("h100")).name
     'roofline:h100'
@@ -698,8 +720,8 @@ def make_runtime_model(kind: RuntimeKind | str, spec: DeviceSpec, **kw: Any) -> 
     device = torch.device(kw.pop("device", "cuda" if spec.is_cuda else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            f"benchmarking for {spec.name!r} needs a CUDA device, and this machine has none; use "
-            f"RuntimeKind.ROOFLINE to plan for {spec.name!r} here, or pass device='cpu' to time this CPU"
+            f"benchmarking for {spec.name!r} needs a CUDA device and this machine has none: use "
+            f"RuntimeKind.ROOFLINE to plan for {spec.name!r} here, or device='cpu' to time this CPU"
         )
     kw.setdefault("fallback_spec", spec if spec.kind == device.type else "cpu")
     return BenchmarkRuntime(device=device, **kw)

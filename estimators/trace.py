@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from estimators.runtime import RuntimeModel
+from estimators.step import Phase
 
 __all__ = ["Phase", "OpRecord", "StorageRecord", "ModuleCall", "StepTrace", "StepTracer"]
 
@@ -36,12 +37,6 @@ logger = logging.getLogger(__name__)
 
 _NO_SEQ = 2**64 - 1  # AccumulateGrad nodes carry UINT64_MAX as sequence number
 _METADATA_OPS = {torch.ops.prim.device.default, torch.ops.aten.sym_size.int}
-
-
-class Phase(enum.IntEnum):
-    FW = 0  # model forward and the loss
-    BW = 1
-    OPTIM = 2
 
 
 class StorageKind(enum.IntEnum):
@@ -160,6 +155,11 @@ class StepTracer(TorchDispatchMode):
         self._hooks: list[Any] = []
         self._calls_done = 0
         self._sealed = False  # after finish(): later frees (the caller dropping tensors) are not the step's
+
+    def set_phase(self, phase: Phase) -> None:
+        if phase is not self.phase and self.progress is not None and phase is not Phase.FW:
+            self.progress(f"{phase.name.lower()} ... ({len(self.ops)} ops so far)")
+        self.phase = phase
 
     # ------------------------------------------------------------------ storages
     def _sid(self, st: torch.UntypedStorage) -> int | None:
