@@ -92,11 +92,12 @@ def _mod_stats(
         act_bw_peak = int(live_act[bw_pre : bw_post + 1].max())
         act_grad = max(0, int(temp[bw_pre : bw_post + 1].max() - temp[bw_pre]))
         grad_total = int(tl.live_by_kind[bw_pre, StorageKind.GRAD])
-    if not is_leaf:
-        # The recompute replays the forward: its temporaries above the end-of-forward level.
-        w = tl.total[first.fw_first_op : first.fw_last_op + 1]
-        if len(w):
-            transient = max(0, int(w.max() - tl.total[first.fw_last_op]))
+    if not is_leaf and first.fw_last_op >= first.fw_first_op:
+        # The recompute replays the forward, and with it the forward's temporaries (tensors
+        # autograd does not keep, e.g. attention scores before softmax): their peak growth.
+        w = temp[first.fw_first_op : first.fw_last_op + 1]
+        before = temp[first.fw_first_op - 1] if first.fw_first_op > 0 else 0
+        transient = max(0, int(w.max() - before))
     fw_ms = sum(
         float(fw_rt_cum[c.fw_last_op + 1] - fw_rt_cum[c.fw_first_op]) for c in calls
     )

@@ -1,0 +1,250 @@
+"""``solve_sac``: trace, solve, turn ratios into op decisions, and check the plan by tracing it.
+
+    plan = solve_sac(model, budget_gib=40, inputs=batch, optimizer="adamw", device="h100")
+    apply_plan(model, plan)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Iterable
+
+import torch
+
+from estimators.device import DeviceSpec, get_device_spec
+from estimators.estimate import Estimate, EstimateOptions, estimate
+from estimators.module_info import ModStats
+from planner.plan import GiB, ModulePlan, Plan, model_fingerprint, op_key
+from planner.report import fmt_bytes
+from solver import InfeasibleBudgetError, SACMilp, SolverOptions, solve_op_milp
+from solver.op_milp import OpDecision
+
+__all__ = ["solve_sac", "plan_for_budget", "default_reserve_bytes", "module_plan", "PlanningError"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_TIGHTENINGS = 4
+
+
+class PlanningError(ValueError):
+    """The request cannot be planned as asked; the message says what to change."""
+
+
+def default_reserve_bytes(spec: DeviceSpec, budget_bytes: int) -> int:
+    """CUDA: 1 GiB for the context and library workspaces + 5% of the budget for fragmentation.
+    CPU: nothing (the host allocator has neither)."""
+    return int(GiB + 0.05 * budget_bytes) if spec.is_cuda else 0
+
+
+def module_plan(stats: ModStats, discarded_bytes: int, options: SolverOptions | None = None) -> ModulePlan:
+    """Concrete op decisions for discarding at least ``discarded_bytes`` of ``stats``."""
+    keep = max(0, stats.sac_memory_bytes - discarded_bytes)
+    op_plan = solve_op_milp(stats.ops, keep_bytes=keep, options=options)
+    saved, recomputed = [], []
+    for op, dec in zip(stats.ops, op_plan.decisions):
+        key = (op_key(op.func), op.occurrence)
+        # Only ops autograd saves are worth caching: caching any other costs memory.
+        if dec is OpDecision.SAVE and op.is_saved and not op.is_view:
+            saved.append(key)
+        elif op.is_saved and op.memory_bytes > 0:
+            recomputed.append(key)
+    ratio = op_plan.discarded_bytes / stats.sac_memory_bytes if stats.sac_memory_bytes else 0.0
+    return ModulePlan(
+        fqn=stats.fqn,
+        discard_ratio=round(ratio, 6),
+        full=not saved,
+        saved_ops=tuple(saved),
+        recomputed_ops=tuple(recomputed),
+        discarded_bytes=op_plan.discarded_bytes,
+        recompute_ms=_recompute_ms(stats, frozenset(saved)),
+    )
+
+
+def _recompute_ms(stats: ModStats, saved: frozenset) -> float:
+    """Ops the recompute re-runs: everything not cached, up to the last op autograd saves."""
+    last = max((i for i, o in enumerate(stats.ops) if o.is_saved), default=-1)
+    return sum(
+        o.runtime_ms
+        for o in stats.ops[: last + 1]
+        if not o.is_view and (op_key(o.func), o.occurrence) not in saved
+    )
+
+
+def _check_budget_gib(budget_gib: Any) -> float:
+    if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)):
+        raise PlanningError(f"budget_gib must be a number of GiB, got {budget_gib!r}")
+    if not math.isfinite(budget_gib) or budget_gib <= 0:
+        raise PlanningError(f"budget_gib must be a positive finite number of GiB, got {budget_gib}")
+    return float(budget_gib)
+
+
+def _infeasible(e: InfeasibleBudgetError, budget: int, reserve: int) -> PlanningError:
+    need = e.min_reachable_peak_bytes + reserve
+    msg = (
+        f"infeasible: a budget of {fmt_bytes(budget)} cannot be met; the smallest budget this "
+        f"model can reach is {fmt_bytes(need)} ({need / GiB:.4f} GiB, {need:,} bytes"
+        + (f", incl. a {fmt_bytes(reserve)} reserve" if reserve else "")
+        + "). Ask for at least that, shrink the batch, or shard with world_size > 1."
+    )
+    err = PlanningError(msg)
+    err.min_budget_bytes = need  # type: ignore[attr-defined]
+    return err
+
+
+def solve_sac(
+    model: torch.nn.Module,
+    budget_gib: float,
+    inputs: Any = None,
+    *,
+    loss_fn: Any = None,
+    optimizer: Any = None,
+    device: str | DeviceSpec = "h100",
+    world_size: int = 1,
+    reserve_gib: float | None = None,
+    ac_units: Iterable[str] | None = None,
+    fsdp_units: Iterable[str] | None = None,
+    solver_options: SolverOptions | None = None,
+    estimate_options: EstimateOptions = EstimateOptions(),
+    verify: bool = True,
+) -> Plan:
+    """Plan selective activation checkpointing so one training step fits ``budget_gib``.
+
+    Traces one step (fake mode by default: no GPU, no real memory), solves the MILP, turns each
+    module's ratio into op decisions and, with ``verify``, traces the planned model to predict its
+    peak (tightening the target if the trace shows the MILP was optimistic).
+
+    Example::
+
+        plan = solve_sac(model, budget_gib=40, inputs=(tokens,), optimizer="adamw")
+        print(plan.summary())
+        apply_plan(model, plan)
+
+    ``inputs`` defaults to ``model.example_inputs()``; ``loss_fn(output, inputs)`` defaults to
+    ``output.sum()``; ``optimizer`` is a name ("adam", "adamw", "sgd") or an instance, so its
+    state is counted. ``reserve_gib`` defaults to :func:`default_reserve_bytes`.
+    """
+    budget = int(_check_budget_gib(budget_gib) * GiB)
+    spec = get_device_spec(device)
+    est = estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=estimate_options)
+    reserve = int(reserve_gib * GiB) if reserve_gib is not None else default_reserve_bytes(spec, budget)
+    return plan_for_budget(
+        model,
+        est,
+        budget,
+        inputs=inputs,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        world_size=world_size,
+        reserve_bytes=reserve,
+        ac_units=ac_units,
+        fsdp_units=fsdp_units,
+        solver_options=solver_options,
+        estimate_options=estimate_options,
+        verify=verify,
+    )
+
+
+def plan_for_budget(
+    model: torch.nn.Module,
+    est: Estimate,
+    budget_bytes: int,
+    *,
+    inputs: Any = None,
+    loss_fn: Any = None,
+    optimizer: Any = None,
+    world_size: int = 1,
+    reserve_bytes: int = 0,
+    ac_units: Iterable[str] | None = None,
+    fsdp_units: Iterable[str] | None = None,
+    solver_options: SolverOptions | None = None,
+    estimate_options: EstimateOptions = EstimateOptions(),
+    verify: bool = True,
+    milp: SACMilp | None = None,
+) -> Plan:
+    """The Plan for one budget, from an existing estimate (see :func:`solve_sac`)."""
+    if reserve_bytes < 0 or reserve_bytes >= budget_bytes:
+        raise PlanningError(
+            f"the reserve ({reserve_bytes / GiB:.2f} GiB) must be >= 0 and below the budget "
+            f"({budget_bytes / GiB:.2f} GiB); pass a smaller reserve_gib"
+        )
+    info = est.module_info
+    t0 = time.perf_counter()
+    milp = milp or SACMilp(
+        info, world_size=world_size, ac_units=ac_units, fsdp_units=fsdp_units, options=solver_options
+    )
+    usable = budget_bytes - reserve_bytes
+    target = usable
+    notes: list[str] = []
+    for attempt in range(_MAX_TIGHTENINGS + 1):
+        try:
+            res = milp.solve(target)
+        except InfeasibleBudgetError as e:
+            if attempt == 0:
+                raise _infeasible(e, budget_bytes, reserve_bytes) from e
+            raise PlanningError(
+                f"the traced plans overshoot the budget and no tighter plan exists; the smallest "
+                f"budget that verifies is above {budget_bytes / GiB:.2f} GiB"
+            ) from e
+        modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
+        traced = _traced_peak(model, modules, est, inputs, loss_fn, optimizer, estimate_options) if (
+            verify and world_size == 1
+        ) else None
+        if traced is None or traced <= usable:
+            break
+        over = traced - usable
+        notes.append(
+            f"traced peak {traced / GiB:.3f} GiB overshot the MILP's {res.predicted_peak_bytes / GiB:.3f}"
+            f" GiB by {over / GiB:.3f} GiB: target tightened"
+        )
+        # The MILP misjudged this plan by `over`; a neighbouring plan may err the same way, so
+        # step past it (twice the miss) plus a small margin so the loop does not creep.
+        target -= 2 * over + usable // 1000
+    if world_size > 1:
+        notes.append("world_size > 1: predicted peak is the MILP's per-rank figure (not traced)")
+    plan = Plan(
+        modules=modules,
+        model_name=type(model).__name__,
+        model_fingerprint=model_fingerprint(model),
+        device=est.spec.name,
+        world_size=world_size,
+        budget_bytes=budget_bytes,
+        reserve_bytes=reserve_bytes,
+        predicted_peak_bytes=traced if traced is not None else res.predicted_peak_bytes,
+        solver_peak_bytes=res.predicted_peak_bytes,
+        baseline_peak_bytes=res.no_ac_peak_bytes,
+        recompute_ms=sum(m.recompute_ms for m in modules),
+        baseline_step_ms=info.step_runtime_ms,
+        solver_status=res.status.value,
+        solve_time_s=time.perf_counter() - t0,
+        notes=tuple(notes),
+    )
+    if traced is not None and traced > usable:
+        raise PlanningError(
+            f"no plan verified under {usable / GiB:.3f} GiB after {_MAX_TIGHTENINGS} tightenings "
+            f"(last traced peak {traced / GiB:.3f} GiB); ask for a larger budget"
+        )
+    return plan
+
+
+def _traced_peak(model, modules, est: Estimate, inputs, loss_fn, optimizer, options: EstimateOptions) -> int:
+    """Peak of the planned model, from a trace of the same kind as the estimate's."""
+    if not modules:
+        return est.module_info.peak_bytes
+    from planner.checkpointing import apply_plan
+
+    probe = Plan(
+        modules=modules, model_name=type(model).__name__, model_fingerprint="", device=est.spec.name,
+        world_size=1, budget_bytes=1, reserve_bytes=0, predicted_peak_bytes=0, solver_peak_bytes=0,
+        baseline_peak_bytes=0, recompute_ms=0.0, baseline_step_ms=0.0,
+    )
+    from estimators.estimate import TraceMode
+
+    opts = dataclasses.replace(options, mode=TraceMode.FAKE, progress=False)
+    planned = estimate(
+        model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=est.spec, options=opts,
+        prepare=lambda m: apply_plan(m, probe, check_fingerprint=False),
+    )
+    return planned.module_info.peak_bytes

@@ -1,0 +1,580 @@
+"""Module-level SAC as a MILP: per-module discard ratios r that fit a memory budget at the least
+recompute time.
+
+    from solver import solve_milp
+    res = solve_milp(info, budget_bytes=40 * 2**30)
+    res.decisions          # {"GPT.blocks.3": 0.62, ...}  fqn -> discard ratio
+    res.predicted_peak_bytes, res.recompute_ms
+
+The maths (memory in GiB, or KiB / MiB for models under 1 GiB, converted once by
+``_solver_unit``)::
+
+    y_i in {0,1}          module i is checkpointed   (leaves / modules with nothing to discard: none)
+    0 <= r_i <= y_i       fraction of sac_memory_bytes_i discarded
+    d_i = S_i r_i         discarded memory
+    sum_{i on a root-to-leaf path} y_i <= 1            no nested checkpoints
+    mem(p) = base_p - sum_j d_j [fw_post_j <= t_p < bw_pre_j] + T_j y_j [p recomputes j] <= peak
+    peak <= budget
+    rct_i >= a_s r_i + b_s y_i  for each segment s of i's exact cost curve (convex envelope)
+    minimise  sum_i rct_i  (+ a tie-break below 1e-6 of the largest module's recompute time)
+
+``base_p = ceil((param + grad + optimizer) / world_size) + activation + other`` of MemoryPoint p.
+The window sum is written with prefix sums over the modules sorted by ``fw_post_op`` and by
+``bw_pre_op`` (``cum_fw_k = cum_fw_{k-1} + d_{j_k}``), so the model is linear in modules + points.
+
+Tie-break: among plans of equal recompute time prefer fewer checkpointed modules, then modules
+earlier in forward pre-order, then discarding less. It is a perturbation of the objective, so
+plans that differ by less than the gap tolerance may still resolve by the backend's search order;
+the backend runs single-threaded by default so the same input gives the same plan.
+
+The LP values come back rounded by the backend, so the plan is re-evaluated in exact integers:
+``predicted_peak_bytes`` comes from ``predict_peak_bytes`` (never the LP variable) and a plan
+that overshoots the budget by rounding is repaired by discarding the missing bytes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import math
+import numbers
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+from solver.errors import InfeasibleBudgetError, SolverTimeoutError, UnknownModuleError
+from solver.graph import Graph, Node, close_names
+from solver.options import SolveResult, SolverOptions, SolveStatus, run_backend
+
+if TYPE_CHECKING:  # only types: importing estimators would pull in torch
+    from estimators.module_info import ModStats, ModuleInfo
+
+__all__ = ["SACMilp", "solve_milp", "min_reachable_peak_bytes", "predict_peak_bytes"]
+
+logger = logging.getLogger(__name__)
+
+_UNITS = ((2**30, "gib"), (2**20, "mib"), (2**10, "kib"), (1, "bytes"))
+
+
+def _solver_unit(peak_bytes: int) -> tuple[int, str]:
+    """The one place bytes become solver units: GiB, or a smaller binary unit for models whose
+    peak is under 1 GiB, so coefficients stay near 1 and well above the backend's tolerances."""
+    return next(((u, name) for u, name in _UNITS if peak_bytes >= u), _UNITS[-1])
+
+_TIE_Y = 1e-6
+_TIE_R = 1e-7
+"""Tie-break weights, relative to the largest single-module recompute time."""
+
+
+# ----------------------------------------------------------------------------- exact memory model
+def _has_window(s: ModStats) -> bool:
+    """A discard can lower memory only between fw_post_op and bw_pre_op (-1: never ends)."""
+    return s.fw_post_op >= 0 and (s.bw_pre_op == -1 or s.bw_pre_op > s.fw_post_op)
+
+
+class _MemoryModel:
+    """Evaluates the memory model of ``estimators/module_info.py`` in exact integers."""
+
+    def __init__(self, info: ModuleInfo, world_size: int) -> None:
+        self.stats = {s.fqn: s for s in info.mod_stats}
+        self.points = info.memory_points
+        self.base = [
+            -(-(p.param_bytes + p.grad_bytes + p.optimizer_bytes) // world_size)
+            + p.activation_bytes
+            + p.other_bytes
+            for p in self.points
+        ]
+
+    def point_bytes(self, discarded: Mapping[str, int]) -> list[int]:
+        """Memory at every point when each module in ``discarded`` is checkpointed."""
+        live = [(f, d) for f, d in discarded.items() if d and _has_window(self.stats[f])]
+        fw = sorted((self.stats[f].fw_post_op, d) for f, d in live)
+        bw = sorted((self.stats[f].bw_pre_op, d) for f, d in live if self.stats[f].bw_pre_op != -1)
+        fw_keys, fw_cum = _prefix(fw)
+        bw_keys, bw_cum = _prefix(bw)
+        out = []
+        for p, base in zip(self.points, self.base):
+            t = p.op_index
+            # Modules whose backward began by t also ended their forward by t (window check).
+            gone = fw_cum[bisect.bisect_right(fw_keys, t)] - bw_cum[bisect.bisect_right(bw_keys, t)]
+            extra = 0
+            if p.recompute_of is not None and p.recompute_of in discarded:
+                extra = self.stats[p.recompute_of].recompute_transient_bytes
+            out.append(base - gone + extra)
+        return out
+
+    def peak(self, discarded: Mapping[str, int]) -> int:
+        return max(self.point_bytes(discarded), default=0)
+
+
+def _prefix(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    keys, cum = [], [0]
+    for k, d in pairs:
+        keys.append(k)
+        cum.append(cum[-1] + d)
+    return keys, cum
+
+
+def predict_peak_bytes(
+    info: ModuleInfo, discarded_bytes: Mapping[str, int], *, world_size: int = 1
+) -> int:
+    """Peak of the exact memory model when each module in ``discarded_bytes`` is checkpointed
+    and discards that many bytes (``{}``: no checkpointing)."""
+    _check_world_size(world_size)
+    model = _MemoryModel(info, world_size)
+    for fqn, d in discarded_bytes.items():
+        s = model.stats.get(fqn)
+        if s is None:
+            raise _unknown(fqn, model.stats, "discarded_bytes")
+        if not 0 <= d <= s.sac_memory_bytes:
+            raise ValueError(f"{fqn}: discarded bytes {d} not in [0, {s.sac_memory_bytes}]")
+    return model.peak(discarded_bytes)
+
+
+# ----------------------------------------------------------------------------- cost curves
+def _cost_envelope(s: ModStats) -> tuple[list[tuple[float, float]], bool]:
+    """Segments (a, b) with cost_ms(r) = max_s(a r + b) for r in (0, 1], and whether that is the
+    curve itself (convex). b of the first segment is the jump at r -> 0+ (ops that must be
+    recomputed whatever the ratio)."""
+    size, curve = s.sac_memory_bytes, s.tradeoff
+    jump = 0.0
+    for b, ms in zip(curve.discarded_bytes, curve.recompute_ms):
+        if b == 0:
+            jump = ms  # recompute_ms_at(0+) starts from the last zero-byte breakpoint
+    pts = [(0.0, jump)]
+    pts += [(b / size, ms) for b, ms in zip(curve.discarded_bytes, curve.recompute_ms) if 0 < b < size]
+    pts.append((1.0, curve.recompute_ms_at(size)))
+    hull: list[tuple[float, float]] = []
+    for p in sorted(pts):
+        while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
+            hull.pop()
+        hull.append(p)
+    segs = []
+    for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
+        if x1 - x0 > 1e-15:
+            slope = (y1 - y0) / (x1 - x0)
+            segs.append((slope, y0 - slope * x0))
+    convex = all(
+        max(a * x + b for a, b in segs) >= y - 1e-9 * max(1.0, abs(y)) for x, y in pts
+    )
+    return segs, convex
+
+
+def _cross(o: tuple[float, float], a: tuple[float, float], b: tuple[float, float]) -> float:
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+# ----------------------------------------------------------------------------- validation
+def _check_world_size(world_size: int) -> None:
+    if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1 (number of ranks), got {world_size!r}")
+
+
+def _check_budget(budget_bytes: float) -> int:
+    ok = isinstance(budget_bytes, numbers.Real) and not isinstance(budget_bytes, bool)
+    if not ok or not math.isfinite(budget_bytes) or budget_bytes <= 0:
+        raise ValueError(
+            "budget_bytes must be a positive, finite number of bytes per rank, e.g. "
+            f"int(40 * 2**30) for 40 GiB; got {budget_bytes!r}"
+        )
+    return int(math.floor(budget_bytes))
+
+
+def _unknown(fqn: str, known: Iterable[str], what: str) -> UnknownModuleError:
+    hint = close_names(fqn, known)
+    more = f"; close names: {', '.join(map(repr, hint))}" if hint else ""
+    return UnknownModuleError(f"{what} names a module that does not exist: {fqn!r}{more}")
+
+
+def _check_units(units: Iterable[str] | None, graph: Graph, what: str) -> set[str] | None:
+    if units is None:
+        return None
+    if isinstance(units, str):
+        raise TypeError(f"{what} must be a list of module fqns, not the string {units!r}")
+    names = set(units)
+    for fqn in sorted(names):
+        if fqn not in graph:
+            raise _unknown(fqn, (n.fqn for n in graph), what)
+    return names
+
+
+# ----------------------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class _Cand:
+    """A module the MILP may checkpoint."""
+
+    node: Node
+    segments: tuple[tuple[float, float], ...]
+
+    @property
+    def stats(self) -> ModStats:
+        return self.node.stats
+
+
+def _candidates(graph: Graph, allowed: set[str] | None, fsdp: set[str] | None) -> list[_Cand]:
+    blocked = {a.fqn for u in (fsdp or ()) for a in graph.ancestors(u)}
+    out = []
+    for node in graph:
+        s = node.stats
+        if s.is_leaf or s.sac_memory_bytes <= 0:
+            continue
+        if (allowed is not None and node.fqn not in allowed) or node.fqn in blocked:
+            continue
+        if not _has_window(s):
+            logger.info("%s: empty fw_post_op..bw_pre_op window, never checkpointed", node.fqn)
+            continue
+        segs, convex = _cost_envelope(s)
+        if not convex:
+            logger.warning("%s: trade-off curve is not convex; the MILP uses its convex envelope "
+                           "and reports recompute_ms on the exact curve", node.fqn)
+        out.append(_Cand(node, tuple(segs)))
+    return out
+
+
+def _new_var(prob: Any, name: str, low: float | None, up: float | None = None, cat: str = "Continuous") -> Any:
+    """PuLP >= 3.3 attaches variables to the problem; older PuLP builds them directly."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, low, up, cat=cat)
+    import pulp
+
+    return pulp.LpVariable(name, low, up, cat)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", name)
+
+
+class SACMilp:
+    """The module-level MILP, built once and re-solvable for any budget.
+
+    >>> m = SACMilp(info, world_size=1)                  # doctest: +SKIP
+    >>> [m.solve(int(f * m.no_ac_peak_bytes)) for f in (0.5, 0.7)]  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        info: ModuleInfo,
+        *,
+        world_size: int = 1,
+        ac_units: Iterable[str] | None = None,
+        fsdp_units: Iterable[str] | None = None,
+        options: SolverOptions | None = None,
+    ) -> None:
+        t0 = time.perf_counter()
+        _check_world_size(world_size)
+        self.info = info
+        self.world_size = int(world_size)
+        self.options = options if options is not None else SolverOptions()
+        self.graph = Graph.from_module_info(info)
+        allowed = _check_units(ac_units, self.graph, "ac_units")
+        fsdp = _check_units(fsdp_units, self.graph, "fsdp_units")
+        self._memory = _MemoryModel(info, self.world_size)
+        self.no_ac_peak_bytes: int = self._memory.peak({})
+        self._unit, self._unit_name = _solver_unit(self.no_ac_peak_bytes)
+        self._cands = _candidates(self.graph, allowed, fsdp)
+        self._min_peak: tuple[int, dict[str, int]] | None = None
+        self._prob: Any = None
+        if self._cands:
+            self._build()
+        self.build_time_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ build
+    def _build(self) -> None:
+        import pulp
+
+        self._prob = pulp.LpProblem("sac_milp", pulp.LpMinimize)
+        self._add_variables()
+        self._add_ratio_constraints()
+        self._add_nesting_constraints()
+        self._add_recompute_constraints()
+        self._add_memory_constraints()
+        self._add_budget_constraint()
+        self._recompute_objective = self._make_recompute_objective()
+
+    def _units(self, nbytes: float) -> float:
+        return nbytes / self._unit
+
+    def _add_variables(self) -> None:
+        prob, n = self._prob, len(self._cands)
+        self._y, self._r, self._rct = [], [], []
+        for c in self._cands:
+            tag = f"{c.node.index}_{_safe(c.node.fqn)}"
+            self._y.append(_new_var(prob, f"y{tag}", 0, 1, "Integer"))
+            self._r.append(_new_var(prob, f"r{tag}", 0, 1))
+            self._rct.append(_new_var(prob, f"rct_ms{tag}", 0))
+        self._peak = _new_var(prob, f"peak_{self._unit_name}", 0)
+        # Prefix sums of discarded GiB in fw_post_op order and in bw_pre_op order.
+        self._fw_order = sorted(range(n), key=lambda k: (self._cands[k].stats.fw_post_op, k))
+        self._bw_order = sorted(
+            (k for k in range(n) if self._cands[k].stats.bw_pre_op != -1),
+            key=lambda k: (self._cands[k].stats.bw_pre_op, k),
+        )
+        self._cum_fw = [_new_var(prob, f"cum_fw_{i + 1}", 0) for i in range(len(self._fw_order))]
+        self._cum_bw = [_new_var(prob, f"cum_bw_{i + 1}", 0) for i in range(len(self._bw_order))]
+
+    def _add(self, terms: Sequence[tuple[Any, float]], sense: int, rhs: float, name: str) -> Any:
+        import pulp
+
+        con = pulp.LpConstraint(pulp.LpAffineExpression(list(terms)), sense, name, rhs)
+        self._prob.addConstraint(con)
+        return con
+
+    def _add_ratio_constraints(self) -> None:
+        import pulp
+
+        for k, c in enumerate(self._cands):
+            self._add([(self._r[k], 1.0), (self._y[k], -1.0)], pulp.LpConstraintLE, 0.0,
+                      f"discard_only_if_checkpointed_{k}")
+
+    def _add_nesting_constraints(self) -> None:
+        """One clique per maximal chain of candidates: tighter than pairwise y_i + y_j <= 1."""
+        import pulp
+
+        index = {c.node.fqn: k for k, c in enumerate(self._cands)}
+        chains = {k: [index[a.fqn] for a in self.graph.ancestors(c.node.fqn) if a.fqn in index]
+                  for k, c in enumerate(self._cands)}
+        inner = {a for anc in chains.values() for a in anc}
+        for k, anc in chains.items():
+            if anc and k not in inner:
+                terms = [(self._y[j], 1.0) for j in [k, *anc]]
+                self._add(terms, pulp.LpConstraintLE, 1.0, f"no_nesting_{k}")
+
+    def _add_recompute_constraints(self) -> None:
+        import pulp
+
+        for k, c in enumerate(self._cands):
+            for s, (a, b) in enumerate(c.segments):
+                self._add([(self._rct[k], 1.0), (self._r[k], -a), (self._y[k], -b)],
+                          pulp.LpConstraintGE, 0.0, f"recompute_seg{s}_{k}")
+
+    def _add_memory_constraints(self) -> None:
+        import pulp
+
+        for cum, order, what in ((self._cum_fw, self._fw_order, "fw"), (self._cum_bw, self._bw_order, "bw")):
+            for i, k in enumerate(order):
+                size = self._units(self._cands[k].stats.sac_memory_bytes)
+                terms = [(cum[i], 1.0), (self._r[k], -size)] + ([(cum[i - 1], -1.0)] if i else [])
+                self._add(terms, pulp.LpConstraintEQ, 0.0, f"cum_{what}_{i + 1}")
+        for (a, b, k), (base, t) in self._point_groups().items():
+            terms = [(self._peak, 1.0)]
+            if a:
+                terms.append((self._cum_fw[a - 1], 1.0))
+            if b:
+                terms.append((self._cum_bw[b - 1], -1.0))
+            if k >= 0:
+                terms.append((self._y[k], -self._units(self._cands[k].stats.recompute_transient_bytes)))
+            # (a, b) follow from t, so t plus the recomputed candidate names the point uniquely.
+            name = f"mem_at_op_{t}" + (f"_recompute_{k}" if k >= 0 else "")
+            self._add(terms, pulp.LpConstraintGE, self._units(base), name)
+
+    def _point_groups(self) -> dict[tuple[int, int, int], tuple[int, int]]:
+        """Points keyed by (#fw_post <= t, #bw_pre <= t, recomputed candidate): max base each."""
+        fw_keys = [self._cands[k].stats.fw_post_op for k in self._fw_order]
+        bw_keys = [self._cands[k].stats.bw_pre_op for k in self._bw_order]
+        index = {c.node.fqn: k for k, c in enumerate(self._cands)}
+        groups: dict[tuple[int, int, int], tuple[int, int]] = {}
+        for p, base in zip(self._memory.points, self._memory.base):
+            t = p.op_index
+            k = index.get(p.recompute_of, -1) if p.recompute_of is not None else -1
+            if k >= 0 and self._cands[k].stats.recompute_transient_bytes == 0:
+                k = -1
+            key = (bisect.bisect_right(fw_keys, t), bisect.bisect_right(bw_keys, t), k)
+            if key not in groups or base > groups[key][0]:
+                groups[key] = (base, t)
+        return groups
+
+    def _add_budget_constraint(self) -> None:
+        import pulp
+
+        self._budget = self._add([(self._peak, 1.0)], pulp.LpConstraintLE,
+                                 self._units(self.no_ac_peak_bytes), "budget")
+
+    def _make_recompute_objective(self) -> Any:
+        import pulp
+
+        n = len(self._cands)
+        scale = max((max(a + b for a, b in c.segments) for c in self._cands if c.segments), default=1.0)
+        scale = scale if scale > 0 else 1.0
+        terms = [(v, 1.0) for v in self._rct]
+        for k, c in enumerate(self._cands):
+            w = 1.0 + c.node.index / max(1, len(self.graph))
+            terms += [(self._y[k], _TIE_Y * scale * w), (self._r[k], _TIE_R * scale * w)]
+        return pulp.LpAffineExpression(terms)
+
+    # ------------------------------------------------------------------ solve
+    @property
+    def n_variables(self) -> int:
+        return self._prob.numVariables() if self._prob is not None else 0
+
+    @property
+    def n_constraints(self) -> int:
+        return self._prob.numConstraints() if self._prob is not None else 0
+
+    def _set_budget(self, budget_units: float) -> None:
+        self._budget.constant = -budget_units  # PuLP keeps "expr + constant <= 0"
+
+    def _read_plan(self) -> dict[str, int]:
+        plan = {}
+        for k, c in enumerate(self._cands):
+            if round(self._y[k].varValue or 0.0) != 1:
+                continue
+            r = min(1.0, max(0.0, self._r[k].varValue or 0.0))
+            d = round(r * c.stats.sac_memory_bytes)
+            if d > 0:  # checkpointing without discarding only costs time and transients
+                plan[c.node.fqn] = d
+        return plan
+
+    def solve(self, budget_bytes: int) -> SolveResult:
+        """Least-recompute plan whose exact predicted peak is <= ``budget_bytes`` (per rank)."""
+        t0 = time.perf_counter()
+        budget = _check_budget(budget_bytes)
+        if budget >= self.no_ac_peak_bytes:
+            return self._result({}, budget, SolveStatus.OPTIMAL, 0.0, t0)
+        if self._prob is None:
+            raise InfeasibleBudgetError(budget, self.no_ac_peak_bytes, self.world_size)
+        target = budget
+        for _ in range(3):  # re-solve with a tighter target if rounding cannot be repaired
+            self._set_budget(self._units(target))
+            self._prob.setObjective(self._recompute_objective)
+            out = run_backend(self._prob, self.options)
+            if not out.has_solution:
+                return self._fallback(budget, t0, timed_out=not out.infeasible)
+            plan, short = self._repair(self._read_plan(), budget)
+            if short == 0:
+                status = SolveStatus.OPTIMAL if out.proven else SolveStatus.FEASIBLE
+                return self._result(plan, budget, status, out.gap, t0)
+            target -= short + 1024
+        return self._fallback(budget, t0, timed_out=False)
+
+    def _fallback(self, budget: int, t0: float, *, timed_out: bool) -> SolveResult:
+        """No usable plan from the backend: the min-peak plan if it fits, else a clear error."""
+        if timed_out:
+            raise SolverTimeoutError(
+                f"no plan found within time_limit_s={self.options.time_limit_s}; raise "
+                "SolverOptions.time_limit_s or rel_gap, or restrict ac_units"
+            )
+        min_peak, plan = self._solve_min_peak()
+        if min_peak > budget:
+            raise InfeasibleBudgetError(budget, min_peak, self.world_size)
+        logger.warning("budget %d is within rounding of the smallest reachable peak; "
+                       "returning the min-peak plan", budget)
+        return self._result(plan, budget, SolveStatus.FEASIBLE, None, t0)
+
+    def _repair(self, plan: dict[str, int], budget: int) -> tuple[dict[str, int], int]:
+        """Discard the bytes the backend's rounding left over budget; (plan, bytes still over)."""
+        plan = dict(plan)
+        for _ in range(len(self._memory.points) + 1):
+            mem = self._memory.point_bytes(plan)
+            worst = max(range(len(mem)), key=mem.__getitem__, default=None)
+            if worst is None or mem[worst] <= budget:
+                return plan, 0
+            excess, t = mem[worst] - budget, self._memory.points[worst].op_index
+            room = [f for f in plan if self._covers(f, t) and plan[f] < self._stats(f).sac_memory_bytes]
+            if not room:
+                return plan, excess
+            room.sort(key=lambda f: (self._marginal_ms(f, plan[f], excess), f))
+            for f in room:
+                add = min(excess, self._stats(f).sac_memory_bytes - plan[f])
+                plan[f] += add
+                excess -= add
+                if excess == 0:
+                    break
+        mem = self._memory.point_bytes(plan)
+        return plan, max(0, max(mem, default=0) - budget)
+
+    def _stats(self, fqn: str) -> ModStats:
+        return self.graph.node(fqn).stats
+
+    def _covers(self, fqn: str, t: int) -> bool:
+        s = self._stats(fqn)
+        return s.fw_post_op <= t and (s.bw_pre_op == -1 or t < s.bw_pre_op)
+
+    def _marginal_ms(self, fqn: str, d: int, add: int) -> float:
+        s = self._stats(fqn)
+        return s.tradeoff.recompute_ms_at(min(s.sac_memory_bytes, d + add)) - s.tradeoff.recompute_ms_at(d)
+
+    # ------------------------------------------------------------------ min peak
+    def min_reachable_peak_bytes(self) -> int:
+        """Smallest peak any allowed plan reaches (the smallest feasible budget), in bytes."""
+        return self._solve_min_peak()[0]
+
+    def _solve_min_peak(self) -> tuple[int, dict[str, int]]:
+        if self._min_peak is not None:
+            return self._min_peak
+        if self._prob is None:
+            self._min_peak = (self.no_ac_peak_bytes, {})
+            return self._min_peak
+        import pulp
+
+        self._set_budget(self._units(self.no_ac_peak_bytes) + 1.0)  # not binding
+        self._prob.setObjective(pulp.LpAffineExpression([(self._peak, 1.0)]))
+        out = run_backend(self._prob, self.options, rel_gap=0.0)
+        if not out.has_solution:
+            raise SolverTimeoutError(
+                f"could not compute the smallest reachable peak within time_limit_s="
+                f"{self.options.time_limit_s}; raise SolverOptions.time_limit_s"
+            )
+        plan = self._read_plan()
+        for f, d in plan.items():  # undo the backend's rounding of r = 1
+            size = self._stats(f).sac_memory_bytes
+            if size - d <= max(1, size * 1e-6):
+                plan[f] = size
+        peak = self._memory.peak(plan)
+        self._min_peak = (peak, plan) if peak < self.no_ac_peak_bytes else (self.no_ac_peak_bytes, {})
+        return self._min_peak
+
+    # ------------------------------------------------------------------ result
+    def _result(self, plan: dict[str, int], budget: int, status: SolveStatus, gap: float | None,
+                t0: float) -> SolveResult:
+        order = sorted(plan, key=lambda f: self.graph.node(f).index)
+        peak = self._memory.peak(plan)
+        if peak > budget:  # guaranteed by _repair; a failure here is a bug, not bad input
+            raise AssertionError(f"plan peak {peak} exceeds budget {budget}")
+        ratios = {f: plan[f] / self._stats(f).sac_memory_bytes for f in order}
+        rct = sum(self._stats(f).tradeoff.recompute_ms_at(plan[f]) for f in order)
+        return SolveResult(
+            status=status, decisions=ratios, discarded_bytes={f: plan[f] for f in order},
+            checkpointed=tuple(order), predicted_peak_bytes=peak,
+            no_ac_peak_bytes=self.no_ac_peak_bytes, recompute_ms=rct,
+            solve_time_s=time.perf_counter() - t0, gap=gap, budget_bytes=budget,
+            world_size=self.world_size, backend=self.options.backend,
+            n_variables=self.n_variables, n_constraints=self.n_constraints,
+        )
+
+
+def solve_milp(
+    info: ModuleInfo,
+    budget_bytes: int,
+    *,
+    world_size: int = 1,
+    ac_units: Iterable[str] | None = None,
+    fsdp_units: Iterable[str] | None = None,
+    options: SolverOptions | None = None,
+) -> SolveResult:
+    """Per-module discard ratios that fit ``budget_bytes`` per rank at the least recompute time.
+
+    ``ac_units``: only these modules may be checkpointed. ``fsdp_units``: no checkpointed module
+    may be a strict ancestor of one. Raises ``InfeasibleBudgetError`` (with the smallest budget
+    this model can reach) when nothing fits.
+
+    >>> res = solve_milp(info, budget_bytes=int(40 * 2**30))   # doctest: +SKIP
+    """
+    milp = SACMilp(info, world_size=world_size, ac_units=ac_units, fsdp_units=fsdp_units,
+                   options=options)
+    res = milp.solve(budget_bytes)
+    return dataclasses.replace(res, solve_time_s=res.solve_time_s + milp.build_time_s)
+
+
+def min_reachable_peak_bytes(
+    info: ModuleInfo,
+    *,
+    world_size: int = 1,
+    ac_units: Iterable[str] | None = None,
+    fsdp_units: Iterable[str] | None = None,
+    options: SolverOptions | None = None,
+) -> int:
+    """Smallest per-rank peak any allowed plan reaches: the smallest budget ``solve_milp`` accepts."""
+    return SACMilp(info, world_size=world_size, ac_units=ac_units, fsdp_units=fsdp_units,
+                   options=options).min_reachable_peak_bytes()

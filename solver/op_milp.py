@@ -1,0 +1,215 @@
+"""Op-level SAC inside one module: which forward ops to save so the saved bytes fit a budget at
+the least recompute time (an exact 0/1 knapsack, xformers-style).
+
+    plan = solve_op_milp(stats.ops, keep_ratio=1 - r)
+    plan.decisions          # (OpDecision.SAVE, OpDecision.RECOMPUTE, ...) one per op
+
+Rules, applied to groups of ops that must share one decision:
+
+* an in-place op shares the decision of the op that created the storage it mutates
+  (``inplace_parent``; chains of in-place ops form one group);
+* all random ops of the module form one group (recomputed together or saved together, so the
+  recompute draws the same numbers as the forward or none at all);
+* a group containing a view is recomputed (a view costs no memory to recompute);
+* a group that frees no memory (all ``memory_bytes == 0``) is saved: it is free;
+* a group that takes no time to recompute (``runtime_ms == 0``) is recomputed.
+
+Remaining groups are 0/1 variables: maximise the runtime saved s.t. saved bytes <= budget. Ties are
+broken deterministically by a 1e-6-relative perturbation that prefers saving fewer groups, then
+earlier ones.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import numbers
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from solver.options import SolverOptions, SolveStatus, run_backend
+
+if TYPE_CHECKING:  # only types: importing estimators would pull in torch
+    from estimators.module_info import SACOp
+
+__all__ = ["OpDecision", "OpPlan", "solve_op_milp"]
+
+logger = logging.getLogger(__name__)
+
+_TIE = 1e-6
+
+
+class OpDecision(enum.IntEnum):
+    """What the selective-checkpoint policy does with one op (torch's SACDecision values)."""
+
+    RECOMPUTE = 0
+    SAVE = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpPlan:
+    """Save/recompute decision per op of one module call."""
+
+    decisions: tuple[OpDecision, ...]
+    saved_bytes: int
+    """Bytes kept for backward (sum of memory_bytes of saved ops); <= keep_bytes."""
+    discarded_bytes: int
+    """Bytes freed by recomputing (sum of memory_bytes of recomputed ops)."""
+    recompute_ms: float
+    """Sum of runtime_ms of recomputed ops."""
+    keep_bytes: int
+    status: SolveStatus
+
+
+@dataclass
+class _Group:
+    ops: list[int]
+    memory_bytes: int = 0
+    runtime_ms: float = 0.0
+    has_view: bool = False
+    forced_save: bool = False
+    """Holds an in-place op on a storage made outside the module (inplace_parent == own index)."""
+
+
+def _find(parent: list[int], i: int) -> int:
+    while parent[i] != i:
+        parent[i] = parent[parent[i]]
+        i = parent[i]
+    return i
+
+
+def _groups(ops: Sequence[SACOp]) -> list[_Group]:
+    """Union-find of in-place chains and the random ops; groups in order of their first op."""
+    parent = list(range(len(ops)))
+    randoms = [i for i, op in enumerate(ops) if op.is_random]
+    for i, op in enumerate(ops):
+        p = op.inplace_parent
+        if p == -1 or p == i:  # p == i: mutates an outside storage; saved (flagged below)
+            continue
+        if not (isinstance(p, int) and 0 <= p < i):
+            raise ValueError(
+                f"op {i} ({op.func}): inplace_parent must index an earlier op in this table, "
+                f"its own index, or be -1, got {p!r}"
+            )
+        parent[_find(parent, i)] = _find(parent, p)
+    for i in randoms[1:]:
+        parent[_find(parent, i)] = _find(parent, randoms[0])
+    by_root: dict[int, _Group] = {}
+    for i, op in enumerate(ops):
+        g = by_root.setdefault(_find(parent, i), _Group([]))
+        g.ops.append(i)
+        g.memory_bytes += op.memory_bytes
+        g.runtime_ms += op.runtime_ms
+        g.has_view |= op.is_view
+        g.forced_save |= op.inplace_parent == i
+    return sorted(by_root.values(), key=lambda g: g.ops[0])
+
+
+def _keep_budget(total: int, keep_bytes: int | None, keep_ratio: float | None) -> int:
+    if (keep_bytes is None) == (keep_ratio is None):
+        raise ValueError("pass exactly one of keep_bytes (bytes to keep) or keep_ratio (in [0, 1])")
+    if keep_bytes is not None:
+        if not isinstance(keep_bytes, numbers.Integral) or isinstance(keep_bytes, bool) or keep_bytes < 0:
+            raise ValueError(f"keep_bytes must be an int >= 0, got {keep_bytes!r}")
+        return int(keep_bytes)
+    if not (isinstance(keep_ratio, numbers.Real) and math.isfinite(keep_ratio) and 0 <= keep_ratio <= 1):
+        raise ValueError(f"keep_ratio must be a number in [0, 1], got {keep_ratio!r}")
+    # Floor: keeping a ratio r' of memory must discard at least 1 - r' of it.
+    return math.floor(keep_ratio * total)
+
+
+def solve_op_milp(
+    ops: Sequence[SACOp],
+    *,
+    keep_bytes: int | None = None,
+    keep_ratio: float | None = None,
+    options: SolverOptions | None = None,
+) -> OpPlan:
+    """Exact least-recompute save/recompute decisions whose saved bytes fit the budget.
+
+    The budget is ``keep_bytes`` or ``floor(keep_ratio * sum(op.memory_bytes))``; a module-level
+    discard ratio r corresponds to ``keep_ratio = 1 - r``."""
+    total = sum(op.memory_bytes for op in ops)
+    if any(op.memory_bytes < 0 or not (math.isfinite(op.runtime_ms) and op.runtime_ms >= 0) for op in ops):
+        raise ValueError("ops need memory_bytes >= 0 and finite runtime_ms >= 0")
+    keep = _keep_budget(total, keep_bytes, keep_ratio)
+    groups = _groups(ops)
+    save = {i: False for i in range(len(groups))}
+    free = [i for i, g in enumerate(groups)
+            if not g.has_view and (g.memory_bytes == 0 or g.forced_save)]
+    # Groups that cost no time to recompute are recomputed: they free memory for nothing.
+    open_ = [i for i, g in enumerate(groups)
+             if not g.has_view and not g.forced_save and g.memory_bytes > 0 and g.runtime_ms > 0]
+    save.update({i: True for i in free})
+    status = SolveStatus.OPTIMAL
+    if sum(groups[i].memory_bytes for i in open_) <= keep:
+        save.update({i: True for i in open_})  # everything fits: exact without a MILP
+    elif open_:
+        chosen, status = _knapsack([groups[i] for i in open_], keep, len(ops), options)
+        save.update({i: c for i, c in zip(open_, chosen)})
+    return _plan(ops, groups, save, keep, status)
+
+
+def _knapsack(groups: list[_Group], keep: int, n_ops: int, options: SolverOptions | None
+              ) -> tuple[list[bool], SolveStatus]:
+    """Exact 0/1 knapsack. Bytes are divided by their gcd (exact for integer x) and the row gets
+    half a unit of slack, so it separates feasible from infeasible integer points by 0.5; the
+    backend runs with tight tolerances and every answer is re-checked in integers."""
+    import pulp
+
+    from solver.errors import SolverError, SolverTimeoutError
+
+    options = options if options is not None else SolverOptions()
+    unit = math.gcd(*(g.memory_bytes for g in groups))
+    prob = pulp.LpProblem("sac_op_milp", pulp.LpMinimize)
+    x = [_binary(prob, f"save_op{g.ops[0]}") for g in groups]
+    prob += pulp.LpConstraint(
+        pulp.LpAffineExpression([(v, float(g.memory_bytes // unit)) for v, g in zip(x, groups)]),
+        pulp.LpConstraintLE, "saved_bytes_within_budget", keep // unit + 0.5,
+    )
+    scale = max(g.runtime_ms for g in groups) or 1.0
+    tie = [_TIE * scale * (1 + g.ops[0] / max(1, n_ops)) for g in groups]
+    prob.setObjective(pulp.LpAffineExpression(  # min recompute == max runtime saved
+        [(v, -g.runtime_ms + t) for v, g, t in zip(x, groups, tie)]))
+    for attempt in range(4):
+        out = run_backend(prob, options, rel_gap=0.0, tight=True)
+        if not out.has_solution:
+            if out.infeasible:  # saving nothing is always feasible: numerical trouble
+                raise SolverError("op-level MILP reported a feasible knapsack infeasible; "
+                                  "try backend=Backend.HIGHS")
+            raise SolverTimeoutError(
+                f"op-level MILP found no plan within time_limit_s={options.time_limit_s}")
+        chosen = [round(v.varValue or 0.0) == 1 for v in x]
+        if sum(g.memory_bytes for g, c in zip(groups, chosen) if c) <= keep:
+            return chosen, SolveStatus.OPTIMAL if out.proven else SolveStatus.FEASIBLE
+        # Exclude exactly this over-budget point and ask again.
+        logger.debug("op MILP answer over budget after rounding; cutting it off (try %d)", attempt)
+        prob += pulp.LpConstraint(
+            pulp.LpAffineExpression([(v, 1.0 if c else -1.0) for v, c in zip(x, chosen)]),
+            pulp.LpConstraintLE, f"exclude_{attempt}", float(sum(chosen) - 1))
+    raise SolverError("op-level MILP kept returning over-budget answers; try backend=Backend.HIGHS")
+
+
+def _binary(prob: Any, name: str) -> Any:
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, 0, 1, cat="Integer")
+    import pulp
+
+    return pulp.LpVariable(name, 0, 1, "Integer")
+
+
+def _plan(ops: Sequence[SACOp], groups: list[_Group], save: dict[int, bool], keep: int,
+          status: SolveStatus) -> OpPlan:
+    decisions = [OpDecision.RECOMPUTE] * len(ops)
+    for gi, g in enumerate(groups):
+        if save[gi]:
+            for i in g.ops:
+                decisions[i] = OpDecision.SAVE
+    saved = sum(op.memory_bytes for op, d in zip(ops, decisions) if d is OpDecision.SAVE)
+    if saved > keep:  # binary variables make this exact; a failure is a bug
+        raise AssertionError(f"op plan keeps {saved} bytes > budget {keep}")
+    total = sum(op.memory_bytes for op in ops)
+    rct = sum(op.runtime_ms for op, d in zip(ops, decisions) if d is OpDecision.RECOMPUTE)
+    return OpPlan(decisions=tuple(decisions), saved_bytes=saved, discarded_bytes=total - saved,
+                  recompute_ms=rct, keep_bytes=keep, status=status)
