@@ -89,6 +89,10 @@ class SACOp:
     """Draws random numbers; all random ops of a module are recomputed together or not at all."""
     is_saved: bool = False
     """Autograd saved (part of) an output of this op for backward."""
+    cache_cost_bytes: int = 0
+    """Bytes a selective checkpoint would hold *only because it caches this op*: outputs autograd
+    does not save (e.g. batch norm's output when only its statistics are saved). Such ops are
+    always recomputed: caching them would cost memory the unplanned step never held."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,6 +5,8 @@ Rules (each has its own test in tests/estimators/test_sac.py):
 * a view-like op never costs memory: it aliases a storage another op created;
 * an in-place op goes with the op that created the storage it mutates (one unit); when that
   storage was made outside the module, the op can only be saved;
+* an op with an output autograd does not save is always recomputed (caching it would hold that
+  output, which the unplanned step frees at once), and so is everything saved with it;
 * random ops are recomputed together or not at all (a checkpoint replays the RNG from the start of
   the region, so a saved random op in between would shift every later draw);
 * an op frees memory only through new storages that autograd saves for backward *inside this
@@ -47,7 +49,7 @@ def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
         occ = seen.get(name, 0)
         seen[name] = occ + 1
         i = len(ops)
-        memory = 0
+        memory = unsaved = 0
         saved = False
         for sid in rec.new_sids:
             st = trace.storages[sid]
@@ -55,6 +57,8 @@ def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
             saved |= st.saved
             if st.saved and st.saved_by_calls <= inside:
                 memory += st.nbytes
+            elif not st.saved:
+                unsaved += st.nbytes
         parent = -1
         if rec.mutated_sids:
             parent = creator.get(rec.mutated_sids[0], i)
@@ -69,6 +73,7 @@ def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
                 inplace_parent=parent,
                 is_random=rec.is_random,
                 is_saved=saved,
+                cache_cost_bytes=unsaved if saved else 0,
             )
         )
     return ops
@@ -105,8 +110,8 @@ class RecomputeUnit:
     runtime_ms: float
 
 
-def greedy_units(ops: tuple[SACOp, ...]) -> list[RecomputeUnit]:
-    """Units worth recomputing, in greedy order (most bytes per ms first, then op order)."""
+def _union_groups(ops: tuple[SACOp, ...]) -> list[int]:
+    """Root op of each op's unit: an in-place op joins its parent, all random ops join."""
     parent = list(range(len(ops)))
 
     def find(i: int) -> int:
@@ -120,25 +125,31 @@ def greedy_units(ops: tuple[SACOp, ...]) -> list[RecomputeUnit]:
         if ra != rb:
             parent[max(ra, rb)] = min(ra, rb)
 
-    forced_save = set()
     for i, o in enumerate(ops):
-        if o.inplace_parent == i:
-            forced_save.add(i)
-        elif o.inplace_parent >= 0:
+        if 0 <= o.inplace_parent != i:
             union(i, o.inplace_parent)
     randoms = [i for i, o in enumerate(ops) if o.is_random]
     for a, b in zip(randoms, randoms[1:]):
         union(a, b)
+    return [find(i) for i in range(len(ops))]
 
+
+def greedy_units(ops: tuple[SACOp, ...]) -> list[RecomputeUnit]:
+    """Units worth recomputing, in greedy order (most bytes per ms first, then op order).
+
+    Units that must be saved (an in-place op on an outside storage) or must be recomputed
+    (an op with a cache cost) are not choices, so they are not on the curve."""
+    roots = _union_groups(ops)
+    blocked = {roots[i] for i, o in enumerate(ops) if o.inplace_parent == i}
+    forced = {roots[i] for i in _forced_recompute_ops(ops)}
     groups: dict[int, list[int]] = {}
     for i, o in enumerate(ops):
         if not o.is_view:
-            groups.setdefault(find(i), []).append(i)
-    blocked = {find(i) for i in forced_save}
+            groups.setdefault(roots[i], []).append(i)
     units = []
     for root, members in groups.items():
         mem = sum(ops[i].memory_bytes for i in members)
-        if root in blocked or mem <= 0:
+        if root in blocked or root in forced or mem <= 0:
             continue
         units.append(RecomputeUnit(tuple(members), mem, sum(ops[i].runtime_ms for i in members)))
     # Cheapest time per byte first; ties by first op so the order is deterministic.
@@ -159,4 +170,17 @@ def fixed_recompute_ms(ops: tuple[SACOp, ...]) -> float:
     are re-run (saving them would cost memory the baseline never held), up to the last op whose
     output is saved, where the recompute stops early."""
     last = max((i for i, o in enumerate(ops) if o.is_saved), default=-1)
-    return sum(o.runtime_ms for o in ops[:last] if not o.is_view and not o.is_saved)
+    forced = set(_forced_recompute_ops(ops))
+    return sum(
+        o.runtime_ms
+        for i, o in enumerate(ops[: last + 1])
+        if not o.is_view and (not o.is_saved or i in forced)
+    )
+
+
+def _forced_recompute_ops(ops: tuple[SACOp, ...]) -> list[int]:
+    """Ops recomputed whenever the module is checkpointed (cache-cost ops and their groups)."""
+    roots = _union_groups(ops)
+    blocked = {roots[i] for i, o in enumerate(ops) if o.inplace_parent == i}
+    forced = {roots[i] for i, o in enumerate(ops) if o.cache_cost_bytes > 0} - blocked
+    return [i for i in range(len(ops)) if roots[i] in forced]

@@ -25,6 +25,8 @@ class MeasuredStep:
     step_time_ms: float
     tracker: str
     """What measured the peak."""
+    activation_bytes: int | None = None
+    """At the peak: everything but parameters, buffers, gradients and optimizer state (CPU only)."""
 
 
 def measure_step(
@@ -51,5 +53,7 @@ def measure_step(
     with mt:
         loss = run_step(model, inputs, loss_fn, optimizer)
     dt = time.perf_counter() - t0
-    peak = mt.get_tracker_snapshot("peak")[device]["Total"]
-    return MeasuredStep(int(peak), loss, dt * 1e3, "torch.distributed._tools.MemTracker")
+    snap = mt.get_tracker_snapshot("peak")[device]
+    state = sum(v for k, v in snap.items() if getattr(k, "name", "") in ("PARAM", "BUFFER", "GRAD", "OPT"))
+    peak = int(snap["Total"])
+    return MeasuredStep(peak, loss, dt * 1e3, "torch.distributed._tools.MemTracker", peak - int(state))

@@ -47,7 +47,7 @@ def module_plan(stats: ModStats, discarded_bytes: int, options: SolverOptions | 
     for op, dec in zip(stats.ops, op_plan.decisions):
         key = (op_key(op.func), op.occurrence)
         # Only ops autograd saves are worth caching: caching any other costs memory.
-        if dec is OpDecision.SAVE and op.is_saved and not op.is_view:
+        if dec is OpDecision.SAVE and op.is_saved and not op.is_view and not op.cache_cost_bytes:
             saved.append(key)
         elif op.is_saved and op.memory_bytes > 0:
             recomputed.append(key)
@@ -196,8 +196,8 @@ def plan_for_budget(
             break
         over = traced - usable
         notes.append(
-            f"traced peak {traced / GiB:.3f} GiB overshot the MILP's {res.predicted_peak_bytes / GiB:.3f}"
-            f" GiB by {over / GiB:.3f} GiB: target tightened"
+            f"traced peak {fmt_bytes(traced)} overshot the MILP's {fmt_bytes(res.predicted_peak_bytes)}"
+            f" by {fmt_bytes(over)}: target tightened"
         )
         # The MILP misjudged this plan by `over`; a neighbouring plan may err the same way, so
         # step past it (twice the miss) plus a small margin so the loop does not creep.
