@@ -119,6 +119,7 @@ def _mod_stats(
         sac_memory_bytes=curve.total_bytes,
         sac_runtime_ms=curve.total_ms,
         recompute_fixed_ms=fixed_recompute_ms(ops),
+        checkpoint_retain_bytes=0 if is_leaf else _retained_inputs(trace, calls),
         tradeoff=curve,
         ops=ops,
         recompute_transient_bytes=transient,
@@ -127,6 +128,17 @@ def _mod_stats(
         bw_pre_op=bw_pre,
         bw_post_op=bw_post,
     )
+
+
+def _retained_inputs(trace: StepTrace, calls: list[ModuleCall]) -> int:
+    """Inputs the unplanned step frees before the module's backward; a checkpoint holds them."""
+    held = set()
+    for c in calls:
+        for sid in c.input_sids:
+            s = trace.storages[sid]
+            if s.alloc_op >= 0 and s.free_op is not None and c.bw_first_op >= 0 and s.free_op < c.bw_first_op:
+                held.add(sid)
+    return _sum_bytes(trace, held)
 
 
 def _point(trace: StepTrace, tl: MemoryTimeline, k: int, recompute_of: str | None) -> MemoryPoint:

@@ -12,8 +12,9 @@ The exact memory model the solver uses (see ``solver/milp.py``)::
                     - sum of d_j over modules j with fw_post_op_j <= point.op_index < bw_pre_op_j
                     + recompute_transient_bytes_j * y_j   if point.recompute_of == j
 
-where ``d_j`` is the activation memory module ``j`` discards under checkpointing (``r_j`` times its
-``sac_memory_bytes``) and ``y_j`` says whether ``j`` is checkpointed.  Between two module boundaries
+where ``d_j = r_j * sac_memory_bytes_j - checkpoint_retain_bytes_j * y_j`` is the activation memory
+module ``j`` discards under checkpointing, net of the inputs the checkpoint holds, and ``y_j`` says
+whether ``j`` is checkpointed.  Between two module boundaries
 the discarded amount is constant, so the estimator emits one point per such interval (the
 interval's highest live-bytes op) and the model is exact up to the recompute transients.
 
@@ -210,6 +211,10 @@ class ModStats:
     tradeoff: TradeoffCurve = field(default_factory=TradeoffCurve)
     ops: tuple[SACOp, ...] = ()
     """Forward ops of one call (leaf modules: empty), in execution order."""
+    checkpoint_retain_bytes: int = 0
+    """Input bytes a checkpoint of this module keeps alive until its backward that the unplanned
+    step frees earlier (e.g. a fused qkv output the module only reads through views). A
+    checkpointed module discards ``r * sac_memory_bytes - checkpoint_retain_bytes`` net."""
     recompute_transient_bytes: int = 0
     """Extra bytes the recompute's own temporaries need at the start of this module's backward."""
     fw_pre_op: int = -1

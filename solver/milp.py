@@ -15,7 +15,8 @@ The maths (memory in GiB, or KiB / MiB for models under 1 GiB, converted once by
     sum_{i on a root-to-leaf path} y_i <= 1            no nested checkpoints
     mem(p) = base_p - sum_j d_j [fw_post_j <= t_p < bw_pre_j] + T_j y_j [p recomputes j] <= peak
     peak <= budget
-    rct_i >= a_s r_i + b_s y_i  for each segment s of i's exact cost curve (convex envelope)
+    rct_i >= a_s r_i + b_s y_i  for each segment s of i's exact cost curve (convex envelope),
+                                the module's recompute_fixed_ms included in b_s
     minimise  sum_i rct_i  (+ a tie-break below 1e-6 of the largest module's recompute time)
 
 ``base_p = ceil((param + grad + optimizer) / world_size) + activation + other`` of MemoryPoint p.
@@ -51,7 +52,13 @@ from solver.options import SolveResult, SolverOptions, SolveStatus, run_backend
 if TYPE_CHECKING:  # only types: importing estimators would pull in torch
     from estimators.module_info import ModStats, ModuleInfo
 
-__all__ = ["SACMilp", "solve_milp", "min_reachable_peak_bytes", "predict_peak_bytes"]
+__all__ = [
+    "SACMilp",
+    "solve_milp",
+    "min_reachable_peak_bytes",
+    "predict_peak_bytes",
+    "module_recompute_ms",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +96,9 @@ class _MemoryModel:
 
     def point_bytes(self, discarded: Mapping[str, int]) -> list[int]:
         """Memory at every point when each module in ``discarded`` is checkpointed."""
-        live = [(f, d) for f, d in discarded.items() if d and _has_window(self.stats[f])]
+        # Net of the inputs each checkpoint holds (ModStats.checkpoint_retain_bytes).
+        live = [(f, d - self.stats[f].checkpoint_retain_bytes) for f, d in discarded.items()
+                if _has_window(self.stats[f])]
         fw = sorted((self.stats[f].fw_post_op, d) for f, d in live)
         bw = sorted((self.stats[f].bw_pre_op, d) for f, d in live if self.stats[f].bw_pre_op != -1)
         fw_keys, fw_cum = _prefix(fw)
@@ -134,18 +143,28 @@ def predict_peak_bytes(
 
 
 # ----------------------------------------------------------------------------- cost curves
+def module_recompute_ms(s: ModStats, discarded_bytes: int) -> float:
+    """Recompute time of checkpointing ``s`` with ``discarded_bytes`` discarded (0: not
+    checkpointed): its fixed cost plus the exact curve, linear between breakpoints."""
+    if discarded_bytes <= 0:
+        return 0.0
+    return getattr(s, "recompute_fixed_ms", 0.0) + s.tradeoff.recompute_ms_at(discarded_bytes)
+
+
 def _cost_envelope(s: ModStats) -> tuple[list[tuple[float, float]], bool]:
     """Segments (a, b) with cost_ms(r) = max_s(a r + b) for r in (0, 1], and whether that is the
-    curve itself (convex). b of the first segment is the jump at r -> 0+ (ops that must be
-    recomputed whatever the ratio)."""
+    curve itself (convex). b of the first segment is the cost at r -> 0+: the fixed recompute
+    cost plus any zero-byte step at the start of the curve."""
     size, curve = s.sac_memory_bytes, s.tradeoff
+    fixed = getattr(s, "recompute_fixed_ms", 0.0)
     jump = 0.0
     for b, ms in zip(curve.discarded_bytes, curve.recompute_ms):
         if b == 0:
             jump = ms  # recompute_ms_at(0+) starts from the last zero-byte breakpoint
-    pts = [(0.0, jump)]
-    pts += [(b / size, ms) for b, ms in zip(curve.discarded_bytes, curve.recompute_ms) if 0 < b < size]
-    pts.append((1.0, curve.recompute_ms_at(size)))
+    pts = [(0.0, fixed + jump)]
+    pts += [(b / size, fixed + ms) for b, ms in zip(curve.discarded_bytes, curve.recompute_ms)
+            if 0 < b < size]
+    pts.append((1.0, module_recompute_ms(s, size)))
     hull: list[tuple[float, float]] = []
     for p in sorted(pts):
         while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
@@ -311,8 +330,9 @@ class SACMilp:
             (k for k in range(n) if self._cands[k].stats.bw_pre_op != -1),
             key=lambda k: (self._cands[k].stats.bw_pre_op, k),
         )
-        self._cum_fw = [_new_var(prob, f"cum_fw_{i + 1}", 0) for i in range(len(self._fw_order))]
-        self._cum_bw = [_new_var(prob, f"cum_bw_{i + 1}", 0) for i in range(len(self._bw_order))]
+        # Free: a checkpoint that holds more inputs than it discards makes a prefix negative.
+        self._cum_fw = [_new_var(prob, f"cum_fw_{i + 1}", None) for i in range(len(self._fw_order))]
+        self._cum_bw = [_new_var(prob, f"cum_bw_{i + 1}", None) for i in range(len(self._bw_order))]
 
     def _add(self, terms: Sequence[tuple[Any, float]], sense: int, rhs: float, name: str) -> Any:
         import pulp
@@ -354,8 +374,12 @@ class SACMilp:
 
         for cum, order, what in ((self._cum_fw, self._fw_order, "fw"), (self._cum_bw, self._bw_order, "bw")):
             for i, k in enumerate(order):
-                size = self._units(self._cands[k].stats.sac_memory_bytes)
+                st = self._cands[k].stats
+                size, held = self._units(st.sac_memory_bytes), self._units(st.checkpoint_retain_bytes)
+                # cum_i = cum_{i-1} + r_k S_k - R_k y_k: discards net of the inputs a checkpoint holds.
                 terms = [(cum[i], 1.0), (self._r[k], -size)] + ([(cum[i - 1], -1.0)] if i else [])
+                if held:
+                    terms.append((self._y[k], held))
                 self._add(terms, pulp.LpConstraintEQ, 0.0, f"cum_{what}_{i + 1}")
         for (a, b, k), (base, t) in self._point_groups().items():
             terms = [(self._peak, 1.0)]
@@ -493,7 +517,7 @@ class SACMilp:
 
     def _marginal_ms(self, fqn: str, d: int, add: int) -> float:
         s = self._stats(fqn)
-        return s.tradeoff.recompute_ms_at(min(s.sac_memory_bytes, d + add)) - s.tradeoff.recompute_ms_at(d)
+        return module_recompute_ms(s, min(s.sac_memory_bytes, d + add)) - module_recompute_ms(s, d)
 
     # ------------------------------------------------------------------ min peak
     def min_reachable_peak_bytes(self) -> int:
@@ -533,7 +557,7 @@ class SACMilp:
         if peak > budget:  # guaranteed by _repair; a failure here is a bug, not bad input
             raise AssertionError(f"plan peak {peak} exceeds budget {budget}")
         ratios = {f: plan[f] / self._stats(f).sac_memory_bytes for f in order}
-        rct = sum(self._stats(f).tradeoff.recompute_ms_at(plan[f]) for f in order)
+        rct = sum(module_recompute_ms(self._stats(f), plan[f]) for f in order)
         return SolveResult(
             status=status, decisions=ratios, discarded_bytes={f: plan[f] for f in order},
             checkpointed=tuple(order), predicted_peak_bytes=peak,

@@ -7,7 +7,9 @@ the least recompute time (an exact 0/1 knapsack, xformers-style).
 Rules, applied to groups of ops that must share one decision:
 
 * an in-place op shares the decision of the op that created the storage it mutates
-  (``inplace_parent``; chains of in-place ops form one group);
+  (``inplace_parent``; chains of in-place ops form one group); one whose ``inplace_parent`` is its
+  own index mutates a storage from outside the module, and its group is always saved (recomputing
+  it would apply the mutation twice) and kept outside the budget;
 * all random ops of the module form one group (recomputed together or saved together, so the
   recompute draws the same numbers as the forward or none at all);
 * a group containing a view is recomputed (a view costs no memory to recompute);
@@ -16,7 +18,8 @@ Rules, applied to groups of ops that must share one decision:
 
 Remaining groups are 0/1 variables: maximise the runtime saved s.t. saved bytes <= budget. Ties are
 broken deterministically by a 1e-6-relative perturbation that prefers saving fewer groups, then
-earlier ones.
+earlier ones. The row is exact to the byte whenever op sizes share a unit that keeps coefficients
+below 2**20 (``OpPlan.exact``); see ``_row_unit`` for the rare case they do not.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ __all__ = ["OpDecision", "OpPlan", "solve_op_milp"]
 logger = logging.getLogger(__name__)
 
 _TIE = 1e-6
+_MAX_COEF = 2**20
 
 
 class OpDecision(enum.IntEnum):
@@ -53,13 +57,19 @@ class OpPlan:
 
     decisions: tuple[OpDecision, ...]
     saved_bytes: int
-    """Bytes kept for backward (sum of memory_bytes of saved ops); <= keep_bytes."""
+    """Bytes of saved ops that could have been recomputed; <= keep_bytes. Forced saves (in-place
+    ops on storage from outside the module) are not counted."""
     discarded_bytes: int
     """Bytes freed by recomputing (sum of memory_bytes of recomputed ops)."""
     recompute_ms: float
     """Sum of runtime_ms of recomputed ops."""
     keep_bytes: int
     status: SolveStatus
+    unit_bytes: int = 1
+    """Granularity of the knapsack row (the gcd of the op sizes, or coarser; see ``exact``)."""
+    exact: bool = True
+    """Optimal to the byte. False only when op sizes share no unit small enough for a
+    floating-point MILP row; sizes were then rounded up to ``unit_bytes`` (plan still fits)."""
 
 
 @dataclass
@@ -101,7 +111,8 @@ def _groups(ops: Sequence[SACOp]) -> list[_Group]:
         g.ops.append(i)
         g.memory_bytes += op.memory_bytes
         g.runtime_ms += op.runtime_ms
-        g.has_view |= op.is_view
+        # A cache-cost op (outputs autograd does not save) is recomputed like a view.
+        g.has_view |= op.is_view or op.cache_cost_bytes > 0
         g.forced_save |= op.inplace_parent == i
     return sorted(by_root.values(), key=lambda g: g.ops[0])
 
@@ -126,52 +137,75 @@ def solve_op_milp(
     keep_ratio: float | None = None,
     options: SolverOptions | None = None,
 ) -> OpPlan:
-    """Exact least-recompute save/recompute decisions whose saved bytes fit the budget.
+    """Least-recompute save/recompute decisions whose saved bytes fit the budget.
 
-    The budget is ``keep_bytes`` or ``floor(keep_ratio * sum(op.memory_bytes))``; a module-level
-    discard ratio r corresponds to ``keep_ratio = 1 - r``."""
-    total = sum(op.memory_bytes for op in ops)
+    The budget covers the ops that may be recomputed (forced saves are outside it, as they are
+    outside the module's ``sac_memory_bytes``): ``keep_bytes``, or ``floor(keep_ratio * their
+    bytes)``; a module-level discard ratio r corresponds to ``keep_ratio = 1 - r``."""
     if any(op.memory_bytes < 0 or not (math.isfinite(op.runtime_ms) and op.runtime_ms >= 0) for op in ops):
         raise ValueError("ops need memory_bytes >= 0 and finite runtime_ms >= 0")
-    keep = _keep_budget(total, keep_bytes, keep_ratio)
     groups = _groups(ops)
-    save = {i: False for i in range(len(groups))}
-    free = [i for i, g in enumerate(groups)
-            if not g.has_view and (g.memory_bytes == 0 or g.forced_save)]
-    # Groups that cost no time to recompute are recomputed: they free memory for nothing.
-    open_ = [i for i, g in enumerate(groups)
-             if not g.has_view and not g.forced_save and g.memory_bytes > 0 and g.runtime_ms > 0]
-    save.update({i: True for i in free})
-    status = SolveStatus.OPTIMAL
+    save = {i: _fixed_decision(g) for i, g in enumerate(groups)}
+    open_ = [i for i, d in save.items() if d is None]
+    optional = sum(g.memory_bytes for g in groups if not g.forced_save)
+    keep = _keep_budget(optional, keep_bytes, keep_ratio)
+    status, unit, exact = SolveStatus.OPTIMAL, 1, True
     if sum(groups[i].memory_bytes for i in open_) <= keep:
         save.update({i: True for i in open_})  # everything fits: exact without a MILP
-    elif open_:
-        chosen, status = _knapsack([groups[i] for i in open_], keep, len(ops), options)
+    else:
+        chosen, status, unit, exact = _knapsack([groups[i] for i in open_], keep, len(ops), options)
         save.update({i: c for i, c in zip(open_, chosen)})
-    return _plan(ops, groups, save, keep, status)
+    return _plan(ops, groups, save, keep, status, unit, exact)
+
+
+def _fixed_decision(g: _Group) -> bool | None:
+    """SAVE (True) / RECOMPUTE (False) forced by the rules, or None for the knapsack."""
+    if g.forced_save:  # recomputing would mutate the outside storage a second time
+        return True
+    if g.has_view:
+        return False
+    if g.memory_bytes == 0:  # free to keep
+        return True
+    if g.runtime_ms == 0:  # free to recompute
+        return False
+    return None
+
+
+def _row_unit(sizes: list[int]) -> tuple[int, bool]:
+    """Bytes per unit of the knapsack row, and whether the row is exact in it.
+
+    Floating-point backends resolve integer rows reliably only while coefficients stay near
+    2**20 or below, so sizes are divided by their gcd (exact for integer x) and, only when that is
+    not enough, rounded up to a coarser unit (the plan still fits the byte budget; the rounding
+    is below 2**-20 of the largest op)."""
+    unit = math.gcd(*sizes)
+    biggest = max(sizes)
+    if biggest // unit <= _MAX_COEF:
+        return unit, True
+    k = math.ceil(math.log2(biggest / (unit * _MAX_COEF)))
+    return unit * 2**k, all(m % (unit * 2**k) == 0 for m in sizes)
 
 
 def _knapsack(groups: list[_Group], keep: int, n_ops: int, options: SolverOptions | None
-              ) -> tuple[list[bool], SolveStatus]:
-    """Exact 0/1 knapsack. Bytes are divided by their gcd (exact for integer x) and the row gets
-    half a unit of slack, so it separates feasible from infeasible integer points by 0.5; the
-    backend runs with tight tolerances and every answer is re-checked in integers."""
+              ) -> tuple[list[bool], SolveStatus, int, bool]:
+    """0/1 knapsack in row units (see ``_row_unit``); the row gets half a unit of slack so that
+    feasible and infeasible integer points are 0.5 apart, the backend runs with tight
+    integrality, and every answer is re-checked in integer bytes."""
     import pulp
 
     from solver.errors import SolverError, SolverTimeoutError
 
     options = options if options is not None else SolverOptions()
-    unit = math.gcd(*(g.memory_bytes for g in groups))
+    unit, exact = _row_unit([g.memory_bytes for g in groups])
     prob = pulp.LpProblem("sac_op_milp", pulp.LpMinimize)
     x = [_binary(prob, f"save_op{g.ops[0]}") for g in groups]
     prob += pulp.LpConstraint(
-        pulp.LpAffineExpression([(v, float(g.memory_bytes // unit)) for v, g in zip(x, groups)]),
-        pulp.LpConstraintLE, "saved_bytes_within_budget", keep // unit + 0.5,
+        pulp.LpAffineExpression([(v, float(-(-g.memory_bytes // unit))) for v, g in zip(x, groups)]),
+        pulp.LpConstraintLE, "saved_units_within_budget", keep // unit + 0.5,
     )
     scale = max(g.runtime_ms for g in groups) or 1.0
-    tie = [_TIE * scale * (1 + g.ops[0] / max(1, n_ops)) for g in groups]
     prob.setObjective(pulp.LpAffineExpression(  # min recompute == max runtime saved
-        [(v, -g.runtime_ms + t) for v, g, t in zip(x, groups, tie)]))
+        [(v, -g.runtime_ms + _TIE * scale * (1 + g.ops[0] / max(1, n_ops))) for v, g in zip(x, groups)]))
     for attempt in range(4):
         out = run_backend(prob, options, rel_gap=0.0, tight=True)
         if not out.has_solution:
@@ -182,8 +216,7 @@ def _knapsack(groups: list[_Group], keep: int, n_ops: int, options: SolverOption
                 f"op-level MILP found no plan within time_limit_s={options.time_limit_s}")
         chosen = [round(v.varValue or 0.0) == 1 for v in x]
         if sum(g.memory_bytes for g, c in zip(groups, chosen) if c) <= keep:
-            return chosen, SolveStatus.OPTIMAL if out.proven else SolveStatus.FEASIBLE
-        # Exclude exactly this over-budget point and ask again.
+            return chosen, SolveStatus.OPTIMAL if out.proven else SolveStatus.FEASIBLE, unit, exact
         logger.debug("op MILP answer over budget after rounding; cutting it off (try %d)", attempt)
         prob += pulp.LpConstraint(
             pulp.LpAffineExpression([(v, 1.0 if c else -1.0) for v, c in zip(x, chosen)]),
@@ -200,16 +233,17 @@ def _binary(prob: Any, name: str) -> Any:
 
 
 def _plan(ops: Sequence[SACOp], groups: list[_Group], save: dict[int, bool], keep: int,
-          status: SolveStatus) -> OpPlan:
+          status: SolveStatus, unit: int, exact: bool) -> OpPlan:
     decisions = [OpDecision.RECOMPUTE] * len(ops)
     for gi, g in enumerate(groups):
         if save[gi]:
             for i in g.ops:
                 decisions[i] = OpDecision.SAVE
-    saved = sum(op.memory_bytes for op, d in zip(ops, decisions) if d is OpDecision.SAVE)
-    if saved > keep:  # binary variables make this exact; a failure is a bug
+    saved = sum(g.memory_bytes for gi, g in enumerate(groups) if save[gi] and not g.forced_save)
+    if saved > keep:  # the knapsack re-checks in integers; a failure here is a bug
         raise AssertionError(f"op plan keeps {saved} bytes > budget {keep}")
-    total = sum(op.memory_bytes for op in ops)
+    discarded = sum(g.memory_bytes for gi, g in enumerate(groups) if not save[gi])
     rct = sum(op.runtime_ms for op, d in zip(ops, decisions) if d is OpDecision.RECOMPUTE)
-    return OpPlan(decisions=tuple(decisions), saved_bytes=saved, discarded_bytes=total - saved,
-                  recompute_ms=rct, keep_bytes=keep, status=status)
+    return OpPlan(decisions=tuple(decisions), saved_bytes=saved, discarded_bytes=discarded,
+                  recompute_ms=rct, keep_bytes=keep, status=status, unit_bytes=unit,
+                  exact=exact)

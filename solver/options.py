@@ -1,0 +1,241 @@
+"""Solver options (what the user may tune) and results (what a solve returns).
+
+Also the one place that turns options into a PuLP backend and reads back its status and gap, so
+``milp`` and ``op_milp`` solve the same way.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from solver.errors import BackendUnavailableError
+
+if TYPE_CHECKING:  # pulp is imported where a model is solved
+    import pulp
+
+__all__ = ["Backend", "SolverOptions", "SolveStatus", "SolveResult", "backend_available"]
+
+logger = logging.getLogger(__name__)
+
+
+class Backend(str, enum.Enum):
+    """MILP backend. CBC ships with PuLP; HiGHS needs ``pip install sac-planner[highs]``."""
+
+    CBC = "cbc"
+    HIGHS = "highs"
+
+
+def _cbc_path() -> str | None:
+    """A ``cbc`` on PATH (e.g. from ``pulp[cbc]``) or the binary bundled with PuLP < 4."""
+    on_path = shutil.which("cbc")
+    if on_path:
+        return on_path
+    try:
+        import pulp
+    except ImportError:
+        return None
+    legacy = getattr(pulp, "PULP_CBC_CMD", None)
+    bundled = getattr(legacy, "pulp_cbc_path", None)
+    if bundled and os.path.isfile(bundled) and os.access(bundled, os.X_OK):
+        return str(bundled)
+    return None
+
+
+def backend_available(backend: Backend) -> bool:
+    """Whether ``backend`` can run here (no solve is attempted)."""
+    if importlib.util.find_spec("pulp") is None:
+        return False
+    if backend is Backend.CBC:
+        return _cbc_path() is not None
+    return importlib.util.find_spec("highspy") is not None
+
+
+_INSTALL_HINT = {
+    Backend.CBC: "pip install 'pulp[cbc]' (or put a `cbc` binary on PATH)",
+    Backend.HIGHS: "pip install 'sac-planner[highs]' (installs highspy)",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverOptions:
+    """How the MILP is solved. Defaults give exact answers on small problems.
+
+    >>> SolverOptions(time_limit_s=10, rel_gap=1e-3)  # doctest: +ELLIPSIS
+    SolverOptions(backend=<Backend.CBC: 'cbc'>, time_limit_s=10, rel_gap=0.001, ...)
+    """
+
+    backend: Backend = Backend.CBC
+    """MILP backend; a string ``"cbc"`` / ``"highs"`` is accepted and converted."""
+    time_limit_s: float | None = 60.0
+    """Wall-clock limit of one backend call; ``None`` for no limit. At the limit the best plan
+    found so far is returned with status ``FEASIBLE``."""
+    rel_gap: float = 1e-4
+    """Relative optimality gap at which the backend may stop. 0 asks for proven optimality."""
+    threads: int = 1
+    """Backend threads. 1 keeps results reproducible run to run."""
+    verbose: bool = False
+    """Let the backend print its log."""
+    write_lp_path: str | Path | None = None
+    """If set, the model is written there in LP format before each solve (for reading the maths)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.backend, str) and not isinstance(self.backend, Backend):
+            try:
+                object.__setattr__(self, "backend", Backend(self.backend.lower()))
+            except ValueError:
+                valid = ", ".join(b.value for b in Backend)
+                raise ValueError(f"unknown backend {self.backend!r}; use one of: {valid}") from None
+        if not isinstance(self.backend, Backend):
+            raise TypeError(f"backend must be a solver.Backend, got {type(self.backend).__name__}")
+        if not backend_available(self.backend):
+            raise BackendUnavailableError(
+                f"MILP backend {self.backend.value!r} is not installed; "
+                f"{_INSTALL_HINT[self.backend]}, or use backend=Backend.CBC"
+            )
+        if self.time_limit_s is not None and not (
+            isinstance(self.time_limit_s, (int, float)) and math.isfinite(self.time_limit_s)
+            and self.time_limit_s > 0
+        ):
+            raise ValueError(f"time_limit_s must be a positive number or None, got {self.time_limit_s!r}")
+        if not (isinstance(self.rel_gap, (int, float)) and 0 <= self.rel_gap < 1):
+            raise ValueError(f"rel_gap must be in [0, 1), got {self.rel_gap!r}")
+        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {self.threads!r}")
+        if not isinstance(self.verbose, bool):
+            raise TypeError(f"verbose must be a bool, got {self.verbose!r}")
+
+
+class SolveStatus(str, enum.Enum):
+    """How good the returned plan is proven to be."""
+
+    OPTIMAL = "optimal"
+    """Proven optimal within ``SolverOptions.rel_gap``."""
+    FEASIBLE = "feasible"
+    """Fits the budget, but the time limit stopped the search first; see ``SolveResult.gap``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolveResult:
+    """A module-level SAC plan and what the memory model predicts for it."""
+
+    status: SolveStatus
+    decisions: Mapping[str, float]
+    """Checkpointed module fqn -> discard ratio r in (0, 1]. r is the fraction of the module's
+    ``sac_memory_bytes`` to discard; between breakpoints of its trade-off curve it stands for a
+    fractional op (the planner rounds to whole ops along the greedy order)."""
+    discarded_bytes: Mapping[str, int]
+    """Checkpointed module fqn -> discarded bytes, ``round(r * sac_memory_bytes)``; the exact
+    integers the memory model was evaluated with."""
+    checkpointed: tuple[str, ...]
+    """Checkpointed modules in forward pre-order."""
+    predicted_peak_bytes: int
+    """Peak of the memory model at these decisions, evaluated exactly in integers; <= budget."""
+    no_ac_peak_bytes: int
+    """Peak of the memory model with no checkpointing (same world_size)."""
+    recompute_ms: float
+    """Recompute time of the plan: each checkpointed module's ``recompute_fixed_ms`` plus its
+    exact trade-off curve at the discarded bytes."""
+    solve_time_s: float
+    """Wall time of building (if not reused) and solving the MILP, and evaluating the plan."""
+    gap: float | None
+    """Relative optimality gap the backend reported (0 when it proved optimality outright); None
+    when it did not report one."""
+    budget_bytes: int
+    world_size: int
+    backend: Backend = Backend.CBC
+    n_variables: int = 0
+    """Size of the MILP that produced the plan (0 when no MILP was needed)."""
+    n_constraints: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Diagnostics (e.g. ``"repaired_bytes"``); not part of the plan."""
+
+
+# ----------------------------------------------------------------------------- backend plumbing
+@dataclass(frozen=True)
+class _BackendOutcome:
+    has_solution: bool
+    proven: bool
+    """Optimal within the gap (True) or stopped early (False); meaningless without a solution."""
+    infeasible: bool
+    gap: float | None
+    seconds: float
+
+
+_TIGHT_TOL = 1e-9
+"""Integrality / feasibility tolerance for models whose rows must be exact to the byte."""
+
+
+def _make_pulp_solver(options: SolverOptions, rel_gap: float, log_path: str | None,
+                      tight: bool) -> Any:
+    import pulp
+
+    limit = options.time_limit_s
+    if options.backend is Backend.CBC:
+        # CBC's preprocessing and default tolerances accept x = 0.99999998, which on a row with
+        # 1e8-byte coefficients is an overshoot of a few bytes (or a bogus "infeasible").
+        extra = [f"integerT {_TIGHT_TOL}", f"primalT {_TIGHT_TOL}", "preprocess off"] if tight else []
+        return pulp.COIN_CMD(
+            path=_cbc_path(), msg=options.verbose, timeLimit=limit, gapRel=rel_gap,
+            threads=options.threads, logPath=None if options.verbose else log_path, options=extra,
+        )
+    params = ({"mip_feasibility_tolerance": _TIGHT_TOL, "primal_feasibility_tolerance": _TIGHT_TOL}
+              if tight else {})
+    return pulp.HiGHS(
+        msg=options.verbose, timeLimit=limit, gapRel=rel_gap, threads=options.threads, **params
+    )
+
+
+_BOUND_RE = re.compile(r"^(?:Lower|Upper) bound:\s*(\S+)", re.M)
+_OBJ_RE = re.compile(r"^Objective value:\s*(\S+)", re.M)
+
+
+def _cbc_gap(log_text: str) -> float | None:
+    obj, bound = _OBJ_RE.search(log_text), _BOUND_RE.search(log_text)
+    if obj is None:
+        return None
+    if bound is None:  # CBC prints a bound only when it stopped before proving optimality
+        return 0.0
+    o, b = float(obj.group(1)), float(bound.group(1))
+    return abs(o - b) / max(abs(o), 1e-12)
+
+
+def run_backend(prob: "pulp.LpProblem", options: SolverOptions, *, rel_gap: float | None = None,
+                tight: bool = False) -> _BackendOutcome:
+    """Solve ``prob`` with the configured backend and classify the outcome.
+
+    ``tight``: byte-exact rows (tight tolerances, no CBC preprocessing); for small models."""
+    import pulp
+
+    if options.write_lp_path is not None:
+        prob.writeLP(str(options.write_lp_path))
+    gap_req = options.rel_gap if rel_gap is None else rel_gap
+    with tempfile.TemporaryDirectory(prefix="sac_milp_") as tmp:
+        log_path = os.path.join(tmp, "cbc.log")
+        solver = _make_pulp_solver(options, gap_req, log_path, tight)
+        t0 = time.perf_counter()
+        prob.solve(solver)
+        seconds = time.perf_counter() - t0
+        log_text = Path(log_path).read_text() if os.path.exists(log_path) else ""
+    sol = prob.sol_status
+    has_solution = sol in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    infeasible = prob.status == pulp.LpStatusInfeasible or sol == pulp.LpSolutionInfeasible
+    if options.backend is Backend.HIGHS and has_solution:
+        gap = float(prob.solverModel.getInfo().mip_gap)
+        gap = gap if math.isfinite(gap) else None
+    else:
+        gap = _cbc_gap(log_text) if has_solution else None
+    proven = sol == pulp.LpSolutionOptimal
+    logger.debug("backend %s: status=%s sol_status=%s gap=%s in %.3fs",
+                 options.backend.value, prob.status, sol, gap, seconds)
+    return _BackendOutcome(has_solution, proven, infeasible and not has_solution, gap, seconds)
