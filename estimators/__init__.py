@@ -6,6 +6,7 @@
 """
 
 from estimators.device import DEVICE_SPECS, DeviceSpec, UnknownDeviceError, get_device_spec
+from estimators.estimate import Estimate, EstimateOptions, TraceError, TraceMode, estimate
 from estimators.module_info import (
     MemoryPoint,
     ModOrder,
@@ -17,6 +18,11 @@ from estimators.module_info import (
 )
 
 __all__ = [
+    "estimate",
+    "Estimate",
+    "EstimateOptions",
+    "TraceMode",
+    "TraceError",
     "DEVICE_SPECS",
     "DeviceSpec",
     "UnknownDeviceError",

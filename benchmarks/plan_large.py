@@ -1,0 +1,71 @@
+"""Plan a Llama-3-70B-shaped decoder for an 80 GiB H100, in fake mode, on this CPU machine.
+
+    python benchmarks/plan_large.py                    # world_size 64 (FSDP), budget 80 GiB
+    python benchmarks/plan_large.py --world-size 1     # shows the smallest reachable budget
+
+Model: 80 layers, hidden 8192, 64 heads / 8 KV heads, FFN 28672, vocab 128256, seq 4096,
+micro-batch 1, bf16, AdamW. Prints wall time and max RSS against the targets (<= 120 s, <= 4 GiB).
+With world_size > 1 parameters, gradients and optimizer state are divided by world_size (the
+FSDP gather buffers of the units in flight are not modelled yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.llama import llama3_70b  # noqa: E402
+from planner import PlanningError, solve_sac  # noqa: E402
+from solver import SolverOptions  # noqa: E402
+
+GiB = 2**30
+
+
+def max_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # Linux: KiB
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget-gib", type=float, default=80.0, help="per-GPU budget (default 80)")
+    p.add_argument("--world-size", type=int, default=64, help="FSDP ranks (default 64)")
+    p.add_argument("--device", default="h100", help="target DeviceSpec (default h100)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--plan-out", help="write the plan JSON here")
+    args = p.parse_args(argv)
+
+    t0 = time.perf_counter()
+    model, inputs = llama3_70b(seq_len=args.seq_len)
+    t_build = time.perf_counter() - t0
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e9:.2f} B parameters on {next(model.parameters()).device}, built in {t_build:.1f} s")
+    t1 = time.perf_counter()
+    try:
+        plan = solve_sac(
+            model, args.budget_gib, inputs, loss_fn=model.loss_fn, optimizer="adamw",
+            device=args.device, world_size=args.world_size,
+            solver_options=SolverOptions(time_limit_s=60.0),
+        )
+    except PlanningError as e:
+        print(f"planning error: {e}")
+        plan = None
+    wall = time.perf_counter() - t1
+    rss = max_rss_gib()
+    if plan is not None:
+        print(plan.summary())
+        if args.plan_out:
+            plan.save(args.plan_out)
+    print()
+    print(f"{'wall time (trace + solve + op decisions)':44s} {wall:8.1f} s   target <= 120 s  "
+          f"{'PASS' if wall <= 120 else 'FAIL'}")
+    print(f"{'max RSS of this process':44s} {rss:8.2f} GiB target <= 4 GiB  {'PASS' if rss <= 4 else 'FAIL'}")
+    return 0 if (wall <= 120 and rss <= 4) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
