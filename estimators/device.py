@@ -3,17 +3,32 @@
 A DeviceSpec lets a CPU-only machine plan for a GPU: runtimes come from peak FLOP/s and memory
 bandwidth, memory accounting follows the device's allocator (``allocator_block_bytes``).
 Peak numbers are the vendors' dense (no sparsity) datasheet figures.
+
+An :class:`Interconnect` is one kind of link collectives run over (NVLink, InfiniBand, PCIe); a
+DeviceSpec names its default link in ``interconnect``, read through
+:attr:`DeviceSpec.collective_link` (``estimators.collectives`` prices all-gather,
+reduce-scatter, all-reduce and broadcast on it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
 
-__all__ = ["DeviceSpec", "DEVICE_SPECS", "get_device_spec", "UnknownDeviceError"]
+__all__ = [
+    "DeviceSpec",
+    "DEVICE_SPECS",
+    "get_device_spec",
+    "UnknownDeviceError",
+    "Interconnect",
+    "INTERCONNECTS",
+    "get_interconnect",
+    "UnknownInterconnectError",
+]
 
 _TF = 1e12
 _GB = 1e9
@@ -22,6 +37,85 @@ _GiB = 2**30
 
 class UnknownDeviceError(ValueError):
     """A device name that has no DeviceSpec."""
+
+
+class UnknownInterconnectError(ValueError):
+    """A link name that has no Interconnect."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Interconnect:
+    """One kind of link collectives run over, as the analytic collective model sees it.
+
+    A collective on it costs ``latency_s + factor * bytes / bandwidth_bytes_per_s`` (the factor is
+    the ring algorithm's, see ``estimators.collectives``). Bandwidths are datasheet figures: NCCL
+    reaches roughly 70-90 % of them; fit a model to benchmark points for measured numbers.
+
+    Example::
+
+        link = get_interconnect("nvlink4")
+        link.bandwidth_bytes_per_s   # 450e9: per GPU, one direction
+    """
+
+    name: str
+    """Registry key, e.g. ``"nvlink4"``."""
+    bandwidth_bytes_per_s: float
+    """Per-rank bandwidth in one direction (what a ring step moves per second)."""
+    latency_s: float
+    """Fixed cost of one collective on this link (launch + handshakes), seconds."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("Interconnect.name must be a non-empty string")
+        if not self.bandwidth_bytes_per_s > 0:  # also rejects NaN
+            raise ValueError(
+                f"Interconnect.bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s}"
+            )
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ValueError(
+                f"Interconnect.latency_s must be finite and >= 0, got {self.latency_s}"
+            )
+
+
+# Latencies are the order of a small-message NCCL ring collective on that link (a few us within a
+# node, more across a network), not a measurement: fit a model where the number matters.
+INTERCONNECTS: dict[str, Interconnect] = {
+    link.name: link
+    for link in (
+        Interconnect(name="nvlink3", bandwidth_bytes_per_s=300 * _GB, latency_s=10e-6),  # A100
+        Interconnect(name="nvlink4", bandwidth_bytes_per_s=450 * _GB, latency_s=10e-6),  # H100/H200
+        Interconnect(name="nvlink5", bandwidth_bytes_per_s=900 * _GB, latency_s=10e-6),  # B200
+        Interconnect(name="pcie4", bandwidth_bytes_per_s=32 * _GB, latency_s=15e-6),  # x16
+        Interconnect(name="pcie5", bandwidth_bytes_per_s=64 * _GB, latency_s=15e-6),  # x16
+        Interconnect(name="infiniband-hdr", bandwidth_bytes_per_s=25 * _GB, latency_s=25e-6),
+        Interconnect(name="infiniband-ndr", bandwidth_bytes_per_s=50 * _GB, latency_s=25e-6),
+    )
+}
+_LINK_ALIASES = {
+    "nvlink": "nvlink4",
+    "infiniband": "infiniband-ndr",
+    "ib": "infiniband-ndr",
+    "pcie": "pcie5",
+}
+
+
+def get_interconnect(link: str | Interconnect) -> Interconnect:
+    """Look up an Interconnect by name (case-insensitive) or pass one through.
+
+    >>> get_interconnect("NVLink4").bandwidth_bytes_per_s
+    450000000000.0
+    """
+    if isinstance(link, Interconnect):
+        return link
+    key = str(link).strip().lower()
+    key = _LINK_ALIASES.get(key, key)
+    if key not in INTERCONNECTS:
+        raise UnknownInterconnectError(
+            f"unknown interconnect {link!r}; known links: {', '.join(sorted(INTERCONNECTS))}. "
+            "For another link pass "
+            "Interconnect(name=..., bandwidth_bytes_per_s=..., latency_s=...)."
+        )
+    return INTERCONNECTS[key]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +141,11 @@ class DeviceSpec:
     kernel_launch_ms: float = 0.0
     """Fixed per-kernel overhead added to every non-view op."""
     interconnect_bytes_per_s: float = 0.0
-    """Per-GPU collective bandwidth (NVLink etc.); 0 when not modelled."""
+    """Per-GPU collective bandwidth (NVLink etc.); 0 when not modelled. When > 0 it is the
+    bandwidth of :attr:`collective_link`, overriding ``interconnect``'s own."""
+    interconnect: Interconnect | None = None
+    """Default link between devices of this kind (within a node): its name and latency, and its
+    bandwidth where ``interconnect_bytes_per_s`` is 0. ``None``: no link named."""
     extra: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -69,6 +167,12 @@ class DeviceSpec:
             raise ValueError("DeviceSpec.allocator_block_bytes must be >= 1")
         if self.kernel_launch_ms < 0 or self.interconnect_bytes_per_s < 0:
             raise ValueError("DeviceSpec.kernel_launch_ms and interconnect_bytes_per_s must be >= 0")
+        if self.interconnect is not None and not isinstance(self.interconnect, Interconnect):
+            raise ValueError(
+                f"DeviceSpec.interconnect must be an Interconnect or None, "
+                f"got {self.interconnect!r}; "
+                "look one up with get_interconnect(name)"
+            )
 
     def _check_peaks(self) -> None:
         if not self.peak_flops_per_s:
@@ -83,6 +187,25 @@ class DeviceSpec:
     def is_cuda(self) -> bool:
         return self.kind == "cuda"
 
+    @property
+    def collective_link(self) -> Interconnect | None:
+        """The link collectives between these devices run over; ``None`` when none is modelled.
+
+        ``interconnect`` with ``interconnect_bytes_per_s`` (when > 0) as its bandwidth; without
+        ``interconnect``, a link of that bandwidth whose latency is not modelled (0 s).
+
+        >>> get_device_spec("h100").collective_link.name
+        'nvlink4'
+        """
+        link, bw = self.interconnect, self.interconnect_bytes_per_s
+        if link is None:
+            if bw <= 0:
+                return None
+            return Interconnect(name=f"{self.name}-link", bandwidth_bytes_per_s=bw, latency_s=0.0)
+        if bw > 0 and bw != link.bandwidth_bytes_per_s:
+            return dataclasses.replace(link, bandwidth_bytes_per_s=bw)
+        return link
+
     def flops_per_s(self, dtype: torch.dtype) -> float:
         peaks = self.peak_flops_per_s
         return peaks.get(dtype) or peaks.get(torch.float32) or max(peaks.values())
@@ -96,7 +219,7 @@ class DeviceSpec:
         return dataclasses.replace(self, **changes)
 
 
-def _cuda(name, bf16_tflops, fp32_tflops, bw_gbps, mem_bytes, fp8_tflops=None, link_gbps=0.0):
+def _cuda(name, bf16_tflops, fp32_tflops, bw_gbps, mem_bytes, fp8_tflops=None, link=None):
     peaks = {
         torch.bfloat16: bf16_tflops * _TF,
         torch.float16: bf16_tflops * _TF,
@@ -114,20 +237,21 @@ def _cuda(name, bf16_tflops, fp32_tflops, bw_gbps, mem_bytes, fp8_tflops=None, l
         memory_bytes=mem_bytes,
         allocator_block_bytes=512,
         kernel_launch_ms=0.004,
-        interconnect_bytes_per_s=link_gbps * _GB,
+        interconnect_bytes_per_s=INTERCONNECTS[link].bandwidth_bytes_per_s if link else 0.0,
+        interconnect=INTERCONNECTS[link] if link else None,
     )
 
 
 DEVICE_SPECS: dict[str, DeviceSpec] = {
     # fp32 column is plain FP32 (no TF32), the default of torch.matmul on CUDA.
-    "h100": _cuda("h100", 989.4, 66.9, 3350, 80 * _GiB, fp8_tflops=1978.9, link_gbps=450),
+    "h100": _cuda("h100", 989.4, 66.9, 3350, 80 * _GiB, fp8_tflops=1978.9, link="nvlink4"),
     # "141 GB" on the datasheet is what CUDA reports as ~140 GiB (HBM sizes are binary in
     # practice, as for the "80 GB" H100), so GiB, not 10**9: 141e9 would understate it by 10 GiB.
-    "h200": _cuda("h200", 989.4, 66.9, 4800, 141 * _GiB, fp8_tflops=1978.9, link_gbps=450),
-    "a100-40gb": _cuda("a100-40gb", 312.0, 19.5, 1555, 40 * _GiB, link_gbps=300),
-    "a100-80gb": _cuda("a100-80gb", 312.0, 19.5, 2039, 80 * _GiB, link_gbps=300),
+    "h200": _cuda("h200", 989.4, 66.9, 4800, 141 * _GiB, fp8_tflops=1978.9, link="nvlink4"),
+    "a100-40gb": _cuda("a100-40gb", 312.0, 19.5, 1555, 40 * _GiB, link="nvlink3"),
+    "a100-80gb": _cuda("a100-80gb", 312.0, 19.5, 2039, 80 * _GiB, link="nvlink3"),
     "l4": _cuda("l4", 121.0, 30.3, 300, 24 * _GiB, fp8_tflops=242.0),
-    "b200": _cuda("b200", 2250.0, 75.0, 8000, 180 * _GiB, fp8_tflops=4500.0, link_gbps=900),
+    "b200": _cuda("b200", 2250.0, 75.0, 8000, 180 * _GiB, fp8_tflops=4500.0, link="nvlink5"),
     # A modest server CPU core pair: numbers for relative costing, not a promise.
     "cpu": DeviceSpec(
         name="cpu",

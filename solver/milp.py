@@ -521,7 +521,10 @@ class SACMilp:
 
     # ------------------------------------------------------------------ min peak
     def min_reachable_peak_bytes(self) -> int:
-        """Smallest peak any allowed plan reaches (the smallest feasible budget), in bytes."""
+        """Smallest peak any allowed plan reaches (the smallest feasible budget), in bytes.
+
+        The number is reached by a concrete plan; that no plan goes lower is proven up to the
+        backend's tolerance, about 1e-6 of the peak."""
         return self._solve_min_peak()[0]
 
     def _solve_min_peak(self) -> tuple[int, dict[str, int]]:

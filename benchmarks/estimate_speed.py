@@ -1,0 +1,221 @@
+"""How fast is our fake-mode estimation, next to torch.distributed._tools' own pipeline?
+
+    python benchmarks/estimate_speed.py                      # full run (about a minute on 2 cores)
+    python benchmarks/estimate_speed.py --skip-torch --layers 4 8
+    python -m benchmarks.estimate_speed --repeats 1
+
+Model (both sides): the GPT decoder of ``examples.gpt.gpt_bench``: dim 768, 12 heads, vocab 8192,
+seq 1024, batch 8, Adam; 4 layers for the side-by-side comparison (``--compare-layers``), the
+shape torch's own SAC ILP test uses. Loss: ``output.sum()`` as in torch's tests (``--loss model``
+uses next-token cross-entropy on both sides instead). Target device: the ``h100`` DeviceSpec, given
+to torch's roofline through the patch documented in ``benchmarks/_torch_pipeline.py``.
+
+What is timed (wall clock, ``time.perf_counter``), model construction excluded on both sides:
+
+* ours:   ``estimators.estimate(model, inputs, loss_fn=..., optimizer="adam", device="h100")`` on
+          a model built on the meta device; the copy to fake tensors, the traced step, memory
+          timeline, runtimes, SAC trade-offs and ModuleInfo are all inside the timed call.
+* theirs: under FakeTensorMode (model built there, not timed): MemTracker (2 steps), RuntimeEstimator
+          (warm-up step + 1 estimated step), SACEstimator (forward + backward), ``aggregate_stats``
+          (incl. its pwlf fits) -- see ``benchmarks/_torch_pipeline.py``.
+
+Both sides first run once on ``gpt_tiny`` so one-time import and dispatch-cache costs are paid
+before timing. Each measurement is repeated ``--repeats`` times; the median is reported.
+
+Checks (exit code 1 if one fails):
+* speed:     ours / theirs <= 1/3 at ``--compare-layers`` layers;
+* linearity: our time vs layers fits a line (R^2 >= 0.99) and t(max) / t(min) does not exceed
+             the layer ratio by more than 15 % (growth no worse than proportional).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# Runnable as a script from anywhere: the repository root holds estimators/, examples/, benchmarks/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+from benchmarks._torch_pipeline import TorchPipelineResult, run_torch_pipeline  # noqa: E402
+from estimators.device import get_device_spec  # noqa: E402
+from examples.gpt import gpt_bench, gpt_loss, gpt_tiny  # noqa: E402
+
+SPEED_TARGET = 1 / 3
+R2_TARGET = 0.99
+GROWTH_SLACK = 1.15
+DEVICE = "h100"
+
+LossFn = Callable[[Tensor, tuple], Tensor]
+
+
+def _sum_loss(output: Tensor, inputs: tuple) -> Tensor:
+    return output.sum()
+
+
+LOSSES: dict[str, LossFn] = {"sum": _sum_loss, "model": gpt_loss}
+
+
+@dataclass(frozen=True)
+class OurRun:
+    wall_s: float
+    n_ops: int | None
+
+
+def _our_estimate() -> Callable:
+    from estimators import estimate
+
+    # While estimators/__init__.py does not yet re-export the function, the name is the submodule.
+    return estimate if callable(estimate) else estimate.estimate
+
+
+def run_ours(n_layer: int, loss_fn: LossFn) -> OurRun:
+    """Build the benchmark decoder on meta (untimed), then time one ``estimate`` call."""
+    estimate = _our_estimate()
+    model, inputs = gpt_bench(device="meta", n_layer=n_layer)
+    start = time.perf_counter()
+    est = estimate(model, inputs, loss_fn=loss_fn, optimizer="adam", device=DEVICE)
+    wall_s = time.perf_counter() - start
+    trace = getattr(est, "trace", None)
+    ops = getattr(trace, "ops", None)
+    return OurRun(wall_s=wall_s, n_ops=len(ops) if ops is not None else None)
+
+
+def run_theirs(n_layer: int, loss_fn: LossFn) -> TorchPipelineResult:
+    return run_torch_pipeline(lambda: gpt_bench(n_layer=n_layer), loss_fn, get_device_spec(DEVICE))
+
+
+def _warm_up(loss_fn: LossFn, skip_torch: bool) -> None:
+    estimate = _our_estimate()
+    model, inputs = gpt_tiny(device="meta")
+    estimate(model, inputs, loss_fn=loss_fn, optimizer="adam", device=DEVICE)
+    if not skip_torch:
+        run_torch_pipeline(gpt_tiny, loss_fn, get_device_spec(DEVICE))
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least squares y = a + b x; returns (a, b, R^2)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - b * mx
+    ss_res = sum((y - (a + b * x)) ** 2 for x, y in zip(xs, ys))
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    return a, b, (1.0 - ss_res / ss_tot) if ss_tot > 0 else 1.0
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def compare(n_layer: int, loss_fn: LossFn, repeats: int, skip_torch: bool) -> bool:
+    """Print the side-by-side table; True when the speed target is met (or not checked)."""
+    ours = [run_ours(n_layer, loss_fn) for _ in range(repeats)]
+    ours_s = _median([r.wall_s for r in ours])
+    print(f"\n== Side by side: gpt_bench, {n_layer} layers, Adam, device={DEVICE}, median of {repeats} ==")
+    print(f"{'pipeline':<34}{'layers':>7}{'wall s':>10}{'ops traced':>12}")
+    print(f"{'ours (estimators.estimate)':<34}{n_layer:>7}{ours_s:>10.3f}{_fmt_ops(ours[0].n_ops):>12}")
+    if skip_torch:
+        print("torch.distributed._tools: skipped (--skip-torch)")
+        return True
+    theirs = [run_theirs(n_layer, loss_fn) for _ in range(repeats)]
+    theirs_s = _median([r.total_s for r in theirs])
+    print(f"{'torch.distributed._tools':<34}{n_layer:>7}{theirs_s:>10.3f}{theirs[0].roofline_calls:>12}")
+    for label, attr in (
+        ("  MemTracker (2 steps)", "mem_tracker_s"),
+        ("  RuntimeEstimator (warm-up + 1)", "runtime_estimator_s"),
+        ("  SACEstimator (fw + bw)", "sac_estimator_s"),
+        ("  aggregate_stats (pwlf fits)", "aggregate_s"),
+    ):
+        print(f"{label:<34}{'':>7}{_median([getattr(r, attr) for r in theirs]):>10.3f}")
+    print("  (torch 'ops traced' = roofline calls: RuntimeEstimator step + SACEstimator forward)")
+    # Non-zero only if the patched DeviceSpec numbers reached torch's roofline.
+    print(f"  torch's RuntimeEstimator step estimate on {DEVICE}: {theirs[0].total_runtime_ms:.2f} ms")
+    ratio = ours_s / theirs_s
+    ok = ratio <= SPEED_TARGET
+    print(f"ratio ours/theirs = {ratio:.3f} (target <= {SPEED_TARGET:.3f}, i.e. {1 / ratio:.1f}x faster)  {_verdict(ok)}")
+    return ok
+
+
+def _fmt_ops(n: int | None) -> str:
+    return "n/a" if n is None else str(n)
+
+
+def scaling(layers: Sequence[int], loss_fn: LossFn, repeats: int) -> bool:
+    """Print our time per layer count; True when growth is linear (see module docstring)."""
+    print(f"\n== Ours vs depth: gpt_bench, median of {repeats} ==")
+    print(f"{'layers':>7}{'wall s':>10}{'s/layer':>10}{'marginal s/layer':>18}{'ops traced':>12}")
+    times: list[float] = []
+    prev: tuple[int, float] | None = None
+    for n_layer in layers:
+        runs = [run_ours(n_layer, loss_fn) for _ in range(repeats)]
+        t = _median([r.wall_s for r in runs])
+        times.append(t)
+        marginal = "" if prev is None else f"{(t - prev[1]) / (n_layer - prev[0]):.4f}"
+        print(f"{n_layer:>7}{t:>10.3f}{t / n_layer:>10.4f}{marginal:>18}{_fmt_ops(runs[0].n_ops):>12}")
+        prev = (n_layer, t)
+    if len(layers) < 2:
+        print("linearity: needs at least two layer counts; not checked")
+        return True
+    a, b, r2 = linear_fit([float(n) for n in layers], times)
+    growth, layer_ratio = times[-1] / times[0], layers[-1] / layers[0]
+    ok = r2 >= R2_TARGET and growth <= layer_ratio * GROWTH_SLACK
+    print(f"fit: t = {a:.3f} s + {b:.4f} s/layer, R^2 = {r2:.4f} (target >= {R2_TARGET})")
+    print(
+        f"t({layers[-1]})/t({layers[0]}) = {growth:.2f} vs layer ratio {layer_ratio:.0f} "
+        f"(must not exceed {layer_ratio * GROWTH_SLACK:.1f}; below it = fixed cost of embeddings/head)"
+    )
+    print(f"linearity: {_verdict(ok)}")
+    return ok
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--layers", type=int, nargs="+", default=[4, 8, 16, 32],
+        help="layer counts for our depth-scaling run (default: 4 8 16 32)",
+    )
+    parser.add_argument(
+        "--compare-layers", type=int, default=4,
+        help="layer count of the side-by-side comparison with torch (default: 4)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement; the median is reported")
+    parser.add_argument(
+        "--skip-torch", action="store_true",
+        help="do not run torch.distributed._tools' pipeline (no ratio check)",
+    )
+    parser.add_argument(
+        "--loss", choices=sorted(LOSSES), default="sum",
+        help="'sum': output.sum() as torch's tests; 'model': next-token cross-entropy (both sides)",
+    )
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or min(args.layers) < 1 or args.compare_layers < 1:
+        parser.error("--repeats, --layers and --compare-layers must be >= 1")
+    args.layers = sorted(set(args.layers))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse_args(argv)
+    loss_fn = LOSSES[args.loss]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, loss={args.loss}")
+    _warm_up(loss_fn, args.skip_torch)
+    speed_ok = compare(args.compare_layers, loss_fn, args.repeats, args.skip_torch)
+    linear_ok = scaling(args.layers, loss_fn, args.repeats)
+    return 0 if speed_ok and linear_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
