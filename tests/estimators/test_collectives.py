@@ -1,0 +1,318 @@
+"""Collective runtimes: hand-computed ring formulas, an exact fit, real 2-rank gloo benchmarks.
+
+The gloo tests fork two processes (fork, not spawn: a spawned child re-imports torch, seconds on a
+small machine) that rendezvous through a FileStore and talk over the loopback interface only.
+"""
+
+import datetime
+import json
+import math
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from estimators.collectives import (
+    AnalyticCollectiveModel,
+    Collective,
+    CollectiveBenchmark,
+    CollectiveCacheError,
+    CollectiveCost,
+    CollectiveError,
+    CollectiveFitError,
+    CollectivePoint,
+    CollectiveTimeoutError,
+    bucket_bytes,
+    ring_factor,
+)
+from estimators.device import Interconnect, get_device_spec
+
+GiB = 2**30
+AG, RS, AR, BC = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE,
+                  Collective.BROADCAST)
+TEST_LINK = Interconnect(name="test", bandwidth_bytes_per_s=100e9, latency_s=5e-6)
+
+# ----------------------------------------------------------------------------- analytic
+
+
+def test_ring_factors():
+    assert ring_factor(AG, 8) == ring_factor(RS, 8) == 7 / 8
+    assert ring_factor(AR, 8) == 14 / 8
+    assert ring_factor(BC, 8) == 1.0
+    assert all(ring_factor(c, 1) == 0.0 for c in Collective)
+
+
+def test_bucket_bytes_rounds_up_to_a_power_of_two():
+    sizes = (0, 1, 2, 3, 1000, 1024, 1025)
+    assert [bucket_bytes(n) for n in sizes] == [1, 1, 2, 4, 1024, 1024, 2048]
+
+
+def test_all_gather_1gib_8_ranks_100gbps_5us_hand_computed():
+    model = AnalyticCollectiveModel.from_interconnect(TEST_LINK)
+    # 5 us + 7/8 * 2**30 B / 100e9 B/s = 5e-6 + 939524096 / 1e11 s = 9.40024096 ms
+    assert model.time_ms(AG, GiB, 8) == pytest.approx(9.40024096, rel=1e-12)
+    assert model.time_ms(RS, GiB, 8) == pytest.approx(9.40024096, rel=1e-12)
+    # all_reduce moves twice as much: 5e-6 + 1879048192 / 1e11 s
+    assert model.time_ms(AR, GiB, 8) == pytest.approx(18.79548192, rel=1e-12)
+    # broadcast: the whole buffer once, 5e-6 + 1073741824 / 1e11 s
+    assert model.time_ms(BC, GiB, 8) == pytest.approx(10.74241824, rel=1e-12)
+
+
+def test_group_of_one_costs_nothing_and_empty_message_costs_the_latency():
+    model = AnalyticCollectiveModel.from_interconnect(TEST_LINK)
+    assert model.time_ms(AR, GiB, 1) == 0.0
+    assert model.time_ms(AR, 0, 4) == pytest.approx(0.005)
+
+
+def test_model_from_device_uses_its_link():
+    model = AnalyticCollectiveModel.from_device("h100")
+    assert model.name == "analytic:nvlink4"
+    # NVLink4: 450e9 B/s, 10 us; all_reduce of 1 GiB over 8 ranks: 1e-5 + 1.75 * 2**30 / 450e9 s
+    assert model.time_ms(AR, GiB, 8) == pytest.approx(1e-2 + 1.75 * 2**30 / 450e6, rel=1e-12)
+    slower = get_device_spec("h100").replace(interconnect_bytes_per_s=100e9)
+    assert AnalyticCollectiveModel.from_device(slower).time_ms(AG, GiB, 8) == pytest.approx(
+        1e-2 + 7 / 8 * 2**30 / 1e8, rel=1e-12
+    )
+    with pytest.raises(ValueError, match="names no interconnect"):
+        AnalyticCollectiveModel.from_device("cpu")
+
+
+def _synthetic_points(truth):
+    return [
+        CollectivePoint(collective=c, message_bytes=nbytes, group_size=n,
+                        runtime_ms=AnalyticCollectiveModel(costs=truth).time_ms(c, nbytes, n))
+        for c in truth
+        for n in (2, 4, 8)
+        for nbytes in (1024, 65536, 2**20, 2**26)
+    ]
+
+
+@pytest.mark.parametrize("relative_error", [True, False])
+def test_fit_recovers_latency_and_bandwidth_exactly(relative_error):
+    truth = {
+        AG: CollectiveCost(latency_s=7e-6, bandwidth_bytes_per_s=123e9),
+        RS: CollectiveCost(latency_s=11e-6, bandwidth_bytes_per_s=80e9),
+        AR: CollectiveCost(latency_s=23e-6, bandwidth_bytes_per_s=95e9),
+        BC: CollectiveCost(latency_s=3e-6, bandwidth_bytes_per_s=40e9),
+    }
+    fitted = AnalyticCollectiveModel.fit(_synthetic_points(truth), relative_error=relative_error)
+    for c, cost in truth.items():
+        got = fitted.costs[c]
+        assert got.latency_s == pytest.approx(cost.latency_s, rel=1e-6)
+        assert got.bandwidth_bytes_per_s == pytest.approx(cost.bandwidth_bytes_per_s, rel=1e-6)
+
+
+def test_fit_keeps_latency_non_negative():
+    # Through these points the unconstrained line has a negative intercept (-0.5 ms).
+    points = [
+        CollectivePoint(collective=AR, message_bytes=b, group_size=2, runtime_ms=t)
+        for b, t in ((1000, 0.5), (2000, 1.5), (3000, 2.5))
+    ]
+    cost = AnalyticCollectiveModel.fit(points, relative_error=False).costs[AR]
+    assert cost.latency_s == 0.0
+    # Best line through the origin: slope = sum(x y) / sum(x x), x = bytes moved (factor 1).
+    x, y = [1000, 2000, 3000], [0.5e-3, 1.5e-3, 2.5e-3]
+    slope = sum(a * b for a, b in zip(x, y)) / sum(a * a for a in x)
+    assert cost.bandwidth_bytes_per_s == pytest.approx(1 / slope, rel=1e-9)
+
+
+def test_fit_needs_two_message_sizes_and_real_groups():
+    one_size = [CollectivePoint(collective=AG, message_bytes=4096, group_size=2, runtime_ms=t)
+                for t in (0.1, 0.2)]
+    with pytest.raises(CollectiveFitError, match="two or more message sizes"):
+        AnalyticCollectiveModel.fit(one_size)
+    singletons = [CollectivePoint(collective=AG, message_bytes=b, group_size=1, runtime_ms=0.1)
+                  for b in (4096, 8192)]
+    with pytest.raises(CollectiveFitError):
+        AnalyticCollectiveModel.fit(singletons)
+    with pytest.raises(CollectiveFitError, match="got none"):
+        AnalyticCollectiveModel.fit([])
+
+
+def test_fitted_model_names_collectives_it_cannot_price():
+    points = [CollectivePoint(collective=AG, message_bytes=b, group_size=2, runtime_ms=b / 1e6)
+              for b in (4096, 8192)]
+    model = AnalyticCollectiveModel.fit(points)
+    with pytest.raises(KeyError, match="no cost for all_reduce"):
+        model.time_ms(AR, 4096, 2)
+
+
+def test_bad_arguments_are_refused():
+    model = AnalyticCollectiveModel.from_interconnect(TEST_LINK)
+    with pytest.raises(TypeError, match="Collective.ALL_GATHER"):
+        model.time_ms("all_gather", 10, 2)
+    with pytest.raises(ValueError, match="message_bytes"):
+        model.time_ms(AG, -1, 2)
+    with pytest.raises(ValueError, match="group_size"):
+        model.time_ms(AG, 10, 0)
+    with pytest.raises(ValueError):
+        CollectiveCost(latency_s=-1.0, bandwidth_bytes_per_s=1.0)
+    with pytest.raises(ValueError):
+        CollectiveBenchmark(timed_runs=0)
+
+
+# ----------------------------------------------------------------------------- benchmark, no group
+
+
+def test_no_process_group_gives_none():
+    assert not dist.is_initialized(), "a test before this one left a process group behind"
+    bench = CollectiveBenchmark()
+    assert bench.time_ms(AR, 4096) is None
+    assert (bench.hits, bench.misses, bench.runs, bench.skipped) == (0, 0, 0, 1)
+
+
+def test_fake_process_group_gives_none_without_a_launch():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        bench = CollectiveBenchmark()
+        assert all(bench.time_ms(c, 2**20) is None for c in Collective)
+        assert (bench.misses, bench.runs, bench.skipped) == (0, 0, 4)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_corrupt_or_foreign_cache_file_is_refused(tmp_path):
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text("{not json")
+    with pytest.raises(CollectiveCacheError, match="unreadable"):
+        CollectiveBenchmark(cache_path=corrupt)
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"format": "sac-planner/benchmark-cache", "version": 1}))
+    with pytest.raises(CollectiveCacheError, match="not a collective benchmark cache"):
+        CollectiveBenchmark(cache_path=foreign)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"format": "sac-planner/collective-benchmark-cache", "version": 0}))
+    with pytest.raises(CollectiveCacheError, match="version 0"):
+        CollectiveBenchmark(cache_path=old)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "sac-planner/collective-benchmark-cache", "version": 1,
+                               "entries": {"gloo:cpu:float32|all_gather|2|1024": -1}}))
+    with pytest.raises(CollectiveCacheError, match="malformed"):
+        CollectiveBenchmark(cache_path=bad)
+
+
+# ----------------------------------------------------------------------------- benchmark, gloo
+
+
+def _loopback_interface() -> str:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n.startswith("lo")), "lo")
+
+
+def _init_gloo(rank: int, tmp: str, timeout_s: float) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()  # 127.0.0.1 only
+    torch.set_num_threads(1)  # as DataLoader workers do: the parent's OpenMP pool died in the fork
+    store = dist.FileStore(os.path.join(tmp, "store"), 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _run_ranks(worker, tmp, *args, limit_s: float = 60.0) -> list[dict]:
+    """Run ``worker(rank, tmp, *args)`` on 2 forked ranks; what each wrote to rank{r}.json."""
+    ctx = mp.start_processes(worker, args=(str(tmp), *args), nprocs=2, join=False,
+                             start_method="fork")
+    deadline = time.monotonic() + limit_s
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"2-rank gloo test still running after {limit_s} s")
+    files = [tmp / f"rank{r}.json" for r in range(2)]
+    return [json.loads(f.read_text()) if f.exists() else None for f in files]
+
+
+SIZES = (1000, 70_000, 1_000_000)  # buckets 1 KiB, 128 KiB, 1 MiB
+TIMED_RUNS = 3
+
+
+def _benchmark_worker(rank: int, tmp: str) -> None:
+    _init_gloo(rank, tmp, timeout_s=30)
+    cache = os.path.join(tmp, "cache.json")
+    bench = CollectiveBenchmark(timed_runs=TIMED_RUNS, timeout_s=20, cache_path=cache)
+    measured = {f"{c.value}/{b}": bench.time_ms(c, b) for c in Collective for b in SIZES}
+    after_misses = (bench.hits, bench.misses, bench.runs)
+    # Same power-of-two buckets (1024, 131072, 1048576): answered without a launch.
+    again = {f"{c.value}/{b}": bench.time_ms(c, bucket_bytes(b) - 3) for c in Collective
+             for b in SIZES}
+    after_hits = (bench.hits, bench.misses, bench.runs)
+    dist.barrier()  # both ranks saved before anyone reloads
+    reloaded = CollectiveBenchmark(timed_runs=TIMED_RUNS, timeout_s=20, cache_path=cache)
+    from_disk = {f"{c.value}/{b}": reloaded.time_ms(c, b) for c in Collective for b in SIZES}
+    result = {
+        "measured": measured, "again": again, "from_disk": from_disk,
+        "after_misses": after_misses, "after_hits": after_hits,
+        "reloaded": (reloaded.hits, reloaded.misses, reloaded.runs),
+        "points": len(reloaded.points()),
+    }
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def test_gloo_two_ranks_benchmark_cache_and_disk_round_trip(tmp_path):
+    results = _run_ranks(_benchmark_worker, tmp_path)
+    n_keys = len(Collective) * len(SIZES)
+    for r in results:
+        assert all(ms > 0 and math.isfinite(ms) for ms in r["measured"].values())
+        # One warm-up and TIMED_RUNS timed launches per miss, nothing else counted.
+        assert r["after_misses"] == [0, n_keys, n_keys * (1 + TIMED_RUNS)]
+        assert r["after_hits"] == [n_keys, n_keys, n_keys * (1 + TIMED_RUNS)]
+        assert r["again"] == r["measured"]
+        assert r["reloaded"] == [n_keys, 0, 0]
+        assert r["from_disk"] == r["measured"]
+        assert r["points"] == n_keys
+    # The ranks agree (largest median), so every rank prices the plan alike.
+    assert results[0]["measured"] == results[1]["measured"]
+    saved = json.loads((tmp_path / "cache.json").read_text())
+    assert saved["format"] == "sac-planner/collective-benchmark-cache" and saved["version"] == 1
+    assert "gloo:cpu:float32|all_gather|2|1024" in saved["entries"]
+
+
+def _absent_peer_worker(rank: int, tmp: str, peer: str) -> None:
+    _init_gloo(rank, tmp, timeout_s=30)  # the group's own timeout is long: ours must fire
+    done = os.path.join(tmp, "rank0.json")
+    if rank == 1:
+        if peer == "exits":
+            os._exit(0)
+        deadline = time.monotonic() + 30  # alive but never joining, until rank 0 has its answer
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os._exit(0)
+    bench = CollectiveBenchmark(timed_runs=2, timeout_s=2.0)
+    start = time.monotonic()
+    try:
+        bench.time_ms(AR, 4096)
+        outcome = {"error": None}
+    except CollectiveError as exc:
+        outcome = {"error": type(exc).__name__, "message": str(exc)}
+    outcome["elapsed_s"] = time.monotonic() - start
+    _write_json(done, outcome)
+    os._exit(0)  # the group is broken: skip its teardown
+
+
+def _write_json(path: str, data: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+def test_rank_that_never_joins_times_out(tmp_path):
+    outcome = _run_ranks(_absent_peer_worker, tmp_path, "sleeps")[0]
+    assert outcome["error"] == CollectiveTimeoutError.__name__
+    assert 1.5 < outcome["elapsed_s"] < 6.0
+    for word in ("all_reduce", "4096-byte", "2 ranks", "timeout of 2 s"):
+        assert word in outcome["message"]
+
+
+def test_rank_that_dies_fails_fast(tmp_path):
+    outcome = _run_ranks(_absent_peer_worker, tmp_path, "exits")[0]
+    # gloo sees the closed connection at once (a CollectiveError), or the wait times out.
+    assert outcome["error"] in (CollectiveError.__name__, CollectiveTimeoutError.__name__)
+    assert outcome["elapsed_s"] < 6.0
+    assert "all_reduce" in outcome["message"]
