@@ -18,6 +18,7 @@ and of custom autograd Functions.
 from __future__ import annotations
 
 import bisect
+import time
 import enum
 import logging
 import weakref
@@ -154,6 +155,7 @@ class StepTracer(TorchDispatchMode):
         self._func_is_random: dict[Any, bool] = {}
         self._hooks: list[Any] = []
         self._calls_done = 0
+        self._last_progress = time.monotonic()
         self._sealed = False  # after finish(): later frees (the caller dropping tensors) are not the step's
 
     def set_phase(self, phase: Phase) -> None:
@@ -239,6 +241,9 @@ class StepTracer(TorchDispatchMode):
         )
         if self.phase is Phase.BW and call >= 0:
             self._last_bw_call = call
+        if self.progress is not None and self.phase is not Phase.FW and index % 256 == 0 and self._progress_due():
+            where = self.calls[call].fqn if call >= 0 else "-"
+            self.progress(f"{self.phase.name.lower()}: {index} ops, in {where}")
         return out
 
     def _mutated_sids(self, func, args, kwargs) -> tuple[int, ...]:
@@ -343,11 +348,19 @@ class StepTracer(TorchDispatchMode):
             call.output_sids = self._tensor_sids(output)
             call.post_rank = self._calls_done
             self._calls_done += 1
-            if call.depth <= 1 and self.progress is not None:
+            if self.progress is not None and (call.depth <= 1 or self._progress_due()):
                 self.progress(f"forward: {call.fqn} done ({len(self.ops)} ops)")
             return None
 
         return post_hook
+
+    def _progress_due(self, every_s: float = 2.0) -> bool:
+        """At most one progress message every ``every_s`` seconds for deep modules."""
+        now = time.monotonic()
+        if now - self._last_progress < every_s:
+            return False
+        self._last_progress = now
+        return True
 
     def _tensor_sids(self, obj: Any) -> tuple[int, ...]:
         flat, _ = tree_flatten(obj)
