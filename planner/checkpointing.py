@@ -26,6 +26,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from planner.fsdp import original_class_name
 from planner.plan import ModulePlan, Plan, model_fingerprint, op_key
 
 __all__ = ["apply_plan", "remove_plan", "AppliedPlan", "PlanMismatchError", "AlreadyCheckpointedError"]
@@ -150,7 +151,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = 
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan needs a Plan, got {type(plan).__name__}")
-    root = type(model).__name__
+    root = original_class_name(model)  # fully_shard renames GPT to FSDPGPT
     if check_fingerprint:
         fp = model_fingerprint(model)
         if plan.model_name != root or plan.model_fingerprint != fp:

@@ -1,0 +1,338 @@
+"""FSDP2-aware memory for the solver, without changing the solver.
+
+    units = ["GPT", *(f"GPT.blocks.{i}" for i in range(4))]     # what you will fully_shard
+    info2 = fsdp_module_info(est.module_info, units, world_size=8)
+    SACMilp(info2, world_size=8, fsdp_units=units)               # per-rank memory, FSDP included
+
+The solver's memory model (``estimators/module_info.py``) divides the parameter, gradient and
+optimizer bytes of every MemoryPoint by ``world_size`` and adds ``other_bytes`` as they are.
+``fsdp_module_info`` returns a copy of the ModuleInfo whose points carry, in ``other_bytes``, what
+FSDP2 holds *on top of* the sharded state at that instant, so the unchanged solver computes the
+per-rank memory of a ``fully_shard``-ed training step. Each rule below is how ``fully_shard`` in
+torch 2.13 behaves with its defaults (``reshard_after_forward`` left unset, implicit prefetching,
+no mixed precision, no CPU offload); ``W`` is the world size and a unit's *own* parameter bytes are
+its ``ModStats.param_bytes`` minus those of the units nested in it (likewise for gradients).
+Every rule has a test on a hand-built ModuleInfo (tests/planner/test_fsdp.py).
+
+R1  sharded state: parameters, gradients (after their reduce-scatter) and optimizer state are
+    1/W per rank. The points' param/grad/optimizer bytes stay as traced; the solver divides them.
+R2  the root stays gathered: the root unit is not resharded after forward (``_lazy_init`` clears
+    its ``post_forward_mesh_info``) and its post-backward runs in the final backward callback, so
+    its own unsharded parameters are held at every forward and backward point from its forward on.
+R3  running units are gathered: at a forward or backward point, every unit that is the point's
+    module or one of its ancestors (found from ``MemoryPoint.fqn``) holds its own unsharded
+    parameters (``pre_forward``/``pre_backward`` all-gather, ``post_forward``/``post_backward``
+    reshard). Ops outside every module (the loss) have no running unit but the root (R2).
+R4  forward all-gather buffer (W > 1): the flat all-gather output of the unit gathered last in
+    forward is kept (``comm_ctx.all_gather_state``) until the next unit's copy-out or the root's
+    post-forward: at a forward point before the root's forward ends, add the own parameter bytes
+    of the unit with the latest forward start at or before the point.
+R5  backward prefetch (W > 1): a unit's ``pre_backward`` all-gathers the unit before it in
+    post-forward order; that flat buffer is held until the prefetched unit's own
+    ``pre_backward`` copies it out: add its own parameter bytes at backward points in
+    ``[unit.bw_pre_op, prefetched.bw_pre_op)``. The root prefetches the last unit.
+R6  reduce-scatter buffer: a non-root unit's ``post_backward`` copies its unsharded gradients into
+    a flat reduce-scatter input that stays referenced (``comm_ctx.reduce_scatter_states``) until
+    the next ``post_backward``: add its own gradient bytes at backward points after its
+    ``bw_post_op`` up to the next unit's ``bw_post_op`` (up to the end of backward for the last
+    non-root unit: the root's post-backward in the final callback frees it).
+R7  unsharded gradients: a unit's gradients are full-size until its reduce-scatter, the root's
+    until the end of backward. At a backward point, of the traced ``grad_bytes`` all but the own
+    gradients of non-root units whose backward ended are unsharded, so add their
+    ``(W - 1) / W`` (the solver already counts ``1 / W``): ``u - u // W`` for ``u`` such bytes.
+
+Simplifications (stated, not hidden):
+
+* FSDP2 pads each parameter's dim 0 to a multiple of W; ModuleInfo has no per-parameter shapes,
+  so padding is not counted (exact when W divides every dim 0).
+* Copy-out transients (the flat all-gather output and the per-parameter unsharded tensors both
+  alive for one copy) fall between two traced ops; memory points sit on ops, so they are not
+  counted. The same holds for the root's reduce-scatter buffer (allocated and freed inside the
+  final backward callback).
+* The solver only evaluates the points the estimator picked (the unsharded step's highest op per
+  interval); FSDP's additions are constant over most of an interval but not all of it.
+* Each unit is assumed to run once per step (``n_calls == 1``; a warning says otherwise).
+* Optimizer-step temporaries stay at their traced (unsharded) size in ``other_bytes``:
+  conservative, and the optimizer step rarely holds the peak.
+* The traced inputs are one rank's batch; activations are per rank and are not divided.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import numbers
+import sys
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from estimators.module_info import MemoryPoint, ModStats, ModuleInfo
+
+__all__ = [
+    "FSDPUnitError",
+    "FSDPExtraBytes",
+    "fsdp_units_of",
+    "fsdp_extra_bytes",
+    "fsdp_module_info",
+    "original_class_name",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class FSDPUnitError(ValueError):
+    """``fsdp_units`` that do not describe a valid FSDP wrapping of the traced model."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPExtraBytes:
+    """What FSDP2 holds at one memory point on top of the sharded state, in bytes (one rank).
+
+    >>> FSDPExtraBytes(unsharded_param_bytes=8, all_gather_buffer_bytes=4).total_bytes
+    12
+    """
+
+    unsharded_param_bytes: int = 0
+    """Own parameters of the gathered units (R2, R3)."""
+    all_gather_buffer_bytes: int = 0
+    """Flat all-gather outputs held for overlap (R4 in forward, R5 in backward)."""
+    reduce_scatter_buffer_bytes: int = 0
+    """Flat reduce-scatter input of the unit reduced last (R6)."""
+    unsharded_grad_bytes: int = 0
+    """(W - 1) / W of the gradients not yet reduce-scattered (R7)."""
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.unsharded_param_bytes
+            + self.all_gather_buffer_bytes
+            + self.reduce_scatter_buffer_bytes
+            + self.unsharded_grad_bytes
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Unit:
+    """One FSDP unit as the rules need it."""
+
+    stats: ModStats
+    own_param_bytes: int
+    own_grad_bytes: int
+    is_root: bool
+
+    @property
+    def fqn(self) -> str:
+        return self.stats.fqn
+
+
+# ------------------------------------------------------------------------------ from a model
+def original_class_name(module: torch.nn.Module) -> str:
+    """The class name the module had before ``fully_shard`` (which swaps in ``FSDP<Name>``).
+
+    >>> original_class_name(torch.nn.Linear(2, 2))
+    'Linear'
+    """
+    cls = type(module)
+    fsdp_module = _fsdp_module_class()
+    if fsdp_module is not None and isinstance(module, fsdp_module):
+        bases = [b for b in cls.__bases__ if b is not fsdp_module]
+        if len(bases) == 1 and cls.__name__ == f"FSDP{bases[0].__name__}":
+            return bases[0].__name__
+    return cls.__name__
+
+
+def _fsdp_module_class() -> type | None:
+    """``FSDPModule`` if FSDP2 was imported (no module can be sharded otherwise); importing it
+    here would cost a second on every fingerprint."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return getattr(fsdp, "FSDPModule", None)
+
+
+def fsdp_units_of(model: torch.nn.Module) -> list[str]:
+    """Names (ModuleInfo style: root class name first) of the modules ``fully_shard`` was called on.
+
+    Example::
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        fsdp_units_of(model)   # ['GPT', 'GPT.blocks.0', 'GPT.blocks.1', ...]
+    """
+    fsdp_module = _fsdp_module_class()
+    if fsdp_module is None:
+        return []
+    root = original_class_name(model)
+    return [
+        f"{root}.{name}" if name else root
+        for name, mod in model.named_modules()
+        if isinstance(mod, fsdp_module)
+    ]
+
+
+# ------------------------------------------------------------------------------ validation
+def _check_world_size(world_size: object) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1 (number of ranks), got {world_size!r}")
+    return int(world_size)
+
+
+def _check_units(info: ModuleInfo, fsdp_units: Iterable[str]) -> list[str]:
+    if isinstance(fsdp_units, str):
+        raise FSDPUnitError(f"fsdp_units must be a list of module names, not the string {fsdp_units!r}")
+    units = list(dict.fromkeys(fsdp_units))
+    known = [s.fqn for s in info.mod_stats]
+    known_set = set(known)
+    for u in units:
+        if not isinstance(u, str):
+            raise FSDPUnitError(f"fsdp_units must hold module names (str), got {u!r}")
+        if u not in known_set:
+            close = difflib.get_close_matches(u, known, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise FSDPUnitError(
+                f"fsdp_units names {u!r}, which is not a module of the traced model "
+                f"(names start with the root class, e.g. {known[0]!r}){hint}"
+            )
+    root = known[0]
+    if root not in units:
+        raise FSDPUnitError(
+            f"fsdp_units must include the root {root!r}: call fully_shard(model) last, as FSDP2 "
+            "expects; parameters outside every unit would stay replicated, which this model does "
+            "not count"
+        )
+    return units
+
+
+# ------------------------------------------------------------------------------ unit table
+def _is_under(fqn: str, ancestor: str) -> bool:
+    """Strict descendant by dotted prefix ("a.bc" is not under "a.b")."""
+    return fqn.startswith(ancestor + ".")
+
+
+def _build_units(info: ModuleInfo, names: list[str]) -> dict[str, _Unit]:
+    root = info.mod_stats[0].fqn
+    out: dict[str, _Unit] = {}
+    for name in names:
+        s = info.stats(name)
+        # Units nested in this one, not inside another nested unit: their params are theirs.
+        nested = [n for n in names if _is_under(n, name)]
+        direct = [n for n in nested if not any(_is_under(n, m) for m in nested)]
+        own_p = s.param_bytes - sum(info.stats(n).param_bytes for n in direct)
+        own_g = s.grad_bytes - sum(info.stats(n).grad_bytes for n in direct)
+        if s.n_calls > 1:
+            logger.warning("FSDP unit %s runs %d times per step; modelled as one call", name, s.n_calls)
+        out[name] = _Unit(
+            stats=s, own_param_bytes=max(0, own_p), own_grad_bytes=max(0, own_g), is_root=name == root
+        )
+    return out
+
+
+def _post_forward_order(units: dict[str, _Unit]) -> list[_Unit]:
+    """FSDP's ``post_forward_order``: units by forward end, a nested unit before its parent."""
+    ran = [u for u in units.values() if u.stats.fw_post_op >= 0]
+    return sorted(ran, key=lambda u: (u.stats.fw_post_op, -u.fqn.count(".")))
+
+
+def _chain(fqn: str, units: dict[str, _Unit]) -> list[_Unit]:
+    """Units that are ``fqn`` or one of its ancestors."""
+    parts = fqn.split(".") if fqn else []
+    prefixes = (".".join(parts[:k]) for k in range(len(parts), 0, -1))
+    return [units[p] for p in prefixes if p in units]
+
+
+# ------------------------------------------------------------------------------ the rules
+def _gathered_param_bytes(p: MemoryPoint, units: dict[str, _Unit], root: _Unit) -> int:
+    """R2 + R3."""
+    if p.phase not in ("fw", "bw") or root.stats.fw_pre_op < 0 or p.op_index < root.stats.fw_pre_op:
+        return 0
+    gathered = {u.fqn: u for u in _chain(p.fqn, units)}
+    gathered[root.fqn] = root
+    return sum(u.own_param_bytes for u in gathered.values())
+
+
+def _forward_all_gather_bytes(p: MemoryPoint, order_fw: list[_Unit], root: _Unit, world_size: int) -> int:
+    """R4: the flat all-gather output of the unit gathered last in forward."""
+    if world_size == 1 or p.phase != "fw" or not root.stats.fw_pre_op <= p.op_index < root.stats.fw_post_op:
+        return 0
+    started = [u for u in order_fw if 0 <= u.stats.fw_pre_op <= p.op_index]
+    return started[-1].own_param_bytes if started else 0
+
+
+def _prefetch_bytes(p: MemoryPoint, order_post: list[_Unit], world_size: int) -> int:
+    """R5: flat all-gather outputs prefetched in backward and not yet copied out."""
+    if world_size == 1 or p.phase != "bw":
+        return 0
+    held = 0
+    for prev, unit in zip(order_post, order_post[1:]):
+        start, end = unit.stats.bw_pre_op, prev.stats.bw_pre_op
+        if start >= 0 and end > start and start <= p.op_index < end:
+            held += prev.own_param_bytes
+    return held
+
+
+def _reduce_scatter_bytes(p: MemoryPoint, order_bw_end: list[_Unit]) -> int:
+    """R6: the reduce-scatter input of the non-root unit whose backward ended last."""
+    if p.phase != "bw":
+        return 0
+    done = [u for u in order_bw_end if u.stats.bw_post_op < p.op_index]
+    return done[-1].own_grad_bytes if done else 0
+
+
+def _unsharded_grad_bytes(p: MemoryPoint, order_bw_end: list[_Unit], world_size: int) -> int:
+    """R7."""
+    if p.phase != "bw":
+        return 0
+    sharded = sum(u.own_grad_bytes for u in order_bw_end if u.stats.bw_post_op < p.op_index)
+    unsharded = max(0, p.grad_bytes - sharded)
+    return unsharded - unsharded // world_size
+
+
+def fsdp_extra_bytes(
+    info: ModuleInfo, fsdp_units: Iterable[str], world_size: int
+) -> tuple[FSDPExtraBytes, ...]:
+    """What FSDP2 adds at each of ``info.memory_points`` (same order), by rule; see the module doc.
+
+    >>> extras = fsdp_extra_bytes(info, ["GPT", "GPT.blocks.0"], world_size=2)  # doctest: +SKIP
+    >>> max(e.total_bytes for e in extras)                                       # doctest: +SKIP
+    """
+    world_size = _check_world_size(world_size)
+    units = _build_units(info, _check_units(info, fsdp_units))
+    root = units[info.mod_stats[0].fqn]
+    order_fw = sorted((u for u in units.values() if u.stats.fw_pre_op >= 0), key=lambda u: u.stats.fw_pre_op)
+    order_post = _post_forward_order(units)
+    order_bw_end = sorted(
+        (u for u in units.values() if not u.is_root and u.stats.bw_post_op >= 0),
+        key=lambda u: u.stats.bw_post_op,
+    )
+    return tuple(
+        FSDPExtraBytes(
+            unsharded_param_bytes=_gathered_param_bytes(p, units, root),
+            all_gather_buffer_bytes=_forward_all_gather_bytes(p, order_fw, root, world_size)
+            + _prefetch_bytes(p, order_post, world_size),
+            reduce_scatter_buffer_bytes=_reduce_scatter_bytes(p, order_bw_end),
+            unsharded_grad_bytes=_unsharded_grad_bytes(p, order_bw_end, world_size),
+        )
+        for p in info.memory_points
+    )
+
+
+def fsdp_module_info(info: ModuleInfo, fsdp_units: Iterable[str], world_size: int) -> ModuleInfo:
+    """A copy of ``info`` whose memory points also hold FSDP2's per-rank additions (in
+    ``other_bytes``, which the solver does not divide by ``world_size``).
+
+    Solve it with the same ``world_size`` and ``fsdp_units``::
+
+        info2 = fsdp_module_info(est.module_info, units, world_size=8)
+        res = SACMilp(info2, world_size=8, fsdp_units=units).solve(budget_bytes)
+
+    ``peak_bytes`` and the per-module stats are kept as traced (one unsharded rank); the per-rank
+    peak is ``predict_peak_bytes(info2, {}, world_size=8)``.
+    """
+    extras = fsdp_extra_bytes(info, fsdp_units, world_size)
+    points = tuple(
+        dataclasses.replace(p, other_bytes=p.other_bytes + e.total_bytes)
+        for p, e in zip(info.memory_points, extras)
+    )
+    return dataclasses.replace(info, memory_points=points)
