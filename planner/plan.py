@@ -153,10 +153,20 @@ class Plan:
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """Hash of module names and parameter names, shapes and dtypes (not values, not device)."""
+    """Hash of module names and parameter names, shapes and dtypes (not values, not device).
+
+    The same before and after ``fully_shard``: FSDP2 renames a sharded module's class to
+    ``FSDP<Name>`` (the original name is hashed) and its parameters become DTensors whose
+    ``.shape`` is the global, unsharded shape.
+
+    >>> model_fingerprint(torch.nn.Linear(2, 3)) == model_fingerprint(torch.nn.Linear(2, 3))
+    True
+    """
+    from planner.fsdp import original_class_name
+
     h = hashlib.sha256()
     for name, mod in model.named_modules():
-        h.update(f"m:{name}:{type(mod).__name__}\n".encode())
+        h.update(f"m:{name}:{original_class_name(mod)}\n".encode())
     for name, p in model.named_parameters():
         h.update(f"p:{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
     return h.hexdigest()[:16]
