@@ -5,6 +5,10 @@
     print(plan.summary())
     apply_plan(model, plan)          # or: with apply_plan(model, plan): ...
     plan.save("plan.json")
+
+    est = estimate(model, batch, optimizer="adamw", device="h100")    # estimators.estimate
+    table = tradeoff_curve(est)                      # least recompute at 20 budgets
+    fig = plot_tradeoff(table, hand_made_baselines(est.module_info))  # needs sac-planner[plot]
 """
 
 from planner.checkpointing import (
@@ -14,11 +18,17 @@ from planner.checkpointing import (
     apply_plan,
     remove_plan,
 )
+from planner.baselines import BaselinePoint, hand_made_baselines
+from planner.distributed import PlanHashMismatchError, plan_hash, solve_sac_distributed
+from planner.fsdp import fsdp_units_of
 from planner.plan import ModulePlan, Plan, PlanFormatError
+from planner.plotting import plot_tradeoff
 from planner.solve import PlanningError, solve_sac
+from planner.tradeoff import TradeoffTable, tradeoff_curve
 
 __all__ = [
     "solve_sac",
+    "solve_sac_distributed",
     "apply_plan",
     "remove_plan",
     "Plan",
@@ -28,4 +38,12 @@ __all__ = [
     "PlanFormatError",
     "PlanMismatchError",
     "AlreadyCheckpointedError",
+    "PlanHashMismatchError",
+    "plan_hash",
+    "fsdp_units_of",
+    "tradeoff_curve",
+    "TradeoffTable",
+    "hand_made_baselines",
+    "BaselinePoint",
+    "plot_tradeoff",
 ]

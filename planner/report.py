@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
+    from planner.baselines import BaselinePoint
     from planner.measure import MeasuredStep
     from planner.plan import Plan
+    from planner.tradeoff import TradeoffTable
 
-__all__ = ["plan_summary", "prediction_vs_measurement", "fmt_bytes"]
+__all__ = ["plan_summary", "prediction_vs_measurement", "fmt_bytes", "tradeoff_table_text"]
 
 
 def fmt_bytes(n: float) -> str:
@@ -59,3 +61,48 @@ def prediction_vs_measurement(plan: "Plan", measured: "MeasuredStep") -> str:
             f"  loss             {measured.loss}",
         ]
     )
+
+
+def _pct(p: float | None) -> str:
+    return f"{p:5.1f}%" if p is not None else "     -"
+
+
+def tradeoff_table_text(
+    table: "TradeoffTable", baselines: "Sequence[BaselinePoint] | None" = None
+) -> str:
+    """The sweep as a text table (``*``: on the Pareto frontier), then each baseline beside the
+    cheapest sweep point whose peak is at or below the baseline's.
+
+    >>> print(tradeoff_table_text(table, hand_made_baselines(info)))   # doctest: +SKIP
+    """
+    lines = [
+        f"Trade-off sweep (world_size {table.world_size}): no-AC peak "
+        f"{fmt_bytes(table.no_ac_peak_bytes)}, smallest reachable {fmt_bytes(table.min_reachable_peak_bytes)}, "
+        f"step {table.step_ms:.3f} ms; built in {table.build_time_s:.2f} s, "
+        f"{len(table.rows)} solves in {table.sweep_time_s:.2f} s",
+        f"  {'budget':>11}  {'status':<10}  {'peak':>11}  {'recompute':>12}  {'of step':>7}  "
+        f"{'ckpt':>4}  pareto",
+    ]
+    for r in table.rows:
+        peak = fmt_bytes(r.predicted_peak_bytes) if r.predicted_peak_bytes is not None else "-"
+        ms = f"{r.recompute_ms:9.3f} ms" if r.recompute_ms is not None else "-"
+        lines.append(
+            f"  {fmt_bytes(r.budget_bytes):>11}  {r.status.value:<10}  {peak:>11}  {ms:>12}  "
+            f"{_pct(r.recompute_pct_of_step):>7}  {r.n_checkpointed:>4}  {'*' if r.on_pareto else ''}"
+        )
+    if baselines:
+        lines += ["", _baseline_text(table, baselines)]
+    return "\n".join(lines)
+
+
+def _baseline_text(table: "TradeoffTable", baselines: "Sequence[BaselinePoint]") -> str:
+    w = max(len(b.name) for b in baselines)
+    lines = [f"  {'baseline':<{w}}  {'peak':>11}  {'recompute':>12}  {'of step':>7}  "
+             "best sweep point at <= that peak"]
+    for b in baselines:
+        best = table.cheapest_under(b.predicted_peak_bytes)
+        vs = (f"{best.recompute_ms:.3f} ms at {fmt_bytes(best.predicted_peak_bytes)}"
+              if best is not None else "none (below the sweep's smallest point)")
+        lines.append(f"  {b.name:<{w}}  {fmt_bytes(b.predicted_peak_bytes):>11}  "
+                     f"{b.recompute_ms:9.3f} ms  {_pct(b.recompute_pct_of_step):>7}  {vs}")
+    return "\n".join(lines)

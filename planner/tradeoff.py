@@ -1,0 +1,317 @@
+"""Trade-off curves: the least recompute time the planner finds at each memory budget.
+
+    from planner.tradeoff import tradeoff_curve
+    table = tradeoff_curve(est.module_info, n_points=20)    # or a model: traced once
+    for p in table.pareto:
+        print(p.predicted_peak_bytes, p.recompute_ms)
+
+One ``SACMilp`` is built and re-solved with a new budget for every point, so the sweep pays the
+model build once. Each row is costed by the solver's exact model: the peak is
+``predict_peak_bytes`` of the plan, the recompute time is each checkpointed module's
+``module_recompute_ms`` (fixed cost + exact trade-off curve), the same numbers the baselines in
+``planner.baselines`` are costed with.
+
+Budgets go in ascending order: then each solution is a feasible start for the next solve (a plan
+that fits a smaller budget fits a larger one). ``solver.options.run_backend`` passes no warm start
+to the backend, and measured it would not help: with CBC's ``warmStart`` the 20-point sweep of the
+Llama-3-70B graph took the same time (``benchmarks/tradeoff_sweep.py --warm-start``), because the
+slow points already have their best plan early and spend the time proving the lower bound.
+Budgets below the smallest reachable peak are marked infeasible without a solve.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import numbers
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Sequence
+
+from solver import InfeasibleBudgetError, SACMilp, SolverOptions
+from solver.errors import SolverTimeoutError
+
+if TYPE_CHECKING:
+    from estimators.device import DeviceSpec
+    from estimators.module_info import ModuleInfo
+
+__all__ = [
+    "PointStatus",
+    "TradeoffPoint",
+    "TradeoffTable",
+    "tradeoff_curve",
+    "default_budgets",
+    "mark_pareto",
+    "pareto_mask",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class PointStatus(str, enum.Enum):
+    """Outcome of one budget of a sweep (a ``str``: ``status == "infeasible"`` works)."""
+
+    OPTIMAL = "optimal"
+    """Least recompute time, proven within ``SolverOptions.rel_gap``."""
+    FEASIBLE = "feasible"
+    """Fits, but the time limit stopped the search before optimality was proven (see ``gap``)."""
+    INFEASIBLE = "infeasible"
+    """Below the smallest peak any plan reaches (``TradeoffTable.min_reachable_peak_bytes``)."""
+    TIMEOUT = "timeout"
+    """The backend found no plan within ``SolverOptions.time_limit_s``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TradeoffPoint:
+    """One budget of a sweep and the plan the solver found for it.
+
+    >>> p = TradeoffPoint(budget_bytes=2**30, status=PointStatus.OPTIMAL,
+    ...                   predicted_peak_bytes=2**30 - 5, recompute_ms=3.0, checkpointed=("M.a",))
+    >>> p.feasible, p.n_checkpointed
+    (True, 1)
+    """
+
+    budget_bytes: int
+    """Per-rank budget the solver was given."""
+    status: PointStatus
+    predicted_peak_bytes: int | None = None
+    """Exact model peak of the plan (<= budget); None when there is no plan."""
+    recompute_ms: float | None = None
+    """Recompute time of the plan per step; None when there is no plan."""
+    recompute_pct_of_step: float | None = None
+    """``recompute_ms`` as a percentage of the no-AC step time (None without a plan or step time)."""
+    checkpointed: tuple[str, ...] = ()
+    """Checkpointed modules, in forward pre-order."""
+    on_pareto: bool = False
+    """No other point of the table has <= peak and <= recompute with one of them strictly less."""
+    gap: float | None = None
+    """Relative optimality gap the backend reported."""
+    solve_time_s: float = 0.0
+    """Wall time of this point's solve (the shared model build is in ``TradeoffTable``)."""
+
+    @property
+    def feasible(self) -> bool:
+        return self.status in (PointStatus.OPTIMAL, PointStatus.FEASIBLE)
+
+    @property
+    def n_checkpointed(self) -> int:
+        return len(self.checkpointed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TradeoffTable:
+    """A budget sweep: one row per budget, ascending, with the Pareto frontier marked.
+
+    >>> table = tradeoff_curve(info, n_points=10)            # doctest: +SKIP
+    >>> table.cheapest_under(int(0.6 * table.no_ac_peak_bytes)).budget_bytes  # doctest: +SKIP
+    """
+
+    rows: tuple[TradeoffPoint, ...]
+    step_ms: float
+    """Step time without checkpointing (forward + backward + optimizer), in ms."""
+    no_ac_peak_bytes: int
+    """Per-rank peak without checkpointing."""
+    min_reachable_peak_bytes: int
+    """Smallest per-rank peak any plan reaches: the smallest feasible budget."""
+    world_size: int
+    build_time_s: float = 0.0
+    """Building the MILP and finding the smallest reachable peak (paid once)."""
+    sweep_time_s: float = 0.0
+    """All the per-budget solves together."""
+
+    @property
+    def feasible_rows(self) -> tuple[TradeoffPoint, ...]:
+        return tuple(r for r in self.rows if r.feasible)
+
+    @property
+    def pareto(self) -> tuple[TradeoffPoint, ...]:
+        """Frontier points, by ascending peak."""
+        return tuple(sorted((r for r in self.rows if r.on_pareto),
+                            key=lambda r: (r.predicted_peak_bytes, r.recompute_ms)))
+
+    def cheapest_under(self, peak_bytes: int) -> TradeoffPoint | None:
+        """Feasible row of least recompute whose predicted peak is <= ``peak_bytes`` (ties: lower
+        peak); None if no row fits."""
+        fits = [r for r in self.feasible_rows if r.predicted_peak_bytes <= peak_bytes]
+        return min(fits, key=lambda r: (r.recompute_ms, r.predicted_peak_bytes), default=None)
+
+
+# ----------------------------------------------------------------------------- Pareto
+def pareto_mask(points: Sequence[tuple[float, float] | None]) -> list[bool]:
+    """For (peak, recompute) pairs, whether each is non-dominated; ``None`` entries are False.
+
+    A point is dominated when another has <= peak and <= recompute, one of them strictly less.
+    Equal points do not dominate each other. Comparisons are exact.
+
+    >>> pareto_mask([(10, 1.0), (8, 2.0), (9, 2.0), None, (8, 2.0)])
+    [True, True, False, False, True]
+    """
+    valid = [p for p in points if p is not None]
+    return [
+        p is not None and not any(
+            q[0] <= p[0] and q[1] <= p[1] and (q[0] < p[0] or q[1] < p[1]) for q in valid
+        )
+        for p in points
+    ]
+
+
+def mark_pareto(rows: Sequence[TradeoffPoint]) -> tuple[TradeoffPoint, ...]:
+    """Copies of ``rows`` with ``on_pareto`` set; infeasible rows are never on the frontier."""
+    pairs = [(r.predicted_peak_bytes, r.recompute_ms) if r.feasible else None for r in rows]
+    return tuple(replace(r, on_pareto=m) for r, m in zip(rows, pareto_mask(pairs)))
+
+
+# ----------------------------------------------------------------------------- budgets
+def default_budgets(min_peak_bytes: int, max_peak_bytes: int, n_points: int) -> list[int]:
+    """``n_points`` budgets evenly spaced from ``min_peak_bytes`` to ``max_peak_bytes``, both
+    included (fewer when the range has fewer distinct byte counts).
+
+    >>> default_budgets(100, 200, 3)
+    [100, 150, 200]
+    """
+    _check_n_points(n_points)
+    if max_peak_bytes <= min_peak_bytes:
+        return [int(max_peak_bytes)]
+    span = max_peak_bytes - min_peak_bytes
+    out = [min_peak_bytes + (span * i) // (n_points - 1) for i in range(n_points)]
+    return sorted(set(int(b) for b in out))
+
+
+def _check_n_points(n_points: int) -> None:
+    if isinstance(n_points, bool) or not isinstance(n_points, numbers.Integral) or n_points < 2:
+        raise ValueError(f"n_points must be an int >= 2, got {n_points!r}")
+
+
+def _budget_values(budgets: Sequence[float], what: str) -> list[int]:
+    """Each value a positive, finite number of bytes (floats are floored to whole bytes)."""
+    if isinstance(budgets, (str, bytes)) or not hasattr(budgets, "__iter__"):
+        raise ValueError(f"{what} must be a list of byte counts, got {budgets!r}")
+    out = []
+    for b in budgets:
+        ok = isinstance(b, numbers.Real) and not isinstance(b, bool)
+        if not ok or not math.isfinite(b) or b <= 0:
+            raise ValueError(f"every budget must be a positive, finite number of bytes; got {b!r}")
+        out.append(int(math.floor(b)))
+    return out
+
+
+def _check_budgets(budgets: Sequence[float]) -> list[int]:
+    """Positive, finite, strictly ascending byte counts."""
+    out = _budget_values(budgets, "budgets")
+    if not out:
+        raise ValueError("budgets is empty; pass at least one budget in bytes, or None for "
+                         "n_points budgets from the smallest reachable peak to the no-AC peak")
+    if any(hi <= lo for lo, hi in zip(out, out[1:])):
+        shown = list(budgets)[:6]
+        raise ValueError(
+            "budgets must be distinct and in ascending order (the sweep solves them smallest "
+            f"first); pass sorted(set(budgets)) — got {shown}{'...' if len(out) > 6 else ''}"
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- the sweep
+def _module_info(model_or_info: Any, inputs, loss_fn, optimizer, device) -> ModuleInfo:
+    """A ModuleInfo as is, an Estimate's, or one traced from a model (once)."""
+    from estimators.estimate import Estimate
+    from estimators.module_info import ModuleInfo
+
+    if isinstance(model_or_info, ModuleInfo):
+        return model_or_info
+    if isinstance(model_or_info, Estimate):
+        return model_or_info.module_info
+    import torch
+
+    if isinstance(model_or_info, torch.nn.Module):
+        from estimators.estimate import estimate
+
+        est = estimate(model_or_info, inputs, loss_fn=loss_fn, optimizer=optimizer, device=device)
+        return est.module_info
+    raise TypeError(
+        "tradeoff_curve needs a torch.nn.Module, an estimators Estimate or a ModuleInfo; got "
+        f"{type(model_or_info).__name__}"
+    )
+
+
+def _solve_point(milp: SACMilp, budget: int, min_peak: int, step_ms: float) -> TradeoffPoint:
+    t0 = time.perf_counter()
+    if budget < min_peak:  # known without a solve: the min-peak solve proved it
+        return TradeoffPoint(budget_bytes=budget, status=PointStatus.INFEASIBLE)
+    try:
+        res = milp.solve(budget)
+    except InfeasibleBudgetError:
+        return TradeoffPoint(budget_bytes=budget, status=PointStatus.INFEASIBLE,
+                             solve_time_s=time.perf_counter() - t0)
+    except SolverTimeoutError as e:
+        logger.warning("budget %d bytes: %s", budget, e)
+        return TradeoffPoint(budget_bytes=budget, status=PointStatus.TIMEOUT,
+                             solve_time_s=time.perf_counter() - t0)
+    return TradeoffPoint(
+        budget_bytes=budget,
+        status=PointStatus(res.status.value),
+        predicted_peak_bytes=res.predicted_peak_bytes,
+        recompute_ms=res.recompute_ms,
+        recompute_pct_of_step=100.0 * res.recompute_ms / step_ms if step_ms > 0 else None,
+        checkpointed=tuple(res.checkpointed),
+        gap=res.gap,
+        solve_time_s=time.perf_counter() - t0,
+    )
+
+
+def tradeoff_curve(
+    model_or_module_info: Any,
+    budgets: Sequence[float] | None = None,
+    *,
+    inputs: Any = None,
+    loss_fn: Any = None,
+    optimizer: Any = None,
+    device: str | DeviceSpec = "cpu",
+    world_size: int = 1,
+    n_points: int = 20,
+    extra_budgets: Sequence[float] = (),
+    solver_options: SolverOptions | None = None,
+) -> TradeoffTable:
+    """Solve the planner at every budget and return the budget -> recompute trade-off.
+
+    ``model_or_module_info``: a ``ModuleInfo``, an ``Estimate``, or a model (traced once with
+    ``estimate(model, inputs, loss_fn=, optimizer=, device=)``). ``budgets`` (bytes per rank)
+    must be distinct and ascending; default: ``n_points`` evenly spaced from the smallest
+    reachable peak to the no-AC peak. Budgets below the smallest reachable peak become
+    ``"infeasible"`` rows and the sweep goes on; so do budgets the backend times out on
+    (``"timeout"``). ``extra_budgets`` (any order, duplicates dropped) are merged into the grid,
+    e.g. the baselines' peaks, so that each baseline has a planner point at exactly its peak.
+    Large models want ``SolverOptions(time_limit_s=...)``: every point pays up to that limit.
+
+    Example::
+
+        table = tradeoff_curve(model, inputs=batch, optimizer="adamw", device="h100")
+        print(planner.report.tradeoff_table_text(table))
+    """
+    checked = None if budgets is None else _check_budgets(budgets)
+    if checked is None:
+        _check_n_points(n_points)  # before the trace and the min-peak solve
+    extra = _budget_values(extra_budgets, "extra_budgets")
+    info = _module_info(model_or_module_info, inputs, loss_fn, optimizer, device)
+    t0 = time.perf_counter()
+    milp = SACMilp(info, world_size=world_size, options=solver_options)
+    min_peak = milp.min_reachable_peak_bytes()
+    build_s = time.perf_counter() - t0
+    if checked is None:
+        checked = default_budgets(min_peak, milp.no_ac_peak_bytes, n_points)
+    checked = sorted(set(checked) | set(extra))
+    step_ms = info.step_runtime_ms
+    t1 = time.perf_counter()
+    rows = []
+    for budget in checked:
+        rows.append(_solve_point(milp, budget, min_peak, step_ms))
+        logger.debug("budget %d: %s in %.3fs", budget, rows[-1].status.value, rows[-1].solve_time_s)
+    return TradeoffTable(
+        rows=mark_pareto(rows),
+        step_ms=step_ms,
+        no_ac_peak_bytes=milp.no_ac_peak_bytes,
+        min_reachable_peak_bytes=min_peak,
+        world_size=milp.world_size,
+        build_time_s=build_s,
+        sweep_time_s=time.perf_counter() - t1,
+    )
