@@ -252,7 +252,8 @@ def _candidates(graph: Graph, allowed: set[str] | None, fsdp: set[str] | None) -
     return out
 
 
-def _new_var(prob: Any, name: str, low: float | None, up: float | None = None, cat: str = "Continuous") -> Any:
+def _new_var(prob: Any, name: str, low: float | None, up: float | None = None,
+             cat: str = "Continuous") -> Any:
     """PuLP >= 3.3 attaches variables to the problem; older PuLP builds them directly."""
     if hasattr(prob, "add_variable"):
         return prob.add_variable(name, low, up, cat=cat)

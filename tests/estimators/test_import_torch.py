@@ -65,7 +65,8 @@ def torch_peak(d: dict[str, Any], discarded: dict[str, int], world_size: int = 1
     peak = 0.0
     for fqn, s in by.items():
         gone = sum(v for f, v in discarded.items() if post.index(f) < post.index(fqn))
-        m = s["act_total"] + s["act_grad_per_module"] + (by[root]["param_per_module"] + s["grad_total"]) / world_size
+        sharded = (by[root]["param_per_module"] + s["grad_total"]) / world_size
+        m = s["act_total"] + s["act_grad_per_module"] + sharded
         peak = max(peak, m - gone)
     return peak
 

@@ -28,7 +28,7 @@ MiB = 2**20
 
 
 def mod(fqn: str, *, size_mib: float = 0, ms: float = 0.0, fw_post: int = -1, bw_pre: int = -1,
-        leaf: bool = False, transient_mib: float = 0, fixed_ms: float = 0.0,
+        leaf: bool = False, transient_mib: float = 0, fixed_ms: float = 0.0, retain_mib: float = 0,
         curve: tuple[tuple[float, float], ...] | None = None) -> ModStats:
     """A module with a linear (or the given piecewise, in (MiB, ms)) trade-off curve."""
     size = int(size_mib * MiB)
@@ -37,7 +37,8 @@ def mod(fqn: str, *, size_mib: float = 0, ms: float = 0.0, fw_post: int = -1, bw
                        recompute_ms=tuple(float(m) for _, m in pts))
     return ModStats(fqn=fqn, is_leaf=leaf, sac_memory_bytes=size, sac_runtime_ms=tc.total_ms,
                     tradeoff=tc, fw_post_op=fw_post, bw_pre_op=bw_pre, recompute_fixed_ms=fixed_ms,
-                    recompute_transient_bytes=int(transient_mib * MiB))
+                    recompute_transient_bytes=int(transient_mib * MiB),
+                    checkpoint_retain_bytes=int(retain_mib * MiB))
 
 
 def pt(t: int, act_mib: float, *, other_mib: float = 0, param_mib: float = 0, grad_mib: float = 0,
@@ -232,6 +233,19 @@ def test_fixed_recompute_cost_is_paid_by_any_checkpoint() -> None:
     res = solve_milp(info, 150 * MiB)
     assert_plan(res, {"M.b0": 1.0, "M.b1": 0.5})
     assert res.recompute_ms == pytest.approx(8.0)
+
+
+def test_retained_inputs_are_netted_from_discards() -> None:
+    """b0 (0.05 ms/MiB) keeps 30 MiB of inputs alive when checkpointed; b1 (0.1 ms/MiB) none.
+    Drop 50 MiB: b0 needs 80 MiB (4 ms) < b1 50 MiB (5 ms). Drop 20: b0 50 MiB (2.5) > b1 (2)."""
+    stats = [mod("M"), mod("M.b0", size_mib=100, ms=5, fw_post=10, bw_pre=40, retain_mib=30),
+             mod("M.b1", size_mib=100, ms=10, fw_post=20, bw_pre=30)]
+    info = make_info(stats, [pt(25, 300)])
+    res = solve_milp(info, 250 * MiB)
+    assert_plan(res, {"M.b0": 0.8})
+    assert res.predicted_peak_bytes == 250 * MiB == predict_peak_bytes(info, {"M.b0": 80 * MiB})
+    assert_plan(solve_milp(info, 280 * MiB), {"M.b1": 0.2})
+    assert predict_peak_bytes(info, {"M.b0": 10 * MiB}) == 320 * MiB  # a net loss
 
 
 def test_module_without_backward_keeps_discard_to_the_end() -> None:

@@ -4,8 +4,8 @@ The generator runs a made-up training step over a random tree: forward in pre-or
 saves some bytes after its children ran), backward in reverse (a module's saved bytes are freed
 by its own backward). Memory points sit at every module boundary, so discards never exceed what
 is live and the no-AC peak is the real one. Curves are convex (parts sorted by ms per byte) and
-may start with a forced-recompute jump; some modules have a fixed recompute cost. Child names
-include prefix traps ("1" / "10", "a" / "ba").
+may start with a forced-recompute jump; some modules have a fixed recompute cost or keep inputs
+alive when checkpointed. Child names include prefix traps ("1" / "10", "a" / "ba").
 """
 
 from __future__ import annotations
@@ -108,6 +108,7 @@ def _simulate(draw, fqn: dict[int, str], children: list[list[int]], own: dict[in
             tradeoff=curve, fw_post_op=fw_post[i], bw_pre_op=bw_pre[i],
             recompute_fixed_ms=draw(st.sampled_from([0.0, 0.0, 0.3])) if size else 0.0,
             recompute_transient_bytes=_nbytes(draw, 8) if size and draw(st.booleans()) else 0,
+            checkpoint_retain_bytes=_nbytes(draw, 4) if size and draw(st.booleans()) else 0,
         ))
     names = tuple(s.fqn for s in stats)
     order = ModOrder(fw_pre_order=names, fw_post_order=(), bw_pre_order=(), bw_post_order=())
