@@ -34,6 +34,7 @@ What the roofline models, exactly:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import enum
 import json
@@ -62,6 +63,10 @@ __all__ = [
     "BenchmarkCacheError",
     "make_runtime_model",
     "op_flops",
+    "TensorSpec",
+    "OpSignature",
+    "SignatureRecorder",
+    "benchmark_runtime_override",
 ]
 
 logger = logging.getLogger(__name__)
@@ -476,6 +481,9 @@ class BenchmarkRuntime(RuntimeModel):
         """Calls that had to time (or fall back for) a new op signature."""
         self.fallbacks = 0
         """Misses priced by the fallback roofline because the op could not run standalone."""
+        self.measurements = 0
+        """Kernel timings taken by this runtime (misses and :meth:`benchmark_signature` calls that
+        ran the op; fallbacks are not measurements)."""
         self._memory: dict[tuple, float] = {}
         self._measured: dict[str, float] = {}  # repr(key) -> ms: what the JSON file holds
         self._fallback_funcs: set[Any] = set()
@@ -503,6 +511,48 @@ class BenchmarkRuntime(RuntimeModel):
             return ms
         self.misses += 1
         ms = self._memory[key] = self._measure_or_fallback(func, info, key, args, kwargs, out)
+        return ms
+
+    def benchmark_signature(self, sig: "OpSignature") -> float:
+        """Time one recorded op signature (see :class:`SignatureRecorder`), in ms, and cache it.
+
+        The same path as a miss of :meth:`op_runtime_ms`: inputs are materialised from the
+        recorded shapes / strides / dtypes; an op that cannot run standalone gets the fallback
+        roofline (kept in memory only, like a fallback miss). A signature already cached is not
+        timed again.
+        """
+        ms = self._memory.get(sig.key)
+        if ms is None:
+            ms = self._measured.get(sig.key_repr)
+        if ms is None:
+            ms = self._benchmark_signature(sig)
+        self._memory[sig.key] = ms
+        return ms
+
+    def export_cache(self) -> dict[str, float]:
+        """The measured timings (``repr`` of the cache key -> ms), as the cache file holds them:
+        real measurements only, never fallback rooflines."""
+        return dict(self._measured)
+
+    def import_cache(self, entries: Mapping[str, float]) -> None:
+        """Add measured timings (as from :meth:`export_cache` of a runtime on the same hardware);
+        later calls with those signatures are cache hits."""
+        bad = [k for k, v in entries.items() if not isinstance(k, str) or not _is_time(v)]
+        if bad:
+            raise BenchmarkCacheError(f"import_cache got malformed entries, e.g. {bad[0]!r}")
+        self._measured.update({k: float(v) for k, v in entries.items()})
+
+    def _benchmark_signature(self, sig: "OpSignature") -> float:
+        func, info = sig.func, _op_info(sig.func)
+        try:
+            ms = self._measure(func, sig.args, sig.kwargs)
+        except Exception:  # noqa: BLE001 -- any kernel error: "cannot run standalone"
+            self.fallbacks += 1
+            meta, memo = torch.device("meta"), {}
+            args = [_materialise(a, meta, memo) for a in sig.args]
+            kwargs = {k: _materialise(v, meta, memo) for k, v in sig.kwargs.items()}
+            return self.fallback._price(func, info, args, kwargs, _materialise(sig.out, meta, memo))
+        self._measured[sig.key_repr] = ms
         return ms
 
     def save(self) -> None:
@@ -538,7 +588,9 @@ class BenchmarkRuntime(RuntimeModel):
             memo: dict[int, torch.Tensor] = {}
             real_args = [_materialise(a, self.device, memo) for a in args]
             real_kwargs = {k: _materialise(v, self.device, memo) for k, v in kwargs.items()}
-            return self._time(lambda: func(*real_args, **real_kwargs))
+            ms = self._time(lambda: func(*real_args, **real_kwargs))
+        self.measurements += 1
+        return ms
 
     def _time(self, run: Callable[[], Any]) -> float:
         timer = _cuda_time_ms if self.device.type == "cuda" else _cpu_time_ms
@@ -575,6 +627,10 @@ def _device_label(device: torch.device) -> str:
 
 
 def _materialise(value: Any, device: torch.device, memo: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, TensorSpec):
+        if id(value) not in memo:  # specs of one tensor are shared, like the tensor (see _to_spec)
+            memo[id(value)] = value.synthetic(device)
+        return memo[id(value)]
     if isinstance(value, torch.Tensor):
         if id(value) not in memo:  # the same tensor passed twice stays one tensor (aliasing ops)
             memo[id(value)] = _real_tensor(value, device)
@@ -699,6 +755,121 @@ def _save_cache(path: Path, device_label: str, entries: Mapping[str, float]) -> 
         raise
 
 
+# ----------------------------------------------------------------------------- signatures to share
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """What a benchmark needs of one tensor argument: shape, strides, dtype (concrete ints)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorSpec":
+        """The spec of ``t`` (symbolic sizes by their hints); non-strided layouts are refused."""
+        return cls(tuple(map(_hint, t.shape)), tuple(map(_hint, t.stride())), t.dtype)
+
+    def synthetic(self, device: torch.device) -> torch.Tensor:
+        """A tensor of this layout on ``device``: ``randn`` if floating, zeros otherwise."""
+        shape, stride = list(self.shape), list(self.stride)
+        extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+        return _synthetic(extent, self.dtype, device).as_strided(shape, stride, 0)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpSignature:
+    """One distinct op a trace priced, with what :meth:`BenchmarkRuntime.benchmark_signature`
+    needs to run it again: the overload and its arguments, tensors as :class:`TensorSpec`."""
+
+    func: Any
+    key: tuple
+    """The runtime cache key (as :class:`BenchmarkRuntime` computes it)."""
+    key_repr: str
+    """``repr(key)``: how timings are named in the cache file and across processes."""
+    args: tuple
+    kwargs: dict
+    out: Any
+
+
+def _to_spec(value: Any, memo: dict[int, TensorSpec]) -> Any:
+    """``value`` with every tensor replaced by its :class:`TensorSpec` (one per tensor object)."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in memo:
+            memo[id(value)] = TensorSpec.of(value)
+        return memo[id(value)]
+    if isinstance(value, (list, tuple)):
+        items = [_to_spec(v, memo) for v in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    return _hint(value)
+
+
+class SignatureRecorder(RuntimeModel):
+    """A runtime model that times nothing: it records the distinct op signatures of a trace
+    (the ones :class:`BenchmarkRuntime` would time) and prices every op at 0 ms.
+
+    Example::
+
+        recorder = SignatureRecorder()
+        with benchmark_runtime_override(recorder):
+            estimate(model, inputs, options=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
+        bench = BenchmarkRuntime()
+        for sig in recorder.signatures():
+            bench.benchmark_signature(sig)
+    """
+
+    def __init__(self) -> None:
+        self.name = "signatures"
+        self.skipped = 0
+        """Calls of ops with a non-strided tensor (sparse...): not recorded; a BenchmarkRuntime
+        times them when it meets them."""
+        self._seen: dict[str, OpSignature] = {}
+
+    def op_runtime_ms(self, func: OpOverload, args: Args, kwargs: Kwargs, out: Any) -> float:
+        info = _op_info(func)
+        if info.free:
+            return 0.0
+        key = _cache_key(func, info, args, kwargs, out, safe=True)
+        key_repr = repr(key)
+        if key_repr not in self._seen:
+            memo: dict[int, TensorSpec] = {}
+            try:
+                self._seen[key_repr] = OpSignature(
+                    func=func, key=key, key_repr=key_repr, args=_to_spec(tuple(args), memo),
+                    kwargs={k: _to_spec(v, memo) for k, v in kwargs.items()}, out=_to_spec(out, memo),
+                )
+            except (RuntimeError, NotImplementedError):  # non-strided tensors have no TensorSpec
+                self.skipped += 1
+        return 0.0
+
+    def signatures(self) -> list[OpSignature]:
+        """The distinct signatures, sorted by ``key_repr`` (the same order in every process that
+        traced the same step)."""
+        return [self._seen[k] for k in sorted(self._seen)]
+
+    def __repr__(self) -> str:
+        return f"SignatureRecorder(signatures={len(self._seen)})"
+
+
+_BENCHMARK_OVERRIDE: contextvars.ContextVar[RuntimeModel | None] = contextvars.ContextVar(
+    "benchmark_runtime_override", default=None
+)
+
+
+@contextlib.contextmanager
+def benchmark_runtime_override(model: RuntimeModel):
+    """While active, ``make_runtime_model(BENCHMARK, spec)`` (no options) returns ``model``
+    instead of a new :class:`BenchmarkRuntime`: how a trace records signatures or uses timings
+    shared between processes. Other kinds and calls with options are unaffected.
+    """
+    token = _BENCHMARK_OVERRIDE.set(model)
+    try:
+        yield model
+    finally:
+        _BENCHMARK_OVERRIDE.reset(token)
+
+
 # ----------------------------------------------------------------------------- factory
 
 
@@ -717,6 +888,9 @@ def make_runtime_model(kind: RuntimeKind | str, spec: DeviceSpec, **kw: Any) -> 
         if kw:
             raise TypeError(f"the roofline runtime model takes no options, got {sorted(kw)}")
         return RooflineRuntime(spec)
+    override = _BENCHMARK_OVERRIDE.get()
+    if override is not None and not kw:
+        return override
     device = torch.device(kw.pop("device", "cuda" if spec.is_cuda else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(

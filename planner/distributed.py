@@ -13,7 +13,14 @@ The protocol, on the ranks of ``group`` (default: the whole job):
 
 1. every rank validates its arguments locally (same arguments -> same error, no collective yet);
 2. rank 0 traces one step of the *unsharded* model in fake mode (``inputs`` is one rank's batch),
-   makes the memory FSDP-aware (``planner.fsdp.fsdp_module_info``) and solves per rank;
+   makes the memory FSDP-aware (``planner.fsdp.fsdp_module_info``) and solves per rank; the
+   plan's notes state FSDP's all-gather / reduce-scatter time per step (``fsdp_comm_ms`` on the
+   device's default link). With ``estimate_options=EstimateOptions(runtime=RuntimeKind.BENCHMARK)``
+   a shared benchmark comes first (:func:`share_benchmarks`): every rank traces the step once in
+   fake mode recording the distinct op signatures, rank ``r`` times those with index
+   ``% world_size == r``, the timings are all-gathered and merged, and rank 0 traces with the
+   merged cache: it times no kernel unless its trace meets a signature the split missed (the
+   plan's notes give its hits / misses);
 3. rank 0 broadcasts the plan's JSON (``dist.broadcast_object_list``), or, if planning raised, an
    error payload: rank 0 re-raises its exception and every other rank raises
    :class:`RemotePlanningError` with the same message, so no rank is left waiting;
@@ -38,9 +45,17 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from estimators.collectives import AnalyticCollectiveModel
 from estimators.device import DeviceSpec, get_device_spec
-from estimators.estimate import EstimateOptions, estimate
-from planner.fsdp import fsdp_module_info, fsdp_units_of
+from estimators.estimate import EstimateOptions, TraceMode, estimate
+from estimators.runtime import (
+    BenchmarkRuntime,
+    RuntimeKind,
+    SignatureRecorder,
+    benchmark_runtime_override,
+    make_runtime_model,
+)
+from planner.fsdp import fsdp_comm_ms, fsdp_module_info, fsdp_units_of
 from planner.plan import GiB, Plan
 from planner.solve import PlanningError, _check_budget_gib, default_reserve_bytes, plan_for_budget
 
@@ -50,6 +65,8 @@ __all__ = [
     "check_same_plan",
     "PlanHashMismatchError",
     "RemotePlanningError",
+    "SharedBenchmark",
+    "share_benchmarks",
 ]
 
 logger = logging.getLogger(__name__)
@@ -115,6 +132,7 @@ def solve_sac_distributed(
     device: str | DeviceSpec = "h100",
     fsdp_units: Iterable[str] | None = None,
     group: dist.ProcessGroup | None = None,
+    benchmark: "SharedBenchmark | None" = None,
     **solve_kwargs: Any,
 ) -> Plan:
     """:func:`planner.solve_sac` for a running torch.distributed job: the same plan on every rank.
@@ -128,7 +146,9 @@ def solve_sac_distributed(
     replicated model (e.g. DDP; its gradient buckets are not modelled): per-rank memory is the
     single-process step's. ``solve_kwargs``: ``world_size`` (must equal the group's size),
     ``reserve_gib``, ``ac_units``, ``solver_options``, ``estimate_options``, ``verify``, as in
-    :func:`planner.solve_sac`.
+    :func:`planner.solve_sac`. With ``estimate_options=EstimateOptions(runtime=RuntimeKind.BENCHMARK)``
+    the op timings are measured across the ranks first (:func:`share_benchmarks`), unless
+    ``benchmark`` passes timings already shared that way (e.g. to plan several budgets).
 
     Example::
 
@@ -143,8 +163,18 @@ def solve_sac_distributed(
     world_size = dist.get_world_size(group)
     _check_solve_kwargs(solve_kwargs, world_size)
     units = _check_fsdp_units(model, fsdp_units)
+    shared = benchmark
+    options = solve_kwargs.get("estimate_options") or EstimateOptions()
+    if shared is not None and options.runtime is not RuntimeKind.BENCHMARK:
+        raise ValueError(
+            "benchmark= holds measured op timings, which only the BENCHMARK runtime uses; pass "
+            "estimate_options=EstimateOptions(runtime=RuntimeKind.BENCHMARK) or drop benchmark="
+        )
+    if shared is None and options.runtime is RuntimeKind.BENCHMARK:
+        shared = share_benchmarks(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=device,
+                                  estimate_options=options, group=group)
     solve = functools.partial(_solve, model, budget_gib, inputs, loss_fn, optimizer, device, units,
-                              world_size, solve_kwargs)
+                              world_size, solve_kwargs, shared)
     plan = _receive(_plan_on_rank0(solve, group), group)
     check_same_plan(plan, group)
     return plan
@@ -193,11 +223,24 @@ def _plan_on_rank0(solve: Callable[[], Plan], group) -> tuple:
         raise
 
 
-def _solve(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size, kw) -> Plan:
+def _solve(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size, kw,
+           shared: "SharedBenchmark | None" = None) -> Plan:
+    """Rank 0's planning; with ``shared``, every trace prices ops from the merged timings."""
+    if shared is None:
+        return _solve_traced(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size, kw)
+    runtime = shared.runtime(get_device_spec(device))
+    with benchmark_runtime_override(runtime):
+        return _solve_traced(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size,
+                             kw, runtime)
+
+
+def _solve_traced(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size, kw,
+                  runtime: BenchmarkRuntime | None = None) -> Plan:
     budget = int(_check_budget_gib(budget_gib) * GiB)
     spec = get_device_spec(device)
-    options = kw.get("estimate_options", EstimateOptions())
+    options = kw.get("estimate_options") or EstimateOptions()
     est = estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=options)
+    notes = [] if runtime is None else [_bench_note(runtime, world_size)]
     shard = world_size if units is not None else 1
     if units is not None:
         est = dataclasses.replace(est, module_info=fsdp_module_info(est.module_info, units, world_size))
@@ -214,9 +257,120 @@ def _solve(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_s
         if units is not None
         else f"replicated on {world_size} ranks (no fsdp_units): per-rank memory of one process"
     )
+    if units is not None:
+        notes.append(_comm_note(est.module_info, units, world_size, spec))
     logger.info("rank 0 planned %d checkpointed modules, predicted per-rank peak %d bytes",
                 len(plan.modules), plan.predicted_peak_bytes)
-    return dataclasses.replace(plan, notes=(*plan.notes, note))
+    return dataclasses.replace(plan, notes=(*plan.notes, note, *notes))
+
+
+def _comm_note(info, units: list[str], world_size: int, spec: DeviceSpec) -> str:
+    """The plan note on FSDP's collective time per step, from ``spec``'s default link."""
+    try:
+        model = AnalyticCollectiveModel.from_device(spec)
+    except ValueError:
+        return (f"FSDP collectives: not estimated (device {spec.name!r} names no interconnect; "
+                "see planner.fsdp.fsdp_comm_ms)")
+    return fsdp_comm_ms(info, units, world_size, model).note()
+
+
+def _bench_note(runtime: BenchmarkRuntime, world_size: int) -> str:
+    """The plan note on the shared benchmark, read right after rank 0's planning trace."""
+    return (
+        f"op timings benchmarked across {world_size} ranks and merged ({runtime.name}); rank 0's "
+        f"planning trace: {runtime.hits} cache hits, {runtime.misses} misses "
+        f"({runtime.measurements} timed on rank 0, {runtime.fallbacks} roofline fallbacks)"
+    )
+
+
+# ------------------------------------------------------------------------------ shared benchmark
+@dataclasses.dataclass(frozen=True)
+class SharedBenchmark:
+    """Op timings measured by the ranks of a group, split between them and merged.
+
+    ``entries`` maps the runtime cache key (``repr``) to ms, as :meth:`BenchmarkRuntime.export_cache`
+    does; ``timed_by_rank[r]`` are the keys rank ``r`` benchmarked.
+    """
+
+    entries: dict[str, float]
+    signature_count: int
+    """Distinct op signatures of the step (what one process would time)."""
+    timed_by_rank: tuple[tuple[str, ...], ...]
+
+    def runtime(self, spec: DeviceSpec) -> BenchmarkRuntime:
+        """A :class:`BenchmarkRuntime` for ``spec`` (as ``make_runtime_model`` builds it) holding
+        the merged timings."""
+        runtime = make_runtime_model(RuntimeKind.BENCHMARK, spec)
+        runtime.import_cache(self.entries)
+        return runtime
+
+
+def share_benchmarks(
+    model: torch.nn.Module,
+    inputs: Any = None,
+    *,
+    loss_fn: Any = None,
+    optimizer: Any = None,
+    device: str | DeviceSpec = "h100",
+    estimate_options: EstimateOptions | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> SharedBenchmark:
+    """Benchmark the step's ops once across the ranks of ``group``; call on every rank.
+
+    Every rank traces the step in fake mode, recording its distinct op signatures
+    (:class:`SignatureRecorder`); rank ``r`` times those with index ``% world_size == r`` on its
+    own device; the timings are all-gathered and merged. If any rank fails, every rank raises
+    (the failing rank its own error, the others :class:`RemotePlanningError`).
+
+    >>> shared = share_benchmarks(model, batch, device="cpu")   # doctest: +SKIP
+    >>> bench = shared.runtime(get_device_spec("cpu"))          # hits only for this step
+    """
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    error: Exception | None = None
+    try:
+        payload: tuple = ("ok", *_benchmark_my_share(model, inputs, loss_fn, optimizer, device,
+                                                     estimate_options, rank, world_size))
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        payload, error = ("error", rank, type(e).__name__, str(e)), e
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, payload, group=group)
+    if error is not None:
+        raise error
+    failed = next((g for g in gathered if g[0] == "error"), None)
+    if failed is not None:
+        _, who, error_type, message = failed
+        raise RemotePlanningError(f"benchmarking failed on rank {who}: {message}", error_type)
+    return _merge(gathered)
+
+
+def _benchmark_my_share(model, inputs, loss_fn, optimizer, device, options, rank: int,
+                        world_size: int) -> tuple[int, tuple[str, ...], dict[str, float]]:
+    """Trace recording signatures, time this rank's share: (signature count, keys, timings)."""
+    spec = get_device_spec(device)
+    bench = make_runtime_model(RuntimeKind.BENCHMARK, spec)  # fails fast without the device
+    options = dataclasses.replace(options or EstimateOptions(), runtime=RuntimeKind.BENCHMARK,
+                                  mode=TraceMode.FAKE, progress=False)
+    recorder = SignatureRecorder()
+    with benchmark_runtime_override(recorder):
+        estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=options)
+    signatures = recorder.signatures()
+    share = signatures[rank::world_size]
+    for sig in share:
+        bench.benchmark_signature(sig)
+    logger.info("rank %d timed %d of %d op signatures", rank, len(share), len(signatures))
+    return len(signatures), tuple(sig.key_repr for sig in share), bench.export_cache()
+
+
+def _merge(gathered: list[tuple]) -> SharedBenchmark:
+    """One SharedBenchmark from every rank's ("ok", count, keys, timings)."""
+    entries: dict[str, float] = {}
+    for _, _, _, timings in gathered:
+        entries.update(timings)
+    return SharedBenchmark(
+        entries=entries,
+        signature_count=gathered[0][1],
+        timed_by_rank=tuple(keys for _, _, keys, _ in gathered),
+    )
 
 
 # ------------------------------------------------------------------------------ every rank
