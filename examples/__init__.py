@@ -51,7 +51,8 @@ EXAMPLES: dict[str, Factory] = {
     "llama3_70b": llama3_70b,
 }
 """Name -> factory. The ``*_tiny``/``*_small`` ones run a training step on CPU in well under a second;
-``gpt_bench`` is the benchmark decoder; ``llama3_*`` build on the meta device."""
+``*_demo`` ones are sized so activations dominate the step's memory (the CLI default is
+``gpt_demo``); ``gpt_bench`` is the benchmark decoder; ``llama3_*`` build on the meta device."""
 
 
 def get_example(name: str) -> Factory:

@@ -57,7 +57,7 @@ from estimators.runtime import (
 )
 from planner.fsdp import fsdp_comm_ms, fsdp_module_info, fsdp_units_of
 from planner.plan import GiB, Plan
-from planner.solve import PlanningError, _check_budget_gib, default_reserve_bytes, plan_for_budget
+from planner.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget
 
 __all__ = [
     "solve_sac_distributed",
@@ -236,7 +236,7 @@ def _solve(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_s
 
 def _solve_traced(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size, kw,
                   runtime: BenchmarkRuntime | None = None) -> Plan:
-    budget = int(_check_budget_gib(budget_gib) * GiB)
+    budget = int(check_budget_gib(budget_gib) * GiB)
     spec = get_device_spec(device)
     options = kw.get("estimate_options") or EstimateOptions()
     est = estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=options)

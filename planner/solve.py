@@ -22,7 +22,14 @@ from planner.report import fmt_bytes
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, solve_op_milp
 from solver.op_milp import OpDecision
 
-__all__ = ["solve_sac", "plan_for_budget", "default_reserve_bytes", "module_plan", "PlanningError"]
+__all__ = [
+    "solve_sac",
+    "plan_for_budget",
+    "default_reserve_bytes",
+    "module_plan",
+    "check_budget_gib",
+    "PlanningError",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +80,8 @@ def _recompute_ms(stats: ModStats, saved: frozenset) -> float:
     )
 
 
-def _check_budget_gib(budget_gib: Any) -> float:
+def check_budget_gib(budget_gib: Any) -> float:
+    """A positive, finite number of GiB, or a PlanningError that says what to pass."""
     if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)):
         raise PlanningError(f"budget_gib must be a number of GiB, got {budget_gib!r}")
     if not math.isfinite(budget_gib) or budget_gib <= 0:
@@ -126,7 +134,7 @@ def solve_sac(
     ``output.sum()``; ``optimizer`` is a name ("adam", "adamw", "sgd") or an instance, so its
     state is counted. ``reserve_gib`` defaults to :func:`default_reserve_bytes`.
     """
-    budget = int(_check_budget_gib(budget_gib) * GiB)
+    budget = int(check_budget_gib(budget_gib) * GiB)
     spec = get_device_spec(device)
     est = estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=estimate_options)
     reserve = int(reserve_gib * GiB) if reserve_gib is not None else default_reserve_bytes(spec, budget)
