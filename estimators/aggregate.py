@@ -74,11 +74,10 @@ def _mod_stats(
     saved: dict[int, set[int]],
     bw_rt: dict[int, float],
     fw_rt_cum: np.ndarray,
+    live_act: np.ndarray,
 ) -> ModStats:
     is_leaf = fqn in trace.leaf_fqns
     first, last = calls[0], max(calls, key=lambda c: c.fw_last_op)
-    act_kinds = [StorageKind.ACTIVATION, StorageKind.TEMP, StorageKind.INPUT]
-    live_act = tl.live_by_kind[:, act_kinds].sum(axis=1)
     temp = tl.live_by_kind[:, StorageKind.TEMP]
     bw_calls = [c for c in calls if c.bw_first_op >= 0]
     bw_pre = min((c.bw_first_op for c in bw_calls), default=-1)
@@ -192,8 +191,12 @@ def build_module_info(trace: StepTrace, tl: MemoryTimeline) -> ModuleInfo:
     bw_rt = _bw_runtime_by_call(trace)
     rts = np.array([op.runtime_ms if op.phase is Phase.FW else 0.0 for op in trace.ops])
     fw_rt_cum = np.concatenate([[0.0], np.cumsum(rts)])
+    # Activations, temporaries and inputs live at every op: computed once for all modules.
+    act_kinds = [StorageKind.ACTIVATION, StorageKind.TEMP, StorageKind.INPUT]
+    live_act = tl.live_by_kind[:, act_kinds].sum(axis=1)
     stats = [
-        _mod_stats(trace, tl, fqn, calls, saved, bw_rt, fw_rt_cum) for fqn, calls in by_fqn.items()
+        _mod_stats(trace, tl, fqn, calls, saved, bw_rt, fw_rt_cum, live_act)
+        for fqn, calls in by_fqn.items()
     ]
     peak_k = tl.peak_op_index
     peak_op = ""

@@ -32,7 +32,7 @@ from estimators.device import DeviceSpec, get_device_spec
 from estimators.memory import MemoryTimeline, build_timeline, classify_storages
 from estimators.module_info import ModuleInfo
 from estimators.runtime import RuntimeKind, make_runtime_model
-from estimators.step import StepError, run_step, split_inputs
+from estimators.step import StepError, run_step
 from estimators.trace import StepTrace, StepTracer, StorageKind
 
 __all__ = ["TraceMode", "EstimateOptions", "Estimate", "estimate", "TraceError", "resolve_optimizer"]
@@ -280,17 +280,14 @@ def _finish_trace(tracer: StepTracer, model: torch.nn.Module, opt, root: str, sp
         ops=tracer.ops,
         storages=tracer.storages,
         calls=tracer.calls,
-        module_fqns=[],
         leaf_fqns=set(),
         param_bytes_by_module={},
         grad_bytes_by_module={},
-        phase_bounds={},
         device=spec.name,
     )
     classify_storages(step, grad_sids - {None}, opt_sids - {None})
     for name, mod in model.named_modules():
         fqn = f"{root}.{name}" if name else root
-        step.module_fqns.append(fqn)
         if next(mod.children(), None) is None:
             step.leaf_fqns.add(fqn)
         seen: set[int] = set()
@@ -305,7 +302,4 @@ def _finish_trace(tracer: StepTracer, model: torch.nn.Module, opt, root: str, sp
             gbytes += nb if p.requires_grad else 0
         step.param_bytes_by_module[fqn] = pbytes
         step.grad_bytes_by_module[fqn] = gbytes
-    for ph in set(op.phase for op in step.ops):
-        idx = [op.index for op in step.ops if op.phase is ph]
-        step.phase_bounds[ph] = (idx[0], idx[-1])
     return step

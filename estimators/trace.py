@@ -103,15 +103,11 @@ class StepTrace:
     ops: list[OpRecord]
     storages: list[StorageRecord]
     calls: list[ModuleCall]
-    module_fqns: list[str]  # every module of the model, forward pre-order of definition
     leaf_fqns: set[str]
     param_bytes_by_module: dict[str, int]
     grad_bytes_by_module: dict[str, int]
-    phase_bounds: dict[Phase, tuple[int, int]]  # first, last op index per phase
     device: str
 
-    def calls_of(self, fqn: str) -> list[ModuleCall]:
-        return [c for c in self.calls if c.fqn == fqn]
 
 
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:

@@ -107,19 +107,21 @@ def _solve(args, model, inputs, loss_fn) -> Plan:
     est = estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=opts)
     info = est.module_info
     solver_options = SolverOptions(time_limit_s=args.time_limit_s)
+    fixed_reserve = int(args.reserve_gib * GiB) if args.reserve_gib is not None else None
     if args.budget_gib is not None:
         budget = int(args.budget_gib * GiB)
+        reserve = fixed_reserve if fixed_reserve is not None else default_reserve_bytes(spec, budget)
     else:
+        # The usable budget (budget - reserve) is the midpoint; the reserve is added on top.
         low = min_reachable_peak_bytes(info, world_size=args.world_size, options=solver_options)
         high = info.peak_bytes
-        budget = (low + high) // 2
-        reserve = default_reserve_bytes(spec, budget)
-        budget += reserve
+        usable = (low + high) // 2
+        reserve = fixed_reserve if fixed_reserve is not None else default_reserve_bytes(spec, usable)
+        budget = usable + reserve
         logger.info(
-            "no --budget-gib: using %s, halfway between the smallest reachable peak %s and the "
-            "no-AC peak %s", fmt_bytes(budget), fmt_bytes(low), fmt_bytes(high)
+            "no --budget-gib: using %s (usable %s), halfway between the smallest reachable peak %s "
+            "and the no-AC peak %s", fmt_bytes(budget), fmt_bytes(usable), fmt_bytes(low), fmt_bytes(high)
         )
-    reserve = int(args.reserve_gib * GiB) if args.reserve_gib is not None else default_reserve_bytes(spec, budget)
     return plan_for_budget(
         model, est, budget, inputs=inputs, loss_fn=loss_fn, optimizer=optimizer,
         world_size=args.world_size, reserve_bytes=reserve, solver_options=solver_options,

@@ -419,7 +419,6 @@ class SACMilp:
     def _make_recompute_objective(self) -> Any:
         import pulp
 
-        n = len(self._cands)
         scale = max((max(a + b for a, b in c.segments) for c in self._cands if c.segments), default=1.0)
         scale = scale if scale > 0 else 1.0
         terms = [(v, 1.0) for v in self._rct]

@@ -9,7 +9,6 @@ import torch
 
 from estimators.estimate import estimate
 from examples import EXAMPLES
-from planner.plan import GiB
 from planner.solve import plan_for_budget
 from solver import SACMilp
 

@@ -4,7 +4,6 @@ hold the same plan. Workers write their results to files in tmp_path; the parent
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import re
