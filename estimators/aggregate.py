@@ -126,7 +126,28 @@ def _mod_stats(
         fw_post_op=last.fw_last_op + 1,
         bw_pre_op=bw_pre,
         bw_post_op=bw_post,
+        sac_blocker="" if is_leaf else _sac_blocker(trace, calls),
     )
+
+
+def _sac_blocker(trace: StepTrace, calls: list[ModuleCall]) -> str:
+    """Why a checkpoint of this module would be unsafe, from the trace ("" if it is not)."""
+    seqs = set()
+    for c in calls:
+        ops = [trace.ops[k] for k in range(c.fw_first_op, c.fw_last_op + 1)]
+        for op in ops:
+            if op.phase is not Phase.FW:
+                continue
+            for sid in op.mutated_sids:
+                st = trace.storages[sid]
+                # Buffers (BatchNorm statistics) are put back after the recompute; anything else
+                # made before the call (an input, a parameter) would be mutated a second time.
+                if st.alloc_op < c.fw_first_op and st.kind is not StorageKind.BUFFER:
+                    return f"mutates a tensor made before its call in place ({op.func})"
+        seqs.add(tuple(str(op.func) for op in ops if op.phase is Phase.FW))
+    if len(seqs) > 1:
+        return f"called {len(calls)} times per step with different ops in each call"
+    return ""
 
 
 def _retained_inputs(trace: StepTrace, calls: list[ModuleCall]) -> int:

@@ -226,6 +226,10 @@ class ModStats:
     """Op index of the module's first backward op; -1 if it has no backward."""
     bw_post_op: int = -1
     """Op index of the module's last backward op."""
+    sac_blocker: str = ""
+    """Why checkpointing this module would be unsafe ("" when it is not): its forward mutates in
+    place a tensor made before the call (the recompute would mutate it again), or its calls in
+    one step run different ops (one per-call plan cannot name them). The planner excludes it."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -96,6 +96,9 @@ def _check_loss(loss: Any) -> None:
 def _default_loss(out: Any) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out.sum()
+    loss = getattr(out, "loss", None)  # HF ModelOutput: the model computed its loss (labels given)
+    if isinstance(loss, torch.Tensor):
+        return loss
     tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     if len(tensors) == 1:
         return tensors[0].sum()

@@ -4,36 +4,52 @@
     ...train...
     handle.remove()                      # or remove_plan(model)
 
-Each checkpointed module's ``forward`` is replaced on the instance (the module tree, parameter
-names and state_dict keys do not change). Ratio-1 modules are plainly checkpointed; the others get
-a policy from ``create_selective_checkpoint_contexts`` that saves exactly the plan's ops, counted
-per (op, occurrence) in the forward and again in the recompute, so both index ops the same way.
-RNG state is preserved, so dropout draws the same mask in the recompute.
+Each checkpointed module's ``forward`` is replaced on the instance by a
+:class:`planner.planned_forward.PlannedForward` (the module tree, parameter names and state_dict
+keys do not change). Ratio-1 modules are plainly checkpointed; the others save exactly the plan's
+ops. RNG state is preserved, so dropout draws the same mask in the recompute. How the recompute is
+kept in step with the forward, and what still runs twice, is in ``planner/planned_forward.py``.
+
+Supported with a plan applied:
+
+* ``copy.deepcopy(model)``: an independent planned model (``remove_plan`` works on it);
+* ``pickle`` / ``torch.save(model)``: the loaded model is planned; ``state_dict`` is unchanged;
+* ``torch.compile``: plan, apply, then compile (``torch.compile(model)`` after ``apply_plan``);
+  ``solve_sac`` on a compiled model plans its ``_orig_mod`` and leaves the compiled one as it was;
+* Hugging Face transformers: while a plan is applied the model's ``config.use_cache`` is False and
+  planned modules get no KV cache (what HF does under its own gradient checkpointing); models with
+  HF gradient checkpointing on are refused with the line that turns it off.
 """
 
 from __future__ import annotations
 
-import collections
-import functools
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-)
 
 from planner.fsdp import original_class_name
-from planner.plan import ModulePlan, Plan, model_fingerprint, op_key
+from planner.plan import ModulePlan, Plan, model_fingerprint
+from planner.planned_forward import CheckpointDivergenceWarning, PlannedForward
 
-__all__ = ["apply_plan", "remove_plan", "AppliedPlan", "PlanMismatchError", "AlreadyCheckpointedError"]
+__all__ = [
+    "apply_plan",
+    "apply_module_plans",
+    "remove_plan",
+    "AppliedPlan",
+    "PlanMismatchError",
+    "AlreadyCheckpointedError",
+    "CheckpointDivergenceWarning",
+    "check_plannable",
+    "hf_cache_note",
+    "hf_cache_off",
+    "unwrap_compiled",
+]
 
 logger = logging.getLogger(__name__)
 
-_MARK = "_sac_planner_original_forward"
+_CACHE_OFF = "_sac_planner_use_cache_off"  # root attribute: the HF configs whose cache we turned off
 
 
 class PlanMismatchError(ValueError):
@@ -44,44 +60,22 @@ class AlreadyCheckpointedError(RuntimeError):
     """The model is already wrapped by a checkpointing scheme."""
 
 
-def _policy_context_fn(saved: frozenset[tuple[str, int]]) -> Callable[[], Any]:
-    def context_fn():
-        counts = {False: collections.Counter(), True: collections.Counter()}
-
-        def policy(ctx, op, *args, **kwargs):
-            c = counts[ctx.is_recompute]
-            key = op_key(str(op))
-            occ = c[key]
-            c[key] += 1
-            return CheckpointPolicy.MUST_SAVE if (key, occ) in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-        # An in-place op always shares its parent's decision (estimators/sac.py), so a cached
-        # output is only ever mutated by ops that are cached with it: the cache holds the final
-        # value and the recompute never re-runs the mutation.
-        return create_selective_checkpoint_contexts(policy, allow_cache_entry_mutation=True)
-
-    return context_fn
-
-
-def _checkpointed_forward(forward: Callable, mp: ModulePlan) -> Callable:
-    kw: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
-    if not mp.full:
-        kw["context_fn"] = _policy_context_fn(frozenset(mp.saved_ops))
-
-    @functools.wraps(forward)
-    def wrapped(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)  # nothing is saved without grad: no checkpoint
-        return checkpoint(forward, *args, **kwargs, **kw)
-
-    return wrapped
+def _is_planned(mod: torch.nn.Module) -> bool:
+    return isinstance(mod.__dict__.get("forward"), PlannedForward)
 
 
 def _existing_checkpointing(model: torch.nn.Module) -> str | None:
+    root = type(model).__name__
     for name, mod in model.named_modules():
-        where = name or type(model).__name__
-        if _MARK in mod.__dict__:
+        where = name or root
+        if _is_planned(mod):
             return f"{where} already has a SAC Planner plan applied; call remove_plan(model) first"
+        if getattr(mod, "gradient_checkpointing", False) is True:
+            return (
+                f"{root} has Hugging Face gradient checkpointing on (model.is_gradient_checkpointing, "
+                f"set on {where}); a plan on top of it would checkpoint twice. Turn it off with "
+                "model.gradient_checkpointing_disable() and plan again"
+            )
         if hasattr(mod, "_checkpoint_wrapped_module"):
             return (
                 f"{where} is wrapped by torch's checkpoint_wrapper; unwrap it "
@@ -91,13 +85,63 @@ def _existing_checkpointing(model: torch.nn.Module) -> str | None:
             from torch.distributed._composable.contract import _get_registry
 
             if "checkpoint" in (_get_registry(mod) or {}):
-                return (
-                    f"{where} uses torch.distributed._composable.checkpoint; plan the model "
-                    "without it"
-                )
+                return f"{where} uses torch.distributed._composable.checkpoint; plan the model without it"
         except ImportError:  # pragma: no cover - older torch
             pass
     return None
+
+
+def check_plannable(model: torch.nn.Module) -> None:
+    """Raise AlreadyCheckpointedError (before anything is touched) if ``model`` is checkpointed
+    by a plan, HF gradient checkpointing or torch's wrappers."""
+    problem = _existing_checkpointing(model)
+    if problem:
+        raise AlreadyCheckpointedError(problem)
+
+
+def unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile`` wrapped (``_orig_mod``), or ``model`` itself."""
+    orig = getattr(model, "_orig_mod", None)
+    return orig if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) and orig is not None else model
+
+
+# ------------------------------------------------------------------ Hugging Face KV cache
+def _hf_configs(model: torch.nn.Module) -> list:
+    seen, out = set(), []
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is not None and id(cfg) not in seen and getattr(cfg, "use_cache", None) is True:
+            seen.add(id(cfg))
+            out.append(cfg)
+    return out
+
+
+def hf_cache_note(model: torch.nn.Module) -> str | None:
+    """The plan note for a model whose HF config has ``use_cache`` on, else None."""
+    if not _hf_configs(model):
+        return None
+    return (
+        "use_cache: the model's HF config has use_cache=True; while the plan is applied it is False "
+        "and planned modules get no KV cache (a recompute would write it twice), as HF does under "
+        "gradient checkpointing"
+    )
+
+
+class hf_cache_off:
+    """``with hf_cache_off(model):`` HF ``config.use_cache`` is False inside, restored after
+    (planning traces the model the way it runs once the plan is applied)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.configs = _hf_configs(model)
+
+    def __enter__(self):
+        for cfg in self.configs:
+            cfg.use_cache = False
+        return self
+
+    def __exit__(self, *exc):
+        for cfg in self.configs:
+            cfg.use_cache = True
 
 
 def _root_relative(fqn: str, root: str) -> str:
@@ -113,12 +157,13 @@ class AppliedPlan:
     """Handle of an applied plan: ``remove()`` or use as a context manager."""
 
     model: torch.nn.Module
-    plan: Plan
-    modules: list[torch.nn.Module]
+    plan: Plan | None
+    modules: list[torch.nn.Module] = field(default_factory=list)
 
     def remove(self) -> None:
         for mod in self.modules:
             _restore(mod)
+        _restore_cache(self.model)
         self.modules = []
 
     def __enter__(self) -> "AppliedPlan":
@@ -128,16 +173,27 @@ class AppliedPlan:
         self.remove()
 
 
-def _restore(mod: torch.nn.Module) -> None:
-    original = mod.__dict__.pop(_MARK, None)
-    if original is None:
-        return
-    mod.__dict__.pop("forward", None)
-    if original is not _CLASS_FORWARD:
-        mod.forward = original
+def _restore(mod: torch.nn.Module) -> bool:
+    pf = mod.__dict__.get("forward")
+    if not isinstance(pf, PlannedForward):
+        return False
+    del mod.__dict__["forward"]
+    if pf.original is not None:
+        mod.forward = pf.original
+    return True
 
 
-_CLASS_FORWARD = object()  # marker: the module used its class's forward
+def _restore_cache(model: torch.nn.Module) -> None:
+    for cfg in model.__dict__.pop(_CACHE_OFF, ()):
+        cfg.use_cache = True
+
+
+def _check_not_compiled(model: torch.nn.Module) -> None:
+    if unwrap_compiled(model) is not model:
+        raise TypeError(
+            "apply_plan got a torch.compile'd model: apply the plan to the original module, then "
+            "compile it: `m = compiled._orig_mod; apply_plan(m, plan); compiled = torch.compile(m)`"
+        )
 
 
 def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = True) -> AppliedPlan:
@@ -151,6 +207,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = 
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan needs a Plan, got {type(plan).__name__}")
+    _check_not_compiled(model)
     root = original_class_name(model)  # fully_shard renames GPT to FSDPGPT
     if check_fingerprint:
         fp = model_fingerprint(model)
@@ -160,11 +217,23 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = 
                 f"not for this {root} (fingerprint {fp}): module names, parameter shapes or dtypes "
                 "differ. Re-plan with solve_sac(model, ...)"
             )
-    problem = _existing_checkpointing(model)
-    if problem:
-        raise AlreadyCheckpointedError(problem)
+    handle = apply_module_plans(model, plan.modules)
+    handle.plan = plan
+    return handle
+
+
+def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan]) -> AppliedPlan:
+    """Checkpoint ``model``'s modules as the module plans say (no fingerprint check: the planner's
+    own verification trace uses it on the fake copy it traces). Atomic."""
+    _check_not_compiled(model)
+    check_plannable(model)
+    root = original_class_name(model)
     targets = []
-    for mp in plan.modules:  # resolve everything before touching the model
+    seen: set[str] = set()
+    for mp in modules:  # resolve everything before touching the model
+        if mp.fqn in seen:
+            raise PlanMismatchError(f"plan module {mp.fqn!r} is listed twice")
+        seen.add(mp.fqn)
         name = _root_relative(mp.fqn, root)
         try:
             targets.append((model.get_submodule(name) if name else model, mp))
@@ -173,22 +242,28 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = 
     done: list[torch.nn.Module] = []
     try:
         for mod, mp in targets:
-            original = mod.__dict__.get("forward", _CLASS_FORWARD)
-            mod.forward = _checkpointed_forward(mod.forward, mp)
-            mod.__dict__[_MARK] = original
+            mod.forward = _planned_forward(mod, mp)
             done.append(mod)
+        cache = hf_cache_off(model)
+        if done and cache.configs:
+            cache.__enter__()
+            model.__dict__[_CACHE_OFF] = cache.configs
     except BaseException:
         for mod in done:
             _restore(mod)
         raise
-    return AppliedPlan(model=model, plan=plan, modules=done)
+    return AppliedPlan(model=model, plan=None, modules=done)
+
+
+def _planned_forward(mod: torch.nn.Module, mp: ModulePlan) -> PlannedForward:
+    original = mod.__dict__.get("forward")
+    if getattr(original, "__self__", None) is mod:
+        original = None if original.__func__ is type(mod).forward else original
+    return PlannedForward(mod, mp, original)
 
 
 def remove_plan(model: torch.nn.Module) -> int:
     """Undo every applied plan on ``model``; returns how many modules were restored."""
-    n = 0
-    for mod in model.modules():
-        if _MARK in mod.__dict__:
-            _restore(mod)
-            n += 1
+    n = sum(_restore(mod) for mod in model.modules())
+    _restore_cache(model)
     return n

@@ -134,9 +134,14 @@ def solve_sac(
     ``output.sum()``; ``optimizer`` is a name ("adam", "adamw", "sgd") or an instance, so its
     state is counted. ``reserve_gib`` defaults to :func:`default_reserve_bytes`.
     """
+    from planner.checkpointing import check_plannable, hf_cache_off, unwrap_compiled
+
+    model = unwrap_compiled(model)  # plan what torch.compile wraps; the compiled module is untouched
+    check_plannable(model)  # before anything touches the model
     budget = int(check_budget_gib(budget_gib) * GiB)
     spec = get_device_spec(device)
-    est = estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=estimate_options)
+    with hf_cache_off(model):  # trace the step as it runs once the plan is applied
+        est = estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=estimate_options)
     reserve = int(reserve_gib * GiB) if reserve_gib is not None else default_reserve_bytes(spec, budget)
     return plan_for_budget(
         model,
@@ -178,14 +183,21 @@ def plan_for_budget(
             f"the reserve ({reserve_bytes / GiB:.2f} GiB) must be >= 0 and below the budget "
             f"({budget_bytes / GiB:.2f} GiB); pass a smaller reserve_gib"
         )
+    from planner.checkpointing import check_plannable, hf_cache_note, unwrap_compiled
+
+    model = unwrap_compiled(model)
+    check_plannable(model)
     info = est.module_info
     t0 = time.perf_counter()
-    milp = milp or SACMilp(
-        info, world_size=world_size, ac_units=ac_units, fsdp_units=fsdp_units, options=solver_options
-    )
+    notes: list[str] = [n for n in (hf_cache_note(model),) if n]
+    allowed, excluded = _allowed_units(info, ac_units)
+    notes += [f"{fqn} not checkpointed: {why}" for fqn, why in excluded.items()]
+    if milp is None or excluded:  # a caller's MILP may not know which modules are unsafe
+        milp = SACMilp(
+            info, world_size=world_size, ac_units=allowed, fsdp_units=fsdp_units, options=solver_options
+        )
     usable = budget_bytes - reserve_bytes
     target = usable
-    notes: list[str] = []
     for attempt in range(_MAX_TIGHTENINGS + 1):
         try:
             res = milp.solve(target)
@@ -237,22 +249,32 @@ def plan_for_budget(
     return plan
 
 
+def _allowed_units(info, ac_units) -> tuple[list[str] | None, dict[str, str]]:
+    """The modules the MILP may checkpoint, and the candidates left out with the reason why
+    (a module that mutates its inputs in place would crash in the recompute; one whose calls
+    run different ops cannot be given one per-call plan)."""
+    excluded = {
+        s.fqn: s.sac_blocker
+        for s in info.mod_stats
+        if s.sac_blocker and not s.is_leaf and s.sac_memory_bytes > 0
+        and (ac_units is None or s.fqn in set(ac_units))
+    }
+    if not excluded:
+        return (list(ac_units) if ac_units is not None else None), {}
+    names = list(ac_units) if ac_units is not None else [s.fqn for s in info.mod_stats]
+    return [f for f in names if f not in excluded], excluded
+
+
 def _traced_peak(model, modules, est: Estimate, inputs, loss_fn, optimizer, options: EstimateOptions) -> int:
     """Peak of the planned model, from a trace of the same kind as the estimate's."""
     if not modules:
         return est.module_info.peak_bytes
-    from planner.checkpointing import apply_plan
-
-    probe = Plan(
-        modules=modules, model_name=type(model).__name__, model_fingerprint="", device=est.spec.name,
-        world_size=1, budget_bytes=1, reserve_bytes=0, predicted_peak_bytes=0, solver_peak_bytes=0,
-        baseline_peak_bytes=0, recompute_ms=0.0, baseline_step_ms=0.0,
-    )
     from estimators.estimate import TraceMode
+    from planner.checkpointing import apply_module_plans
 
     opts = dataclasses.replace(options, mode=TraceMode.FAKE, progress=False)
     planned = estimate(
         model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=est.spec, options=opts,
-        prepare=lambda m: apply_plan(m, probe, check_fingerprint=False),
+        prepare=lambda m: apply_module_plans(m, modules),
     )
     return planned.module_info.peak_bytes

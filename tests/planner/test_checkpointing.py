@@ -91,15 +91,15 @@ def test_failure_midway_rolls_back(monkeypatch):
     model, _ = EXAMPLES["gpt_demo"]()
     before = _state(model)
     calls = {"n": 0}
-    real = ck._checkpointed_forward
+    real = ck._planned_forward
 
-    def flaky(forward, mp):
+    def flaky(mod, mp):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected failure")
-        return real(forward, mp)
+        return real(mod, mp)
 
-    monkeypatch.setattr(ck, "_checkpointed_forward", flaky)
+    monkeypatch.setattr(ck, "_planned_forward", flaky)
     with pytest.raises(RuntimeError, match="injected"):
         apply_plan(model, plan)
     assert _state(model) == before

@@ -1,0 +1,291 @@
+"""What a planned module runs instead of its forward: a checkpoint whose recompute cannot diverge
+silently, and that leaves the module's state as one forward would.
+
+Why a selective checkpoint can diverge
+--------------------------------------
+torch's selective checkpoint (``create_selective_checkpoint_contexts``) stores every forward op's
+decision under ``(op, n-th call of that op)`` and, in the recompute, looks each op up by the same
+counter. The counters agree only if the recompute runs exactly the forward's ops. They do not when
+the forward reads state it also writes: a KV cache (HF ``use_cache``: the recompute finds the
+cache already holding this layer's keys, so it slices and concatenates again), a lazily built
+table (rotary ``cos``/``sin`` caches: built in the forward, found in the recompute), autocast's
+weight-cast cache (a cast the forward found cached is re-run in the recompute), a training flag or
+step counter flipped between forward and backward. torch then either raises from its internals
+(``aten.slice.Tensor encountered during backward but not found in storage``) or -- worse, when the
+shifted counter lands on an op of the same name -- hands back another op's cached output:
+a different gradient without a word.
+
+The design here
+---------------
+1. *Agree by construction* where the cause is known: planned modules run with HF's cache off
+   (``planner.checkpointing``), and buffers the forward mutates are put back after the recompute.
+2. *Align, don't count*: the forward records its op sequence (op, input shapes and dtypes) and the
+   outputs the plan saves, by position. The recompute walks the same sequence; a cached output is
+   returned only while every op so far matched. At the first mismatch the rest of the recompute
+   simply runs every op -- exactly what full checkpointing does from that point, so the gradient
+   is the one full checkpointing gives, and nothing is raised. The module is switched to full
+   checkpointing for every later call and a warning names the module, the op and the position.
+
+What else runs twice
+--------------------
+The recompute re-runs the module's Python ``forward``: forward hooks and pre-hooks of its
+*submodules* run again (the planned module's own hooks do not: ``forward`` is patched, not
+``__call__``), and so does any Python side effect (counters, prints, appending to lists). Buffers
+mutated in place (BatchNorm ``running_mean``/``running_var``/``num_batches_tracked``) are
+restored to their post-forward values when the recompute ends, so they change once per step.
+Other state written by Python (plain attributes) is not tracked: keep such logic out of
+checkpointed modules, or leave them out of the plan (``ac_units``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.checkpoint import (
+    SAC_IGNORED_OPS,
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
+    _detach_helper,
+    _is_compiling,
+    _VersionWrapper,
+    checkpoint,
+)
+
+from planner.plan import ModulePlan, op_key
+
+__all__ = ["PlannedForward", "CheckpointDivergenceWarning"]
+
+_HF_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+class CheckpointDivergenceWarning(UserWarning):
+    """A planned module's recompute ran other ops than its forward; it now checkpoints fully."""
+
+
+_bookkeeping = threading.local()  # ops of our own state handling: not part of the module's ops
+
+
+def _in_bookkeeping() -> bool:
+    return getattr(_bookkeeping, "on", False)
+
+
+class _Bookkeeping:
+    def __enter__(self):
+        self.prev = _in_bookkeeping()
+        _bookkeeping.on = True
+
+    def __exit__(self, *exc):
+        _bookkeeping.on = self.prev
+
+
+def _meta(args: Any, kwargs: Any) -> tuple:
+    flat, _ = tree_flatten((args, kwargs))
+    return tuple((tuple(t.shape), t.dtype) for t in flat if isinstance(t, torch.Tensor))
+
+
+@dataclass
+class _Entry:
+    func: Any
+    meta: tuple
+    value: Any = None  # the cached outputs (wrapped), None: recompute
+
+
+class _RecordingMode(_CachingTorchDispatchMode):
+    """Forward side: log every op in order; keep the outputs the policy saves."""
+
+    def __init__(self, policy_fn, storage, log: list[_Entry]) -> None:
+        super().__init__(policy_fn, storage)
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = {} if kwargs is None else kwargs
+        if _is_compiling(func, args, kwargs):  # the compiler partitions by policy itself
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        if func in SAC_IGNORED_OPS or _in_bookkeeping():
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        policy = self.policy_fn(SelectiveCheckpointContext(is_recompute=False, op_output=out), func, *args, **kwargs)
+        entry = _Entry(func, _meta(args, kwargs))
+        if policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+            entry.value = tree_map(lambda x: _VersionWrapper(_detach_helper(x)), out)
+        self.log.append(entry)
+        return out
+
+
+class _ReplayMode(_CachedTorchDispatchMode):
+    """Recompute side: return a cached output only while the op sequence matches the forward's."""
+
+    def __init__(self, storage, log: list[_Entry], on_diverge: Callable[[Any, int, _Entry | None], None]) -> None:
+        super().__init__(None, storage, True)
+        self.log = log
+        self.on_diverge = on_diverge
+        self.pos = 0
+        self.diverged = False
+
+    def __enter__(self):
+        self.pos, self.diverged = 0, False
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = {} if kwargs is None else kwargs
+        if _is_compiling(func, args, kwargs):
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        if func in SAC_IGNORED_OPS or _in_bookkeeping():
+            return func(*args, **kwargs)
+        if not self.diverged:
+            i = self.pos
+            self.pos += 1
+            e = self.log[i] if i < len(self.log) else None
+            if e is None or e.func is not func or e.meta != _meta(args, kwargs):
+                self.diverged = True
+                self.on_diverge(func, i, e)
+            elif e.value is not None:
+                value, e.value = e.value, None  # consumed: its memory goes with the last use
+                # An in-place op shares its parent's decision (estimators/sac.py): a cached output
+                # is only mutated by ops cached with it, so the value is already final.
+                return tree_map(lambda x: x.get_val(True), value)
+        return func(*args, **kwargs)
+
+
+class _StateKeeper:
+    """The function handed to ``checkpoint``: first call is the forward, later ones recomputes.
+
+    Buffers the forward mutates in place (found by version counters, so nothing is cloned for
+    modules that mutate none) are copied after the forward and put back when a recompute ends:
+    BatchNorm statistics change once per step, as without a plan."""
+
+    def __init__(self, module: torch.nn.Module, forward: Callable) -> None:
+        self.module = module
+        self.forward = forward
+        self.calls = 0
+        self.after: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if torch.compiler.is_compiling():
+            return self.forward(*args, **kwargs)  # the compiled graph replays state ops itself
+        if self.calls == 1:
+            bufs = list(self.module.buffers())
+            versions = [b._version for b in bufs]
+            out = self.forward(*args, **kwargs)
+            with _Bookkeeping(), torch.no_grad():
+                self.after = [(b, b.detach().clone()) for b, v in zip(bufs, versions) if b._version != v]
+            return out
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            if self.after:
+                with _Bookkeeping(), torch.no_grad():
+                    for b, value in self.after:
+                        # Through .data: no version bump, so tensors the recompute saved stay valid.
+                        b.data.copy_(value)
+
+
+class PlannedForward:
+    """Stored as ``module.forward`` (instance attribute) while a plan is applied.
+
+    It holds the module by weak reference and resolves it at call time; ``copy.deepcopy`` rebinds
+    it to the copy, and pickling stores the module-plan so an unpickled model stays planned."""
+
+    def __init__(self, module: torch.nn.Module, mp: ModulePlan, original: Callable | None = None) -> None:
+        self._module = weakref.ref(module)
+        self.mp = mp
+        self.original = original  # an instance-level forward the module had before; None: its class's
+        self.fallback: str | None = None  # why this module now checkpoints fully
+        self._saved = frozenset(mp.saved_ops)
+
+    # ------------------------------------------------------------------ identity across copies
+    def __deepcopy__(self, memo):
+        import copy
+
+        module = self._module()
+        new_module = memo.get(id(module), module)
+        new = PlannedForward(new_module, self.mp, copy.deepcopy(self.original, memo))
+        new.fallback = self.fallback
+        return new
+
+    def __reduce__(self):
+        return (_rebuild, (self._module(), self.mp, self.original, self.fallback))
+
+    @property
+    def module(self) -> torch.nn.Module:
+        m = self._module()
+        if m is None:  # pragma: no cover - the module owns this object
+            raise RuntimeError(f"the module planned as {self.mp.fqn} no longer exists")
+        return m
+
+    def bound_original(self) -> Callable:
+        module = self.module
+        if self.original is not None:
+            return self.original
+        return type(module).forward.__get__(module)
+
+    # ------------------------------------------------------------------ the call
+    def __call__(self, *args, **kwargs):
+        forward = self.bound_original()
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)  # nothing is saved without grad: no checkpoint
+        kwargs = _without_hf_cache(kwargs)
+        kw: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
+        if not self.mp.full and self.fallback is None:
+            kw["context_fn"] = self._contexts
+        return checkpoint(_StateKeeper(self.module, forward), *args, **kwargs, **kw)
+
+    def _contexts(self):
+        counts: dict[str, int] = {}
+        saved = self._saved
+
+        def policy(ctx, op, *args, **kwargs):
+            key = op_key(str(op))
+            occ = counts.get(key, 0)
+            counts[key] = occ + 1
+            return CheckpointPolicy.MUST_SAVE if (key, occ) in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+        storage: dict = defaultdict(dict)  # torch's format, used only under torch.compile
+        log: list[_Entry] = []
+        return _RecordingMode(policy, storage, log), _ReplayMode(storage, log, self._diverged)
+
+    def _diverged(self, func, index: int, expected: _Entry | None) -> None:
+        if self.fallback is not None:
+            return
+        what = f"forward ran {expected.func}" if expected is not None else "the forward had ended"
+        self.fallback = f"op #{index}: recompute ran {func}, {what}"
+        warnings.warn(
+            f"SAC Planner: the recompute of {self.mp.fqn} diverged from its forward at {self.fallback}. "
+            "This step's gradients are those of full checkpointing from that op on; the module is "
+            "fully checkpointed from now on. Usual causes: state the forward writes and reads "
+            "(a cache, a counter), or a mode changed between forward and backward.",
+            CheckpointDivergenceWarning,
+            stacklevel=2,
+        )
+
+
+def _rebuild(module, mp, original, fallback) -> PlannedForward:
+    pf = PlannedForward(module, mp, original)
+    pf.fallback = fallback
+    return pf
+
+
+def _without_hf_cache(kwargs: dict) -> dict:
+    """What HF's GradientCheckpointingLayer does: a checkpointed layer neither uses nor writes a
+    KV cache (the recompute would write it a second time)."""
+    if not any(kwargs.get(k) for k in ("use_cache",)) and not any(
+        kwargs.get(k) is not None for k in _HF_CACHE_KWARGS
+    ):
+        return kwargs
+    kwargs = dict(kwargs)
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    for k in _HF_CACHE_KWARGS:
+        if kwargs.get(k) is not None:
+            kwargs[k] = None
+    return kwargs
