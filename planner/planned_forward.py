@@ -177,8 +177,11 @@ class _StateKeeper:
             bufs = list(self.module.buffers())
             versions = [b._version for b in bufs]
             out = self.forward(*args, **kwargs)
+            quiet = _silently_mutated(self.module)
             with _Bookkeeping(), torch.no_grad():
-                self.after = [(b, b.detach().clone()) for b, v in zip(bufs, versions) if b._version != v]
+                self.after = [
+                    (b, b.detach().clone()) for b, v in zip(bufs, versions) if b._version != v or id(b) in quiet
+                ]
             return out
         try:
             return self.forward(*args, **kwargs)
@@ -188,6 +191,20 @@ class _StateKeeper:
                     for b, value in self.after:
                         # Through .data: no version bump, so tensors the recompute saved stay valid.
                         b.data.copy_(value)
+
+
+def _silently_mutated(module: torch.nn.Module) -> set[int]:
+    """Buffers mutated without a version bump: ``native_batch_norm`` updates the running
+    statistics in place but its schema does not mark them as written."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return {
+        id(b)
+        for m in module.modules()
+        if isinstance(m, _NormBase) and m.training and m.track_running_stats
+        for b in (m.running_mean, m.running_var)
+        if b is not None
+    }
 
 
 class PlannedForward:

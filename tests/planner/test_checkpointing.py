@@ -103,3 +103,291 @@ def test_failure_midway_rolls_back(monkeypatch):
     with pytest.raises(RuntimeError, match="injected"):
         apply_plan(model, plan)
     assert _state(model) == before
+
+
+# ----------------------------------------------------------------------------- issue 10
+import copy
+import io
+import pickle
+import warnings
+
+from torch import nn
+
+from estimators.estimate import estimate
+from planner import ModulePlan, solve_sac
+from planner.checkpointing import apply_module_plans, unwrap_compiled
+from planner.planned_forward import CheckpointDivergenceWarning
+from planner.solve import plan_for_budget
+from solver import SACMilp
+
+
+def _bn_state(model):
+    return {n: b.clone() for n, b in model.named_buffers()}
+
+
+def _step(model, inputs, loss_fn=None, seed=1234):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(*inputs)
+    loss = loss_fn(out, inputs) if loss_fn else out.sum()
+    loss.backward()
+    named = unwrap_compiled(model).named_parameters()
+    return loss.detach(), {n: p.grad.clone() for n, p in named if p.grad is not None}
+
+
+def _assert_same(a, b):
+    (la, ga), (lb, gb) = a, b
+    assert torch.equal(la, lb)
+    assert ga.keys() == gb.keys()
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), n
+
+
+@pytest.mark.parametrize("which", [1, 2])
+def test_batchnorm_buffers_update_once_per_step_convnet_demo(which):
+    plan = plan_at("convnet_demo", budgets("convnet_demo", 3)[which])
+    assert plan.modules
+    ref, inputs = EXAMPLES["convnet_demo"]()
+    planned, _ = EXAMPLES["convnet_demo"]()
+    ref.train(), planned.train()
+    ref_out = _step(ref, inputs, ref.loss_fn)
+    with apply_plan(planned, plan):
+        out = _step(planned, inputs, planned.loss_fn)
+    _assert_same(out, ref_out)
+    ref_bufs, bufs = _bn_state(ref), _bn_state(planned)
+    for n, b in ref_bufs.items():
+        assert torch.equal(bufs[n], b), n
+    assert all(int(b) == 1 for n, b in bufs.items() if n.endswith("num_batches_tracked"))
+
+
+class _BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.1),
+                                   nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm1d(8) if False else nn.BatchNorm2d(8, momentum=None))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.block(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_batchnorm_conv_net_buffers_bitwise_over_three_adamw_steps(full):
+    torch.manual_seed(0)
+    ref = _BNNet()
+    planned = copy.deepcopy(ref)
+    x = torch.randn(4, 3, 8, 8)
+    saved = () if full else (("aten.convolution.default", 0),)
+    mp = ModulePlan(fqn="_BNNet.block", discard_ratio=1.0 if full else 0.5, full=full, saved_ops=saved)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, planned)]
+    apply_module_plans(planned, [mp])
+    for _ in range(3):
+        for m, opt in zip((ref, planned), opts):
+            _step(m, (x,))
+            opt.step()
+    for n, b in _bn_state(ref).items():
+        assert torch.equal(_bn_state(planned)[n], b), n
+    assert int(planned.block[1].num_batches_tracked) == 3
+    for (n, p), q in zip(ref.named_parameters(), planned.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_deepcopy_of_planned_model_is_independent_and_removable():
+    plan = plan_at("gpt_demo", budgets("gpt_demo", 3)[1])
+    model, inputs = EXAMPLES["gpt_demo"]()
+    ref = _step(model, inputs, model.loss_fn)
+    model.zero_grad(set_to_none=True)
+    apply_plan(model, plan)
+    twin = copy.deepcopy(model)
+    out = _step(twin, inputs, twin.loss_fn)
+    _assert_same(out, ref)
+    assert all(p.grad is None for p in model.parameters()), "the copy trained the original"
+    assert remove_plan(twin) == len(plan.modules)
+    assert all("forward" not in m.__dict__ for m in twin.modules())
+    _assert_same(_step(twin, inputs, twin.loss_fn), ref)
+    assert remove_plan(model) == len(plan.modules)
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_planned_model_pickles_and_stays_planned(how):
+    plan = plan_at("gpt_demo", budgets("gpt_demo", 3)[1])
+    model, inputs = EXAMPLES["gpt_demo"]()
+    ref = _step(model, inputs, model.loss_fn)
+    apply_plan(model, plan)
+    if how == "pickle":
+        loaded = pickle.loads(pickle.dumps(model))
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+    _assert_same(_step(loaded, inputs, loaded.loss_fn), ref)
+    assert remove_plan(loaded) == len(plan.modules)
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+
+
+def test_planning_a_planned_model_refuses_before_touching_it():
+    plan = plan_at("gpt_demo", budgets("gpt_demo", 3)[1])
+    model, inputs = EXAMPLES["gpt_demo"]()
+    apply_plan(model, plan)
+    with pytest.raises(AlreadyCheckpointedError, match="remove_plan"):
+        solve_sac(model, 1.0, inputs, loss_fn=model.loss_fn, device="cpu")
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_estimate_of_a_planned_model_traces_its_copy_not_the_model():
+    plan = plan_at("gpt_demo", budgets("gpt_demo", 3)[1])
+    model, inputs = EXAMPLES["gpt_demo"]()
+    apply_plan(model, plan)
+    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
+    assert all(p.grad is None for p in model.parameters())
+    assert est.module_info.peak_bytes == plan.predicted_peak_bytes
+
+
+class _Scale(nn.Module):
+    """Scales its input in place: fine unplanned, a crash in a recompute."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 256)
+        self.down = nn.Linear(256, 32)
+
+    def forward(self, x):
+        x.mul_(0.5)
+        return self.down(torch.tanh(self.up(x)))
+
+
+class _InplaceNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(32, 32)
+        self.scale = _Scale()
+        self.mlp = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+
+    def forward(self, x):
+        h = self.inp(x) + 1.0  # nothing saves h before scale mutates it
+        return self.mlp(self.scale(h))
+
+
+def test_module_mutating_its_input_is_never_planned():
+    torch.manual_seed(0)
+    model, x = _InplaceNet(), torch.randn(64, 32)
+    est = estimate(model, (x,), device="cpu")
+    scale = est.module_info.stats("_InplaceNet.scale")
+    assert "in place" in scale.sac_blocker and "mul_" in scale.sac_blocker
+    assert scale.sac_memory_bytes > 0, "the test needs it to be worth checkpointing"
+    milp = SACMilp(est.module_info)  # built without exclusions, as a caller may
+    tight = milp.min_reachable_peak_bytes() + 1
+    plan = plan_for_budget(model, est, tight, inputs=(x,), milp=milp)
+    assert "_InplaceNet.scale" not in plan.checkpointed
+    assert any(n.startswith("_InplaceNet.scale not checkpointed: mutates") for n in plan.notes)
+    ref = _step(model, (x.clone(),))
+    with apply_plan(model, plan):
+        _assert_same(_step(model, (x.clone(),)), ref)
+
+
+class _Twice(nn.Module):
+    """Runs one block twice per step, with different shapes in each call when ``vary``."""
+
+    def __init__(self, vary: bool):
+        super().__init__()
+        self.vary = vary
+        self.block = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+    def forward(self, x):
+        y = self.block(x)
+        # A 3-d input runs Linear as view + mm + view instead of addmm: other ops in call 2.
+        return self.block(y.unsqueeze(0) if self.vary else y).sum() + y.tanh().sum()
+
+
+def test_module_called_twice_differently_is_excluded_with_reason():
+    model, x = _Twice(vary=True), torch.randn(32, 16)
+    est = estimate(model, (x,), device="cpu")
+    assert "called 2 times" in est.module_info.stats("_Twice.block").sac_blocker
+    model2, x2 = _Twice(vary=False), torch.randn(32, 16)
+    est2 = estimate(model2, (x2,), device="cpu")
+    assert est2.module_info.stats("_Twice.block").sac_blocker == ""
+
+
+def test_module_called_twice_alike_is_checkpointed_per_call():
+    torch.manual_seed(0)
+    model, x = _Twice(vary=False), torch.randn(32, 16)
+    ref = _step(model, (x,))
+    mp = ModulePlan(fqn="_Twice.block", discard_ratio=0.5, full=False, saved_ops=(("aten.addmm.default", 0),))
+    with apply_module_plans(model, [mp]):
+        _assert_same(_step(model, (x,)), ref)
+
+
+class _LazyTable(nn.Module):
+    """Builds a table on its first call and reuses it: the recompute runs fewer ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1 = nn.Linear(16, 16)
+        self.lin2 = nn.Linear(16, 16)
+        self.table = None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.cos(torch.arange(16.0)) * 0.5 + 1.0
+        h = torch.tanh(self.lin1(x)) * self.table
+        return torch.sigmoid(self.lin2(h)) * self.table
+
+
+class _LazyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = _LazyTable()
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_divergent_recompute_falls_back_to_full_checkpointing_with_warning():
+    torch.manual_seed(0)
+    ref_model, x = _LazyNet(), torch.randn(8, 16)
+    model = copy.deepcopy(ref_model)
+    ref = _step(ref_model, (x,))
+    # Saves the second mul: in the recompute the table's ops are gone, so counting ops (torch's
+    # scheme) hands back the wrong cached tensor or fails; aligning detects it.
+    mp = ModulePlan(fqn="_LazyNet.body", discard_ratio=0.5, full=False,
+                    saved_ops=(("aten.mul.Tensor", 1), ("aten.addmm.default", 1)))
+    apply_module_plans(model, [mp])
+    with pytest.warns(CheckpointDivergenceWarning, match=r"_LazyNet.body.*aten\.\w+"):
+        _assert_same(_step(model, (x,)), ref)
+    assert model.body.forward.fallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointDivergenceWarning)
+        _assert_same(_step(model, (x,)), _step(ref_model, (x,)))
+
+
+def test_compiled_model_order_plan_apply_compile():
+    plan = plan_at("gpt_demo", budgets("gpt_demo", 3)[1])
+    model, inputs = EXAMPLES["gpt_demo"]()
+    ref = _step(model, inputs, model.loss_fn)
+    apply_plan(model, plan)
+    compiled = torch.compile(model, backend="aot_eager")
+    _assert_same(_step(compiled, inputs, model.loss_fn), ref)
+    with pytest.raises(TypeError, match=r"_orig_mod; apply_plan\(m, plan\); compiled = torch.compile\(m\)"):
+        apply_plan(torch.compile(EXAMPLES["gpt_demo"]()[0]), plan)
+    remove_plan(model)
+    torch._dynamo.reset()
+
+
+def test_solve_sac_on_compiled_model_plans_orig_mod_and_leaves_compile_on():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    compiled = torch.compile(model, backend=backend)
+    plan = solve_sac(compiled, 1.0, inputs, loss_fn=model.loss_fn, device="cpu")
+    assert plan.model_name == type(model).__name__
+    assert not graphs, "planning ran the compiled module"
+    model.eval()  # no dropout: compiled and eager draw nothing
+    out = compiled(*inputs)
+    assert graphs, "compile is off after solve_sac"
+    assert torch.equal(out, model(*inputs))
+    torch._dynamo.reset()
