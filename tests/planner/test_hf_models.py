@@ -1,0 +1,162 @@
+"""Hugging Face transformers families, built from tiny configs with their default settings
+(``use_cache`` on, HF's own loss), dropout on, planned and applied at three budgets on CPU.
+
+Each case: plan + apply + one real step, measured by torch's MemTracker: loss and every gradient
+bitwise equal to the unplanned model's, measured peak within 3 % of the prediction and under the
+budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from estimators.estimate import estimate  # noqa: E402
+from planner import AlreadyCheckpointedError, apply_plan, solve_sac  # noqa: E402
+from planner.checkpointing import hf_cache_off  # noqa: E402
+from planner.measure import measure_step  # noqa: E402
+from planner.solve import plan_for_budget  # noqa: E402
+from solver import SACMilp  # noqa: E402
+
+VOCAB, HIDDEN, LAYERS, SEQ, BATCH = 128, 32, 2, 16, 4
+_DECODER = dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                num_attention_heads=2, max_position_embeddings=SEQ, attention_dropout=0.1)
+
+
+def _configs():
+    T = transformers
+    return {
+        "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(
+            vocab_size=VOCAB, n_layer=LAYERS, n_embd=HIDDEN, n_head=2, n_positions=SEQ)),
+        "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(vocab_size=VOCAB, num_key_value_heads=1, **_DECODER)),
+        "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(vocab_size=VOCAB, num_key_value_heads=1, **_DECODER)),
+        "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(vocab_size=VOCAB, num_key_value_heads=1, **_DECODER)),
+        "gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(vocab_size=VOCAB, num_key_value_heads=1, head_dim=16, **_DECODER)),
+        "phi": lambda: T.PhiForCausalLM(T.PhiConfig(vocab_size=VOCAB, resid_pdrop=0.1, embd_pdrop=0.1, **_DECODER)),
+        "gpt_neox": lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(vocab_size=VOCAB, hidden_dropout=0.1, **_DECODER)),
+        "opt": lambda: T.OPTForCausalLM(T.OPTConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, ffn_dim=2 * HIDDEN, num_hidden_layers=LAYERS,
+            num_attention_heads=2, max_position_embeddings=SEQ, word_embed_proj_dim=HIDDEN)),
+        "bert": lambda: T.BertForMaskedLM(T.BertConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=2,
+            intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ)),
+        "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(
+            vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, d_ff=2 * HIDDEN, num_layers=LAYERS, num_heads=2,
+            decoder_start_token_id=0, pad_token_id=0)),
+    }
+
+
+FAMILIES = ["gpt2", "llama", "bert", "t5", "qwen2", "gemma", "phi", "gpt_neox", "opt"]  # mistral: llama's code
+FRACTIONS = (0.7, 0.35, 0.1)  # of the way from the smallest reachable peak to the no-AC peak
+
+
+def _build(name):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _configs()[name]()
+    model.train()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+@functools.lru_cache(maxsize=None)
+def _planning(name):
+    """(model, inputs, estimate, milp, no-AC peak, smallest reachable peak); loss = output.loss."""
+    model, inputs = _build(name)
+    assert model.config.use_cache is True or not hasattr(model.config, "use_cache")
+    with hf_cache_off(model):
+        est = estimate(model, inputs, device="cpu")
+    milp = SACMilp(est.module_info)
+    return model, inputs, est, milp, est.module_info.peak_bytes, milp.min_reachable_peak_bytes()
+
+
+def _loss_and_grads(model, inputs, seed=1234):
+    """One measured step (MemTracker), then the loss and every gradient it left."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    measured = measure_step(model, inputs)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return measured, grads
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(name):
+    model, inputs, *_ = _planning(name)
+    return _loss_and_grads(model, inputs)
+
+
+# Known miss, same on the code before issue 10: at BERT's tightest budget MemTracker counts 8-16
+# KiB more than the planner's trace (fake or real) from the start of each recompute, so the measured
+# peak is 0.46 % above the prediction and 0.45 % above the budget. Op sequences agree; the trackers
+# disagree on a storage's lifetime. Strict: it fails loudly once fixed.
+_KNOWN_OVER_BUDGET = {("bert", 0.1)}
+
+
+@pytest.mark.parametrize("frac", FRACTIONS)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_plans_apply_exactly(name, frac, request):
+    if (name, frac) in _KNOWN_OVER_BUDGET:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="MemTracker vs trace: +0.46 % at BERT's tightest budget"))
+    model, inputs, est, milp, high, low = _planning(name)
+    assert high > low, "the config must leave activations to discard"
+    budget = int(low + frac * (high - low))
+    plan = plan_for_budget(model, est, budget, inputs=inputs, milp=milp)
+    assert plan.modules, "a budget below the no-AC peak checkpoints something"
+    if getattr(model.config, "use_cache", False):
+        assert any(n.startswith("use_cache:") for n in plan.notes)
+    ref, ref_grads = _reference(name)
+    with apply_plan(model, plan):
+        measured, grads = _loss_and_grads(model, inputs)
+    assert model.config.use_cache is True or not hasattr(model.config, "use_cache")
+    assert measured.loss == ref.loss  # float32 -> float: exact
+    assert grads.keys() == ref_grads.keys()
+    diffs = {n: (grads[n] - g).abs().max().item() for n, g in ref_grads.items()}
+    assert all(torch.equal(grads[n], g) for n, g in ref_grads.items()), max(diffs.items(), key=lambda kv: kv[1])
+    err = (measured.peak_bytes - plan.predicted_peak_bytes) / plan.predicted_peak_bytes
+    print(f"{name} budget {budget} predicted {plan.predicted_peak_bytes} measured {measured.peak_bytes} "
+          f"({err:+.2%}) modules {len(plan.modules)} max|grad diff| {max(diffs.values())}")
+    assert abs(err) <= 0.03
+    assert measured.peak_bytes <= budget
+
+
+def test_default_loss_is_the_model_output_loss():
+    model, inputs, est, *_ = _planning("gpt2")
+    assert est.module_info.peak_bytes > 0  # traced with loss_fn=None: output.loss was the loss
+
+
+def test_hf_gradient_checkpointing_is_refused_with_the_line_that_turns_it_off():
+    model, inputs = _build("gpt2")
+    _, _, est, milp, high, low = _planning("gpt2")
+    plan = plan_for_budget(_planning("gpt2")[0], est, (high + low) // 2, inputs=inputs, milp=milp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.gradient_checkpointing_enable()
+    before = {n: dict(m.__dict__) for n, m in model.named_modules()}
+    with pytest.raises(AlreadyCheckpointedError, match=r"model\.gradient_checkpointing_disable\(\)"):
+        apply_plan(model, plan)
+    with pytest.raises(AlreadyCheckpointedError, match=r"model\.gradient_checkpointing_disable\(\)"):
+        solve_sac(model, 1.0, inputs, device="cpu")
+    assert {n: dict(m.__dict__) for n, m in model.named_modules()} == before
+    assert all(p.grad is None for p in model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.gradient_checkpointing_disable()
+    with apply_plan(model, plan):
+        pass
+
+
+def test_use_cache_passed_explicitly_is_dropped_inside_planned_modules():
+    model, inputs, est, milp, high, low = _planning("llama")
+    plan = plan_for_budget(model, est, int(low + 0.1 * (high - low)), inputs=inputs, milp=milp)
+    ref, ref_grads = _reference("llama")
+    with apply_plan(model, plan):
+        measured, grads = _loss_and_grads(model, {**inputs, "use_cache": True})
+    assert measured.loss == ref.loss
+    assert all(torch.equal(grads[n], g) for n, g in ref_grads.items())
