@@ -203,7 +203,11 @@ def plan_for_budget(
             res = milp.solve(target)
         except InfeasibleBudgetError as e:
             if attempt == 0:
-                raise _infeasible(e, budget_bytes, reserve_bytes) from e
+                err = _infeasible(e, budget_bytes, reserve_bytes)
+                if excluded:  # say what the floor would be without the safety exclusions
+                    err.args = (err.args[0] + " Left out as unsafe to checkpoint: "
+                                + "; ".join(f"{f} ({why})" for f, why in excluded.items()) + ".",)
+                raise err from e
             raise PlanningError(
                 f"the traced plans overshoot the budget and no tighter plan exists; the smallest "
                 f"budget that verifies is above {budget_bytes / GiB:.2f} GiB"

@@ -114,7 +114,7 @@ import warnings
 from torch import nn
 
 from estimators.estimate import estimate
-from planner import ModulePlan, solve_sac
+from planner import ModulePlan, PlanningError, solve_sac
 from planner.checkpointing import apply_module_plans, unwrap_compiled
 from planner.planned_forward import CheckpointDivergenceWarning
 from planner.solve import plan_for_budget
@@ -262,7 +262,7 @@ class _InplaceNet(nn.Module):
         super().__init__()
         self.inp = nn.Linear(32, 32)
         self.scale = _Scale()
-        self.mlp = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+        self.mlp = nn.Sequential(nn.Linear(32, 1024), nn.GELU(), nn.Linear(1024, 32))
 
     def forward(self, x):
         h = self.inp(x) + 1.0  # nothing saves h before scale mutates it
@@ -271,19 +271,23 @@ class _InplaceNet(nn.Module):
 
 def test_module_mutating_its_input_is_never_planned():
     torch.manual_seed(0)
-    model, x = _InplaceNet(), torch.randn(64, 32)
+    model, x = _InplaceNet(), torch.randn(512, 32)
     est = estimate(model, (x,), device="cpu")
-    scale = est.module_info.stats("_InplaceNet.scale")
-    assert "in place" in scale.sac_blocker and "mul_" in scale.sac_blocker
-    assert scale.sac_memory_bytes > 0, "the test needs it to be worth checkpointing"
     milp = SACMilp(est.module_info)  # built without exclusions, as a caller may
-    tight = milp.min_reachable_peak_bytes() + 1
-    plan = plan_for_budget(model, est, tight, inputs=(x,), milp=milp)
+    high = est.module_info.peak_bytes
+    assert milp.min_reachable_peak_bytes() < high, "the test needs `scale` to be worth checkpointing"
+    # Only `scale` could lower the peak: the old planner chose it and the step crashed with
+    # "modified by an inplace operation"; now the budget is refused, naming the exclusion.
+    with pytest.raises(PlanningError, match=r"_InplaceNet\.scale \(mutates a tensor made before its call"):
+        plan_for_budget(model, est, high - 1, inputs=(x,), milp=milp)
+    plan = plan_for_budget(model, est, high, inputs=(x,), milp=milp)
     assert "_InplaceNet.scale" not in plan.checkpointed
     assert any(n.startswith("_InplaceNet.scale not checkpointed: mutates") for n in plan.notes)
     ref = _step(model, (x.clone(),))
     with apply_plan(model, plan):
         _assert_same(_step(model, (x.clone(),)), ref)
+    scale = est.module_info.stats("_InplaceNet.scale")
+    assert "in place" in scale.sac_blocker and "mul_" in scale.sac_blocker
 
 
 class _Twice(nn.Module):
@@ -301,12 +305,18 @@ class _Twice(nn.Module):
 
 
 def test_module_called_twice_differently_is_excluded_with_reason():
+    torch.manual_seed(0)
     model, x = _Twice(vary=True), torch.randn(32, 16)
     est = estimate(model, (x,), device="cpu")
-    assert "called 2 times" in est.module_info.stats("_Twice.block").sac_blocker
+    milp = SACMilp(est.module_info)
+    plan = plan_for_budget(model, est, milp.min_reachable_peak_bytes() + 1, inputs=(x,), milp=milp)
+    ref = _step(model, (x,))
+    with apply_plan(model, plan):
+        _assert_same(_step(model, (x,)), ref)
+    assert "_Twice.block" not in plan.checkpointed
+    assert any(n.startswith("_Twice.block not checkpointed: called 2 times") for n in plan.notes)
     model2, x2 = _Twice(vary=False), torch.randn(32, 16)
-    est2 = estimate(model2, (x2,), device="cpu")
-    assert est2.module_info.stats("_Twice.block").sac_blocker == ""
+    assert estimate(model2, (x2,), device="cpu").module_info.stats("_Twice.block").sac_blocker == ""
 
 
 def test_module_called_twice_alike_is_checkpointed_per_call():
