@@ -32,7 +32,7 @@ The recompute re-runs the module's Python ``forward``: forward hooks and pre-hoo
 *submodules* run again (the planned module's own hooks do not: ``forward`` is patched, not
 ``__call__``), and so does any Python side effect (counters, prints, appending to lists). Buffers
 mutated in place (BatchNorm ``running_mean``/``running_var``/``num_batches_tracked``) are
-restored to their post-forward values when the recompute ends, so they change once per step.
+copied when a recompute starts and put back when it ends, so they change once per step.
 Other state written by Python (plain attributes) is not tracked: keep such logic out of
 checkpointed modules, or leave them out of the plan (``ac_units``).
 """
@@ -159,15 +159,17 @@ class _ReplayMode(_CachedTorchDispatchMode):
 class _StateKeeper:
     """The function handed to ``checkpoint``: first call is the forward, later ones recomputes.
 
-    Buffers the forward mutates in place (found by version counters, so nothing is cloned for
-    modules that mutate none) are copied after the forward and put back when a recompute ends:
-    BatchNorm statistics change once per step, as without a plan."""
+    The forward notes which buffers it mutates in place (by version counter, plus BatchNorm's
+    running statistics, see :func:`_silently_mutated`); a recompute copies those at its entry and
+    puts them back at its exit. So BatchNorm statistics change once per step, as without a plan,
+    and a module nested in a planned one (re-run by the outer recompute) is restored the same way.
+    Nothing is held between forward and backward."""
 
     def __init__(self, module: torch.nn.Module, forward: Callable) -> None:
         self.module = module
         self.forward = forward
         self.calls = 0
-        self.after: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.mutated: list[torch.Tensor] = []
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
@@ -178,19 +180,17 @@ class _StateKeeper:
             versions = [b._version for b in bufs]
             out = self.forward(*args, **kwargs)
             quiet = _silently_mutated(self.module)
-            with _Bookkeeping(), torch.no_grad():
-                self.after = [
-                    (b, b.detach().clone()) for b, v in zip(bufs, versions) if b._version != v or id(b) in quiet
-                ]
+            self.mutated = [b for b, v in zip(bufs, versions) if b._version != v or id(b) in quiet]
             return out
+        with _Bookkeeping(), torch.no_grad():
+            before = [(b, b.detach().clone()) for b in self.mutated]
         try:
             return self.forward(*args, **kwargs)
         finally:
-            if self.after:
-                with _Bookkeeping(), torch.no_grad():
-                    for b, value in self.after:
-                        # Through .data: no version bump, so tensors the recompute saved stay valid.
-                        b.data.copy_(value)
+            with _Bookkeeping(), torch.no_grad():
+                for b, value in before:
+                    # Through .data: no version bump, so tensors the recompute saved stay valid.
+                    b.data.copy_(value)
 
 
 def _silently_mutated(module: torch.nn.Module) -> set[int]:
@@ -295,14 +295,10 @@ def _rebuild(module, mp, original, fallback) -> PlannedForward:
 def _without_hf_cache(kwargs: dict) -> dict:
     """What HF's GradientCheckpointingLayer does: a checkpointed layer neither uses nor writes a
     KV cache (the recompute would write it a second time)."""
-    if not any(kwargs.get(k) for k in ("use_cache",)) and not any(
-        kwargs.get(k) is not None for k in _HF_CACHE_KWARGS
-    ):
+    drop = {k for k in _HF_CACHE_KWARGS if kwargs.get(k) is not None}
+    if not drop and not kwargs.get("use_cache"):
         return kwargs
-    kwargs = dict(kwargs)
+    kwargs = {**kwargs, **{k: None for k in drop}}
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
-    for k in _HF_CACHE_KWARGS:
-        if kwargs.get(k) is not None:
-            kwargs[k] = None
     return kwargs

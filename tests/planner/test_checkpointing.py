@@ -171,16 +171,19 @@ class _BNNet(nn.Module):
         return self.head(self.block(x).mean((2, 3)))
 
 
-@pytest.mark.parametrize("full", [True, False])
-def test_batchnorm_conv_net_buffers_bitwise_over_three_adamw_steps(full):
+@pytest.mark.parametrize("how", ["full", "selective", "nested"])
+def test_batchnorm_conv_net_buffers_bitwise_over_three_adamw_steps(how):
     torch.manual_seed(0)
     ref = _BNNet()
     planned = copy.deepcopy(ref)
     x = torch.randn(4, 3, 8, 8)
+    full = how == "full"
     saved = () if full else (("aten.convolution.default", 0),)
-    mp = ModulePlan(fqn="_BNNet.block", discard_ratio=1.0 if full else 0.5, full=full, saved_ops=saved)
+    mps = [ModulePlan(fqn="_BNNet.block", discard_ratio=1.0 if full else 0.5, full=full, saved_ops=saved)]
+    if how == "nested":  # the root's recompute re-runs the planned block: both must restore
+        mps.append(ModulePlan(fqn="_BNNet", discard_ratio=1.0, full=True))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, planned)]
-    apply_module_plans(planned, [mp])
+    apply_module_plans(planned, mps)
     for _ in range(3):
         for m, opt in zip((ref, planned), opts):
             _step(m, (x,))
