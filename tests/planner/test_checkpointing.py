@@ -332,19 +332,21 @@ def test_module_called_twice_alike_is_checkpointed_per_call():
 
 
 class _LazyTable(nn.Module):
-    """Builds a table on its first call and reuses it: the recompute runs fewer ops."""
+    """Builds a table on its first call and reuses it: the recompute runs fewer ops, so counting
+    ops per name (torch's scheme) shifts every later ``mul`` by one."""
 
     def __init__(self):
         super().__init__()
-        self.lin1 = nn.Linear(16, 16)
-        self.lin2 = nn.Linear(16, 16)
+        self.lins = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
         self.table = None
 
     def forward(self, x):
         if self.table is None:
-            self.table = torch.cos(torch.arange(16.0)) * 0.5 + 1.0
-        h = torch.tanh(self.lin1(x)) * self.table
-        return torch.sigmoid(self.lin2(h)) * self.table
+            self.table = torch.cos(torch.arange(16.0)) * 0.5 + 1.0  # mul #0 in the forward only
+        a = torch.tanh(self.lins[0](x)) * self.table  # mul #1 (#0 in the recompute)
+        b = torch.tanh(self.lins[1](a)) * self.table  # mul #2 (#1)
+        c = torch.tanh(self.lins[2](b)) * self.table  # mul #3 (#2): counted, it gets b's cache
+        return self.lins[3](c)  # saves c for its weight gradient
 
 
 class _LazyNet(nn.Module):
@@ -361,10 +363,9 @@ def test_divergent_recompute_falls_back_to_full_checkpointing_with_warning():
     ref_model, x = _LazyNet(), torch.randn(8, 16)
     model = copy.deepcopy(ref_model)
     ref = _step(ref_model, (x,))
-    # Saves the second mul: in the recompute the table's ops are gone, so counting ops (torch's
-    # scheme) hands back the wrong cached tensor or fails; aligning detects it.
-    mp = ModulePlan(fqn="_LazyNet.body", discard_ratio=0.5, full=False,
-                    saved_ops=(("aten.mul.Tensor", 1), ("aten.addmm.default", 1)))
+    # Saves b (mul #2). Counting per op name, the recompute's c would be handed b's cached value
+    # and lins[3].weight.grad would silently differ; aligning detects the missing table ops.
+    mp = ModulePlan(fqn="_LazyNet.body", discard_ratio=0.5, full=False, saved_ops=(("aten.mul.Tensor", 2),))
     apply_module_plans(model, [mp])
     with pytest.warns(CheckpointDivergenceWarning, match=r"_LazyNet.body.*aten\.\w+"):
         _assert_same(_step(model, (x,)), ref)
