@@ -99,7 +99,7 @@ def _fields(where: str, d: Any, cls: type, legacy: frozenset = frozenset()) -> d
     """``d`` as keyword arguments of ``cls``: a dict, no unknown keys, every required key."""
     if not isinstance(d, dict):
         raise PlanFormatError(f"{where} must be a JSON object, got {type(d).__name__}")
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    names = {f.name for f in dataclasses.fields(cls) if f.init} - legacy
     unknown = sorted(set(d) - names - legacy)
     if unknown:
         raise PlanFormatError(
@@ -120,7 +120,8 @@ class ModulePlan:
     fqn: str
     """Module name as in ModuleInfo (root class name first, e.g. ``GPT.blocks.3``)."""
     discard_ratio: float
-    """Fraction of the module's recomputable activation memory the solver discards."""
+    """Fraction of the module's recomputable activation memory (the bytes of every op that is not
+    forced to be saved) that the op plan discards, in [0, 1]."""
     full: bool
     """Plain full checkpointing (ratio 1): every op is recomputed, no policy."""
     saved_ops: tuple[OpKey, ...] = ()
