@@ -192,6 +192,14 @@ def _solve(args, model, inputs, loss_fn) -> Plan:
     optimizer = _optimizer_arg(args.optimizer)
     if args.budget_gib is not None and args.reserve_gib is not None and args.reserve_gib >= args.budget_gib:
         raise CLIError(f"--reserve-gib ({args.reserve_gib:g}) must be below --budget-gib ({args.budget_gib:g})")
+    if args.budget_gib is not None and args.reserve_gib is None:
+        default = default_reserve_bytes(spec, int(args.budget_gib * GiB))
+        if default >= args.budget_gib * GiB:
+            raise CLIError(
+                f"--budget-gib {args.budget_gib:g} leaves nothing once the default reserve for "
+                f"{spec.name} is held back ({default / GiB:.3f} GiB: 1 GiB + 5 %); pass a larger "
+                "--budget-gib, or --reserve-gib 0 to plan for the whole budget"
+            )
     est = estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=opts)
     info = est.module_info
     solver_options = SolverOptions(time_limit_s=args.time_limit_s)
