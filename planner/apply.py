@@ -305,7 +305,11 @@ def _run(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command; returns the exit status (0 ok, 1 a check failed, 2 bad input)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad argument (2, its line already printed)
+        return e.code if isinstance(e.code, int) else 2
     if not args.quiet and not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:

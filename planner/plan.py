@@ -212,6 +212,14 @@ class Plan:
         set_("notes", tuple(_str(f"notes[{i}]", n) for i, n in enumerate(notes)))
         set_("solve_time_s", _float("solve_time_s", self.solve_time_s))
 
+    def validate(self) -> None:
+        """Re-run every check (PlanFormatError): ``apply_plan`` calls it, since a frozen
+        dataclass can still be changed behind its back (``object.__setattr__``)."""
+        for m in self.modules if isinstance(self.modules, (list, tuple)) else ():
+            if isinstance(m, ModulePlan):
+                m.__post_init__()
+        self.__post_init__()
+
     @property
     def usable_budget_bytes(self) -> int:
         return self.budget_bytes - self.reserve_bytes
