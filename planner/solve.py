@@ -95,9 +95,7 @@ def check_budget_gib(budget_gib: Any) -> float:
     return float(budget_gib)
 
 
-def _infeasible(
-    e: InfeasibleBudgetError, budget: int, reserve: int, *, floor: "_Floor", spec: DeviceSpec
-) -> PlanningError:
+def _infeasible(budget: int, reserve: int, *, floor: "_Floor", spec: DeviceSpec) -> PlanningError:
     """The refusal: the smallest budget that verifies, what sets it and what would lower it."""
     need = _min_budget_bytes(floor.usable_bytes, budget, reserve, spec)
     need_gib = _gib_up(need)
@@ -257,7 +255,7 @@ def plan_for_budget(
             res = milp.solve(target)
         except InfeasibleBudgetError as e:
             if attempt == 0:
-                raise _infeasible(e, budget_bytes, reserve_bytes, floor=floor(), spec=est.spec) from e
+                raise _infeasible(budget_bytes, reserve_bytes, floor=floor(), spec=est.spec) from e
             break  # tightened past the floor: the min-peak plan is the last candidate (below)
         modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
         traced = _traced_peak(model, modules, est, inputs, loss_fn, optimizer, estimate_options) if (
