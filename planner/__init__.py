@@ -21,6 +21,7 @@ from planner.checkpointing import (
 from planner.baselines import BaselinePoint, hand_made_baselines
 from planner.distributed import PlanHashMismatchError, plan_hash, solve_sac_distributed
 from planner.fsdp import fsdp_units_of
+from planner.gradcheck import GradientCheck, check_gradients
 from planner.plan import ModulePlan, Plan, PlanFormatError
 from planner.plotting import plot_tradeoff
 from planner.solve import PlanningError, solve_sac
@@ -31,6 +32,8 @@ __all__ = [
     "solve_sac_distributed",
     "apply_plan",
     "remove_plan",
+    "check_gradients",
+    "GradientCheck",
     "Plan",
     "ModulePlan",
     "AppliedPlan",

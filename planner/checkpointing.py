@@ -207,6 +207,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = 
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan needs a Plan, got {type(plan).__name__}")
+    plan.validate()  # e.g. a module listed twice would be wrapped twice and never removed
     _check_not_compiled(model)
     root = original_class_name(model)  # fully_shard renames GPT to FSDPGPT
     if check_fingerprint:

@@ -7,8 +7,11 @@ to the same model later (``apply_plan`` checks the model fingerprint first).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,8 @@ __all__ = ["OpKey", "ModulePlan", "Plan", "PlanFormatError", "model_fingerprint"
 PLAN_VERSION = 1
 _KIND = "sac_planner.Plan"
 GiB = 2**30
+# Written by plan files of the first release: a timing, not part of the plan (read and dropped).
+_LEGACY_FIELDS = frozenset({"solve_time_s"})
 
 # Fused attention runs as a different aten op on each backend; a plan made on one applies on all.
 _SDPA_OPS = {
@@ -40,7 +45,72 @@ OpKey = tuple[str, int]
 
 
 class PlanFormatError(ValueError):
-    """A plan file that is corrupt, from a newer version, or not a plan."""
+    """A plan file that is corrupt, from a newer version, or not a plan; or plan fields out of range."""
+
+
+# ------------------------------------------------------------------ field checks
+# Each returns the value or raises PlanFormatError naming the field: a plan is applied to a
+# model and drives the checkpointing of real training, so nothing out of range may get that far.
+def _int(where: str, v: Any, *, low: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise PlanFormatError(f"{where} must be an integer, got {v!r}")
+    if v < low:
+        raise PlanFormatError(f"{where} must be >= {low}, got {v}")
+    return int(v)
+
+
+def _float(where: str, v: Any, *, high: float = math.inf) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise PlanFormatError(f"{where} must be a number, got {v!r}")
+    if not (math.isfinite(v) and 0 <= v <= high):
+        bound = f"in [0, {high:g}]" if math.isfinite(high) else "finite and >= 0"
+        raise PlanFormatError(f"{where} must be {bound}, got {v!r}")
+    return float(v)
+
+
+def _str(where: str, v: Any, *, nonempty: bool = False) -> str:
+    if not isinstance(v, str) or (nonempty and not v):
+        raise PlanFormatError(f"{where} must be a {'non-empty ' if nonempty else ''}string, got {v!r}")
+    return v
+
+
+def _bool(where: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise PlanFormatError(f"{where} must be true or false, got {v!r}")
+    return v
+
+
+def _op_keys(where: str, v: Any) -> tuple["OpKey", ...]:
+    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
+        raise PlanFormatError(f"{where} must be a list of [op, occurrence] pairs, got {v!r}")
+    keys = []
+    for i, k in enumerate(v):
+        if isinstance(k, (str, bytes)) or not isinstance(k, (list, tuple)) or len(k) != 2:
+            raise PlanFormatError(f"{where}[{i}] must be an [op, occurrence] pair, got {k!r}")
+        keys.append((_str(f"{where}[{i}][0] (op)", k[0], nonempty=True),
+                     _int(f"{where}[{i}][1] (occurrence)", k[1])))
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise PlanFormatError(f"{where} lists {list(dup)} twice")
+    return tuple(keys)
+
+
+def _fields(where: str, d: Any, cls: type, legacy: frozenset = frozenset()) -> dict[str, Any]:
+    """``d`` as keyword arguments of ``cls``: a dict, no unknown keys, every required key."""
+    if not isinstance(d, dict):
+        raise PlanFormatError(f"{where} must be a JSON object, got {type(d).__name__}")
+    names = {f.name for f in dataclasses.fields(cls) if f.init} - legacy
+    unknown = sorted(set(d) - names - legacy)
+    if unknown:
+        raise PlanFormatError(
+            f"{where} has unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(names))}"
+        )
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    missing = sorted(required - set(d))
+    if missing:
+        raise PlanFormatError(f"{where} is missing field(s) {', '.join(map(repr, missing))}")
+    return {k: v for k, v in d.items() if k in names}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +120,8 @@ class ModulePlan:
     fqn: str
     """Module name as in ModuleInfo (root class name first, e.g. ``GPT.blocks.3``)."""
     discard_ratio: float
-    """Fraction of the module's recomputable activation memory the solver discards."""
+    """Fraction of the module's recomputable activation memory (the bytes of every op that is not
+    forced to be saved) that the op plan discards, in [0, 1]."""
     full: bool
     """Plain full checkpointing (ratio 1): every op is recomputed, no policy."""
     saved_ops: tuple[OpKey, ...] = ()
@@ -59,6 +130,24 @@ class ModulePlan:
     """Ops autograd would have saved that are recomputed instead (for reading; not used to apply)."""
     discarded_bytes: int = 0
     recompute_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        w = f"module {self.fqn!r}" if isinstance(self.fqn, str) else "module"
+        _str(f"{w}: fqn", self.fqn, nonempty=True)
+        set_ = functools.partial(object.__setattr__, self)
+        set_("discard_ratio", _float(f"{w}: discard_ratio", self.discard_ratio, high=1.0))
+        set_("full", _bool(f"{w}: full", self.full))
+        set_("saved_ops", _op_keys(f"{w}: saved_ops", self.saved_ops))
+        set_("recomputed_ops", _op_keys(f"{w}: recomputed_ops", self.recomputed_ops))
+        set_("discarded_bytes", _int(f"{w}: discarded_bytes", self.discarded_bytes))
+        set_("recompute_ms", _float(f"{w}: recompute_ms", self.recompute_ms))
+        if self.full and self.saved_ops:
+            raise PlanFormatError(
+                f"{w}: full checkpointing saves no op, but saved_ops lists {len(self.saved_ops)}"
+            )
+        both = set(self.saved_ops) & set(self.recomputed_ops)
+        if both:
+            raise PlanFormatError(f"{w}: op {list(min(both))} is both saved and recomputed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,8 +174,51 @@ class Plan:
     baseline_step_ms: float
     """Predicted step time without checkpointing (forward + backward + optimizer)."""
     solver_status: str = ""
-    solve_time_s: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    solve_time_s: float = field(default=0.0, compare=False, repr=False)
+    """Wall time of the solve. A timing, not part of the plan: left out of equality, of the JSON
+    (so of ``plan_hash``), so identical solves give identical plans; 0 for a loaded plan."""
+
+    def __post_init__(self) -> None:
+        set_ = functools.partial(object.__setattr__, self)
+        mods = self.modules
+        if isinstance(mods, (str, bytes, dict)) or not isinstance(mods, (list, tuple)):
+            raise PlanFormatError(f"modules must be a list of module plans, got {type(mods).__name__}")
+        for i, m in enumerate(mods):
+            if not isinstance(m, ModulePlan):
+                raise PlanFormatError(f"modules[{i}] must be a ModulePlan, got {type(m).__name__}")
+        fqns = [m.fqn for m in mods]
+        dup = sorted({f for f in fqns if fqns.count(f) > 1})
+        if dup:
+            # Applying a module twice would wrap it twice and leave it unremovable.
+            raise PlanFormatError(f"the plan lists module(s) {', '.join(map(repr, dup))} more than once")
+        set_("modules", tuple(mods))
+        for name in ("model_name", "model_fingerprint", "device", "solver_status"):
+            _str(name, getattr(self, name), nonempty=name in ("model_name", "device"))
+        set_("world_size", _int("world_size", self.world_size, low=1))
+        set_("budget_bytes", _int("budget_bytes", self.budget_bytes, low=1))
+        set_("reserve_bytes", _int("reserve_bytes", self.reserve_bytes))
+        if self.reserve_bytes >= self.budget_bytes:
+            raise PlanFormatError(
+                f"reserve_bytes ({self.reserve_bytes}) must be below budget_bytes ({self.budget_bytes})"
+            )
+        for name in ("predicted_peak_bytes", "solver_peak_bytes", "baseline_peak_bytes"):
+            set_(name, _int(name, getattr(self, name)))
+        for name in ("recompute_ms", "baseline_step_ms"):
+            set_(name, _float(name, getattr(self, name)))
+        notes = self.notes
+        if isinstance(notes, (str, bytes)) or not isinstance(notes, (list, tuple)):
+            raise PlanFormatError(f"notes must be a list of strings, got {notes!r}")
+        set_("notes", tuple(_str(f"notes[{i}]", n) for i, n in enumerate(notes)))
+        set_("solve_time_s", _float("solve_time_s", self.solve_time_s))
+
+    def validate(self) -> None:
+        """Re-run every check (PlanFormatError): ``apply_plan`` calls it, since a frozen
+        dataclass can still be changed behind its back (``object.__setattr__``)."""
+        for m in self.modules if isinstance(self.modules, (list, tuple)) else ():
+            if isinstance(m, ModulePlan):
+                m.__post_init__()
+        self.__post_init__()
 
     @property
     def usable_budget_bytes(self) -> int:
@@ -104,52 +236,75 @@ class Plan:
 
     # ---------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": _KIND, "version": PLAN_VERSION, **dataclasses.asdict(self)}
+        """The plan as JSON-ready data (``kind``, ``version``, then every field but the timing)."""
+        body = dataclasses.asdict(self)
+        del body["solve_time_s"]
+        return {"kind": _KIND, "version": PLAN_VERSION, **body}
+
+    def to_json(self) -> str:
+        """Deterministic text: identical plans give byte-identical files."""
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        Path(path).write_text(self.to_json())
 
     @classmethod
     def from_dict(cls, d: Any) -> "Plan":
+        """Check every field (types, ranges, duplicates, version) -> Plan, or one PlanFormatError."""
         if not isinstance(d, dict) or d.get("kind") != _KIND:
             raise PlanFormatError("not a SAC Planner plan (kind != 'sac_planner.Plan')")
-        v = d.get("version")
-        if not isinstance(v, int) or v > PLAN_VERSION:
-            raise PlanFormatError(
-                f"plan version {v!r} is newer than this SAC Planner reads ({PLAN_VERSION}); "
-                "upgrade sac-planner or re-plan with this version"
-            )
+        _check_version(d.get("version", _MISSING))
         try:
-            body = {k: val for k, val in d.items() if k not in ("kind", "version")}
+            body = _fields("the plan", {k: v for k, v in d.items() if k not in ("kind", "version")},
+                           cls, _LEGACY_FIELDS)
+            mods = body["modules"]
+            if not isinstance(mods, list):
+                raise PlanFormatError(f"modules must be a list, got {type(mods).__name__}")
             body["modules"] = tuple(
-                ModulePlan(
-                    **{
-                        **m,
-                        "saved_ops": tuple((str(k), int(o)) for k, o in m.get("saved_ops", ())),
-                        "recomputed_ops": tuple(
-                            (str(k), int(o)) for k, o in m.get("recomputed_ops", ())
-                        ),
-                    }
-                )
-                for m in body["modules"]
+                ModulePlan(**_fields(f"modules[{i}]", m, ModulePlan)) for i, m in enumerate(mods)
             )
-            body["notes"] = tuple(body.get("notes", ()))
+            if "notes" in body and isinstance(body["notes"], list):
+                body["notes"] = tuple(body["notes"])
             return cls(**body)
-        except (KeyError, TypeError, ValueError) as e:
-            raise PlanFormatError(f"corrupt plan: {e}") from e
+        except PlanFormatError as e:
+            raise PlanFormatError(f"corrupt plan: {e}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
+        """Read a plan file; PlanFormatError (one line) for anything that is not a valid plan."""
+        raw = Path(path).read_bytes()
         try:
-            d = json.loads(Path(path).read_text())
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            what = "a Python pickle" if raw[:1] == b"\x80" else "binary data"
+            raise PlanFormatError(
+                f"plan file {path} is {what}, not a JSON plan; save plans with plan.save(path)"
+            ) from None
+        try:
+            d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PlanFormatError(f"plan file {path} is not valid JSON: {e}") from e
+            raise PlanFormatError(f"plan file {path} is not valid JSON: {e}") from None
         return cls.from_dict(d)
 
     def summary(self) -> str:
         from planner.report import plan_summary
 
         return plan_summary(self)
+
+
+_MISSING = object()
+
+
+def _check_version(v: Any) -> None:
+    if v is _MISSING:
+        raise PlanFormatError("corrupt plan: no 'version' field; re-save it with Plan.save")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise PlanFormatError(f"corrupt plan: version must be an integer >= 1, got {v!r}")
+    if v > PLAN_VERSION:
+        raise PlanFormatError(
+            f"plan version {v} is newer than this SAC Planner reads ({PLAN_VERSION}); "
+            "upgrade sac-planner or re-plan with this version"
+        )
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

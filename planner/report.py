@@ -6,11 +6,20 @@ from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
     from planner.baselines import BaselinePoint
+    from planner.floor import PeakBreakdown
+    from planner.gradcheck import GradientCheck
     from planner.measure import MeasuredStep
     from planner.plan import Plan
     from planner.tradeoff import TradeoffTable
 
-__all__ = ["plan_summary", "prediction_vs_measurement", "fmt_bytes", "tradeoff_table_text"]
+__all__ = [
+    "plan_summary",
+    "prediction_vs_measurement",
+    "fmt_bytes",
+    "tradeoff_table_text",
+    "floor_text",
+    "gradient_check_text",
+]
 
 
 def fmt_bytes(n: float) -> str:
@@ -30,7 +39,8 @@ def plan_summary(plan: "Plan") -> str:
         f"  recompute        {plan.recompute_ms:.3f} ms/step = "
         f"{100 * plan.recompute_ms / plan.baseline_step_ms if plan.baseline_step_ms else 0:.1f}%"
         f" of the {plan.baseline_step_ms:.3f} ms step",
-        f"  solver           {plan.solver_status}, {plan.solve_time_s:.2f} s",
+        f"  solver           {plan.solver_status}"
+        + (f", {plan.solve_time_s:.2f} s" if plan.solve_time_s else ""),
         "",
     ]
     if not plan.modules:
@@ -105,4 +115,34 @@ def _baseline_text(table: "TradeoffTable", baselines: "Sequence[BaselinePoint]")
               if best is not None else "none (below the sweep's smallest point)")
         lines.append(f"  {b.name:<{w}}  {fmt_bytes(b.predicted_peak_bytes):>11}  "
                      f"{b.recompute_ms:9.3f} ms  {_pct(b.recompute_pct_of_step):>7}  {vs}")
+    return "\n".join(lines)
+
+
+def floor_text(b: "PeakBreakdown", *, top: int = 4) -> str:
+    """One line: the peak op and its largest contributors, e.g. ``"... activations and
+    temporaries made in GPT.lm_head: 32.00 MiB (aten.mm 32.00 MiB); parameters: 8.00 MiB; ..."``."""
+    where = f"{b.op} in the {b.phase}" + (f" of {b.module}" if b.module else "")
+    parts = []
+    for c in b.contributors[:top]:
+        ops = ", ".join(f"{op.removeprefix('aten.')} {fmt_bytes(n)}" for op, n in c.top_ops)
+        parts.append(f"{c.what}: {fmt_bytes(c.memory_bytes)}" + (f" ({ops})" if ops else ""))
+    rest = sum(c.memory_bytes for c in b.contributors[top:])
+    if rest:
+        parts.append(f"the rest: {fmt_bytes(rest)}")
+    per_rank = " per rank" if b.world_size > 1 else ""
+    return f"at its peak ({fmt_bytes(b.peak_bytes)}{per_rank}, at {where}) the step holds " + "; ".join(parts)
+
+
+def gradient_check_text(check: "GradientCheck") -> str:
+    """The planned vs unplanned step, as lines for the CLI."""
+    verdict = "bitwise EQUAL" if check.equal else "DIFFERENT"
+    lines = [
+        f"  gradients        {verdict}: loss and {check.n_params_compared} parameter gradients compared"
+        f" (seed {check.seed}); max |diff| {check.max_abs_diff:.3g}",
+    ]
+    if check.loss_planned != check.loss_reference or not check.equal:
+        lines.append(f"  loss             planned {check.loss_planned!r}, unplanned {check.loss_reference!r}")
+    if check.differing:
+        lines.append(f"  differing        {', '.join(check.differing[:8])}"
+                     + (f" (+{len(check.differing) - 8} more)" if len(check.differing) > 8 else ""))
     return "\n".join(lines)

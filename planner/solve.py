@@ -17,8 +17,9 @@ import torch
 from estimators.device import DeviceSpec, get_device_spec
 from estimators.estimate import Estimate, EstimateOptions, estimate
 from estimators.module_info import ModStats
+from planner.floor import PeakBreakdown, lowering_hints, peak_breakdown
 from planner.plan import GiB, ModulePlan, Plan, model_fingerprint, op_key
-from planner.report import fmt_bytes
+from planner.report import floor_text, fmt_bytes
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, solve_op_milp
 from solver.op_milp import OpDecision
 
@@ -58,7 +59,12 @@ def module_plan(stats: ModStats, discarded_bytes: int, options: SolverOptions | 
             saved.append(key)
         elif op.is_saved and op.memory_bytes > 0:
             recomputed.append(key)
-    ratio = op_plan.discarded_bytes / stats.sac_memory_bytes if stats.sac_memory_bytes else 0.0
+    # The ratio is over the bytes the op plan could discard (every op not forced to be saved).
+    # sac_memory_bytes is the trade-off curve's total, which leaves out ops that are recomputed
+    # whenever the module is checkpointed (e.g. batch norm's statistics, whose output is not
+    # saved): dividing the op plan's discarded bytes, which include those, by it gave ratios > 1.
+    optional = op_plan.saved_bytes + op_plan.discarded_bytes
+    ratio = op_plan.discarded_bytes / optional if optional else 0.0
     return ModulePlan(
         fqn=stats.fqn,
         discard_ratio=round(ratio, 6),
@@ -89,17 +95,70 @@ def check_budget_gib(budget_gib: Any) -> float:
     return float(budget_gib)
 
 
-def _infeasible(e: InfeasibleBudgetError, budget: int, reserve: int) -> PlanningError:
-    need = e.min_reachable_peak_bytes + reserve
+def _infeasible(budget: int, reserve: int, *, floor: "_Floor", spec: DeviceSpec) -> PlanningError:
+    """The refusal: the smallest budget that verifies, what sets it and what would lower it."""
+    need = _min_budget_bytes(floor.usable_bytes, budget, reserve, spec)
+    need_gib = _gib_up(need)
     msg = (
         f"infeasible: a budget of {fmt_bytes(budget)} cannot be met; the smallest budget this "
-        f"model can reach is {fmt_bytes(need)} ({need / GiB:.4f} GiB, {need:,} bytes"
-        + (f", incl. a {fmt_bytes(reserve)} reserve" if reserve else "")
-        + "). Ask for at least that, shrink the batch, or shard with world_size > 1."
+        f"model can reach is {need_gib:.6f} GiB ({need:,} bytes"
+        + (f", incl. a {fmt_bytes(need - floor.usable_bytes)} reserve" if need > floor.usable_bytes else "")
+        + "). "
     )
+    if floor.breakdown is not None:
+        msg += f"With the most checkpointing possible, {floor_text(floor.breakdown)}. "
+    hints = lowering_hints(floor.breakdown) if floor.breakdown is not None else ()
+    msg += "To go lower: " + "; or ".join(hints or ("a smaller batch or sequence length",
+                                                    "world_size > 1 (FSDP)")) + "."
     err = PlanningError(msg)
     err.min_budget_bytes = need  # type: ignore[attr-defined]
+    err.min_budget_gib = need_gib  # type: ignore[attr-defined]
+    err.floor = floor.breakdown  # type: ignore[attr-defined]
     return err
+
+
+@dataclasses.dataclass(frozen=True)
+class _Floor:
+    usable_bytes: int
+    """Smallest usable budget that verifies: the MILP's floor, or the traced peak of the
+    min-peak plan where that is higher (a figure the planner then accepts)."""
+    breakdown: "PeakBreakdown | None"
+
+
+def _floor(milp: SACMilp, est: Estimate, model, inputs, loss_fn, optimizer,
+           options: EstimateOptions, world_size: int, solver_options) -> _Floor:
+    """Trace the min-peak plan: its peak is the floor that verifies and its breakdown says why."""
+    low = milp.min_reachable_peak_bytes()
+    info = est.module_info
+    res = milp.solve(low)
+    modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
+    try:
+        planned = _traced_estimate(model, modules, est, inputs, loss_fn, optimizer, options)
+    except Exception as exc:  # the explanation must never hide the refusal itself
+        logger.warning("could not trace the min-peak plan to explain the floor: %s", exc)
+        return _Floor(low, peak_breakdown(est, world_size=world_size))
+    traced = planned.module_info.peak_bytes
+    return _Floor(max(low, traced) if world_size == 1 else low,
+                  peak_breakdown(planned, world_size=world_size))
+
+
+def _min_budget_bytes(usable: int, budget: int, reserve: int, spec: DeviceSpec) -> int:
+    """Smallest budget whose usable part (budget - reserve) holds ``usable``. With the default
+    reserve, which grows with the budget, that is more than ``usable + reserve``."""
+    if reserve != default_reserve_bytes(spec, budget):
+        return usable + reserve  # a reserve the caller fixed
+    need = usable + default_reserve_bytes(spec, usable)
+    while need - default_reserve_bytes(spec, need) < usable:
+        need += max(1, (usable - need + default_reserve_bytes(spec, need)))
+    return need
+
+
+def _gib_up(nbytes: int) -> float:
+    """GiB rounded up to 6 decimals: asking for the printed figure gives at least ``nbytes``."""
+    g = math.ceil(nbytes / GiB * 1e6) / 1e6
+    while int(g * GiB) < nbytes:
+        g += 1e-6
+    return g
 
 
 def solve_sac(
@@ -198,20 +257,22 @@ def plan_for_budget(
         )
     usable = budget_bytes - reserve_bytes
     target = usable
+
+    def floor() -> _Floor:
+        return _floor(milp, est, model, inputs, loss_fn, optimizer, estimate_options, world_size,
+                      solver_options)
+
     for attempt in range(_MAX_TIGHTENINGS + 1):
         try:
             res = milp.solve(target)
         except InfeasibleBudgetError as e:
             if attempt == 0:
-                err = _infeasible(e, budget_bytes, reserve_bytes)
+                err = _infeasible(budget_bytes, reserve_bytes, floor=floor(), spec=est.spec)
                 if excluded:  # say what the floor would be without the safety exclusions
                     err.args = (err.args[0] + " Left out as unsafe to checkpoint: "
                                 + "; ".join(f"{f} ({why})" for f, why in excluded.items()) + ".",)
                 raise err from e
-            raise PlanningError(
-                f"the traced plans overshoot the budget and no tighter plan exists; the smallest "
-                f"budget that verifies is above {budget_bytes / GiB:.2f} GiB"
-            ) from e
+            break  # tightened past the floor: the min-peak plan is the last candidate (below)
         modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
         traced = _traced_peak(model, modules, est, inputs, loss_fn, optimizer, estimate_options) if (
             verify and world_size == 1
@@ -226,6 +287,13 @@ def plan_for_budget(
         # The MILP misjudged this plan by `over`; a neighbouring plan may err the same way, so
         # step past it (twice the miss) plus a small margin so the loop does not creep.
         target -= 2 * over + usable // 1000
+    if traced is not None and traced > usable:
+        # The min-peak plan: the refusal states its traced peak as the smallest budget, so
+        # asking for that figure must give this plan.
+        res = milp.solve(milp.min_reachable_peak_bytes())
+        modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
+        traced = _traced_peak(model, modules, est, inputs, loss_fn, optimizer, estimate_options)
+        notes.append("the least-recompute plans traced over budget: using the min-peak plan")
     if world_size > 1:
         notes.append("world_size > 1: predicted peak is the MILP's per-rank figure (not traced)")
     plan = Plan(
@@ -246,9 +314,10 @@ def plan_for_budget(
         notes=tuple(notes),
     )
     if traced is not None and traced > usable:
+        need = _min_budget_bytes(floor().usable_bytes, budget_bytes, reserve_bytes, est.spec)
         raise PlanningError(
-            f"no plan verified under {usable / GiB:.3f} GiB after {_MAX_TIGHTENINGS} tightenings "
-            f"(last traced peak {traced / GiB:.3f} GiB); ask for a larger budget"
+            f"no plan verified under {usable / GiB:.3f} GiB usable (last traced peak "
+            f"{traced / GiB:.3f} GiB); the smallest budget that verifies is {_gib_up(need):.6f} GiB"
         )
     return plan
 
@@ -273,12 +342,19 @@ def _traced_peak(model, modules, est: Estimate, inputs, loss_fn, optimizer, opti
     """Peak of the planned model, from a trace of the same kind as the estimate's."""
     if not modules:
         return est.module_info.peak_bytes
+    return _traced_estimate(model, modules, est, inputs, loss_fn, optimizer, options).module_info.peak_bytes
+
+
+def _traced_estimate(model, modules, est: Estimate, inputs, loss_fn, optimizer, options: EstimateOptions
+                     ) -> Estimate:
+    """Fake-mode estimate of the model with ``modules`` applied (``est`` itself when empty)."""
+    if not modules:
+        return est
     from estimators.estimate import TraceMode
     from planner.checkpointing import apply_module_plans
 
     opts = dataclasses.replace(options, mode=TraceMode.FAKE, progress=False)
-    planned = estimate(
+    return estimate(
         model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=est.spec, options=opts,
         prepare=lambda m: apply_module_plans(m, modules),
     )
-    return planned.module_info.peak_bytes

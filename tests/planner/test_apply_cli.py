@@ -1,20 +1,100 @@
-"""planner/apply.py: the command line, end to end on a small model."""
+"""planner/apply.py: the command line, end to end on a small model, and its errors."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import pickle
+import re
+import sys
+import textwrap
 
 import pytest
 
 from planner.apply import main
-from planner.plan import Plan
+from planner.plan import ModulePlan, Plan, model_fingerprint
+
+_USER_MODULE = '''
+import torch
+from torch import nn
+
+CALLS = []
 
 
-def test_cli_plans_applies_and_measures(tmp_path, capsys):
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.2), nn.Linear(64, 64), nn.GELU())
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def make():
+    torch.manual_seed(0)
+    return Net(), (torch.randn(64, 32),)
+
+
+def my_loss(output, inputs):
+    CALLS.append(1)
+    return output.square().mean()
+
+
+class Sneaky(nn.Module):
+    """Reads Python state its parent changes after calling it: a recompute sees another value."""
+
+    def __init__(self, setting):
+        super().__init__()
+        self.setting, self.lin = setting, nn.Linear(32, 64)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * self.setting["scale"])
+
+
+class SneakyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.setting = {"scale": 1.0}
+        self.a, self.b = Sneaky(self.setting), nn.Linear(64, 1)
+
+    def forward(self, x):
+        self.setting["scale"] = 1.0
+        h = self.a(x)
+        self.setting["scale"] = 2.0
+        return self.b(h)
+
+
+def sneaky():
+    torch.manual_seed(0)
+    return SneakyNet(), (torch.randn(256, 32),)
+
+
+def raises():
+    raise RuntimeError("no GPU here")
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "i10_user_models.py").write_text(textwrap.dedent(_USER_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "i10_user_models"
+    sys.modules.pop("i10_user_models", None)
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_cli_plans_applies_checks_gradients_and_measures(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["--model", "examples:convnet_demo", "--quiet", "--plan-out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "SAC plan for ConvNet" in text and "measured peak" in text and "predicted peak" in text
+    assert "gradients        bitwise EQUAL: loss and 23 parameter gradients compared" in text
     plan = Plan.load(out)
     assert plan.modules
     assert main(["--model", "examples:convnet_demo", "--quiet", "--plan-in", str(out), "--json"]) == 0
@@ -22,21 +102,94 @@ def test_cli_plans_applies_and_measures(tmp_path, capsys):
     measured, predicted = d["measured"]["peak_bytes"], d["plan"]["predicted_peak_bytes"]
     assert abs(measured - predicted) <= 0.05 * predicted
     assert measured <= d["plan"]["budget_bytes"]
+    g = d["gradient_check"]
+    assert g["equal"] is True and g["n_params_compared"] == 23 and g["max_abs_diff"] == 0.0
 
 
-def test_cli_unknown_factory_and_bad_spec():
-    with pytest.raises(SystemExit, match="has no factory 'nope'.*gpt_demo"):
-        main(["--model", "examples:nope", "--quiet"])
-    with pytest.raises(SystemExit, match="MODULE:FACTORY"):
-        main(["--model", "examples.gpt_demo", "--quiet"])
-    with pytest.raises(SystemExit, match="cannot import module"):
-        main(["--model", "no_such_pkg:f", "--quiet"])
+def test_cli_names_a_loss_function(user_module, capsys):
+    assert main(["--model", f"{user_module}:make", "--loss-fn", f"{user_module}:my_loss", "--quiet",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert sys.modules[user_module].CALLS  # traced, checked and measured with it
+    assert d["gradient_check"]["equal"] is True and d["gradient_check"]["n_params_compared"] == 6
 
 
-def test_cli_plan_for_another_model(tmp_path):
+def test_cli_reports_gradients_that_differ_and_exits_1(user_module, tmp_path, capsys):
+    model, _ = importlib.import_module(user_module).sneaky()
+    plan = Plan(
+        modules=(ModulePlan(fqn="SneakyNet.a", discard_ratio=1.0, full=True),), model_name="SneakyNet",
+        model_fingerprint=model_fingerprint(model), device="cpu", world_size=1, budget_bytes=2**30,
+        reserve_bytes=0, predicted_peak_bytes=1, solver_peak_bytes=1, baseline_peak_bytes=1,
+        recompute_ms=0.0, baseline_step_ms=0.0,
+    )
+    plan.save(tmp_path / "sneaky.json")
+    code = main(["--model", f"{user_module}:sneaky", "--quiet", "--plan-in", str(tmp_path / "sneaky.json")])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "gradients        DIFFERENT" in captured.out and "a.lin.weight" in captured.out
+    assert "check failed: the planned step's loss or gradients differ" in captured.err
+
+
+@pytest.mark.parametrize("bad", ["-1", "0", "nan", "inf", "-inf", "lots", "1e400"])
+def test_cli_bad_budget_names_budget_gib(bad, capsys):
+    assert main(["--model", "examples:convnet_demo", "--quiet", f"--budget-gib={bad}"]) == 2
+    line = _error_line(capsys)
+    assert "--budget-gib" in line and "positive, finite number of GiB" in line and "reserve" not in line
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--reserve-gib", "-1"], "--reserve-gib: must be a finite number of GiB >= 0"),
+    (["--reserve-gib", "nan"], "--reserve-gib: must be a finite number of GiB >= 0"),
+    (["--budget-gib", "0.01", "--reserve-gib", "0.02"], r"--reserve-gib \(0.02\) must be below --budget-gib"),
+    (["--budget-gib", "0.5", "--device", "h100"], "--budget-gib 0.5 leaves nothing once the default reserve for h100"),
+    (["--world-size", "0"], "--world-size: must be an integer >= 1"),
+    (["--time-limit-s", "0"], "--time-limit-s: must be a positive"),
+    (["--optimizer", "lion"], "--optimizer must be adam, adamw, sgd or none"),
+    (["--device", "tpu"], "--device: invalid choice"),
+    (["--plan-in", "/nonexistent/plan.json"], "--plan-in /nonexistent/plan.json: cannot read it"),
+    (["--plan-in", "p.json", "--budget-gib", "1"], "--budget-gib has no effect with --plan-in"),
+    (["--model", "examples:nope"], "has no callable 'nope' for --model.*gpt_demo"),
+    (["--model", "examples.gpt_demo"], "--model must look like MODULE:NAME"),
+    (["--model", "no_such_pkg:f"], "cannot import module 'no_such_pkg' for --model"),
+    (["--loss-fn", "examples"], "--loss-fn must look like MODULE:NAME"),
+    (["--loss-fn", "examples:nope"], "no callable 'nope' for --loss-fn"),
+])
+def test_cli_bad_arguments_one_line_exit_2(argv, message, capsys):
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--no-verify", *argv]) == 2
+    assert re.search(message, _error_line(capsys))
+
+
+def test_cli_factory_errors_one_line(user_module, capsys):
+    assert main(["--model", f"{user_module}:raises", "--quiet"]) == 2
+    assert "the factory raised RuntimeError: no GPU here" in _error_line(capsys)
+    assert main(["--model", f"{user_module}:CALLS", "--quiet"]) == 2
+    assert "no callable 'CALLS'" in _error_line(capsys)
+    assert main(["--model", f"{user_module}:my_loss", "--quiet"]) == 2  # needs arguments
+    assert "the factory raised TypeError" in _error_line(capsys)
+
+
+def test_cli_infeasible_budget_is_one_line_and_debug_shows_the_traceback(capsys):
+    from planner import PlanningError
+
+    argv = ["--model", "examples:convnet_demo", "--quiet", "--budget-gib", "0.001"]
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert "infeasible" in line and "smallest budget this model can reach is" in line and "To go lower" in line
+    with pytest.raises(PlanningError):
+        main([*argv, "--debug"])
+
+
+def test_cli_plan_for_another_model_and_bad_plan_files(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    main(["--model", "examples:convnet_demo", "--quiet", "--plan-out", str(out), "--no-verify"])
-    from planner import PlanMismatchError
-
-    with pytest.raises(PlanMismatchError, match="made for ConvNet"):
-        main(["--model", "examples:gpt_demo", "--quiet", "--plan-in", str(out)])
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--plan-out", str(out), "--no-verify"]) == 0
+    capsys.readouterr()
+    assert main(["--model", "examples:gpt_demo", "--quiet", "--plan-in", str(out)]) == 2
+    assert "made for ConvNet" in _error_line(capsys)
+    (tmp_path / "plan.pkl").write_bytes(pickle.dumps({"kind": "sac_planner.Plan"}))
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--plan-in", str(tmp_path / "plan.pkl")]) == 2
+    assert "is a Python pickle, not a JSON plan" in _error_line(capsys)
+    d = json.loads(out.read_text())
+    d["modules"][0]["discard_ratio"] = float("nan")
+    out.write_text(json.dumps(d))
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--plan-in", str(out)]) == 2
+    assert "discard_ratio must be in [0, 1], got nan" in _error_line(capsys)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
+import pickle
 
 import pytest
 
 from examples import EXAMPLES
-from planner import PlanFormatError, apply_plan
-from planner.plan import Plan, model_fingerprint
-from tests.planner.conftest import budgets, plan_at
+from planner import PlanFormatError, apply_plan, plan_hash, remove_plan
+from planner.plan import ModulePlan, Plan, model_fingerprint
+from planner.solve import plan_for_budget
+from tests.planner.conftest import budgets, plan_at, planning
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +65,112 @@ def test_summary_lists_every_checkpointed_module(plan):
     text = plan.summary()
     assert all(m.fqn in text for m in plan.modules)
     assert "peak, planned" in text and "recompute" in text
+
+
+def _mutated(plan: Plan, change) -> dict:
+    d = json.loads(json.dumps(plan.to_dict()))
+    change(d)
+    return d
+
+
+def _set_module(**kw):
+    return lambda d: d["modules"][0].update(kw)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d.pop("version"), "no 'version' field"),
+        (lambda d: d.update(version=0), "version must be an integer >= 1, got 0"),
+        (lambda d: d.update(version=True), "version must be an integer >= 1, got True"),
+        (lambda d: d.update(version="1"), "version must be an integer >= 1"),
+        (lambda d: d.update(version=2), "newer than this SAC Planner"),
+        (_set_module(discard_ratio=-0.1), r"discard_ratio must be in \[0, 1\], got -0.1"),
+        (_set_module(discard_ratio=float("nan")), r"discard_ratio must be in \[0, 1\], got nan"),
+        (_set_module(discard_ratio=1.5), r"discard_ratio must be in \[0, 1\]"),
+        (_set_module(discard_ratio="0.5"), "discard_ratio must be a number"),
+        (_set_module(discarded_bytes=-1), "discarded_bytes must be >= 0"),
+        (_set_module(discarded_bytes=1.5), "discarded_bytes must be an integer"),
+        (_set_module(recompute_ms=float("inf")), "recompute_ms must be finite"),
+        (_set_module(fqn=7), "fqn must be a non-empty string, got 7"),
+        (_set_module(fqn=""), "fqn must be a non-empty string"),
+        (_set_module(full="yes"), "full must be true or false"),
+        (_set_module(full=1), "full must be true or false"),
+        (_set_module(saved_ops="aten.mm.default"), "saved_ops must be a list"),
+        (_set_module(saved_ops=[["aten.mm.default", -1]]), r"occurrence\) must be >= 0"),
+        (_set_module(saved_ops=[["aten.mm.default"]]), r"must be an \[op, occurrence\] pair"),
+        (_set_module(saved_ops=[[3, 0]]), r"\(op\) must be a non-empty string"),
+        (_set_module(recomputed_ops=[["aten.mm.default", True]]), "occurrence.*must be an integer"),
+        (_set_module(colour="red"), "modules\\[0\\] has unknown field"),
+        (lambda d: d.pop("model_fingerprint"), "missing field.*model_fingerprint"),
+        (lambda d: d.update(colour="red"), "unknown field.*'colour'"),
+        (lambda d: d.update(world_size=0), "world_size must be >= 1"),
+        (lambda d: d.update(budget_bytes=float("nan")), "budget_bytes must be an integer"),
+        (lambda d: d.update(reserve_bytes=-5), "reserve_bytes must be >= 0"),
+        (lambda d: d.update(reserve_bytes=d["budget_bytes"]), "must be below budget_bytes"),
+        (lambda d: d.update(predicted_peak_bytes=-1), "predicted_peak_bytes must be >= 0"),
+        (lambda d: d.update(notes="a note"), "notes must be a list of strings"),
+        (lambda d: d.update(notes=[3]), r"notes\[0\] must be a string"),
+        (lambda d: d.update(modules={"a": 1}), "modules must be a list"),
+        (lambda d: d["modules"].append(d["modules"][0]), "lists module.*more than once"),
+    ],
+)
+def test_bad_fields_are_refused_with_one_line_naming_them(plan, tmp_path, change, message):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(_mutated(plan, change)))
+    with pytest.raises(PlanFormatError, match=message) as e:
+        Plan.load(p)
+    assert "\n" not in str(e.value)
+
+
+def test_full_module_with_saved_ops_is_refused(plan):
+    m = plan.modules[0]
+    with pytest.raises(PlanFormatError, match="full checkpointing saves no op"):
+        ModulePlan(fqn=m.fqn, discard_ratio=1.0, full=True, saved_ops=(("aten.mm.default", 0),))
+
+
+def test_pickle_and_binary_files_are_refused(plan, tmp_path):
+    p = tmp_path / "plan.pkl"
+    p.write_bytes(pickle.dumps(plan.to_dict()))
+    with pytest.raises(PlanFormatError, match="is a Python pickle, not a JSON plan"):
+        Plan.load(p)
+    p.write_bytes(bytes(range(256)))
+    with pytest.raises(PlanFormatError, match="binary data"):
+        Plan.load(p)
+
+
+def test_a_module_listed_twice_is_refused_when_built_and_when_applied(plan):
+    with pytest.raises(PlanFormatError, match="more than once"):
+        dataclasses.replace(plan, modules=(plan.modules[0], plan.modules[0]))
+    # A Plan forced past its checks (frozen dataclasses can be) is still refused by apply_plan,
+    # and the model is left untouched.
+    twice = copy.copy(plan)
+    object.__setattr__(twice, "modules", (plan.modules[0], plan.modules[0]))
+    model, _ = EXAMPLES["gpt_demo"]()
+    with pytest.raises(PlanFormatError, match="more than once"):
+        apply_plan(model, twice)
+    assert remove_plan(model) == 0
+
+
+def test_legacy_files_with_solve_time_still_load(plan, tmp_path):
+    d = plan.to_dict()
+    d["solve_time_s"] = 1.25  # written by the first release
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(d))
+    assert Plan.load(p) == plan
+
+
+def test_identical_solves_give_byte_identical_plans_and_equal_hashes(tmp_path):
+    est, milp, _, _ = planning("convnet_demo")
+    model, inputs = EXAMPLES["convnet_demo"]()
+    budget = budgets("convnet_demo", 3)[1]
+    kw = dict(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam")
+    a = plan_for_budget(model, est, budget, milp=milp, **kw)
+    b = plan_for_budget(model, est, budget, **kw)  # a fresh MILP too
+    assert a.solve_time_s > 0 and b.solve_time_s > 0  # the timing is still there to read...
+    assert "solve_time_s" not in a.to_dict()  # ... but not part of the plan
+    a.save(tmp_path / "a.json")
+    b.save(tmp_path / "b.json")
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+    assert a == b and plan_hash(a) == plan_hash(b)
+    assert plan_hash(Plan.load(tmp_path / "a.json")) == plan_hash(a)

@@ -1,0 +1,128 @@
+"""What sets a step's peak: the live memory at the peak op, by category and by the module that made it.
+
+Used to explain the floor of planning (the smallest reachable budget): traced with the
+min-peak plan applied, the breakdown says which memory no checkpointing plan can remove
+(parameters, gradients, optimizer state, the logits and loss of a full-vocabulary LM head...),
+and :func:`lowering_hints` says what would lower it.
+
+    breakdown = peak_breakdown(est)                  # est: an estimators.estimate.Estimate
+    print(floor_text(breakdown))                     # planner.report
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from estimators.estimate import Estimate
+from estimators.trace import Phase, StorageKind
+
+__all__ = ["PeakContributor", "PeakBreakdown", "peak_breakdown", "lowering_hints"]
+
+# Categories that exist whatever is checkpointed; they shard with world_size (FSDP).
+_STATE = {
+    StorageKind.PARAM: "parameters",
+    StorageKind.GRAD: "gradients",
+    StorageKind.OPTIMIZER: "optimizer state",
+    StorageKind.BUFFER: "buffers",
+    StorageKind.INPUT: "inputs",
+}
+_SHARDED = (StorageKind.PARAM, StorageKind.GRAD, StorageKind.OPTIMIZER)
+_TOP_OPS = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeakContributor:
+    """One share of the memory live at the peak."""
+
+    what: str
+    """``"parameters"``, ``"gradients"``..., or ``"activations and temporaries made in <fqn>"``."""
+    memory_bytes: int
+    module: str = ""
+    """The module whose ops made these tensors ("" for state; ``"(outside every module)"`` for the
+    loss and other code run outside the model)."""
+    top_ops: tuple[tuple[str, int], ...] = ()
+    """The ops that made most of them, (aten op, bytes), largest first."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeakBreakdown:
+    """The live memory at the peak op of a traced step."""
+
+    peak_bytes: int
+    op: str
+    """Aten op at which the peak happens."""
+    phase: str
+    """``"forward"``, ``"backward"`` or ``"optimizer step"``."""
+    module: str
+    """Innermost module running at the peak ("" outside every module)."""
+    contributors: tuple[PeakContributor, ...]
+    """Largest first; together they sum to ``peak_bytes`` (per rank with ``world_size``)."""
+    world_size: int = 1
+
+
+_OUTSIDE = "(outside every module)"
+_PHASES = {Phase.FW: "forward", Phase.BW: "backward", Phase.OPTIM: "optimizer step"}
+
+
+def peak_breakdown(est: Estimate, *, world_size: int = 1) -> PeakBreakdown:
+    """Live storages at ``est``'s peak op, grouped: state by category (divided by ``world_size``,
+    as FSDP shards it), activations and temporaries by the module whose op allocated them."""
+    trace, timeline = est.trace, est.timeline
+    t = timeline.peak_op_index
+    state: collections.Counter = collections.Counter()
+    by_module: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for s in trace.storages:
+        if not (max(s.alloc_op, 0) <= t and (s.free_op is None or t <= s.free_op)):
+            continue
+        if s.kind in _STATE:
+            state[s.kind] += s.nbytes
+            continue
+        op = trace.ops[s.alloc_op] if 0 <= s.alloc_op < len(trace.ops) else None
+        call = op.call if op is not None else s.owner_call
+        fqn = trace.calls[call].fqn if 0 <= call < len(trace.calls) else _OUTSIDE
+        by_module[fqn][str(op.func) if op is not None else "?"] += s.nbytes
+    out = [
+        PeakContributor(what=name, memory_bytes=-(-state[k] // world_size) if k in _SHARDED else state[k])
+        for k, name in _STATE.items()
+        if state[k]
+    ]
+    for fqn, ops in by_module.items():
+        out.append(PeakContributor(
+            what=f"activations and temporaries made in {fqn}" if fqn != _OUTSIDE
+            else "activations and temporaries made outside the model (the loss, ...)",
+            memory_bytes=sum(ops.values()), module=fqn, top_ops=tuple(ops.most_common(_TOP_OPS)),
+        ))
+    out.sort(key=lambda c: (-c.memory_bytes, c.what))
+    rec = trace.ops[t] if 0 <= t < len(trace.ops) else None
+    return PeakBreakdown(
+        peak_bytes=sum(c.memory_bytes for c in out),
+        op=str(rec.func) if rec is not None else "",
+        phase=_PHASES.get(rec.phase, "") if rec is not None else "",
+        module=trace.calls[rec.call].fqn if rec is not None and 0 <= rec.call < len(trace.calls) else "",
+        contributors=tuple(out),
+        world_size=world_size,
+    )
+
+
+_LOSS_OPS = ("log_softmax", "nll_loss", "cross_entropy", "softmax")
+
+
+def lowering_hints(b: PeakBreakdown, *, top: int = 3) -> tuple[str, ...]:
+    """What would lower this peak, judged from its largest contributors."""
+    hints: list[str] = []
+    big = b.contributors[:top]
+    state = sum(c.memory_bytes for c in b.contributors if c.what in ("parameters", "gradients", "optimizer state"))
+    if any(c.what == "optimizer state" for c in big):
+        hints.append("an optimizer with less state (sgd keeps none, adam/adamw two copies of the parameters)")
+    if state and state >= b.peak_bytes // 3:
+        hints.append(f"shard parameters, gradients and optimizer state over more ranks (world_size > {b.world_size}, FSDP)")
+    acts = [c for c in big if c.module]
+    if acts:
+        hints.append("a smaller batch or sequence length (activations and temporaries scale with both)")
+    if any(any(k in op for op, _ in c.top_ops for k in _LOSS_OPS) for c in acts):
+        hints.append("computing the loss in chunks of the sequence (chunked cross-entropy), so the "
+                     "full-vocabulary logits and their softmax are never all alive at once")
+    if any(c.what == "inputs" for c in big):
+        hints.append("a smaller batch (the inputs themselves are among the largest tensors)")
+    return tuple(hints)

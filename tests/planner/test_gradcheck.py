@@ -1,0 +1,79 @@
+"""planner/gradcheck.py: the planned step against the unplanned one, bitwise."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from examples import EXAMPLES
+from planner.gradcheck import check_gradients
+from planner.plan import ModulePlan, Plan, model_fingerprint
+from tests.planner.conftest import budgets, plan_at
+
+
+def _snapshot(model):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a.values(), (b[k] for k in a)))
+
+
+def test_a_real_plan_is_bitwise_equal_and_the_model_is_left_as_found():
+    name = "convnet_demo"  # BatchNorm statistics and dropout-free: state must be put back
+    plan = plan_at(name, budgets(name, 3)[1])
+    model, inputs = EXAMPLES[name]()
+    model(*inputs).sum().backward()  # gradients already there must survive the check
+    before = _snapshot(model)
+    check = check_gradients(model, plan, inputs, loss_fn=model.loss_fn)
+    assert check.equal and check.max_abs_diff == 0.0 and check.differing == ()
+    assert check.n_params_compared == sum(1 for p in model.parameters() if p.requires_grad)
+    assert check.loss_planned == check.loss_reference
+    after = _snapshot(model)
+    assert _same(before[0], after[0]) and _same(before[1], after[1])
+    assert not any("_sac_planner" in k for m in model.modules() for k in m.__dict__)  # plan removed
+
+
+class _Scaled(nn.Module):
+    """Reads a Python-side setting the parent changes after calling it: the recompute, which
+    runs in the backward, sees the changed value (a forward that runs twice is not a pure one)."""
+
+    def __init__(self, setting: dict) -> None:
+        super().__init__()
+        self.setting = setting
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * self.setting["scale"])
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.setting = {"scale": 1.0}
+        self.a = _Scaled(self.setting)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x):
+        self.setting["scale"] = 1.0
+        h = self.a(x)
+        self.setting["scale"] = 2.0
+        return self.b(torch.relu(h))
+
+
+def test_a_recompute_that_differs_is_caught():
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(4, 8)
+    plan = Plan(
+        modules=(ModulePlan(fqn="_Net.a", discard_ratio=1.0, full=True),), model_name="_Net",
+        model_fingerprint=model_fingerprint(model), device="cpu", world_size=1, budget_bytes=1,
+        reserve_bytes=0, predicted_peak_bytes=0, solver_peak_bytes=0, baseline_peak_bytes=0,
+        recompute_ms=0.0, baseline_step_ms=0.0,
+    )
+    check = check_gradients(model, plan, (x,))
+    assert not check.equal and check.loss_planned == check.loss_reference  # same forward
+    assert "a.lin.weight" in check.differing and check.max_abs_diff > 0
+    assert check.n_params_compared == 4
