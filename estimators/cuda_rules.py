@@ -44,10 +44,12 @@ differs; each rule below makes the trace follow CUDA and is tested on its own
    (192, 256] when training, nested tensors, the FP8 flash of FA3, and dropout inside the math
    fallback (counted as the CPU composite).
 
-The rules hold for every op of the step: the mode stays in force inside every function it lets
-through (``torch.overrides.redispatch_function`` with the mode re-entered), so ``loss.backward()``
-and the recompute of checkpointed modules inside it run under the same rules as the forward, and
-a selective-checkpoint policy sees the same ops in both. The rules apply only to fake traces for a
+The rules hold for every op of the step: torch pops a TorchFunctionMode while it handles a call, so
+``loss.backward()`` -- and the recompute of checkpointed modules inside it -- used to run without
+them; the mode re-enters itself around ``Tensor.backward``, ``torch.autograd.backward`` /
+``grad`` and ``F.multi_head_attention_forward`` (``torch.overrides.redispatch_function``), so the
+recompute runs the same kernels as the forward and a selective-checkpoint policy sees the same ops
+in both. The rules apply only to fake traces for a
 ``kind == "cuda"`` DeviceSpec; a real run measures what its own device does, and a plan made under
 the rules applies on CPU unchanged (its CUDA op keys are simply not found there).
 """
@@ -56,7 +58,6 @@ from __future__ import annotations
 
 import enum
 import math
-import types as pytypes
 
 import torch
 import torch.nn.functional as F
@@ -87,13 +88,13 @@ class CudaSemanticsMode(TorchFunctionMode):
                 out = rule(*args, **kwargs)
             if out is not _SAME_ON_CPU:
                 return out
-        if isinstance(func, pytypes.FunctionType):
-            # A Python function calls other torch functions: Tensor.backward runs the recompute
-            # of checkpointed modules, F.multi_head_attention_forward calls F.dropout and SDPA.
-            # Skip this one hop of dispatch (no recursion into us) and keep the mode for those.
+        if func in _KEEP_RULES_INSIDE:
+            # torch pops the mode while it calls us, and these run model code or rules' targets:
+            # Tensor.backward runs the recompute of checkpointed modules, MHA calls F.dropout and
+            # SDPA. Skip this one hop of dispatch (no recursion into us) with the mode re-entered.
             with self:
                 return redispatch_function(func, types, args, kwargs)
-        return func(*args, **kwargs)  # a C++ builtin calls no Python-level torch function
+        return func(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- dropout
@@ -287,6 +288,12 @@ def _cuda_sdpa(
         None, scale=scale, enable_gqa=enable_gqa,
     )[0]
 
+
+# Not every function: a C++ method (Tensor.unflatten's super()) reports its Python override as the
+# function, so re-entering the mode around any Python function would loop.
+_KEEP_RULES_INSIDE = frozenset(
+    {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad, F.multi_head_attention_forward}
+)
 
 _RULES = {
     F.dropout: _functional_dropout,
