@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_map  # noqa: E402
 from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
 import planner.checkpointing as checkpointing  # noqa: E402
+from estimators.device import get_device_spec  # noqa: E402
 from estimators.estimate import EstimateOptions, estimate  # noqa: E402
 from estimators.runtime import RuntimeKind  # noqa: E402
 from estimators.step import run_step  # noqa: E402
@@ -167,6 +168,7 @@ class Validation:
     """Planned model, one peak per step."""
     predicted_step_ms_roofline: float
     predicted_step_ms_benchmark: float
+    """NaN when the target's kernels cannot run here (a CUDA target in a CPU dry run)."""
     measured_step_ms: float
     """Median over steps 2..N of the planned model (a separate, untracked run)."""
     saved_ops_planned: int
@@ -299,8 +301,11 @@ def validate(name: str, *, target: str, device: torch.device, size: str, budget_
     low, high = milp.min_reachable_peak_bytes(), est.module_info.peak_bytes
     budget = int(low + budget_frac * (high - low))
     plan = plan_for_budget(model, est, budget, inputs=inputs, loss_fn=loss_fn, optimizer="adamw", milp=milp)
-    bench = estimate(model, inputs, loss_fn=loss_fn, optimizer="adamw", device=target,
-                     options=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
+    bench_ms = math.nan  # kernels of a CUDA target cannot be timed on this CPU (dry run)
+    if get_device_spec(target).kind == device.type:
+        bench = estimate(model, inputs, loss_fn=loss_fn, optimizer="adamw", device=target,
+                         options=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
+        bench_ms = plan_step_ms(bench, plan)
     dev_inputs = _to(device, inputs)
     base_peaks, _, _ = train_steps(copy.deepcopy(model).to(device), dev_inputs, loss_fn, steps)
     timed = copy.deepcopy(model).to(device)
@@ -309,7 +314,7 @@ def validate(name: str, *, target: str, device: torch.device, size: str, budget_
         model=name, target=target, device=str(device), budget_bytes=budget,
         predicted_no_ac_peak_bytes=high, predicted_peak_bytes=plan.predicted_peak_bytes,
         measured_no_ac_peak_bytes=tuple(base_peaks), measured_peak_bytes=tuple(peaks),
-        predicted_step_ms_roofline=plan_step_ms(est, plan), predicted_step_ms_benchmark=plan_step_ms(bench, plan),
+        predicted_step_ms_roofline=plan_step_ms(est, plan), predicted_step_ms_benchmark=bench_ms,
         measured_step_ms=time_steps(timed, dev_inputs, loss_fn, steps, plan),
         saved_ops_planned=sum(len(m.saved_ops) for m in plan.modules), saved_ops_matched=hits,
         checkpointed_modules=len(plan.modules), tracker=tracker,
