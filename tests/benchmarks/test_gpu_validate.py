@@ -11,6 +11,15 @@ from examples import EXAMPLES
 from tests.planner.conftest import budgets, plan_at, planning
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Small models: an intra-op pool only contends for the cores.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the answer of a machine without CUDA")
 def test_without_cuda_it_says_what_it_needs_and_exits_0(capsys):
     assert gv.main([]) == 0
