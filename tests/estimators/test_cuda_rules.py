@@ -334,3 +334,22 @@ def test_rules_only_for_cuda_targets():
     b = estimate(Drop(n), (torch.randn(n),), device="h100", options=EstimateOptions(cuda_semantics=False))
     # Rounding stays (it is the allocator of the target); the dropout rule is off.
     assert b.module_info.stats("Drop").act_fw_bytes == a.act_fw_bytes
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_multihead_attention_internals_follow_the_rules(need_weights):
+    class MHA(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(64, 4, dropout=0.1, batch_first=True)
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=need_weights)[0]
+
+    funcs = _funcs(MHA(), (torch.randn(2, 32, 64),))
+    # F.multi_head_attention_forward is Python: the mode stays in force for what it calls.
+    if need_weights:  # explicit softmax weights, then F.dropout on them
+        assert "aten.native_dropout.default" in funcs
+    else:  # SDPA with dropout_p
+        assert "aten._scaled_dot_product_efficient_attention.default" in funcs
+    assert "aten.bernoulli_.float" not in funcs
