@@ -42,16 +42,18 @@ differs; each rule below makes the trace follow CUDA and is tested on its own
    Not modelled: cuDNN attention (torch prefers it on sm90 / sm100 when its cuDNN is newer than
    9.15; without a mask it keeps what flash keeps), the sm86/89 flash limit on head dims in
    (192, 256] when training, nested tensors, the FP8 flash of FA3, and dropout inside the math
-   fallback (counted as the CPU composite).
+   fallback (counted as the CPU composite). The kernels' RNG seed / offset tensors are counted as
+   one 512-byte block each, as the meta kernels report them; the efficient kernel keeps them on
+   the host on CUDA (up to 1 KiB per call over-counted).
 
 The rules hold for every op of the step: torch pops a TorchFunctionMode while it handles a call, so
 ``loss.backward()`` -- and the recompute of checkpointed modules inside it -- used to run without
 them; the mode re-enters itself around ``Tensor.backward``, ``torch.autograd.backward`` /
 ``grad`` and ``F.multi_head_attention_forward`` (``torch.overrides.redispatch_function``), so the
 recompute runs the same kernels as the forward and a selective-checkpoint policy sees the same ops
-in both. The rules apply only to fake traces for a
-``kind == "cuda"`` DeviceSpec; a real run measures what its own device does, and a plan made under
-the rules applies on CPU unchanged (its CUDA op keys are simply not found there).
+in both. The rules apply only to fake traces for a ``kind == "cuda"`` DeviceSpec; a real run
+measures what its own device does, and a plan made under the rules applies on CPU unchanged (its
+CUDA op keys are simply not found there: those ops are recomputed).
 """
 
 from __future__ import annotations
