@@ -1,0 +1,51 @@
+"""benchmarks/gpu_validate.py: its CPU-only answer, and its pieces run on CPU (the CUDA path needs a
+GPU; these check what it computes from the same calls)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import gpu_validate as gv
+from examples import EXAMPLES
+from tests.planner.conftest import budgets, plan_at, planning
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Small models: an intra-op pool only contends for the cores.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the answer of a machine without CUDA")
+def test_without_cuda_it_says_what_it_needs_and_exits_0(capsys):
+    assert gv.main([]) == 0
+    out = capsys.readouterr().out
+    assert "needs a CUDA GPU" in out and "--device cpu" in out
+
+
+def test_plan_step_time_is_the_planners_own_figure():
+    name = "gpt_demo"
+    est = planning(name)[0]
+    plan = plan_at(name, budgets(name, 3)[1])
+    assert plan.modules and plan.recompute_ms > 0
+    assert gv.plan_step_ms(est, plan) == pytest.approx(plan.baseline_step_ms + plan.recompute_ms, rel=1e-9)
+
+
+def test_must_save_hits_count_every_saved_op_of_a_cpu_plan_on_cpu():
+    name = "gpt_demo"
+    plan = plan_at(name, budgets(name, 3)[1])
+    planned = sum(len(m.saved_ops) for m in plan.modules)
+    assert planned > 0
+    model, inputs = EXAMPLES[name]()
+    peaks, hits, tracker = gv.train_steps(model, inputs, model.loss_fn, steps=1, plan=plan)
+    assert hits == planned
+    assert len(peaks) == 1 and peaks[0] > 0 and "MemTracker" in tracker
+    # The counter is gone afterwards: apply_plan builds plain policies again.
+    import planner.checkpointing as ck
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    assert ck.create_selective_checkpoint_contexts is create_selective_checkpoint_contexts
