@@ -100,11 +100,10 @@ def _dims(size: str) -> dict:
     return dict(layers=2, hidden=64, ffn=128) if size == "tiny" else dict(layers=4, hidden=256, ffn=1024)
 
 
-# use_cache=False: see issue 10 (a recompute that writes the cache again); flip after that fix.
 def _gpt2(tf, size):
     d, vocab = _dims(size), 512
     cfg = tf.GPT2Config(n_layer=d["layers"], n_embd=d["hidden"], n_head=4, vocab_size=vocab,
-                        n_positions=256, use_cache=False)
+                        n_positions=256)
     ids = _ids(size, vocab)
     return tf.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
 
@@ -113,7 +112,7 @@ def _llama(tf, size):
     d, vocab = _dims(size), 512
     cfg = tf.LlamaConfig(num_hidden_layers=d["layers"], hidden_size=d["hidden"], intermediate_size=d["ffn"],
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                         max_position_embeddings=256, use_cache=False)
+                         max_position_embeddings=256)
     ids = _ids(size, vocab)
     return tf.LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
 
@@ -132,7 +131,7 @@ def _t5(tf, size):
     d, vocab = _dims(size), 512
     cfg = tf.T5Config(num_layers=d["layers"], num_decoder_layers=d["layers"], d_model=d["hidden"],
                       d_ff=d["ffn"], d_kv=d["hidden"] // 4, num_heads=4, vocab_size=vocab,
-                      decoder_start_token_id=0, use_cache=False)
+                      decoder_start_token_id=0)
     ids = _ids(size, vocab)
     return tf.T5ForConditionalGeneration(cfg), {"input_ids": ids, "labels": ids}
 

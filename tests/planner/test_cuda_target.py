@@ -65,17 +65,15 @@ def _ids(batch=2, seq=64, vocab=128):
 
 
 def _gpt2(tf):
-    # use_cache: see issue 10 fix
-    cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, use_cache=False)
+    cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
     ids = _ids()
     return tf.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
 
 
 def _llama(tf):
-    # use_cache: see issue 10 fix
     cfg = tf.LlamaConfig(
         num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, use_cache=False,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
     )
     ids = _ids()
     return tf.LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
@@ -93,10 +91,9 @@ def _bert(tf):
 
 
 def _t5(tf):
-    # use_cache: see issue 10 fix
     cfg = tf.T5Config(
         num_layers=2, num_decoder_layers=2, d_model=64, d_ff=128, d_kv=16, num_heads=4,
-        vocab_size=128, decoder_start_token_id=0, use_cache=False,
+        vocab_size=128, decoder_start_token_id=0,
     )
     ids = _ids()
     return tf.T5ForConditionalGeneration(cfg), {"input_ids": ids, "labels": ids}
