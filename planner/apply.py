@@ -28,10 +28,11 @@ import torch
 
 from estimators.device import DEVICE_SPECS, get_device_spec
 from estimators.estimate import EstimateOptions, TraceMode, estimate, resolve_optimizer
+from estimators.step import TrainStep
 from planner.checkpointing import apply_plan
-from planner.measure import measure_step
+from planner.measure import measure_steps
 from planner.plan import GiB, Plan
-from planner.report import fmt_bytes, prediction_vs_measurement
+from planner.report import fmt_bytes, steps_vs_prediction
 from planner.solve import default_reserve_bytes, plan_for_budget
 from solver import SolverOptions, min_reachable_peak_bytes
 
@@ -40,6 +41,7 @@ __all__ = ["main"]
 logger = logging.getLogger("planner.apply")
 
 DEFAULT_MODEL = "examples:gpt_demo"
+VERIFY_STEPS = 3
 
 
 class CLIError(SystemExit):
@@ -100,11 +102,14 @@ def _optimizer_arg(name: str) -> str | None:
     return None if name.lower() == "none" else name
 
 
+def _step(args, inputs, loss_fn) -> TrainStep:
+    return TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer=_optimizer_arg(args.optimizer))
+
+
 def _solve(args, model, inputs, loss_fn) -> Plan:
     spec = get_device_spec(args.device)
     opts = EstimateOptions(mode=TraceMode(args.mode), progress=not args.quiet)
-    optimizer = _optimizer_arg(args.optimizer)
-    est = estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=opts)
+    est = estimate(model, step=_step(args, inputs, loss_fn), device=spec, options=opts)
     info = est.module_info
     solver_options = SolverOptions(time_limit_s=args.time_limit_s)
     fixed_reserve = int(args.reserve_gib * GiB) if args.reserve_gib is not None else None
@@ -123,9 +128,8 @@ def _solve(args, model, inputs, loss_fn) -> Plan:
             "and the no-AC peak %s", fmt_bytes(budget), fmt_bytes(usable), fmt_bytes(low), fmt_bytes(high)
         )
     return plan_for_budget(
-        model, est, budget, inputs=inputs, loss_fn=loss_fn, optimizer=optimizer,
-        world_size=args.world_size, reserve_bytes=reserve, solver_options=solver_options,
-        estimate_options=opts, verify=True,
+        model, est, budget, world_size=args.world_size, reserve_bytes=reserve,
+        solver_options=solver_options, verify=True,
     )
 
 
@@ -139,8 +143,9 @@ def _verify(args, plan: Plan, model, inputs, loss_fn):
     params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     optimizer = resolve_optimizer(_optimizer_arg(args.optimizer), params, spec, fake=False)
     torch.manual_seed(args.seed)
+    # Three steps: the first of a fresh run, then the steady state the plan is made for.
     with apply_plan(model, plan):
-        measured = measure_step(model, inputs, loss_fn, optimizer)
+        measured = measure_steps(model, _step(args, inputs, loss_fn), optimizer, n_steps=VERIFY_STEPS)
     return measured, note
 
 
@@ -159,16 +164,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         out = {"plan": plan.to_dict()}
         if measured is not None:
-            out["measured"] = {"peak_bytes": measured.peak_bytes, "loss": measured.loss,
-                               "step_time_ms": measured.step_time_ms, "tracker": measured.tracker}
+            out["measured"] = [{"step": i + 1, "peak_bytes": m.peak_bytes, "loss": m.loss,
+                                "step_time_ms": m.step_time_ms, "tracker": m.tracker}
+                               for i, m in enumerate(measured)]
         print(json.dumps(out, indent=1))
         return 0
     print(plan.summary())
     if args.plan_out:
         print(f"\nplan written to {args.plan_out}")
     if measured is not None:
-        print("\nOne real training step with the plan applied:")
-        print(prediction_vs_measurement(plan, measured))
+        print(f"\n{len(measured)} real training steps with the plan applied:")
+        print(steps_vs_prediction(plan, measured))
     if note:
         print(f"  note: {note}")
     return 0

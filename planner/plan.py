@@ -87,6 +87,17 @@ class Plan:
     solver_status: str = ""
     solve_time_s: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    first_step_peak_bytes: int | None = None
+    """Peak of the first step of a fresh run (no optimizer state before its optimizer phase)."""
+    steady_peak_bytes: int | None = None
+    """Peak of the steady-state step (step 2 on); ``predicted_peak_bytes`` is the larger one."""
+
+    @property
+    def binding_step(self) -> str:
+        """``"steady state"``, ``"first step"``, or ``""`` for a plan that does not say."""
+        if self.first_step_peak_bytes is None or self.steady_peak_bytes is None:
+            return ""
+        return "first step" if self.first_step_peak_bytes > self.steady_peak_bytes else "steady state"
 
     @property
     def usable_budget_bytes(self) -> int:
