@@ -5,15 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from estimators.estimate import estimate
+from estimators.estimate import EstimateOptions, TraceError, TraceMode, estimate
+from estimators.step import TrainStep
 from examples import EXAMPLES
 from examples.gpt import GPTConfig, build_gpt
 from planner import PlanningError, apply_plan, solve_sac
-from planner.measure import measure_step
+from planner.measure import measure_step, measure_steps
 from planner.plan import GiB
 from planner.solve import module_plan, plan_for_budget
 from solver import SACMilp, predict_peak_bytes
+from tests.estimators.test_estimate import _assert_same, _snapshot
 from tests.planner.conftest import EXAMPLE_NAMES, budgets, plan_at
+
+REAL = EstimateOptions(mode=TraceMode.REAL)
 
 
 @pytest.mark.parametrize("name", EXAMPLE_NAMES)
@@ -49,7 +53,7 @@ def test_plan_no_worse_than_megatron_attention_core_recompute():
     hand_peak = predict_peak_bytes(info, hand)
     hand_ms = sum(module_plan(s, s.sac_memory_bytes).recompute_ms for s in cores)
     assert hand_peak < info.peak_bytes
-    plan = plan_for_budget(model, est, hand_peak, inputs=inputs, loss_fn=model.loss_fn, optimizer="adam")
+    plan = plan_for_budget(model, est, hand_peak)
     assert plan.predicted_peak_bytes <= hand_peak
     assert plan.recompute_ms <= hand_ms + 1e-9, (plan.recompute_ms, hand_ms, plan.checkpointed)
 
@@ -86,3 +90,83 @@ def test_cuda_reserve_is_stated():
     plan = solve_sac(model, 40, inputs, loss_fn=model.loss_fn, device="h100")
     assert plan.reserve_bytes == int(GiB + 0.05 * 40 * GiB)
     assert "reserve" in plan.summary()
+
+
+# ---------------------------------------------------------------- the step model
+def test_one_default_target_everywhere():
+    import inspect
+
+    from estimators.estimate import DEFAULT_DEVICE
+    from planner.apply import build_parser
+    from planner.distributed import solve_sac_distributed
+    from planner.tradeoff import tradeoff_curve
+
+    for fn in (estimate, solve_sac, tradeoff_curve, solve_sac_distributed):
+        assert inspect.signature(fn).parameters["device"].default == DEFAULT_DEVICE, fn.__name__
+    assert build_parser().get_default("device") == DEFAULT_DEVICE
+
+
+def test_step_and_shorthand_give_the_same_plan():
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    budget = 0.6 * estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adamw").module_info.peak_bytes / GiB
+    short = solve_sac(model, budget, inputs, loss_fn=model.loss_fn, optimizer="adamw")
+    full = solve_sac(model, budget, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"))
+    assert short.modules and short.to_dict() | {"solve_time_s": 0} == full.to_dict() | {"solve_time_s": 0}
+    assert short.binding_step == "steady state" and "binds            steady state" in short.summary()
+
+
+class _ReadsValues(torch.nn.Module):
+    """Control flow on tensor values: fake tensors cannot trace it, real ones can."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 32))
+            for _ in range(3)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+            if x.abs().sum().item() > 1e30:  # never true; reading it is the point
+                x = x * 0
+        return x
+
+
+def _reads_values():
+    torch.manual_seed(0)
+    return _ReadsValues(), (torch.randn(64, 32),)
+
+
+def test_real_mode_is_real_throughout_verification_included():
+    model, inputs = _reads_values()
+    with pytest.raises(TraceError, match="trace in real mode"):
+        estimate(model, inputs)
+    est = estimate(model, inputs, optimizer="adamw", options=REAL)
+    budget = (est.module_info.peak_bytes + SACMilp(est.module_info).min_reachable_peak_bytes()) // 2
+    plan = plan_for_budget(model, est, budget)
+    assert plan.modules and plan.predicted_peak_bytes <= budget
+    opt = torch.optim.AdamW(model.parameters())
+    with apply_plan(model, plan):
+        steps = measure_steps(model, est.step, opt, n_steps=3)
+    assert max(s.peak_bytes for s in steps) == plan.predicted_peak_bytes
+
+
+def test_planning_in_real_mode_never_changes_the_model():
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    opt = torch.optim.AdamW(model.parameters())
+    for _ in range(2):  # optimizer state, then the gradients of a step in progress
+        model.loss_fn(model(*inputs), inputs).backward()
+        if not opt.state:
+            opt.step()
+    before = _snapshot(model, opt)
+    rng = torch.get_rng_state()
+    budget = 0.6 * estimate(model, inputs, loss_fn=model.loss_fn, optimizer=opt).module_info.peak_bytes / GiB
+    plan = solve_sac(model, budget, inputs, loss_fn=model.loss_fn, optimizer=opt, estimate_options=REAL)
+    assert plan.modules, "the budget must bind so the verification trace applies a plan"
+    _assert_same(before, _snapshot(model, opt))
+    assert torch.equal(rng, torch.get_rng_state())
+    assert not any(hasattr(m, "_sac_planner_original_forward") for m in model.modules())
+    torch.manual_seed(0)
+    out = model(*inputs)
+    assert out.grad_fn is not None and "Checkpoint" not in type(out.grad_fn).__name__
