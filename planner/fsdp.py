@@ -40,6 +40,15 @@ R7  unsharded gradients: a unit's gradients are full-size until its reduce-scatt
     until the end of backward. At a backward point, of the traced ``grad_bytes`` all but the own
     gradients of non-root units whose backward ended are unsharded, so add their
     ``(W - 1) / W`` (the solver already counts ``1 / W``): ``u - u // W`` for ``u`` such bytes.
+R7a gradients kept across steps (the traced step starts with every gradient allocated: gradient
+    accumulation, ``ZeroGrad.ZERO``): the kept gradients are the sharded ones (the solver counts
+    ``1 / W`` of the traced ``grad_bytes``); this backward's new gradients are extra and
+    unsharded until their unit's reduce-scatter adds them in: add the own gradient bytes of every
+    non-root unit whose backward runs at the point, and the root's from its backward's start to
+    the end of backward (whole units: an upper bound while a unit's backward is part-way). This
+    is FSDP2's default, a reduce-scatter after every micro-batch; with
+    ``set_requires_gradient_sync(False)`` on all but the last micro-batch the gradients stay
+    unsharded instead, which is not modelled.
 
 Simplifications (stated, not hidden):
 
@@ -285,13 +294,24 @@ def _reduce_scatter_bytes(p: MemoryPoint, order_bw_end: list[_Unit]) -> int:
     return done[-1].own_grad_bytes if done else 0
 
 
-def _unsharded_grad_bytes(p: MemoryPoint, order_bw_end: list[_Unit], world_size: int) -> int:
-    """R7."""
+def _unsharded_grad_bytes(p: MemoryPoint, order_bw_end: list[_Unit], world_size: int,
+                          kept: bool, units: dict[str, _Unit], root: _Unit) -> int:
+    """R7, or R7a when the gradients are ``kept`` across steps."""
     if p.phase != "bw":
         return 0
+    if kept:
+        running = [u for u in units.values() if not u.is_root and u.stats.bw_pre_op <= p.op_index <= u.stats.bw_post_op]
+        root_new = root.own_grad_bytes if 0 <= root.stats.bw_pre_op <= p.op_index else 0
+        return sum(u.own_grad_bytes for u in running) + root_new
     sharded = sum(u.own_grad_bytes for u in order_bw_end if u.stats.bw_post_op < p.op_index)
     unsharded = max(0, p.grad_bytes - sharded)
     return unsharded - unsharded // world_size
+
+
+def _grads_kept(info: ModuleInfo) -> bool:
+    """The traced step starts with gradients allocated (R7a): they are there at its first point."""
+    first = next((p for p in info.memory_points if p.phase == "fw"), None)
+    return first is not None and first.grad_bytes > 0
 
 
 def fsdp_extra_bytes(
@@ -311,13 +331,14 @@ def fsdp_extra_bytes(
         (u for u in units.values() if not u.is_root and u.stats.bw_post_op >= 0),
         key=lambda u: u.stats.bw_post_op,
     )
+    kept = _grads_kept(info)
     return tuple(
         FSDPExtraBytes(
             unsharded_param_bytes=_gathered_param_bytes(p, units, root),
             all_gather_buffer_bytes=_forward_all_gather_bytes(p, order_fw, root, world_size)
             + _prefetch_bytes(p, order_post, world_size),
             reduce_scatter_buffer_bytes=_reduce_scatter_bytes(p, order_bw_end),
-            unsharded_grad_bytes=_unsharded_grad_bytes(p, order_bw_end, world_size),
+            unsharded_grad_bytes=_unsharded_grad_bytes(p, order_bw_end, world_size, kept, units, root),
         )
         for p in info.memory_points
     )
