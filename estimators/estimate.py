@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import inspect
 import logging
 import time
 import contextlib
@@ -162,8 +163,12 @@ def resolve_optimizer(
             if fake and spec.is_cuda and hyper.get("foreach") is None and "foreach" in hyper:
                 hyper["foreach"] = True  # what torch picks for CUDA tensors
             groups.append({**hyper, "params": g["params"]})
-        # Never the user's instance: its state and step count stay as they are.
-        return type(optimizer)(groups, **optimizer.defaults)
+        # Never the user's instance: its state and step count stay as they are. The groups carry
+        # every hyper-parameter; defaults go only where the constructor takes them (AdamW's
+        # defaults hold ``decoupled_weight_decay``, which its __init__ does not accept).
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        kw = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        return type(optimizer)(groups, **kw)
     if callable(optimizer):
         return optimizer(params_by_group)
     raise TypeError(f"optimizer must be a name, a class, or an Optimizer, got {type(optimizer)}")
