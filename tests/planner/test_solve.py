@@ -10,7 +10,7 @@ from estimators.step import TrainStep
 from examples import EXAMPLES
 from examples.gpt import GPTConfig, build_gpt
 from planner import PlanningError, apply_plan, solve_sac
-from planner.measure import measure_step, measure_steps
+from planner.measure import measure_steps
 from planner.plan import GiB
 from planner.solve import module_plan, plan_for_budget
 from solver import SACMilp, predict_peak_bytes
@@ -27,12 +27,16 @@ def test_measured_peak_matches_prediction_at_four_budgets(name):
         plan = plan_at(name, budget)
         model, inputs = EXAMPLES[name]()
         opt = torch.optim.Adam(model.parameters())
+        step = TrainStep(inputs=inputs, loss_fn=model.loss_fn)
         with apply_plan(model, plan):
-            m = measure_step(model, inputs, model.loss_fn, opt)
-        assert abs(m.peak_bytes - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes, (
-            budget, m.peak_bytes, plan.predicted_peak_bytes)
-        assert m.peak_bytes <= budget
-        activations.append(m.activation_bytes)
+            first, *steady = measure_steps(model, step, opt, n_steps=2)
+        # Step 1 (no Adam state yet) and the steady state, each against its own prediction.
+        assert abs(first.peak_bytes - plan.first_step_peak_bytes) <= 0.02 * plan.first_step_peak_bytes
+        measured = max(m.peak_bytes for m in steady)
+        assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes, (
+            budget, measured, plan.predicted_peak_bytes)
+        assert max(first.peak_bytes, measured) <= budget
+        activations.append(steady[-1].activation_bytes)
     assert activations == sorted(activations, reverse=True), activations
     assert activations[-1] < activations[0]
 
@@ -108,11 +112,16 @@ def test_one_default_target_everywhere():
 
 def test_step_and_shorthand_give_the_same_plan():
     model, inputs = EXAMPLES["gpt_tiny"]()
-    budget = 0.6 * estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adamw").module_info.peak_bytes / GiB
+    budget = _midpoint_gib(estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adamw"))
     short = solve_sac(model, budget, inputs, loss_fn=model.loss_fn, optimizer="adamw")
     full = solve_sac(model, budget, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"))
     assert short.modules and short.to_dict() | {"solve_time_s": 0} == full.to_dict() | {"solve_time_s": 0}
     assert short.binding_step == "steady state" and "binds            steady state" in short.summary()
+
+
+def _midpoint_gib(est) -> float:
+    """Halfway between the smallest reachable and the no-AC peak: a budget that binds."""
+    return (SACMilp(est.module_info).min_reachable_peak_bytes() + est.module_info.peak_bytes) / 2 / GiB
 
 
 class _ReadsValues(torch.nn.Module):
@@ -135,7 +144,7 @@ class _ReadsValues(torch.nn.Module):
 
 def _reads_values():
     torch.manual_seed(0)
-    return _ReadsValues(), (torch.randn(64, 32),)
+    return _ReadsValues(), (torch.randn(1024, 32),)
 
 
 def test_real_mode_is_real_throughout_verification_included():
@@ -161,7 +170,7 @@ def test_planning_in_real_mode_never_changes_the_model():
             opt.step()
     before = _snapshot(model, opt)
     rng = torch.get_rng_state()
-    budget = 0.6 * estimate(model, inputs, loss_fn=model.loss_fn, optimizer=opt).module_info.peak_bytes / GiB
+    budget = _midpoint_gib(estimate(model, inputs, loss_fn=model.loss_fn, optimizer=opt))
     plan = solve_sac(model, budget, inputs, loss_fn=model.loss_fn, optimizer=opt, estimate_options=REAL)
     assert plan.modules, "the budget must bind so the verification trace applies a plan"
     _assert_same(before, _snapshot(model, opt))
