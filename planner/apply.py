@@ -164,9 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         out = {"plan": plan.to_dict()}
         if measured is not None:
-            out["measured"] = [{"step": i + 1, "peak_bytes": m.peak_bytes, "loss": m.loss,
-                                "step_time_ms": m.step_time_ms, "tracker": m.tracker}
-                               for i, m in enumerate(measured)]
+            steps = [{"step": i + 1, "peak_bytes": m.peak_bytes, "loss": m.loss,
+                      "step_time_ms": m.step_time_ms, "tracker": m.tracker} for i, m in enumerate(measured)]
+            out["measured"] = max(steps, key=lambda s: s["peak_bytes"])  # the binding step
+            out["measured_steps"] = steps
         print(json.dumps(out, indent=1))
         return 0
     print(plan.summary())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo
 from planner.fsdp import (
@@ -152,6 +153,23 @@ def test_r7a_kept_gradients_are_sharded_and_the_new_ones_are_extra():
     assert ex[13].unsharded_grad_bytes == 500 + 200  # and M.b's while its backward runs
     assert ex[16].unsharded_grad_bytes == 500 + 300
     assert ex[19].unsharded_grad_bytes == 0
+
+
+def test_r8_mixed_precision_gathers_in_param_dtype_and_reduces_in_reduce_dtype():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    full = _extras()
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    info = _info()
+    half = {p.op_index: e for p, e in zip(info.memory_points, fsdp_extra_bytes(info, UNITS, 2, mp_policy=bf16))}
+    assert half[2].unsharded_param_bytes == (500 + 300) // 2
+    assert half[13].all_gather_buffer_bytes == 300 // 2
+    assert half[16].reduce_scatter_buffer_bytes == 200 // 2  # reduce_dtype defaults to param_dtype
+    assert half[16].unsharded_grad_bytes == 500 // 2 - 500 // 2  # bf16 unsharded, solver counts 1/W
+    fp32_reduce = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mixed = {p.op_index: e for p, e in zip(info.memory_points, fsdp_extra_bytes(info, UNITS, 2, mp_policy=fp32_reduce))}
+    assert mixed[16].reduce_scatter_buffer_bytes == full[16].reduce_scatter_buffer_bytes == 200
+    assert fsdp_extra_bytes(info, UNITS, 2, mp_policy=MixedPrecisionPolicy()) == fsdp_extra_bytes(info, UNITS, 2)
 
 
 def test_the_unchanged_solver_gets_the_per_rank_peak():
