@@ -32,11 +32,13 @@ as alive from the start of backward). The prediction is the larger of the two pe
 
 Mixed precision: the trace runs ``torch.autocast`` of the traced tensors' device, so in fake mode
 (fake CPU tensors) CPU autocast's op lists decide which ops run in low precision, also when the
-target is a CUDA device; CUDA's lists differ (CUDA autocasts more ops, e.g. some pointwise and
-normalisation ops CPU keeps in float32 or the reverse), so for a CUDA target the low-precision
-activations are those CPU autocast would produce. Autocast's cache of low-precision copies of the
-parameters (alive until the autocast region ends, longer where autograd saves them) is counted as
-the trace sees it: as storages made in the forward.
+target is a CUDA device. What is modelled for a CUDA target is therefore CPU autocast: matmuls,
+linear, convolutions, bmm/baddbmm and SDPA in low precision on both; CUDA's lists differ, e.g.
+CUDA runs ``layer_norm``, ``group_norm``, ``softmax`` / ``log_softmax``, ``exp``, ``log``,
+``pow`` and the losses in float32 where CPU autocast lets ``layer_norm`` and ``softmax`` follow a
+bf16 input, so CUDA keeps some activations at twice the bytes counted here. Autocast's cache of
+low-precision copies of the parameters (alive until the autocast region ends, longer where
+autograd saves them) is counted as the trace sees it: storages made in the forward.
 """
 
 from __future__ import annotations
