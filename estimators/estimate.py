@@ -43,13 +43,13 @@ autograd saves them) is counted as the trace sees it: storages made in the forwa
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import enum
 import inspect
 import logging
 import time
-import contextlib
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
