@@ -7,6 +7,7 @@
 
 from estimators.device import DEVICE_SPECS, DeviceSpec, UnknownDeviceError, get_device_spec
 from estimators.estimate import Estimate, EstimateOptions, TraceError, TraceMode, estimate
+from estimators.step import TrainStep, ZeroGrad
 from estimators.module_info import (
     MemoryPoint,
     ModOrder,
@@ -19,6 +20,8 @@ from estimators.module_info import (
 
 __all__ = [
     "estimate",
+    "TrainStep",
+    "ZeroGrad",
     "Estimate",
     "EstimateOptions",
     "TraceMode",

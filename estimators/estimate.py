@@ -1,22 +1,53 @@
 """``estimate()``: trace one training step once and derive every estimate from that trace.
 
     est = estimate(model, (idx,), loss_fn=my_loss, optimizer="adamw", device="h100")
-    est.module_info.peak_bytes           # step peak without checkpointing
+    est = estimate(model, step=TrainStep(inputs=(idx,), optimizer="adamw", micro_batches=4))
+    est.module_info.peak_bytes           # steady-state step peak without checkpointing
+    est.first_step_peak_bytes            # the first step's (optimizer state not yet created)
     est.module_info.stats("GPT.blocks.0").act_fw_bytes
 
 Fake mode (default) runs on a copy of the model whose parameters are fake CPU tensors: no memory
 is allocated and nothing is computed, so a 70B model given on the meta device is planned on a
-laptop. Real mode runs the step on the model itself (its gradients accumulate and the optimizer
-steps): it is how the estimates are checked against measurements.
+laptop. Real mode runs the step on the model itself with real tensors, then puts back its
+parameters, buffers and gradients as they were (and the RNG state): it is how the estimates are
+checked against measurements. Neither mode touches the optimizer instance a user passes (a new
+one of the same class and hyper-parameters is built over the traced parameters).
 
-Step convention: ``out = model(*inputs)``; ``loss = loss_fn(out, inputs)`` (default
-``out.sum()``); the output is released; ``loss.backward()``; ``optimizer.step()``.
+The step traced is the steady state of the loop ``TrainStep`` describes (``estimators/step.py``):
+
+* optimizer state alive from the start: before tracing, every parameter gets a zero gradient and
+  the optimizer steps once (free in fake mode), so its state exists as from step 2 on;
+* gradients as the loop keeps them: ``ZeroGrad.SET_TO_NONE`` with one micro-batch starts with no
+  gradients; ``ZeroGrad.ZERO`` or a micro-batch after the first of gradient accumulation starts
+  with all of them allocated (the binding micro-batch: the first one of an accumulation step holds
+  less). One micro-batch is traced (the others are the same ops), then the optimizer step;
+* forward and loss under ``torch.autocast`` when ``autocast_dtype`` is set.
+
+The first step of a fresh run differs only in that the optimizer state does not exist before the
+optimizer phase (and, with one micro-batch, no gradient exists in its forward):
+``first_step_peak_bytes`` removes those bytes from the steady-state timeline. That is exact for
+torch's optimizers, which create all their state before any update math; in the first step's
+backward with ``ZeroGrad.ZERO`` and one micro-batch it is an upper bound (gradients are counted
+as alive from the start of backward). The prediction is the larger of the two peaks.
+
+Mixed precision: the trace runs ``torch.autocast`` of the traced tensors' device, so in fake mode
+(fake CPU tensors) CPU autocast's op lists decide which ops run in low precision, also when the
+target is a CUDA device. What is modelled for a CUDA target is therefore CPU autocast: matmuls,
+linear, convolutions, bmm/baddbmm and SDPA in low precision on both; CUDA's lists differ, e.g.
+CUDA runs ``layer_norm``, ``group_norm``, ``softmax`` / ``log_softmax``, ``exp``, ``log``,
+``pow`` and the losses in float32 where CPU autocast lets ``layer_norm`` and ``softmax`` follow a
+bf16 input, so CUDA keeps some activations at twice the bytes counted here. Autocast's cache of
+low-precision copies of the parameters (alive until the autocast region ends, longer where
+autograd saves them) is counted as the trace sees it: storages made in the forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import enum
+import inspect
 import logging
 import time
 from dataclasses import dataclass
@@ -32,14 +63,28 @@ from estimators.device import DeviceSpec, get_device_spec
 from estimators.memory import MemoryTimeline, build_timeline, classify_storages
 from estimators.module_info import ModuleInfo
 from estimators.runtime import RuntimeKind, make_runtime_model
-from estimators.step import StepError, run_step
-from estimators.trace import StepTrace, StepTracer, StorageKind
+from estimators.step import StepError, TrainStep, run_step
+from estimators.trace import Phase, StepTrace, StepTracer, StorageKind
 
-__all__ = ["TraceMode", "EstimateOptions", "Estimate", "estimate", "TraceError", "resolve_optimizer"]
+__all__ = [
+    "DEFAULT_DEVICE",
+    "TraceMode",
+    "EstimateOptions",
+    "Estimate",
+    "estimate",
+    "TraceError",
+    "resolve_optimizer",
+    "as_train_step",
+    "first_step_module_info",
+]
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[Any, tuple], torch.Tensor]
+DEFAULT_DEVICE = "cpu"
+"""The target every entry point plans for unless told otherwise (``estimate``, ``solve_sac``,
+``tradeoff_curve``, the CLI...): this machine's CPU, so a plan can be checked here like for like.
+Pass ``device="h100"`` (or another DeviceSpec name) to plan for a GPU."""
 _OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
@@ -55,7 +100,7 @@ class TraceMode(enum.Enum):
 @dataclass(frozen=True, kw_only=True)
 class EstimateOptions:
     mode: TraceMode = TraceMode.FAKE
-    """FAKE plans without allocating; REAL runs (and changes) the model, for validation."""
+    """FAKE plans without allocating; REAL runs the model itself (and restores it), for validation."""
     runtime: RuntimeKind = RuntimeKind.ROOFLINE
     """ROOFLINE costs ops on the DeviceSpec; BENCHMARK times real kernels on this machine."""
     cuda_semantics: bool | None = None
@@ -73,13 +118,29 @@ class EstimateOptions:
 
 @dataclass
 class Estimate:
-    """The trace and everything derived from it."""
+    """The trace (of the steady-state step) and everything derived from it."""
 
     trace: StepTrace
     timeline: MemoryTimeline
     module_info: ModuleInfo
+    """Memory points and ``peak_bytes`` of the steady-state step (what plans are made for)."""
     spec: DeviceSpec
     trace_time_s: float
+    step: TrainStep = dataclasses.field(default_factory=TrainStep)
+    """The step traced (inputs resolved); verification traces and measurements run the same."""
+    options: "EstimateOptions" = dataclasses.field(default_factory=lambda: EstimateOptions())
+    """How it was traced; a verification trace uses the same mode and runtime."""
+    first_step_peak_bytes: int = 0
+    """Peak of the first step of a fresh run (see the module docstring)."""
+
+    @property
+    def steady_peak_bytes(self) -> int:
+        return self.module_info.peak_bytes
+
+    @property
+    def binding_step(self) -> str:
+        """``"steady state"`` or ``"first step"``: which one has the larger peak."""
+        return "first step" if self.first_step_peak_bytes > self.steady_peak_bytes else "steady state"
 
 
 def resolve_optimizer(
@@ -104,7 +165,12 @@ def resolve_optimizer(
             if fake and spec.is_cuda and hyper.get("foreach") is None and "foreach" in hyper:
                 hyper["foreach"] = True  # what torch picks for CUDA tensors
             groups.append({**hyper, "params": g["params"]})
-        return type(optimizer)(groups, **optimizer.defaults) if fake else optimizer
+        # Never the user's instance: its state and step count stay as they are. The groups carry
+        # every hyper-parameter; defaults go only where the constructor takes them (AdamW's
+        # defaults hold ``decoupled_weight_decay``, which its __init__ does not accept).
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        kw = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        return type(optimizer)(groups, **kw)
     if callable(optimizer):
         return optimizer(params_by_group)
     raise TypeError(f"optimizer must be a name, a class, or an Optimizer, got {type(optimizer)}")
@@ -167,68 +233,189 @@ def _fake_copy(model: torch.nn.Module, mode: FakeTensorMode) -> tuple[torch.nn.M
         ) from e
 
 
+def as_train_step(
+    model: torch.nn.Module, inputs: Any = None, step: TrainStep | None = None, **fields: Any
+) -> TrainStep:
+    """The TrainStep an entry point was given: ``step``, or one built from ``inputs`` and the
+    loose ``loss_fn`` / ``optimizer`` keywords (the convenience form); ``inputs`` resolved
+    (default ``model.example_inputs()``). Passing both forms is an error."""
+    if isinstance(inputs, TrainStep):
+        step, inputs = (inputs, None) if step is None else (step, inputs)
+    loose = {k: v for k, v in fields.items() if v is not None}
+    if step is not None:
+        if not isinstance(step, TrainStep):
+            raise TypeError(f"step must be a TrainStep, got {type(step).__name__}")
+        if inputs is not None or loose:
+            given = ["inputs"] * (inputs is not None) + sorted(loose)
+            raise ValueError(
+                f"pass either step=TrainStep(...) or {', '.join(given)}, not both: "
+                "put them in the TrainStep"
+            )
+    else:
+        step = TrainStep(inputs=inputs, **loose)
+    if step.inputs is None:
+        step = dataclasses.replace(step, inputs=_default_inputs(model))
+    return step
+
+
 def estimate(
     model: torch.nn.Module,
     inputs: Any = None,
     *,
+    step: TrainStep | None = None,
     loss_fn: LossFn | None = None,
     optimizer: Any = None,
-    device: str | DeviceSpec = "cpu",
+    device: str | DeviceSpec = DEFAULT_DEVICE,
     options: EstimateOptions = EstimateOptions(),
     prepare: Callable[[torch.nn.Module], Any] | None = None,
 ) -> Estimate:
-    """Trace one training step of ``model`` and estimate memory, runtime and SAC trade-offs.
+    """Trace the steady-state training step of ``model``; estimate memory, runtime and SAC trade-offs.
 
     Args:
         model: the module to train; real, or on the meta device for fake mode.
+        step: the training step (``TrainStep``: inputs, loss, optimizer, micro-batches, gradient
+            reset, autocast). Or, as a shorthand, ``inputs`` (also positionally, or a TrainStep
+            there), ``loss_fn`` and ``optimizer``:
         inputs: a tensor, a tuple of positional args, or a dict of kwargs for ``model``;
             default ``model.example_inputs()``.
         loss_fn: ``loss_fn(output, inputs) -> scalar``; default ``output.sum()``.
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd"``, an optimizer instance/class, or None.
-        device: DeviceSpec or its name (``"h100"``, ``"a100-80gb"``, ``"cpu"``...).
+        device: DeviceSpec or its name (``"h100"``, ``"a100-80gb"``, ``"cpu"``...); default
+            :data:`DEFAULT_DEVICE`.
         prepare: called with the module that is traced (the fake copy in fake mode) before the
             step, e.g. to apply a checkpointing plan to it.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     spec = get_device_spec(device)
-    inputs = _default_inputs(model) if inputs is None else inputs
+    step = as_train_step(model, inputs, step, loss_fn=loss_fn, optimizer=optimizer)
+    step.check_target(spec)
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
     t0 = time.perf_counter()
     if fake:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         traced, mapping = _fake_copy(model, fake_mode)
-        inputs = tree_map(lambda t: _fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, inputs)
+        step_inputs = tree_map(
+            lambda t: _fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, step.inputs
+        )
     else:
-        _check_real_devices(model, inputs)
+        _check_real_devices(model, step.inputs)
         fake_mode, traced, mapping = None, model, {id(p): p for p in model.parameters()}
-    groups = _param_groups(model, optimizer, mapping)
-    opt = resolve_optimizer(optimizer, groups, spec, fake)
-    runtime = make_runtime_model(options.runtime, spec)
-    round_bytes = spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n)
-    progress = (lambda m: logger.info("trace: %s", m)) if options.progress else None
-    tracer = StepTracer(runtime, round_bytes=round_bytes, progress=progress)
-    root = type(model).__name__
-    _register_state(tracer, traced, inputs, opt)
-    if prepare is not None:
-        prepare(traced)
-    tracer.attach(traced, root)
-    try:
-        with _maybe(fake_mode), tracer, _maybe(CudaSemanticsMode() if cuda_rules else None):
-            with torch.autograd.graph.saved_tensors_hooks(tracer.pack_hook, tracer.unpack_hook):
-                run_step(traced, inputs, loss_fn, opt, on_phase=tracer.set_phase)
-    except StepError as e:
-        raise TraceError(str(e)) from e.__cause__
-    finally:
-        tracer.detach()
-    tracer.finish()
-    step = _finish_trace(tracer, traced, opt, root, spec if fake else get_device_spec("cpu"))
-    timeline = build_timeline(step)
-    info = build_module_info(step, timeline)
+        step_inputs = step.inputs
+    with contextlib.ExitStack() as restore:
+        if not fake:
+            restore.enter_context(_restored(model))
+        groups = _param_groups(model, step.optimizer, mapping)
+        opt = resolve_optimizer(step.optimizer, groups, spec, fake)
+        with _maybe(fake_mode):
+            _steady_state(traced, opt, step)
+        runtime = make_runtime_model(options.runtime, spec)
+        round_bytes = spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n)
+        progress = (lambda m: logger.info("trace: %s", m)) if options.progress else None
+        tracer = StepTracer(runtime, round_bytes=round_bytes, progress=progress)
+        root = type(model).__name__
+        _register_state(tracer, traced, step_inputs, opt)
+        applied = prepare(traced) if prepare is not None else None
+        tracer.attach(traced, root)
+        try:
+            with _maybe(fake_mode), tracer, _maybe(CudaSemanticsMode() if cuda_rules else None):
+                with torch.autograd.graph.saved_tensors_hooks(tracer.pack_hook, tracer.unpack_hook):
+                    run_step(
+                        traced, step_inputs, step.loss_fn, opt, on_phase=tracer.set_phase,
+                        micro_batches=step.micro_batches, passes=1, autocast_dtype=step.autocast_dtype,
+                    )
+        except StepError as e:
+            raise TraceError(str(e)) from e.__cause__
+        finally:
+            tracer.detach()
+            _undo(applied)
+        tracer.finish()
+        trace = _finish_trace(tracer, traced, opt, root, spec if fake else get_device_spec("cpu"))
+        del opt
+    timeline = build_timeline(trace)
+    info = build_module_info(trace, timeline)
     dt = time.perf_counter() - t0
-    logger.info("traced %d ops, %d module calls in %.2f s", len(step.ops), len(step.calls), dt)
-    return Estimate(trace=step, timeline=timeline, module_info=info, spec=spec, trace_time_s=dt)
+    logger.info("traced %d ops, %d module calls in %.2f s", len(trace.ops), len(trace.calls), dt)
+    return Estimate(
+        trace=trace, timeline=timeline, module_info=info, spec=spec, trace_time_s=dt, step=step,
+        options=options, first_step_peak_bytes=_first_step_peak(trace, timeline, step),
+    )
+
+
+def _undo(applied: Any) -> None:
+    """``prepare`` may return something with ``remove()`` (an applied plan): undo it on the
+    real model once the trace is over, so real-mode planning leaves the model as it was."""
+    remove = getattr(applied, "remove", None)
+    if callable(remove):
+        remove()
+
+
+def _steady_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None, step: TrainStep) -> None:
+    """Give the traced model the state the loop's binding micro-batch starts with: optimizer
+    state created (one step on zero gradients), gradients allocated or not (see TrainStep)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    if opt is not None:
+        opt.step()
+    for p in params:
+        if step.grads_alive_at_start:
+            p.grad.zero_()
+        else:
+            p.grad = None
+
+
+@contextlib.contextmanager
+def _restored(model: torch.nn.Module):
+    """Real mode: parameters, buffers and gradients (the same objects, the same bits) and the RNG
+    state as they were before, however the trace ends."""
+    saved = []
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    saved.append((table, name, t, t.detach().clone()))
+    grads = {id(p): (p, p.grad) for p in model.parameters()}
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for table, name, t, value in saved:
+                    table[name] = t
+                    t.copy_(value)
+            for p, g in grads.values():
+                p.grad = g
+
+
+def _first_step_peak(trace: StepTrace, timeline: MemoryTimeline, step: TrainStep) -> int:
+    """The steady-state timeline without what the first step of a fresh run does not hold yet."""
+    total = timeline.total.copy()
+    if not len(total):
+        return 0
+    state = sum(s.nbytes for s in trace.storages if s.alloc_op < 0 and s.kind is StorageKind.OPTIMIZER)
+    grads = sum(s.nbytes for s in trace.storages if s.alloc_op < 0 and s.kind is StorageKind.GRAD)
+    optim = next((op.index for op in trace.ops if op.phase is Phase.OPTIM), len(total))
+    total[:optim] -= state
+    if step.micro_batches == 1 and grads:
+        # The only micro-batch of step 1 starts with no gradient: none in its forward.
+        bw = next((op.index for op in trace.ops if op.phase is Phase.BW), len(total))
+        total[:bw] -= grads
+    return int(total.max())
+
+
+def first_step_module_info(info: ModuleInfo) -> ModuleInfo:
+    """The first step's view of a steady-state ModuleInfo, for the solver: no optimizer state at
+    forward and backward points (optimizer-phase points keep it: torch's optimizers create it
+    before their update math). With it, ``predict_peak_bytes`` gives a plan's first-step peak."""
+    points = tuple(
+        dataclasses.replace(p, optimizer_bytes=0) if p.phase in ("fw", "bw") else p
+        for p in info.memory_points
+    )
+    return dataclasses.replace(info, memory_points=points)
 
 
 class _maybe:

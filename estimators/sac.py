@@ -10,7 +10,10 @@ Rules (each has its own test in tests/estimators/test_sac.py):
 * random ops are recomputed together or not at all (a checkpoint replays the RNG from the start of
   the region, so a saved random op in between would shift every later draw);
 * an op frees memory only through new storages that autograd saves for backward *inside this
-  module alone*; a storage another module also saves stays alive anyway.
+  module alone*; a storage another module also saves stays alive anyway;
+* a cast of a parameter (``_to_copy``: autocast's low-precision weight copy) frees nothing:
+  autocast caches it until the autocast region ends, so a checkpoint does not drop it during the
+  forward, and the recompute casts again in backward.
 
 The greedy order takes units by memory freed per ms of recompute, largest first, so the cumulative
 (discarded bytes, recompute ms) curve is convex and exact at every breakpoint.
@@ -21,9 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from estimators.module_info import SACOp, TradeoffCurve
-from estimators.trace import ModuleCall, Phase, StepTrace
+import torch
+
+from estimators.trace import ModuleCall, Phase, StepTrace, StorageKind
 
 __all__ = ["module_ops", "greedy_units", "tradeoff_curve", "fixed_recompute_ms", "RecomputeUnit"]
+
+_TO_COPY = torch.ops.aten._to_copy.default
 
 
 def _subtree(trace: StepTrace, call: ModuleCall) -> set[int]:
@@ -51,11 +58,12 @@ def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
         i = len(ops)
         memory = unsaved = 0
         saved = False
+        param_cast = rec.func is _TO_COPY and any(trace.storages[a].kind is StorageKind.PARAM for a in rec.arg_sids)
         for sid in rec.new_sids:
             st = trace.storages[sid]
             creator[sid] = i
             saved |= st.saved
-            if st.saved and st.saved_by_calls <= inside:
+            if st.saved and st.saved_by_calls <= inside and not param_cast:
                 memory += st.nbytes
             elif not st.saved:
                 unsaved += st.nbytes

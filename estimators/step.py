@@ -1,21 +1,33 @@
 """The training step every trace and measurement runs, so all of them count the same tensors.
 
-    out = model(*args, **kwargs)
-    loss = loss_fn(out, inputs)            # default: out.sum()
-    del out                                # a loop that keeps only the loss
-    loss.backward()
-    optimizer.step()                       # when given
+``TrainStep`` says what one optimizer step of the user's loop is::
+
+    for _ in range(micro_batches):
+        with torch.autocast(device_type, dtype=autocast_dtype):     # when autocast_dtype is set
+            out = model(*args, **kwargs)
+            loss = loss_fn(out, inputs) / micro_batches         # default loss: out.sum()
+        del out                                                 # a loop that keeps only the loss
+        loss.backward()                                         # grads accumulate across micro-batches
+    optimizer.step()                                            # when given
+    optimizer.zero_grad(set_to_none=...)                        # ZeroGrad.SET_TO_NONE: torch's default
+
+``run_step`` runs it (or, for a trace, one micro-batch of it and the optimizer step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["Phase", "StepError", "split_inputs", "run_step"]
+if TYPE_CHECKING:
+    from estimators.device import DeviceSpec
+
+__all__ = ["Phase", "StepError", "TrainStep", "ZeroGrad", "split_inputs", "run_step", "zero_grads"]
 
 
 class Phase(enum.IntEnum):
@@ -30,6 +42,103 @@ class StepError(RuntimeError):
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class ZeroGrad(enum.Enum):
+    """How the loop resets gradients after the optimizer step."""
+
+    SET_TO_NONE = "set_to_none"
+    """``optimizer.zero_grad()`` / ``zero_grad(set_to_none=True)``, torch's default: gradients are
+    freed between steps and allocated again by the first micro-batch's backward."""
+    ZERO = "zero"
+    """``zero_grad(set_to_none=False)``, or gradients never reset: they stay allocated (zeroed or
+    not, the same memory) through the whole step."""
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class TrainStep:
+    """One optimizer step of a training loop: what every trace, plan and measurement runs.
+
+    Example::
+
+        step = TrainStep(inputs=(tokens,), loss_fn=my_loss, optimizer="adamw",
+                         micro_batches=4, autocast_dtype=torch.bfloat16)
+        plan = solve_sac(model, budget_gib=40, step=step, device="h100")
+
+    The plan is made for the steady state (step 2 on: optimizer state alive from the start,
+    gradients as the loop keeps them) and checked against the first step; see
+    ``estimators.estimate``.
+    """
+
+    inputs: Any = None
+    """One micro-batch: a tensor, a tuple of forward's positional args or a dict of kwargs;
+    None: ``model.example_inputs()``."""
+    loss_fn: LossFn | None = None
+    """``loss_fn(output, inputs) -> scalar``; None: ``output.sum()``."""
+    optimizer: Any = None
+    """``"adam"``, ``"adamw"``, ``"sgd"``, an optimizer class / factory ``f(param_groups)``, a
+    ``torch.optim.Optimizer`` instance (its class and hyper-parameters are used, never the
+    instance itself), or None (no optimizer step, no state)."""
+    micro_batches: int = 1
+    """Forward/backward passes per optimizer step (gradient accumulation), >= 1."""
+    zero_grad: ZeroGrad = ZeroGrad.SET_TO_NONE
+    """How gradients are reset between optimizer steps."""
+    autocast_dtype: torch.dtype | None = None
+    """Forward and loss under ``torch.autocast`` with this dtype (``torch.bfloat16`` or
+    ``torch.float16``); backward and the optimizer step are not. None: no autocast."""
+
+    def __post_init__(self) -> None:
+        mb = self.micro_batches
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
+            raise ValueError(
+                f"micro_batches must be an int >= 1 (forward/backward passes per optimizer step), "
+                f"got {mb!r}"
+            )
+        if not isinstance(self.zero_grad, ZeroGrad):
+            try:
+                object.__setattr__(self, "zero_grad", ZeroGrad(self.zero_grad))
+            except ValueError:
+                raise ValueError(
+                    f"zero_grad must be ZeroGrad.SET_TO_NONE ('set_to_none', torch's default) or "
+                    f"ZeroGrad.ZERO ('zero'), got {self.zero_grad!r}"
+                ) from None
+        dt = self.autocast_dtype
+        if dt is not None and dt not in AUTOCAST_DTYPES:
+            raise ValueError(
+                f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {dt!r}"
+            )
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, inputs), got {type(self.loss_fn).__name__}")
+
+    @property
+    def grads_alive_at_start(self) -> bool:
+        """Whether the binding micro-batch starts with every gradient allocated: the loop keeps
+        them (``ZeroGrad.ZERO``), or a micro-batch after the first accumulates into them."""
+        return self.zero_grad is ZeroGrad.ZERO or self.micro_batches > 1
+
+    def check_target(self, spec: "DeviceSpec") -> None:
+        """Raise if the target cannot run this step (an autocast dtype it has no kernels for)."""
+        dt = self.autocast_dtype
+        if dt is not None and dt not in spec.peak_flops_per_s:
+            can = [str(d).replace("torch.", "") for d in AUTOCAST_DTYPES if d in spec.peak_flops_per_s]
+            raise ValueError(
+                f"autocast_dtype={str(dt).replace('torch.', '')} cannot run on the target {spec.name!r} "
+                f"(its DeviceSpec lists no {str(dt).replace('torch.', '')} compute); "
+                + (f"use autocast_dtype=torch.{can[0]}" if can else "drop autocast_dtype")
+                + " or plan for another device"
+            )
+
+    def describe(self) -> str:
+        """One line for a plan's notes."""
+        opt = self.optimizer
+        name = opt if isinstance(opt, str) or opt is None else getattr(opt, "__name__", type(opt).__name__)
+        amp = str(self.autocast_dtype).replace("torch.", "") if self.autocast_dtype else "off"
+        return (
+            f"step: optimizer {name}, {self.micro_batches} micro-batch(es), zero_grad "
+            f"{self.zero_grad.value}, autocast {amp}"
+        )
+
 
 def split_inputs(inputs: Any) -> tuple[tuple, dict]:
     """A tensor, a tuple/list of positional args, or a dict of kwargs -> (args, kwargs)."""
@@ -40,34 +149,62 @@ def split_inputs(inputs: Any) -> tuple[tuple, dict]:
     return (inputs,), {}
 
 
+def _autocast(model: torch.nn.Module, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    p = next(model.parameters(), None)
+    device_type = p.device.type if p is not None and p.device.type != "meta" else "cpu"
+    return torch.autocast(device_type, dtype=dtype)
+
+
 def run_step(
     model: torch.nn.Module,
     inputs: Any,
     loss_fn: LossFn | None,
     optimizer: torch.optim.Optimizer | None,
     on_phase: Callable[[Phase], None] | None = None,
+    *,
+    micro_batches: int = 1,
+    passes: int | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> float | None:
-    """Run one step; returns the loss value when it can be read (None under fake tensors)."""
+    """Run one optimizer step (``passes`` forward/backward passes, default ``micro_batches``; a
+    trace runs one), each loss divided by ``micro_batches``; returns the last loss value when it
+    can be read (None under fake tensors)."""
     args, kwargs = split_inputs(inputs)
-    if on_phase:
-        on_phase(Phase.FW)
-    try:
-        out = model(*args, **kwargs)
-    except Exception as e:
-        raise StepError(_forward_hint(model, e)) from e
-    loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
-    _check_loss(loss)
-    del out
-    if on_phase:
-        on_phase(Phase.BW)
-    loss.backward()
-    value = _value(loss)
-    del loss
+    value = None
+    for _ in range(micro_batches if passes is None else passes):
+        if on_phase:
+            on_phase(Phase.FW)
+        with _autocast(model, autocast_dtype):
+            try:
+                out = model(*args, **kwargs)
+            except Exception as e:
+                raise StepError(_forward_hint(model, e)) from e
+            loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
+            _check_loss(loss)
+            del out
+            if micro_batches > 1:
+                loss = loss / micro_batches
+        if on_phase:
+            on_phase(Phase.BW)
+        loss.backward()
+        value = _value(loss)
+        del loss
     if optimizer is not None:
         if on_phase:
             on_phase(Phase.OPTIM)
         optimizer.step()
     return value
+
+
+def zero_grads(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, how: ZeroGrad) -> None:
+    """What the loop does after the optimizer step."""
+    set_to_none = how is ZeroGrad.SET_TO_NONE
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=set_to_none)
+    else:
+        model.zero_grad(set_to_none=set_to_none)
 
 
 def _value(loss: torch.Tensor) -> float | None:

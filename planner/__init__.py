@@ -2,6 +2,8 @@
 
     from planner import solve_sac, apply_plan
     plan = solve_sac(model, budget_gib=40, inputs=batch, optimizer="adamw", device="h100")
+    plan = solve_sac(model, budget_gib=40, step=TrainStep(inputs=batch, optimizer="adamw",
+                                                          micro_batches=4), device="h100")
     print(plan.summary())
     apply_plan(model, plan)          # or: with apply_plan(model, plan): ...
     plan.save("plan.json")
@@ -11,6 +13,7 @@
     fig = plot_tradeoff(table, hand_made_baselines(est.module_info))  # needs sac-planner[plot]
 """
 
+from estimators.step import TrainStep, ZeroGrad
 from planner.checkpointing import (
     AlreadyCheckpointedError,
     AppliedPlan,
@@ -30,6 +33,8 @@ from planner.tradeoff import TradeoffTable, tradeoff_curve
 __all__ = [
     "solve_sac",
     "solve_sac_distributed",
+    "TrainStep",
+    "ZeroGrad",
     "apply_plan",
     "remove_plan",
     "check_gradients",

@@ -36,12 +36,12 @@ import torch
 
 from estimators.device import DEVICE_SPECS, get_device_spec
 from estimators.estimate import EstimateOptions, TraceMode, estimate, resolve_optimizer
-from estimators.step import StepError
-from planner.checkpointing import AlreadyCheckpointedError, PlanMismatchError, apply_plan
+from estimators.step import StepError, TrainStep
+from planner.checkpointing import AlreadyCheckpointedError, PlanMismatchError, apply_plan, hf_cache_off
 from planner.gradcheck import GradientCheck, check_gradients
-from planner.measure import MeasuredStep, measure_step
+from planner.measure import MeasuredStep, measure_steps
 from planner.plan import GiB, Plan, PlanFormatError
-from planner.report import fmt_bytes, gradient_check_text, prediction_vs_measurement
+from planner.report import fmt_bytes, gradient_check_text, steps_vs_prediction
 from planner.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget
 from solver import SolverOptions, min_reachable_peak_bytes
 from solver.errors import SolverError
@@ -51,6 +51,7 @@ __all__ = ["main"]
 logger = logging.getLogger("planner.apply")
 
 DEFAULT_MODEL = "examples:gpt_demo"
+VERIFY_STEPS = 3
 
 
 class CLIError(Exception):
@@ -186,10 +187,13 @@ def _check_args(args) -> None:
         raise CLIError(f"--optimizer must be adam, adamw, sgd or none, got {args.optimizer!r}")
 
 
+def _step(args, inputs, loss_fn) -> TrainStep:
+    return TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer=_optimizer_arg(args.optimizer))
+
+
 def _solve(args, model, inputs, loss_fn) -> Plan:
     spec = get_device_spec(args.device)
     opts = EstimateOptions(mode=TraceMode(args.mode), progress=not args.quiet)
-    optimizer = _optimizer_arg(args.optimizer)
     if args.budget_gib is not None and args.reserve_gib is not None and args.reserve_gib >= args.budget_gib:
         raise CLIError(f"--reserve-gib ({args.reserve_gib:g}) must be below --budget-gib ({args.budget_gib:g})")
     if args.budget_gib is not None and args.reserve_gib is None:
@@ -200,7 +204,8 @@ def _solve(args, model, inputs, loss_fn) -> Plan:
                 f"{spec.name} is held back ({default / GiB:.3f} GiB: 1 GiB + 5 %); pass a larger "
                 "--budget-gib, or --reserve-gib 0 to plan for the whole budget"
             )
-    est = estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=opts)
+    with hf_cache_off(model):  # trace the step as it runs once the plan is applied
+        est = estimate(model, step=_step(args, inputs, loss_fn), device=spec, options=opts)
     info = est.module_info
     solver_options = SolverOptions(time_limit_s=args.time_limit_s)
     fixed_reserve = int(args.reserve_gib * GiB) if args.reserve_gib is not None else None
@@ -219,14 +224,13 @@ def _solve(args, model, inputs, loss_fn) -> Plan:
             "and the no-AC peak %s", fmt_bytes(budget), fmt_bytes(usable), fmt_bytes(low), fmt_bytes(high)
         )
     return plan_for_budget(
-        model, est, budget, inputs=inputs, loss_fn=loss_fn, optimizer=optimizer,
-        world_size=args.world_size, reserve_bytes=reserve, solver_options=solver_options,
-        estimate_options=opts, verify=True,
+        model, est, budget, world_size=args.world_size, reserve_bytes=reserve,
+        solver_options=solver_options, verify=True,
     )
 
 
 def _verify(args, plan: Plan, model, inputs, loss_fn
-            ) -> tuple[GradientCheck | None, MeasuredStep | None, str | None]:
+            ) -> tuple[GradientCheck | None, list[MeasuredStep] | None, str | None]:
     if any(p.device.type == "meta" for p in model.parameters()):
         return None, None, "the model is on the meta device: nothing to run (use --no-verify)"
     spec = get_device_spec(args.device)
@@ -234,13 +238,14 @@ def _verify(args, plan: Plan, model, inputs, loss_fn
     if spec.name != "cpu" and next(model.parameters()).device.type == "cpu":
         note = f"plan made for {spec.name} but verified on this CPU: peaks are not comparable"
     # First the same forward + backward with and without the plan, from the same state and seed
-    # (the model is left as it was), then one real training step with the plan.
+    # (the model is left as it was), then real training steps with the plan.
     check = check_gradients(model, plan, inputs, loss_fn=loss_fn, seed=args.seed)
     params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     optimizer = resolve_optimizer(_optimizer_arg(args.optimizer), params, spec, fake=False)
     torch.manual_seed(args.seed)
+    # Three steps: the first of a fresh run, then the steady state the plan is made for.
     with apply_plan(model, plan):
-        measured = measure_step(model, inputs, loss_fn, optimizer)
+        measured = measure_steps(model, _step(args, inputs, loss_fn), optimizer, n_steps=VERIFY_STEPS)
     return check, measured, note
 
 
@@ -248,7 +253,7 @@ def _json_number(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
-def _report(args, plan: Plan, check: GradientCheck | None, measured: MeasuredStep | None,
+def _report(args, plan: Plan, check: GradientCheck | None, measured: list[MeasuredStep] | None,
             note: str | None) -> None:
     if args.json:
         out: dict[str, Any] = {"plan": plan.to_dict()}
@@ -256,8 +261,10 @@ def _report(args, plan: Plan, check: GradientCheck | None, measured: MeasuredSte
             out["gradient_check"] = {**dataclasses.asdict(check),
                                      "max_abs_diff": _json_number(check.max_abs_diff)}
         if measured is not None:
-            out["measured"] = {"peak_bytes": measured.peak_bytes, "loss": measured.loss,
-                               "step_time_ms": measured.step_time_ms, "tracker": measured.tracker}
+            steps = [{"step": i + 1, "peak_bytes": m.peak_bytes, "loss": m.loss,
+                      "step_time_ms": m.step_time_ms, "tracker": m.tracker} for i, m in enumerate(measured)]
+            out["measured"] = max(steps, key=lambda s: s["peak_bytes"])  # the binding step
+            out["measured_steps"] = steps
         if note:
             out["note"] = note
         print(json.dumps(out, indent=1))
@@ -269,8 +276,8 @@ def _report(args, plan: Plan, check: GradientCheck | None, measured: MeasuredSte
         print("\nThe planned step against the unplanned one (same state, same seed):")
         print(gradient_check_text(check))
     if measured is not None:
-        print("\nOne real training step with the plan applied:")
-        print(prediction_vs_measurement(plan, measured))
+        print(f"\n{len(measured)} real training steps with the plan applied:")
+        print(steps_vs_prediction(plan, measured))
     if note:
         print(f"  note: {note}")
 
@@ -296,8 +303,9 @@ def _run(args) -> int:
     if check is not None and not check.equal:
         failed.append(f"the planned step's loss or gradients differ from the unplanned step's "
                       f"({len(check.differing)} parameters, max |diff| {check.max_abs_diff:.3g})")
-    if measured is not None and note is None and measured.peak_bytes > plan.usable_budget_bytes:
-        failed.append(f"the measured peak {fmt_bytes(measured.peak_bytes)} is above the usable budget "
+    peak = max((m.peak_bytes for m in measured), default=0) if measured is not None else 0
+    if measured is not None and note is None and peak > plan.usable_budget_bytes:
+        failed.append(f"the measured peak {fmt_bytes(peak)} is above the usable budget "
                       f"{fmt_bytes(plan.usable_budget_bytes)}")
     for f in failed:
         print(f"check failed: {f}", file=sys.stderr)

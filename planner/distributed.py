@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from estimators.collectives import AnalyticCollectiveModel
 from estimators.device import DeviceSpec, get_device_spec
-from estimators.estimate import EstimateOptions, TraceMode, estimate
+from estimators.estimate import DEFAULT_DEVICE, EstimateOptions, TraceMode, as_train_step, estimate
 from estimators.runtime import (
     BenchmarkRuntime,
     RuntimeKind,
@@ -55,7 +55,8 @@ from estimators.runtime import (
     benchmark_runtime_override,
     make_runtime_model,
 )
-from planner.fsdp import fsdp_comm_ms, fsdp_module_info, fsdp_units_of
+from planner.checkpointing import hf_cache_off
+from planner.fsdp import fsdp_comm_ms, fsdp_units_of
 from planner.plan import GiB, Plan
 from planner.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget
 
@@ -71,7 +72,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_SOLVE_KWARGS = ("world_size", "reserve_gib", "ac_units", "solver_options", "estimate_options", "verify")
+_SOLVE_KWARGS = ("world_size", "step", "reserve_gib", "ac_units", "solver_options", "estimate_options", "verify")
 
 
 class PlanHashMismatchError(RuntimeError):
@@ -129,7 +130,7 @@ def solve_sac_distributed(
     *,
     loss_fn: Any = None,
     optimizer: Any = None,
-    device: str | DeviceSpec = "h100",
+    device: str | DeviceSpec = DEFAULT_DEVICE,
     fsdp_units: Iterable[str] | None = None,
     group: dist.ProcessGroup | None = None,
     benchmark: "SharedBenchmark | None" = None,
@@ -171,7 +172,7 @@ def solve_sac_distributed(
             "estimate_options=EstimateOptions(runtime=RuntimeKind.BENCHMARK) or drop benchmark="
         )
     if shared is None and options.runtime is RuntimeKind.BENCHMARK:
-        shared = share_benchmarks(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=device,
+        shared = share_benchmarks(model, solve_kwargs.get("step") or inputs, loss_fn=loss_fn, optimizer=optimizer, device=device,
                                   estimate_options=options, group=group)
     solve = functools.partial(_solve, model, budget_gib, inputs, loss_fn, optimizer, device, units,
                               world_size, solve_kwargs, shared)
@@ -236,20 +237,21 @@ def _solve(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_s
 
 def _solve_traced(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size, kw,
                   runtime: BenchmarkRuntime | None = None) -> Plan:
+    """Rank 0's trace and plan: the same path as :func:`planner.solve_sac` (``plan_for_budget``
+    adds FSDP2's per-rank memory for ``units``)."""
     budget = int(check_budget_gib(budget_gib) * GiB)
     spec = get_device_spec(device)
     options = kw.get("estimate_options") or EstimateOptions()
-    est = estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=options)
+    step = as_train_step(model, inputs, kw.get("step"), loss_fn=loss_fn, optimizer=optimizer)
+    with hf_cache_off(model):  # trace the step as it runs once the plan is applied
+        est = estimate(model, step=step, device=spec, options=options)
     notes = [] if runtime is None else [_bench_note(runtime, world_size)]
     shard = world_size if units is not None else 1
-    if units is not None:
-        est = dataclasses.replace(est, module_info=fsdp_module_info(est.module_info, units, world_size))
     reserve_gib = kw.get("reserve_gib")
     reserve = int(reserve_gib * GiB) if reserve_gib is not None else default_reserve_bytes(spec, budget)
     plan = plan_for_budget(
-        model, est, budget, inputs=inputs, loss_fn=loss_fn, optimizer=optimizer, world_size=shard,
-        reserve_bytes=reserve, ac_units=kw.get("ac_units"), fsdp_units=units,
-        solver_options=kw.get("solver_options"), estimate_options=options, verify=kw.get("verify", True),
+        model, est, budget, world_size=shard, reserve_bytes=reserve, ac_units=kw.get("ac_units"),
+        fsdp_units=units, solver_options=kw.get("solver_options"), verify=kw.get("verify", True),
     )
     note = (
         f"FSDP2 over {world_size} ranks, {len(units)} units: per-rank memory counts gathered "
@@ -311,7 +313,7 @@ def share_benchmarks(
     *,
     loss_fn: Any = None,
     optimizer: Any = None,
-    device: str | DeviceSpec = "h100",
+    device: str | DeviceSpec = DEFAULT_DEVICE,
     estimate_options: EstimateOptions | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> SharedBenchmark:

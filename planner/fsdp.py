@@ -40,6 +40,24 @@ R7  unsharded gradients: a unit's gradients are full-size until its reduce-scatt
     until the end of backward. At a backward point, of the traced ``grad_bytes`` all but the own
     gradients of non-root units whose backward ended are unsharded, so add their
     ``(W - 1) / W`` (the solver already counts ``1 / W``): ``u - u // W`` for ``u`` such bytes.
+R7a gradients kept across steps (the traced step starts with every gradient allocated: gradient
+    accumulation, ``ZeroGrad.ZERO``): the kept gradients are the sharded ones (the solver counts
+    ``1 / W`` of the traced ``grad_bytes``); this backward's new gradients are extra and
+    unsharded until their unit's reduce-scatter adds them in: add the own gradient bytes of every
+    non-root unit whose backward runs at the point, and the root's from its backward's start to
+    the end of backward (whole units: an upper bound while a unit's backward is part-way). This
+    is FSDP2's default, a reduce-scatter after every micro-batch; with
+    ``set_requires_gradient_sync(False)`` on all but the last micro-batch the gradients stay
+    unsharded instead, which is not modelled.
+R8  mixed precision (``mp_policy``: FSDP2's ``MixedPrecisionPolicy``, or anything with its
+    ``param_dtype`` / ``reduce_dtype``): the sharded parameters, gradients and optimizer state keep
+    the traced dtype (``traced_param_dtype``, float32 by default); the all-gather gathers in
+    ``param_dtype``, so gathered parameters, all-gather buffers and the unsharded gradients
+    (R2-R5, R7, R7a) scale by ``param_dtype``'s size over the traced one; the reduce-scatter
+    input (R6) by ``reduce_dtype``'s (default ``param_dtype``). ``param_dtype`` also makes the
+    forward compute in that dtype: the activations are what the trace holds, so trace the step
+    in that dtype (e.g. ``TrainStep(autocast_dtype=torch.bfloat16)``, close to but not the same
+    as bf16 parameters: autocast keeps some ops in float32).
 
 Simplifications (stated, not hidden):
 
@@ -65,7 +83,7 @@ import logging
 import numbers
 import sys
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 import torch
 
@@ -285,17 +303,44 @@ def _reduce_scatter_bytes(p: MemoryPoint, order_bw_end: list[_Unit]) -> int:
     return done[-1].own_grad_bytes if done else 0
 
 
-def _unsharded_grad_bytes(p: MemoryPoint, order_bw_end: list[_Unit], world_size: int) -> int:
-    """R7."""
+def _unsharded_grad_bytes(p: MemoryPoint, order_bw_end: list[_Unit], world_size: int,
+                          kept: bool, units: dict[str, _Unit], root: _Unit, scale: float = 1.0) -> int:
+    """R7, or R7a when the gradients are ``kept`` across steps; unsharded gradients have the
+    gathered parameters' dtype (``scale``: its size over the traced one, R8)."""
     if p.phase != "bw":
         return 0
+    if kept:
+        running = [u for u in units.values() if not u.is_root and u.stats.bw_pre_op <= p.op_index <= u.stats.bw_post_op]
+        root_new = root.own_grad_bytes if 0 <= root.stats.bw_pre_op <= p.op_index else 0
+        return int(scale * (sum(u.own_grad_bytes for u in running) + root_new))
     sharded = sum(u.own_grad_bytes for u in order_bw_end if u.stats.bw_post_op < p.op_index)
     unsharded = max(0, p.grad_bytes - sharded)
-    return unsharded - unsharded // world_size
+    return max(0, int(scale * unsharded) - unsharded // world_size)
+
+
+def _dtype_scales(mp_policy: Any, traced_param_dtype: torch.dtype) -> tuple[float, float]:
+    """R8: (gathered parameter / unsharded gradient scale, reduce-scatter scale)."""
+    if mp_policy is None:
+        return 1.0, 1.0
+    base = torch.empty((), dtype=traced_param_dtype).element_size()
+    param_dtype = getattr(mp_policy, "param_dtype", None)
+    reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or param_dtype
+
+    def scale(dtype):
+        return 1.0 if dtype is None else torch.empty((), dtype=dtype).element_size() / base
+
+    return scale(param_dtype), scale(reduce_dtype)
+
+
+def _grads_kept(info: ModuleInfo) -> bool:
+    """The traced step starts with gradients allocated (R7a): they are there at its first point."""
+    first = next((p for p in info.memory_points if p.phase == "fw"), None)
+    return first is not None and first.grad_bytes > 0
 
 
 def fsdp_extra_bytes(
-    info: ModuleInfo, fsdp_units: Iterable[str], world_size: int
+    info: ModuleInfo, fsdp_units: Iterable[str], world_size: int, *, mp_policy: Any = None,
+    traced_param_dtype: torch.dtype = torch.float32,
 ) -> tuple[FSDPExtraBytes, ...]:
     """What FSDP2 adds at each of ``info.memory_points`` (same order), by rule; see the module doc.
 
@@ -311,19 +356,24 @@ def fsdp_extra_bytes(
         (u for u in units.values() if not u.is_root and u.stats.bw_post_op >= 0),
         key=lambda u: u.stats.bw_post_op,
     )
+    kept = _grads_kept(info)
+    ps, rs = _dtype_scales(mp_policy, traced_param_dtype)
     return tuple(
         FSDPExtraBytes(
-            unsharded_param_bytes=_gathered_param_bytes(p, units, root),
-            all_gather_buffer_bytes=_forward_all_gather_bytes(p, order_fw, root, world_size)
-            + _prefetch_bytes(p, order_post, world_size),
-            reduce_scatter_buffer_bytes=_reduce_scatter_bytes(p, order_bw_end),
-            unsharded_grad_bytes=_unsharded_grad_bytes(p, order_bw_end, world_size),
+            unsharded_param_bytes=int(ps * _gathered_param_bytes(p, units, root)),
+            all_gather_buffer_bytes=int(ps * (_forward_all_gather_bytes(p, order_fw, root, world_size)
+                                              + _prefetch_bytes(p, order_post, world_size))),
+            reduce_scatter_buffer_bytes=int(rs * _reduce_scatter_bytes(p, order_bw_end)),
+            unsharded_grad_bytes=_unsharded_grad_bytes(p, order_bw_end, world_size, kept, units, root, ps),
         )
         for p in info.memory_points
     )
 
 
-def fsdp_module_info(info: ModuleInfo, fsdp_units: Iterable[str], world_size: int) -> ModuleInfo:
+def fsdp_module_info(
+    info: ModuleInfo, fsdp_units: Iterable[str], world_size: int, *, mp_policy: Any = None,
+    traced_param_dtype: torch.dtype = torch.float32,
+) -> ModuleInfo:
     """A copy of ``info`` whose memory points also hold FSDP2's per-rank additions (in
     ``other_bytes``, which the solver does not divide by ``world_size``).
 
@@ -335,7 +385,8 @@ def fsdp_module_info(info: ModuleInfo, fsdp_units: Iterable[str], world_size: in
     ``peak_bytes`` and the per-module stats are kept as traced (one unsharded rank); the per-rank
     peak is ``predict_peak_bytes(info2, {}, world_size=8)``.
     """
-    extras = fsdp_extra_bytes(info, fsdp_units, world_size)
+    extras = fsdp_extra_bytes(info, fsdp_units, world_size, mp_policy=mp_policy,
+                              traced_param_dtype=traced_param_dtype)
     points = tuple(
         dataclasses.replace(p, other_bytes=p.other_bytes + e.total_bytes)
         for p, e in zip(info.memory_points, extras)

@@ -1,8 +1,11 @@
-"""Measure one real training step: the peak memory an independent tracker sees, and the loss.
+"""Measure real training steps: the peak memory an independent tracker sees, and the loss.
 
 On CUDA the peak is ``torch.cuda.max_memory_allocated``; on CPU it is torch's own MemTracker
 (torch.distributed._tools), which follows every tensor's storage. Neither shares code with the
 estimators, so a prediction checked against it is checked against an independent measurement.
+
+    steps = measure_steps(model, TrainStep(inputs=batch, optimizer="adamw"), n_steps=3)
+    max(s.peak_bytes for s in steps)      # the steady state binds from step 2 on
 """
 
 from __future__ import annotations
@@ -12,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
-from estimators.step import run_step
+from estimators.step import Phase, TrainStep, run_step, zero_grads
 
-__all__ = ["MeasuredStep", "measure_step"]
+__all__ = ["MeasuredStep", "measure_step", "measure_steps"]
 
 
 @dataclass(frozen=True)
@@ -35,23 +39,69 @@ def measure_step(
     loss_fn: Any = None,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> MeasuredStep:
-    """Run one training step (same convention as the estimators) and measure its peak."""
+    """Run one training step (one micro-batch, then ``optimizer.step()``) and measure its peak."""
+    return _measure(model, inputs, optimizer, lambda on_phase: run_step(model, inputs, loss_fn, optimizer, on_phase))
+
+
+def measure_steps(
+    model: torch.nn.Module,
+    step: TrainStep,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    n_steps: int = 3,
+) -> list[MeasuredStep]:
+    """Train ``n_steps`` real steps of the loop ``step`` describes (micro-batches, autocast,
+    gradients reset after each optimizer step as ``step.zero_grad`` says) and measure each.
+
+    ``optimizer`` is the real optimizer over ``model``'s parameters (``step.optimizer`` is not
+    used: it may be a name). Step 1 starts from the model as given (normally no gradients and
+    no optimizer state: the first step of a fresh run); steps 2.. are the steady state.
+    """
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+        raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
+    out = []
+    for i in range(n_steps):
+        if i:
+            zero_grads(model, optimizer, step.zero_grad)
+        out.append(_measure(model, step.inputs, optimizer, lambda on_phase: run_step(
+            model, step.inputs, step.loss_fn, optimizer, on_phase,
+            micro_batches=step.micro_batches, autocast_dtype=step.autocast_dtype,
+        )))
+    return out
+
+
+def _measure(model: torch.nn.Module, inputs: Any, optimizer, run) -> MeasuredStep:
+    """``run(on_phase)`` runs the step; its peak on the model's device."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        loss = run_step(model, inputs, loss_fn, optimizer)
+        loss = run(None)
         torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         return MeasuredStep(torch.cuda.max_memory_allocated(device), loss, dt * 1e3, "torch.cuda.max_memory_allocated")
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mt = MemTracker()
-    mt.track_external(model, *([optimizer] if optimizer is not None else []))
+    # The batch is in device memory too (as on a GPU, where max_memory_allocated counts it);
+    # MemTracker only sees tensors made inside its context unless told about them.
+    batch = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+    mt.track_external(model, *([optimizer] if optimizer is not None else []), *batch)
     t0 = time.perf_counter()
+    forwards = 0
+
+    def on_phase(phase: Phase) -> None:
+        # MemTracker refuses a module's second forward in one session; micro-batches run the
+        # modules again. Its per-module stats go, its peak snapshot stays.
+        nonlocal forwards
+        if phase is Phase.FW:
+            if forwards:
+                mt.reset_mod_stats()
+            forwards += 1
+
     with mt:
-        loss = run_step(model, inputs, loss_fn, optimizer)
+        loss = run(on_phase)
     dt = time.perf_counter() - t0
     snap = mt.get_tracker_snapshot("peak")[device]
     state = sum(v for k, v in snap.items() if getattr(k, "name", "") in ("PARAM", "BUFFER", "GRAD", "OPT"))

@@ -175,6 +175,10 @@ class Plan:
     """Predicted step time without checkpointing (forward + backward + optimizer)."""
     solver_status: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    first_step_peak_bytes: int | None = None
+    """Peak of the first step of a fresh run (no optimizer state before its optimizer phase)."""
+    steady_peak_bytes: int | None = None
+    """Peak of the steady-state step (step 2 on); ``predicted_peak_bytes`` is the larger one."""
     solve_time_s: float = field(default=0.0, compare=False, repr=False)
     """Wall time of the solve. A timing, not part of the plan: left out of equality, of the JSON
     (so of ``plan_hash``), so identical solves give identical plans; 0 for a loaded plan."""
@@ -211,6 +215,9 @@ class Plan:
             raise PlanFormatError(f"notes must be a list of strings, got {notes!r}")
         set_("notes", tuple(_str(f"notes[{i}]", n) for i, n in enumerate(notes)))
         set_("solve_time_s", _float("solve_time_s", self.solve_time_s))
+        for name in ("first_step_peak_bytes", "steady_peak_bytes"):
+            if getattr(self, name) is not None:
+                set_(name, _int(name, getattr(self, name)))
 
     def validate(self) -> None:
         """Re-run every check (PlanFormatError): ``apply_plan`` calls it, since a frozen
@@ -219,6 +226,13 @@ class Plan:
             if isinstance(m, ModulePlan):
                 m.__post_init__()
         self.__post_init__()
+
+    @property
+    def binding_step(self) -> str:
+        """``"steady state"``, ``"first step"``, or ``""`` for a plan that does not say."""
+        if self.first_step_peak_bytes is None or self.steady_peak_bytes is None:
+            return ""
+        return "first step" if self.first_step_peak_bytes > self.steady_peak_bytes else "steady state"
 
     @property
     def usable_budget_bytes(self) -> int:

@@ -19,6 +19,7 @@ __all__ = [
     "tradeoff_table_text",
     "floor_text",
     "gradient_check_text",
+    "steps_vs_prediction",
 ]
 
 
@@ -36,6 +37,7 @@ def plan_summary(plan: "Plan") -> str:
         f" usable {fmt_bytes(plan.usable_budget_bytes)})",
         f"  peak, no AC      {fmt_bytes(plan.baseline_peak_bytes)}",
         f"  peak, planned    {fmt_bytes(plan.predicted_peak_bytes)}  (MILP model: {fmt_bytes(plan.solver_peak_bytes)})",
+        *_binding_line(plan),
         f"  recompute        {plan.recompute_ms:.3f} ms/step = "
         f"{100 * plan.recompute_ms / plan.baseline_step_ms if plan.baseline_step_ms else 0:.1f}%"
         f" of the {plan.baseline_step_ms:.3f} ms step",
@@ -59,6 +61,15 @@ def plan_summary(plan: "Plan") -> str:
     return "\n".join(lines)
 
 
+def _binding_line(plan: "Plan") -> list[str]:
+    if not plan.binding_step:
+        return []
+    return [
+        f"  binds            {plan.binding_step} (first step {fmt_bytes(plan.first_step_peak_bytes)}, "
+        f"steady state {fmt_bytes(plan.steady_peak_bytes)})"
+    ]
+
+
 def prediction_vs_measurement(plan: "Plan", measured: "MeasuredStep") -> str:
     err = (measured.peak_bytes - plan.predicted_peak_bytes) / plan.predicted_peak_bytes
     within = "within" if measured.peak_bytes <= plan.usable_budget_bytes else "ABOVE"
@@ -71,6 +82,26 @@ def prediction_vs_measurement(plan: "Plan", measured: "MeasuredStep") -> str:
             f"  loss             {measured.loss}",
         ]
     )
+
+
+def steps_vs_prediction(plan: "Plan", measured: "Sequence[MeasuredStep]") -> str:
+    """Each real step's measured peak beside the prediction (step 1: the first step of a fresh
+    run; later ones: the steady state)."""
+    tracker = measured[0].tracker if measured else ""
+    lines = [
+        f"  predicted peak   {fmt_bytes(plan.predicted_peak_bytes)} ({plan.predicted_peak_bytes:,} B)"
+        + (f", {plan.binding_step} binds" if plan.binding_step else ""),
+        f"  {'step':>4}  {'measured peak':>24}  {'vs predicted':>12}  {'vs usable budget':>16}  loss",
+    ]
+    for i, m in enumerate(measured, 1):
+        err = (m.peak_bytes - plan.predicted_peak_bytes) / plan.predicted_peak_bytes
+        within = "within" if m.peak_bytes <= plan.usable_budget_bytes else "ABOVE"
+        lines.append(
+            f"  {i:>4}  {fmt_bytes(m.peak_bytes):>10} ({m.peak_bytes:>11,} B)  {err:>+12.2%}  "
+            f"{within:>16}  {m.loss}"
+        )
+    lines.append(f"  measured by {tracker}")
+    return "\n".join(lines)
 
 
 def _pct(p: float | None) -> str:

@@ -1,7 +1,14 @@
 """``solve_sac``: trace, solve, turn ratios into op decisions, and check the plan by tracing it.
 
     plan = solve_sac(model, budget_gib=40, inputs=batch, optimizer="adamw", device="h100")
+    plan = solve_sac(model, budget_gib=40, step=TrainStep(inputs=batch, optimizer="adamw",
+                                                          micro_batches=4), device="h100")
     apply_plan(model, plan)
+
+Plans are made for the steady-state step (``estimators.estimate``): the memory points the MILP
+sees hold the optimizer state and the gradients the loop keeps; the first step's peak (no
+optimizer state before its optimizer phase) is computed beside it, and the prediction is the
+larger of the two (``Plan.binding_step`` says which).
 """
 
 from __future__ import annotations
@@ -15,12 +22,21 @@ from typing import Any, Iterable
 import torch
 
 from estimators.device import DeviceSpec, get_device_spec
-from estimators.estimate import Estimate, EstimateOptions, estimate
+from estimators.estimate import (
+    DEFAULT_DEVICE,
+    Estimate,
+    EstimateOptions,
+    as_train_step,
+    estimate,
+    first_step_module_info,
+)
 from estimators.module_info import ModStats
+from estimators.step import TrainStep
 from planner.floor import PeakBreakdown, lowering_hints, peak_breakdown
+from planner.fsdp import fsdp_module_info
 from planner.plan import GiB, ModulePlan, Plan, model_fingerprint, op_key
 from planner.report import floor_text, fmt_bytes
-from solver import InfeasibleBudgetError, SACMilp, SolverOptions, solve_op_milp
+from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes, solve_op_milp
 from solver.op_milp import OpDecision
 
 __all__ = [
@@ -125,19 +141,17 @@ class _Floor:
     breakdown: "PeakBreakdown | None"
 
 
-def _floor(milp: SACMilp, est: Estimate, model, inputs, loss_fn, optimizer,
-           options: EstimateOptions, world_size: int, solver_options) -> _Floor:
+def _floor(milp: SACMilp, est: Estimate, info, model, world_size: int, solver_options) -> _Floor:
     """Trace the min-peak plan: its peak is the floor that verifies and its breakdown says why."""
     low = milp.min_reachable_peak_bytes()
-    info = est.module_info
     res = milp.solve(low)
     modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
     try:
-        planned = _traced_estimate(model, modules, est, inputs, loss_fn, optimizer, options)
+        planned = _traced_estimate(model, modules, est)
     except Exception as exc:  # the explanation must never hide the refusal itself
         logger.warning("could not trace the min-peak plan to explain the floor: %s", exc)
         return _Floor(low, peak_breakdown(est, world_size=world_size))
-    traced = planned.module_info.peak_bytes
+    traced = max(planned.first_step_peak_bytes, planned.steady_peak_bytes)
     return _Floor(max(low, traced) if world_size == 1 else low,
                   peak_breakdown(planned, world_size=world_size))
 
@@ -166,9 +180,10 @@ def solve_sac(
     budget_gib: float,
     inputs: Any = None,
     *,
+    step: TrainStep | None = None,
     loss_fn: Any = None,
     optimizer: Any = None,
-    device: str | DeviceSpec = "h100",
+    device: str | DeviceSpec = DEFAULT_DEVICE,
     world_size: int = 1,
     reserve_gib: float | None = None,
     ac_units: Iterable[str] | None = None,
@@ -177,21 +192,29 @@ def solve_sac(
     estimate_options: EstimateOptions = EstimateOptions(),
     verify: bool = True,
 ) -> Plan:
-    """Plan selective activation checkpointing so one training step fits ``budget_gib``.
+    """Plan selective activation checkpointing so the training step fits ``budget_gib``.
 
-    Traces one step (fake mode by default: no GPU, no real memory), solves the MILP, turns each
-    module's ratio into op decisions and, with ``verify``, traces the planned model to predict its
-    peak (tightening the target if the trace shows the MILP was optimistic).
+    Traces the steady-state step (fake mode by default: no GPU, no real memory), solves the
+    MILP, turns each module's ratio into op decisions and, with ``verify``, traces the planned
+    model to predict its peak (tightening the target if the trace shows the MILP was
+    optimistic). The prediction is the larger of the first step's and the steady state's peak.
 
     Example::
 
-        plan = solve_sac(model, budget_gib=40, inputs=(tokens,), optimizer="adamw")
+        step = TrainStep(inputs=(tokens,), optimizer="adamw", micro_batches=2)
+        plan = solve_sac(model, budget_gib=40, step=step, device="h100")
+        plan = solve_sac(model, budget_gib=40, inputs=(tokens,), optimizer="adamw")  # shorthand
         print(plan.summary())
         apply_plan(model, plan)
 
-    ``inputs`` defaults to ``model.example_inputs()``; ``loss_fn(output, inputs)`` defaults to
-    ``output.sum()``; ``optimizer`` is a name ("adam", "adamw", "sgd") or an instance, so its
-    state is counted. ``reserve_gib`` defaults to :func:`default_reserve_bytes`.
+    ``step`` is the loop (``estimators.step.TrainStep``); the shorthand ``inputs`` / ``loss_fn``
+    / ``optimizer`` builds one (``inputs`` default ``model.example_inputs()``, ``loss_fn``
+    default ``output.sum()``, ``optimizer`` a name or an instance, so its state is counted).
+    ``device`` defaults to :data:`estimators.estimate.DEFAULT_DEVICE`. ``fsdp_units`` names the
+    modules you will ``fully_shard`` (root included): with ``world_size`` ranks FSDP2's gathered
+    parameters and buffers are counted per rank (``planner.fsdp``), as in
+    :func:`planner.solve_sac_distributed`. ``reserve_gib`` defaults to
+    :func:`default_reserve_bytes`.
     """
     from planner.checkpointing import check_plannable, hf_cache_off, unwrap_compiled
 
@@ -199,22 +222,19 @@ def solve_sac(
     check_plannable(model)  # before anything touches the model
     budget = int(check_budget_gib(budget_gib) * GiB)
     spec = get_device_spec(device)
+    step = as_train_step(model, inputs, step, loss_fn=loss_fn, optimizer=optimizer)
     with hf_cache_off(model):  # trace the step as it runs once the plan is applied
-        est = estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=estimate_options)
+        est = estimate(model, step=step, device=spec, options=estimate_options)
     reserve = int(reserve_gib * GiB) if reserve_gib is not None else default_reserve_bytes(spec, budget)
     return plan_for_budget(
         model,
         est,
         budget,
-        inputs=inputs,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
         world_size=world_size,
         reserve_bytes=reserve,
         ac_units=ac_units,
         fsdp_units=fsdp_units,
         solver_options=solver_options,
-        estimate_options=estimate_options,
         verify=verify,
     )
 
@@ -224,19 +244,18 @@ def plan_for_budget(
     est: Estimate,
     budget_bytes: int,
     *,
-    inputs: Any = None,
-    loss_fn: Any = None,
-    optimizer: Any = None,
     world_size: int = 1,
     reserve_bytes: int = 0,
     ac_units: Iterable[str] | None = None,
     fsdp_units: Iterable[str] | None = None,
     solver_options: SolverOptions | None = None,
-    estimate_options: EstimateOptions = EstimateOptions(),
     verify: bool = True,
     milp: SACMilp | None = None,
 ) -> Plan:
-    """The Plan for one budget, from an existing estimate (see :func:`solve_sac`)."""
+    """The Plan for one budget, from an existing estimate (see :func:`solve_sac`); the estimate
+    carries the step and trace options its verification trace reuses. With ``fsdp_units`` the
+    memory points get FSDP2's per-rank additions (``planner.fsdp.fsdp_module_info``) here, the
+    one place every entry point goes through; a ``milp`` passed in must be built on those."""
     if reserve_bytes < 0 or reserve_bytes >= budget_bytes:
         raise PlanningError(
             f"the reserve ({reserve_bytes / GiB:.2f} GiB) must be >= 0 and below the budget "
@@ -246,21 +265,27 @@ def plan_for_budget(
 
     model = unwrap_compiled(model)
     check_plannable(model)
-    info = est.module_info
+    units = None if fsdp_units is None else list(fsdp_units)
+    info = est.module_info if units is None else fsdp_module_info(est.module_info, units, world_size)
+    first_info = first_step_module_info(info)
     t0 = time.perf_counter()
-    notes: list[str] = [n for n in (hf_cache_note(model),) if n]
+    notes: list[str] = [est.step.describe()] + [n for n in (hf_cache_note(model),) if n]
     allowed, excluded = _allowed_units(info, ac_units)
     notes += [f"{fqn} not checkpointed: {why}" for fqn, why in excluded.items()]
     if milp is None or excluded:  # a caller's MILP may not know which modules are unsafe
-        milp = SACMilp(
-            info, world_size=world_size, ac_units=allowed, fsdp_units=fsdp_units, options=solver_options
-        )
+        milp = SACMilp(info, world_size=world_size, ac_units=allowed, fsdp_units=units, options=solver_options)
     usable = budget_bytes - reserve_bytes
     target = usable
 
     def floor() -> _Floor:
-        return _floor(milp, est, model, inputs, loss_fn, optimizer, estimate_options, world_size,
-                      solver_options)
+        return _floor(milp, est, info, model, world_size, solver_options)
+
+    def peaks_of(res, modules) -> tuple[int, int]:
+        """(first-step, steady-state) peak of a plan: traced, or the MILP's per-rank figures."""
+        if verify and world_size == 1:
+            return _traced_peak(model, modules, est)
+        first = predict_peak_bytes(first_info, res.discarded_bytes, world_size=world_size)
+        return first, res.predicted_peak_bytes
 
     for attempt in range(_MAX_TIGHTENINGS + 1):
         try:
@@ -274,10 +299,9 @@ def plan_for_budget(
                 raise err from e
             break  # tightened past the floor: the min-peak plan is the last candidate (below)
         modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
-        traced = _traced_peak(model, modules, est, inputs, loss_fn, optimizer, estimate_options) if (
-            verify and world_size == 1
-        ) else None
-        if traced is None or traced <= usable:
+        peaks = peaks_of(res, modules)
+        traced = max(peaks)
+        if traced <= usable:
             break
         over = traced - usable
         notes.append(
@@ -287,15 +311,17 @@ def plan_for_budget(
         # The MILP misjudged this plan by `over`; a neighbouring plan may err the same way, so
         # step past it (twice the miss) plus a small margin so the loop does not creep.
         target -= 2 * over + usable // 1000
-    if traced is not None and traced > usable:
+    if traced > usable:
         # The min-peak plan: the refusal states its traced peak as the smallest budget, so
         # asking for that figure must give this plan.
         res = milp.solve(milp.min_reachable_peak_bytes())
         modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
-        traced = _traced_peak(model, modules, est, inputs, loss_fn, optimizer, estimate_options)
+        peaks = peaks_of(res, modules)
+        traced = max(peaks)
         notes.append("the least-recompute plans traced over budget: using the min-peak plan")
     if world_size > 1:
         notes.append("world_size > 1: predicted peak is the MILP's per-rank figure (not traced)")
+    first, steady = peaks
     plan = Plan(
         modules=modules,
         model_name=type(model).__name__,
@@ -304,16 +330,19 @@ def plan_for_budget(
         world_size=world_size,
         budget_bytes=budget_bytes,
         reserve_bytes=reserve_bytes,
-        predicted_peak_bytes=traced if traced is not None else res.predicted_peak_bytes,
-        solver_peak_bytes=res.predicted_peak_bytes,
+        predicted_peak_bytes=max(first, steady),
+        solver_peak_bytes=max(predict_peak_bytes(first_info, res.discarded_bytes, world_size=world_size),
+                              res.predicted_peak_bytes),
         baseline_peak_bytes=res.no_ac_peak_bytes,
         recompute_ms=sum(m.recompute_ms for m in modules),
-        baseline_step_ms=info.step_runtime_ms,
+        baseline_step_ms=est.module_info.step_runtime_ms,
         solver_status=res.status.value,
         solve_time_s=time.perf_counter() - t0,
         notes=tuple(notes),
+        first_step_peak_bytes=first,
+        steady_peak_bytes=steady,
     )
-    if traced is not None and traced > usable:
+    if traced > usable:
         need = _min_budget_bytes(floor().usable_bytes, budget_bytes, reserve_bytes, est.spec)
         raise PlanningError(
             f"no plan verified under {usable / GiB:.3f} GiB usable (last traced peak "
@@ -338,23 +367,20 @@ def _allowed_units(info, ac_units) -> tuple[list[str] | None, dict[str, str]]:
     return [f for f in names if f not in excluded], excluded
 
 
-def _traced_peak(model, modules, est: Estimate, inputs, loss_fn, optimizer, options: EstimateOptions) -> int:
-    """Peak of the planned model, from a trace of the same kind as the estimate's."""
-    if not modules:
-        return est.module_info.peak_bytes
-    return _traced_estimate(model, modules, est, inputs, loss_fn, optimizer, options).module_info.peak_bytes
+
+def _traced_peak(model, modules, est: Estimate) -> tuple[int, int]:
+    """(first-step, steady-state) peak of the planned model, from a trace of the same step, mode
+    and runtime as the estimate's (real mode applies the plan to the model and removes it)."""
+    planned = _traced_estimate(model, modules, est)
+    return planned.first_step_peak_bytes, planned.steady_peak_bytes
 
 
-def _traced_estimate(model, modules, est: Estimate, inputs, loss_fn, optimizer, options: EstimateOptions
-                     ) -> Estimate:
-    """Fake-mode estimate of the model with ``modules`` applied (``est`` itself when empty)."""
+def _traced_estimate(model, modules, est: Estimate) -> Estimate:
+    """The estimate of the model with ``modules`` applied (``est`` itself when empty)."""
     if not modules:
         return est
-    from estimators.estimate import TraceMode
     from planner.checkpointing import apply_module_plans
 
-    opts = dataclasses.replace(options, mode=TraceMode.FAKE, progress=False)
-    return estimate(
-        model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=est.spec, options=opts,
-        prepare=lambda m: apply_module_plans(m, modules),
-    )
+    opts = dataclasses.replace(est.options, progress=False)
+    return estimate(model, step=est.step, device=est.spec, options=opts,
+                    prepare=lambda m: apply_module_plans(m, modules))

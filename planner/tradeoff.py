@@ -29,12 +29,14 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
+from estimators.estimate import DEFAULT_DEVICE
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions
 from solver.errors import SolverTimeoutError
 
 if TYPE_CHECKING:
     from estimators.device import DeviceSpec
     from estimators.module_info import ModuleInfo
+    from estimators.step import TrainStep
 
 __all__ = [
     "PointStatus",
@@ -212,7 +214,7 @@ def _check_budgets(budgets: Sequence[float]) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- the sweep
-def _module_info(model_or_info: Any, inputs, loss_fn, optimizer, device) -> ModuleInfo:
+def _module_info(model_or_info: Any, inputs, loss_fn, optimizer, device, step=None) -> ModuleInfo:
     """A ModuleInfo as is, an Estimate's, or one traced from a model (once)."""
     from estimators.estimate import Estimate
     from estimators.module_info import ModuleInfo
@@ -225,8 +227,10 @@ def _module_info(model_or_info: Any, inputs, loss_fn, optimizer, device) -> Modu
 
     if isinstance(model_or_info, torch.nn.Module):
         from estimators.estimate import estimate
+        from planner.checkpointing import hf_cache_off
 
-        est = estimate(model_or_info, inputs, loss_fn=loss_fn, optimizer=optimizer, device=device)
+        with hf_cache_off(model_or_info):  # trace the step as it runs once a plan is applied
+            est = estimate(model_or_info, inputs, step=step, loss_fn=loss_fn, optimizer=optimizer, device=device)
         return est.module_info
     raise TypeError(
         "tradeoff_curve needs a torch.nn.Module, an estimators Estimate or a ModuleInfo; got "
@@ -264,9 +268,10 @@ def tradeoff_curve(
     budgets: Sequence[float] | None = None,
     *,
     inputs: Any = None,
+    step: TrainStep | None = None,
     loss_fn: Any = None,
     optimizer: Any = None,
-    device: str | DeviceSpec = "cpu",
+    device: str | DeviceSpec = DEFAULT_DEVICE,
     world_size: int = 1,
     n_points: int = 20,
     extra_budgets: Sequence[float] = (),
@@ -275,7 +280,7 @@ def tradeoff_curve(
     """Solve the planner at every budget and return the budget -> recompute trade-off.
 
     ``model_or_module_info``: a ``ModuleInfo``, an ``Estimate``, or a model (traced once with
-    ``estimate(model, inputs, loss_fn=, optimizer=, device=)``). ``budgets`` (bytes per rank)
+    ``estimate(model, inputs, step=, loss_fn=, optimizer=, device=)``: the steady-state step). ``budgets`` (bytes per rank)
     must be distinct and ascending; default: ``n_points`` evenly spaced from the smallest
     reachable peak to the no-AC peak. Budgets below the smallest reachable peak become
     ``"infeasible"`` rows and the sweep goes on; so do budgets the backend times out on
@@ -292,7 +297,7 @@ def tradeoff_curve(
     if checked is None:
         _check_n_points(n_points)  # before the trace and the min-peak solve
     extra = _budget_values(extra_budgets, "extra_budgets")
-    info = _module_info(model_or_module_info, inputs, loss_fn, optimizer, device)
+    info = _module_info(model_or_module_info, inputs, loss_fn, optimizer, device, step)
     t0 = time.perf_counter()
     milp = SACMilp(info, world_size=world_size, options=solver_options)
     min_peak = milp.min_reachable_peak_bytes()

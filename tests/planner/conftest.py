@@ -34,10 +34,8 @@ def budgets(name: str, n: int) -> list[int]:
 @functools.lru_cache(maxsize=None)
 def plan_at(name: str, budget_bytes: int):
     est, milp, _, _ = planning(name)
-    model, inputs = EXAMPLES[name]()
-    return plan_for_budget(
-        model, est, budget_bytes, inputs=inputs, loss_fn=model.loss_fn, optimizer="adam", milp=milp
-    )
+    model, _ = EXAMPLES[name]()
+    return plan_for_budget(model, est, budget_bytes, milp=milp)
 
 
 @pytest.fixture(autouse=True)

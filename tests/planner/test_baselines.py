@@ -64,8 +64,7 @@ def test_realised_plans_also_beat_the_baselines():
     """The applied plan (ratios rounded to whole ops, peak re-traced) at each baseline's peak."""
     model, inputs, est = demo()
     for b in hand_made_baselines(est.module_info)[1:]:
-        plan = plan_for_budget(model, est, b.predicted_peak_bytes, inputs=inputs,
-                               loss_fn=model.loss_fn, optimizer="adam", solver_options=EXACT)
+        plan = plan_for_budget(model, est, b.predicted_peak_bytes, solver_options=EXACT)
         assert plan.predicted_peak_bytes <= b.predicted_peak_bytes, b.name
         assert plan.recompute_ms <= b.recompute_ms, (b.name, plan.recompute_ms, b.recompute_ms)
 

@@ -3,7 +3,10 @@ unit names and the fingerprint of a really sharded model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo
 from planner.fsdp import (
@@ -139,6 +142,36 @@ def test_r7_gradients_are_unsharded_until_their_reduce_scatter():
     assert ex[19].unsharded_grad_bytes == 0
 
 
+def test_r7a_kept_gradients_are_sharded_and_the_new_ones_are_extra():
+    info = _info()
+    kept = dataclasses.replace(info, memory_points=tuple(
+        dataclasses.replace(p, grad_bytes=1000) for p in info.memory_points))
+    ex = {p.op_index: e for p, e in zip(kept.memory_points, fsdp_extra_bytes(kept, UNITS, 2))}
+    assert ex[2].unsharded_grad_bytes == 0  # forward: only the kept (sharded) gradients
+    assert ex[10].unsharded_grad_bytes == 0  # before the root's backward starts
+    assert ex[11].unsharded_grad_bytes == 500  # the root's own, new, until the end of backward
+    assert ex[13].unsharded_grad_bytes == 500 + 200  # and M.b's while its backward runs
+    assert ex[16].unsharded_grad_bytes == 500 + 300
+    assert ex[19].unsharded_grad_bytes == 0
+
+
+def test_r8_mixed_precision_gathers_in_param_dtype_and_reduces_in_reduce_dtype():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    full = _extras()
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    info = _info()
+    half = {p.op_index: e for p, e in zip(info.memory_points, fsdp_extra_bytes(info, UNITS, 2, mp_policy=bf16))}
+    assert half[2].unsharded_param_bytes == (500 + 300) // 2
+    assert half[13].all_gather_buffer_bytes == 300 // 2
+    assert half[16].reduce_scatter_buffer_bytes == 200 // 2  # reduce_dtype defaults to param_dtype
+    assert half[16].unsharded_grad_bytes == 500 // 2 - 500 // 2  # bf16 unsharded, solver counts 1/W
+    fp32_reduce = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mixed = {p.op_index: e for p, e in zip(info.memory_points, fsdp_extra_bytes(info, UNITS, 2, mp_policy=fp32_reduce))}
+    assert mixed[16].reduce_scatter_buffer_bytes == full[16].reduce_scatter_buffer_bytes == 200
+    assert fsdp_extra_bytes(info, UNITS, 2, mp_policy=MixedPrecisionPolicy()) == fsdp_extra_bytes(info, UNITS, 2)
+
+
 def test_the_unchanged_solver_gets_the_per_rank_peak():
     info = fsdp_module_info(_info(), UNITS, 2)
     # Op 16: (1000 + 700) / 2 + 64 + 8 + root 500 + M.a 300 + RS(M.b) 200 + grads 250 = 2172.
@@ -190,3 +223,57 @@ def test_units_and_fingerprint_of_a_sharded_model(one_rank_group):
     assert {n: tuple(p.shape) for n, p in model.named_parameters()} == shapes
     assert type(next(model.parameters())).__name__ == "DTensor"
     assert model_fingerprint(model) == before
+
+
+# ------------------------------------------------------------------------------ one code path
+_SPAWN_UNITS = ["GPT", "GPT.blocks.0", "GPT.blocks.1"]
+
+
+def _planning_worker(rank: int, tmp: str, budget_gib: float) -> None:
+    import datetime
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from examples import EXAMPLES
+    from planner import solve_sac_distributed
+
+    store = dist.FileStore(str(Path(tmp) / "store"), 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    plan = solve_sac_distributed(model, budget_gib, inputs, loss_fn=model.loss_fn, optimizer="adamw",
+                                 fsdp_units=_SPAWN_UNITS)
+    (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(plan.to_dict()))
+    dist.destroy_process_group()
+
+
+def test_solve_sac_counts_fsdp_like_solve_sac_distributed(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from estimators.estimate import estimate
+    from examples import EXAMPLES
+    from planner import solve_sac
+    from planner.plan import GiB
+    from solver import SACMilp
+
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adamw")
+    milp = SACMilp(fsdp_module_info(est.module_info, _SPAWN_UNITS, 2), world_size=2, fsdp_units=_SPAWN_UNITS)
+    budget_gib = (milp.min_reachable_peak_bytes() + milp.no_ac_peak_bytes) / 2 / GiB
+    mp.spawn(_planning_worker, args=(str(tmp_path), budget_gib), nprocs=2)
+    distributed = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    local = solve_sac(model, budget_gib, inputs, loss_fn=model.loss_fn, optimizer="adamw",
+                      world_size=2, fsdp_units=_SPAWN_UNITS)
+    assert local.modules, "the budget must bind"
+    for d in distributed:
+        assert d["predicted_peak_bytes"] == local.predicted_peak_bytes
+        assert (d["first_step_peak_bytes"], d["steady_peak_bytes"]) == (local.first_step_peak_bytes, local.steady_peak_bytes)
+        assert [m["fqn"] for m in d["modules"]] == list(local.checkpointed)
+    # The units are counted, not only used to restrict candidates: FSDP2's gathered parameters
+    # and buffers make the per-rank no-AC peak higher than sharding alone.
+    sharded_only = SACMilp(est.module_info, world_size=2).no_ac_peak_bytes
+    assert local.baseline_peak_bytes == milp.no_ac_peak_bytes > sharded_only
