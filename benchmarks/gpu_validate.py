@@ -30,7 +30,6 @@ On a machine without CUDA (and without ``--device cpu``) it says what it needs a
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import copy
 import json
@@ -46,9 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from torch.utils._pytree import tree_map  # noqa: E402
-from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402
 
-import planner.checkpointing as checkpointing  # noqa: E402
 from estimators.device import get_device_spec  # noqa: E402
 from estimators.estimate import EstimateOptions, estimate  # noqa: E402
 from estimators.runtime import RuntimeKind  # noqa: E402
@@ -222,40 +219,23 @@ def plan_step_ms(est, plan: Plan) -> float:
     return total
 
 
-@contextlib.contextmanager
-def count_must_save():
-    """Count the MUST_SAVE answers of every selective policy apply_plan builds while active."""
-    counts: collections.Counter = collections.Counter()
-    original = checkpointing.create_selective_checkpoint_contexts
-
-    def counting(policy_fn, *args, **kwargs):
-        def policy(ctx, op, *a, **kw):
-            decision = policy_fn(ctx, op, *a, **kw)
-            if decision == CheckpointPolicy.MUST_SAVE:
-                counts["recompute" if ctx.is_recompute else "forward"] += 1
-            return decision
-
-        return original(policy, *args, **kwargs)
-
-    checkpointing.create_selective_checkpoint_contexts = counting
-    try:
-        yield counts
-    finally:
-        checkpointing.create_selective_checkpoint_contexts = original
+def saved_hits(model) -> int:
+    """MUST_SAVE answers so far of every planned module's policy: the plan's saved ops matched."""
+    return sum(getattr(m.__dict__.get("forward"), "saved_hits", 0) for m in model.modules())
 
 
 def train_steps(model, inputs, loss_fn, steps: int, plan: Plan | None = None):
     """(peak bytes per step, MUST_SAVE hits in step 1's forward, tracker name)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     peaks, hits = [], 0
-    with count_must_save() as counts, (apply_plan(model, plan) if plan else contextlib.nullcontext()):
+    with apply_plan(model, plan) if plan else contextlib.nullcontext():
         for step in range(steps):
             model.zero_grad(set_to_none=True)
             torch.manual_seed(step)
             m = measure_step(model, inputs, loss_fn, opt)
             peaks.append(m.peak_bytes)
             if step == 0:
-                hits = counts["forward"]
+                hits = saved_hits(model)
     return peaks, hits, m.tracker
 
 

@@ -219,6 +219,7 @@ class PlannedForward:
         self.original = original  # an instance-level forward the module had before; None: its class's
         self.fallback: str | None = None  # why this module now checkpoints fully
         self._saved = frozenset(mp.saved_ops)
+        self.saved_hits = 0  # forward ops the policy saved, over every call: the plan's ops matched
 
     # ------------------------------------------------------------------ identity across copies
     def __deepcopy__(self, memo):
@@ -265,7 +266,10 @@ class PlannedForward:
             key = op_key(str(op))
             occ = counts.get(key, 0)
             counts[key] = occ + 1
-            return CheckpointPolicy.MUST_SAVE if (key, occ) in saved else CheckpointPolicy.PREFER_RECOMPUTE
+            if (key, occ) in saved:
+                self.saved_hits += 1
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
 
         storage: dict = defaultdict(dict)  # torch's format, used only under torch.compile
         log: list[_Entry] = []
