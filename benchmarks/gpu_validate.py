@@ -279,7 +279,7 @@ def validate(name: str, *, target: str, device: torch.device, size: str, budget_
     milp = SACMilp(est.module_info)
     low, high = milp.min_reachable_peak_bytes(), est.module_info.peak_bytes
     budget = int(low + budget_frac * (high - low))
-    plan = plan_for_budget(model, est, budget, inputs=inputs, loss_fn=loss_fn, optimizer="adamw", milp=milp)
+    plan = plan_for_budget(model, est, budget, milp=milp)
     bench_ms = math.nan  # kernels of a CUDA target cannot be timed on this CPU (dry run)
     if get_device_spec(target).kind == device.type:
         bench = estimate(model, inputs, loss_fn=loss_fn, optimizer="adamw", device=target,

@@ -282,8 +282,8 @@ def test_module_mutating_its_input_is_never_planned():
     # Only `scale` could lower the peak: the old planner chose it and the step crashed with
     # "modified by an inplace operation"; now the budget is refused, naming the exclusion.
     with pytest.raises(PlanningError, match=r"_InplaceNet\.scale \(mutates a tensor made before its call"):
-        plan_for_budget(model, est, high - 1, inputs=(x,), milp=milp)
-    plan = plan_for_budget(model, est, high, inputs=(x,), milp=milp)
+        plan_for_budget(model, est, high - 1, milp=milp)
+    plan = plan_for_budget(model, est, high, milp=milp)
     assert "_InplaceNet.scale" not in plan.checkpointed
     assert any(n.startswith("_InplaceNet.scale not checkpointed: mutates") for n in plan.notes)
     ref = _step(model, (x.clone(),))
@@ -312,7 +312,7 @@ def test_module_called_twice_differently_is_excluded_with_reason():
     model, x = _Twice(vary=True), torch.randn(32, 16)
     est = estimate(model, (x,), device="cpu")
     milp = SACMilp(est.module_info)
-    plan = plan_for_budget(model, est, milp.min_reachable_peak_bytes() + 1, inputs=(x,), milp=milp)
+    plan = plan_for_budget(model, est, milp.min_reachable_peak_bytes() + 1, milp=milp)
     ref = _step(model, (x,))
     with apply_plan(model, plan):
         _assert_same(_step(model, (x,)), ref)

@@ -131,7 +131,7 @@ def _plan(name, which):
     high, low = est.module_info.peak_bytes, milp.min_reachable_peak_bytes()
     budget = int(low + FRACTIONS[which] * (high - low))
     model, inputs, loss_fn = CASES[name]()
-    plan = plan_for_budget(model, est, budget, inputs=inputs, loss_fn=loss_fn, milp=milp)
+    plan = plan_for_budget(model, est, budget, milp=milp)
     return plan, budget
 
 

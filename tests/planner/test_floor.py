@@ -97,7 +97,7 @@ def test_stated_smallest_budget_verifies_when_traces_overshoot_the_milp(monkeypa
     est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam")
     milp = SACMilp(est.module_info)
     low = milp.min_reachable_peak_bytes()
-    kw = dict(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam", milp=milp)
+    kw = dict(milp=milp)
     with pytest.raises(PlanningError) as e:
         plan_for_budget(model, est, low - 1, **kw)
     need = e.value.min_budget_bytes

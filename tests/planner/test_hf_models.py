@@ -107,7 +107,7 @@ def test_family_plans_apply_exactly(name, frac, request):
     model, inputs, est, milp, high, low = _planning(name)
     assert high > low, "the config must leave activations to discard"
     budget = int(low + frac * (high - low))
-    plan = plan_for_budget(model, est, budget, inputs=inputs, milp=milp)
+    plan = plan_for_budget(model, est, budget, milp=milp)
     assert plan.modules, "a budget below the no-AC peak checkpoints something"
     if getattr(model.config, "use_cache", False):
         assert any(n.startswith("use_cache:") for n in plan.notes)
@@ -134,7 +134,7 @@ def test_default_loss_is_the_model_output_loss():
 def test_hf_gradient_checkpointing_is_refused_with_the_line_that_turns_it_off():
     model, inputs = _build("gpt2")
     _, _, est, milp, high, low = _planning("gpt2")
-    plan = plan_for_budget(_planning("gpt2")[0], est, (high + low) // 2, inputs=inputs, milp=milp)
+    plan = plan_for_budget(_planning("gpt2")[0], est, (high + low) // 2, milp=milp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.gradient_checkpointing_enable()
@@ -154,7 +154,7 @@ def test_hf_gradient_checkpointing_is_refused_with_the_line_that_turns_it_off():
 
 def test_use_cache_passed_explicitly_is_dropped_inside_planned_modules():
     model, inputs, est, milp, high, low = _planning("llama")
-    plan = plan_for_budget(model, est, int(low + 0.1 * (high - low)), inputs=inputs, milp=milp)
+    plan = plan_for_budget(model, est, int(low + 0.1 * (high - low)), milp=milp)
     ref, ref_grads = _reference("llama")
     with apply_plan(model, plan):
         measured, grads = _loss_and_grads(model, {**inputs, "use_cache": True})
