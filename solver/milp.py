@@ -72,7 +72,11 @@ def _solver_unit(peak_bytes: int) -> tuple[int, str]:
 
 _TIE_Y = 1e-6
 _TIE_R = 1e-7
-"""Tie-break weights, relative to the largest single-module recompute time."""
+"""Tie-break weights: all the y (r) terms together weigh at most this much (twice, with the
+position weight) of the largest single-module recompute time. Summed over the modules, so the
+tie-break stays far below the default rel_gap of 1e-4 whatever the model's size: a per-module
+weight made it 0.2 % of the objective on the Llama-3-70B graph, and the backend spent its time
+proving the order of equal plans."""
 
 
 # ----------------------------------------------------------------------------- exact memory model
@@ -343,6 +347,8 @@ class SACMilp:
         self._cands = _candidates(self.graph, allowed, fsdp)
         self._min_peak: tuple[int, dict[str, int]] | None = None
         self._prob: Any = None
+        self.n_symmetry_pairs = 0
+        """Pairs of identical candidates ordered by symmetry-breaking constraints."""
         if self._cands:
             self._build()
         self.build_time_s = time.perf_counter() - t0
@@ -358,6 +364,8 @@ class SACMilp:
         self._add_recompute_constraints()
         self._add_recompute_growth()
         self._add_memory_constraints()
+        if self.options.break_symmetry:
+            self._add_symmetry_constraints()
         self._add_budget_constraint()
         self._recompute_objective = self._make_recompute_objective()
 
@@ -475,6 +483,38 @@ class SACMilp:
         t = self._units(st.recompute_transient_bytes)
         return [(self._y[k], -t)] if t else []
 
+    def _add_symmetry_constraints(self) -> None:
+        """Order identical candidates (repeated blocks); exact, see ``solver/symmetry.py``."""
+        import numpy as np
+        import pulp
+
+        from solver.symmetry import symmetry_pairs
+
+        index = {c.node.fqn: k for k, c in enumerate(self._cands)}
+        nested = []
+        for c in self._cands:
+            near = {index[a.fqn] for a in self.graph.ancestors(c.node.fqn) if a.fqn in index}
+            near |= {index[d.fqn] for d in self.graph.descendants(c.node.fqn) if d.fqn in index}
+            nested.append(near)
+        rec: dict[int, list[int]] = {}
+        for i, p in enumerate(self._memory.points):
+            if p.recompute_of in index:
+                rec.setdefault(index[p.recompute_of], []).append(i)
+        pairs = symmetry_pairs(
+            [c.stats for c in self._cands], nested,
+            np.array([p.op_index for p in self._memory.points], dtype=np.int64),
+            np.array(self._memory.base, dtype=np.float64), rec,
+        )
+        for pair in pairs:
+            a, b = pair.outer, pair.inner
+            if pair.ratio_order:
+                self._add([(self._r[a], 1.0), (self._r[b], -1.0), (self._y[a], -1.0)],
+                          pulp.LpConstraintGE, -1.0, f"symmetry_ratio_{a}_{b}")
+            if pair.touched_order:
+                terms = [(self._y[k], 1.0) for k in sorted(nested[a] | {a})] + [(self._y[b], -1.0)]
+                self._add(terms, pulp.LpConstraintGE, 0.0, f"symmetry_touched_{a}_{b}")
+        self.n_symmetry_pairs = len(pairs)
+
     def _point_groups(self) -> dict[tuple[int, int, int], tuple[int, int]]:
         """Points keyed by (#fw_post <= t, #bw_pre <= t, recomputed candidate): max base each."""
         fw_keys = [self._cands[k].stats.fw_post_op for k in self._fw_order]
@@ -503,9 +543,10 @@ class SACMilp:
         scale = max((max(a + b for a, b in c.segments) for c in self._cands if c.segments), default=1.0)
         scale = scale if scale > 0 else 1.0
         terms = [(v, 1.0) for v in self._rct]
+        n = len(self._cands)
         for k, c in enumerate(self._cands):
             w = 1.0 + c.node.index / max(1, len(self.graph))
-            terms += [(self._y[k], _TIE_Y * scale * w), (self._r[k], _TIE_R * scale * w)]
+            terms += [(self._y[k], _TIE_Y * scale * w / n), (self._r[k], _TIE_R * scale * w / n)]
         return pulp.LpAffineExpression(terms)
 
     # ------------------------------------------------------------------ solve

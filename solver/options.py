@@ -117,6 +117,9 @@ class SolverOptions:
     1e-4 by default: plans are proven optimal, not approximately so. The symmetric choices among
     identical blocks that made closing the gap expensive are broken by the solver (see
     ``solver.symmetry``), so HiGHS proves 1e-4 in about a second on ~1000-module graphs."""
+    break_symmetry: bool = True
+    """Order identical candidates (repeated blocks) with constraints that keep every optimal
+    value (proof in ``solver/symmetry.py``); False solves the plain MILP."""
     threads: int = 1
     """Backend threads. 1 keeps results reproducible run to run."""
     verbose: bool = False
@@ -150,6 +153,8 @@ class SolverOptions:
             raise ValueError(f"rel_gap must be in [0, 1), got {self.rel_gap!r}")
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {self.threads!r}")
+        if not isinstance(self.break_symmetry, bool):
+            raise TypeError(f"break_symmetry must be a bool, got {self.break_symmetry!r}")
         if not isinstance(self.verbose, bool):
             raise TypeError(f"verbose must be a bool, got {self.verbose!r}")
 
