@@ -590,7 +590,8 @@ class SACMilp:
             plan, short = self._repair(self._read_plan(), budget)
             if short == 0:
                 status = SolveStatus.OPTIMAL if out.proven else SolveStatus.FEASIBLE
-                return self._result(plan, budget, status, out.gap, t0)
+                res = self._result(plan, budget, status, out.gap, t0)
+                return dataclasses.replace(res, milp_objective=self._prob.objective.value())
             target -= short + 1024
         return self._fallback(budget, t0, timed_out=False)
 
