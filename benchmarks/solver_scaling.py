@@ -3,7 +3,8 @@
     python benchmarks/solver_scaling.py                          # ~100, 500, 1000, 2000 modules
     python benchmarks/solver_scaling.py --sizes 100 500 --torch-time-limit 60
 
-Graphs are synthetic decoders (root -> blocks -> {ln1, attn -> {q,k,v,rotary,o,dropout}, ln2,
+Graphs: random module trees (no two modules alike; budgets at 30/50/70 % of the way from the
+smallest reachable peak to the no-AC peak) and synthetic decoders (root -> blocks -> {ln1, attn -> {q,k,v,rotary,o,dropout}, ln2,
 mlp -> {gate,up,act,down,dropout}}, plus embedding, final norm, lm_head) with a simulated step
 timeline: memory points at every module boundary, recompute transients, bf16 activations of a
 seq 8192 x batch 8 x hidden 1024 model (vocab 16384), AdamW state, roofline-like op times on an H100.
@@ -148,7 +149,35 @@ class _Timeline:
 
 
 def synthetic_decoder(n_modules: int) -> ModuleInfo:
-    root = _decoder(_blocks_for(n_modules))
+    return module_info_of(_decoder(_blocks_for(n_modules)))
+
+
+def _random_tree(n_modules: int, seed: int = 0) -> _Mod:
+    """A random module tree of ``n_modules`` (no repeated blocks): fan-out 1..6, saved bytes and
+    op times drawn per module, so no two modules are alike."""
+    import random
+
+    rng = random.Random(seed)
+    T = 2 * 8192 * 8 * 1024
+    root = _Mod("Tree")
+    nodes = [root]
+    for i in range(n_modules - 1):
+        parent = rng.choice(nodes[-64:])  # recent nodes: deep, decoder-like nesting
+        while len(parent.children) >= 6:
+            parent = rng.choice(nodes)
+        child = _Mod(f"{parent.fqn}.m{i}", saved=int(T * rng.uniform(0, 2)),
+                     ms=rng.uniform(0.05, 2.0), out=int(T * rng.uniform(0.5, 2)),
+                     params=int(2 * 1024 * 1024 * rng.uniform(0, 8)))
+        parent.children.append(child)
+        nodes.append(child)
+    return root
+
+
+def random_tree(n_modules: int) -> ModuleInfo:
+    return module_info_of(_random_tree(n_modules))
+
+
+def module_info_of(root: _Mod) -> ModuleInfo:
     tl = _Timeline(root)
     stats = []
     for m in _walk(root):
@@ -263,20 +292,26 @@ def score(info: ModuleInfo, ratios: dict[str, float]) -> tuple[int, float]:
     return peak, sum(module_recompute_ms(info.stats(f), d) for f, d in plan.items())
 
 
-def bench_size(n: int, fractions: list[float], torch_limit: float, skip_torch: bool) -> list[dict]:
-    info = synthetic_decoder(n)
+def bench_size(n: int, fractions: list[float], torch_limit: float, skip_torch: bool,
+               kind: str = "decoder") -> list[dict]:
+    info = synthetic_decoder(n) if kind == "decoder" else random_tree(n)
     tdict = None if skip_torch else torch_module_info(info)
     rows = []
+    lo = 0
+    if kind == "random":  # random trees reach less: spread the budgets over what they can reach
+        from solver import SACMilp
+
+        lo = SACMilp(info).min_reachable_peak_bytes()
     for frac in fractions:
-        budget = int(frac * info.peak_bytes)
-        row = {"modules": len(info.mod_stats), "points": len(info.memory_points), "frac": frac,
-               "budget": budget, "peak": info.peak_bytes}
+        budget = int(frac * info.peak_bytes) if kind == "decoder" else int(lo + frac * (info.peak_bytes - lo))
+        row = {"kind": kind, "modules": len(info.mod_stats), "points": len(info.memory_points),
+               "frac": frac, "budget": budget, "peak": info.peak_bytes}
         t0 = time.perf_counter()
         try:
             res = solve_milp(info, budget)
             row.update(ours_s=time.perf_counter() - t0, ours_ms=res.recompute_ms,
                        ours_peak=res.predicted_peak_bytes, size=f"{res.n_variables}/{res.n_constraints}",
-                       ours_n=len(res.checkpointed))
+                       ours_n=len(res.checkpointed), status=res.status.value, gap=res.gap)
         except InfeasibleBudgetError as e:
             row.update(ours_s=time.perf_counter() - t0, infeasible=e.min_reachable_peak_bytes)
         if tdict is not None:
@@ -294,8 +329,8 @@ def _fmt_row(r: dict) -> str:
 
     if "infeasible" in r:
         ours = f"ours: infeasible, smallest reachable is {r['infeasible'] / r['peak'] * 100:.1f}% of the peak"
-        return (f"{r['modules']:>7} {r['points']:>6} {r['frac'] * 100:>5.0f}% {r['budget'] / GiB:>8.2f} "
-                f"{r['ours_s']:>8.2f}  {ours}")
+        return (f"{r['kind'][:7]:>7} {r['modules']:>7} {r['points']:>6} {r['frac'] * 100:>5.0f}% "
+                f"{r['budget'] / GiB:>8.2f} {r['ours_s']:>8.2f}  {ours}")
     t_s = r.get("torch_s")
     speed = f"{t_s / r['ours_s']:.1f}x" if t_s else "-"
     over = ""
@@ -305,24 +340,31 @@ def _fmt_row(r: dict) -> str:
     elif t_s is not None and "torch_peak" not in r:
         over = " no plan"
     cap = "*" if r.get("capped") else " "
-    return (f"{r['modules']:>7} {r['points']:>6} {r['frac'] * 100:>5.0f}% {r['budget'] / GiB:>8.2f} "
-            f"{r['ours_s']:>8.2f} {f(t_s, '>8.2f')}{cap} {speed:>8} {r['ours_ms']:>10.2f} "
+    proof = f"{r['status'][:3]} {f(r['gap'], '.1e')}"
+    return (f"{r['kind'][:7]:>7} {r['modules']:>7} {r['points']:>6} {r['frac'] * 100:>5.0f}% "
+            f"{r['budget'] / GiB:>8.2f} "
+            f"{r['ours_s']:>8.2f} {proof:>12} {f(t_s, '>8.2f')}{cap} {speed:>8} {r['ours_ms']:>10.2f} "
             f"{f(r.get('torch_ms'), '>10.2f')} {r['ours_peak'] / GiB:>9.2f} "
             f"{f(r['torch_peak'] / GiB if 'torch_peak' in r else None, '>9.2f')} {r['size']:>12}{over}")
 
 
 def verdicts(rows: list[dict]) -> list[str]:
     out = []
+    solved = [r for r in rows if "status" in r]
+    unproven = [r for r in solved if r["status"] != "optimal" or (r["gap"] or 0) > 1e-4]
+    out.append(f"{'PASS' if not unproven else 'FAIL'}  every solve proven within 1e-4: "
+               f"{len(solved) - len(unproven)}/{len(solved)}")
     at_1k = [r for r in rows if 900 <= r["modules"] <= 1100]
     if at_1k:
         worst = max(r["ours_s"] for r in at_1k)
         out.append(f"{'PASS' if worst <= 2.0 else 'FAIL'}  ~1000 modules: our slowest solve "
                    f"{worst:.2f} s (target <= 2 s)")
-        speeds = [r["torch_s"] / r["ours_s"] for r in at_1k if r.get("torch_s")]
-        if speeds:
-            out.append(f"{'PASS' if min(speeds) >= 10 else 'FAIL'}  ~1000 modules: speed-up over "
-                       f"sac_milp min {min(speeds):.1f}x, median {sorted(speeds)[len(speeds) // 2]:.1f}x "
-                       "(target >= 10x)")
+    speeds = [r["torch_s"] / r["ours_s"] for r in rows
+              if r.get("torch_s") and not r.get("capped") and "ours_s" in r]
+    if speeds:
+        out.append(f"{'PASS' if min(speeds) >= 90 else 'FAIL'}  speed-up over sac_milp where it "
+                   f"finished: min {min(speeds):.1f}x, median {sorted(speeds)[len(speeds) // 2]:.1f}x "
+                   "(target >= 90x)")
     cmp = [r for r in rows if "ours_ms" in r and r.get("torch_s") is not None]
     if not cmp:
         return out  # --skip-torch: nothing to compare
@@ -353,19 +395,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch-time-limit", type=float, default=180.0,
                    help="cap on sac_milp's CBC time limit in seconds (torch hard-codes 180)")
     p.add_argument("--skip-torch", action="store_true", help="only time our solver")
+    p.add_argument("--kinds", nargs="+", default=["decoder", "random"], choices=("decoder", "random"),
+                   help="graph families: decoder-like stacks and random module trees")
     args = p.parse_args(argv)
 
-    print("modules points budget    GiB  ours_s  torch_s   speedup    ours_ms   torch_ms "
-          "ours_peak torch_peak   vars/cons")
+    print("   kind modules points budget    GiB  ours_s    proof/gap  torch_s   speedup    ours_ms   "
+          "torch_ms ours_peak torch_peak   vars/cons")
     rows = []
-    for n in args.sizes:
-        size_rows = bench_size(n, args.fractions, args.torch_time_limit, args.skip_torch)
-        for r in size_rows:
-            print(_fmt_row(r), flush=True)
-        rows += size_rows
+    for kind in args.kinds:
+        for n in args.sizes:
+            size_rows = bench_size(n, args.fractions, args.torch_time_limit, args.skip_torch, kind)
+            for r in size_rows:
+                print(_fmt_row(r), flush=True)
+            rows += size_rows
     print("\nrecompute (ms) and peaks (GiB) of both plans are evaluated in OUR exact model; "
           "'*' = sac_milp stopped at its (capped) CBC time limit. sac_milp itself runs CBC with "
-          "gapRel=0.05 and timeLimit=180 hard-coded; ours uses its default rel_gap=5e-3.")
+          "gapRel=0.05 and timeLimit=180 hard-coded; ours uses its defaults (HiGHS, rel_gap=1e-4).")
     for line in verdicts(rows):
         print(line)
     return 0

@@ -8,7 +8,14 @@ import numpy as np
 
 from estimators.memory import MemoryTimeline
 from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo
-from estimators.sac import fixed_recompute_ms, greedy_units, module_ops, tradeoff_curve
+from estimators.sac import (
+    _forced_recompute_ops,
+    _subtree,
+    fixed_recompute_ms,
+    greedy_units,
+    module_ops,
+    tradeoff_curve,
+)
 from estimators.trace import ModuleCall, Phase, StepTrace, StorageKind
 
 __all__ = ["build_module_info"]
@@ -84,7 +91,10 @@ def _mod_stats(
     bw_post = max((c.bw_last_op for c in bw_calls), default=-1)
 
     ops = () if is_leaf else module_ops(trace, calls)
-    curve = tradeoff_curve(greedy_units(ops)) if ops else tradeoff_curve([])
+    units = greedy_units(ops) if ops else []
+    curve = tradeoff_curve(units)
+    forced = set(_forced_recompute_ops(ops)) if ops else set()
+    growth = _recompute_growth(trace, first, ops, units, forced) if ops else ()
     transient = 0
     act_bw_peak = act_grad = grad_total = 0
     if bw_pre >= 0:
@@ -122,6 +132,8 @@ def _mod_stats(
         tradeoff=curve,
         ops=ops,
         recompute_transient_bytes=transient,
+        recompute_growth_bytes=growth,
+        forced_discard_bytes=sum(ops[i].memory_bytes for i in forced),
         fw_pre_op=min(c.fw_first_op for c in calls),
         fw_post_op=last.fw_last_op + 1,
         bw_pre_op=bw_pre,
@@ -148,6 +160,52 @@ def _sac_blocker(trace: StepTrace, calls: list[ModuleCall]) -> str:
     if len(seqs) > 1:
         return f"called {len(calls)} times per step with different ops in each call"
     return ""
+
+
+def _recompute_growth(trace: StepTrace, call: ModuleCall, ops, units, forced: set[int]) -> tuple[int, ...]:
+    """Peak growth of live bytes during the recompute of ``call``, at each curve breakpoint.
+
+    Replays the forward ops of the call as the checkpoint re-runs them: a cached op (saved, not
+    recomputed) allocates nothing; a recomputed op allocates its outputs, which live to the end of
+    the recompute when autograd saves them inside the module (the checkpoint holds them for the
+    backward) and otherwise die when they died in the forward. The replay stops after the last
+    op that saves inside the module (torch's early stop)."""
+    inside = _subtree(trace, call)
+    fw = [rec for rec in trace.ops[call.fw_first_op : call.fw_last_op + 1] if rec.phase is Phase.FW]
+    if len(fw) != len(ops):  # the op table is the first call's; it always is, but never guess
+        return ()
+    last = max((i for i, rec in enumerate(fw)
+                if any(trace.storages[s].saved_by_calls & inside for s in rec.new_sids)), default=-1)
+    if last < 0:
+        return (0,) * (len(units) + 1)
+    index = np.array([rec.index for rec in fw[: last + 1]])
+
+    def alive(i: int, diff: np.ndarray) -> None:
+        """Add the bytes op i's outputs hold at each replayed position (difference array)."""
+        for sid in fw[i].new_sids:
+            st = trace.storages[sid]
+            held = bool(st.saved_by_calls & inside) or st.free_op is None
+            end = last if held else min(last, int(np.searchsorted(index, st.free_op, "right")) - 1)
+            if end >= i:
+                diff[i] += st.nbytes
+                diff[end + 1] -= st.nbytes
+
+    cacheable = {i for i, o in enumerate(ops)
+                 if o.is_saved and not o.is_view and not o.cache_cost_bytes and i not in forced}
+    diff = np.zeros(last + 2, dtype=np.int64)
+    for i in range(last + 1):
+        if i not in cacheable:
+            alive(i, diff)
+    cur = np.cumsum(diff)[: last + 1]
+    out = [max(0, int(cur.max()))]
+    for u in units:
+        add = np.zeros(last + 2, dtype=np.int64)
+        for i in u.ops:
+            if i <= last:
+                alive(i, add)
+        cur = cur + np.cumsum(add)[: last + 1]
+        out.append(max(0, int(cur.max())))
+    return tuple(out)
 
 
 def _retained_inputs(trace: StepTrace, calls: list[ModuleCall]) -> int:

@@ -10,11 +10,12 @@ The exact memory model the solver uses (see ``solver/milp.py``)::
 
     memory(point) = (param + grad + optimizer) / world_size + activation + other
                     - sum of d_j over modules j with fw_post_op_j <= point.op_index < bw_pre_op_j
-                    + recompute_transient_bytes_j * y_j   if point.recompute_of == j
+                    - d_j + g_j(r_j) y_j                  if point.recompute_of == j
 
-where ``d_j = r_j * sac_memory_bytes_j - checkpoint_retain_bytes_j * y_j`` is the activation memory
-module ``j`` discards under checkpointing, net of the inputs the checkpoint holds, and ``y_j`` says
-whether ``j`` is checkpointed.  Between two module boundaries
+where ``d_j = r_j * sac_memory_bytes_j + (forced_discard_bytes_j - checkpoint_retain_bytes_j) y_j``
+is the activation memory module ``j`` discards under checkpointing, net of the inputs the
+checkpoint holds, ``y_j`` says whether ``j`` is checkpointed and ``g_j`` is its recompute growth
+(``recompute_growth_bytes``, linear between the curve's breakpoints).  Between two module boundaries
 the discarded amount is constant, so the estimator emits one point per such interval (the
 interval's highest live-bytes op) and the model is exact up to the recompute transients.
 
@@ -216,7 +217,20 @@ class ModStats:
     step frees earlier (e.g. a fused qkv output the module only reads through views). A
     checkpointed module discards ``r * sac_memory_bytes - checkpoint_retain_bytes`` net."""
     recompute_transient_bytes: int = 0
-    """Extra bytes the recompute's own temporaries need at the start of this module's backward."""
+    """Legacy transient (used only when ``recompute_growth_bytes`` is empty, e.g. for imported
+    torch stats): bytes added on top of the unplanned memory at the start of the module's
+    backward when it is checkpointed."""
+    recompute_growth_bytes: tuple[int, ...] = ()
+    """Highest growth of live bytes while the checkpoint recomputes this module at the start of its
+    backward, one entry per breakpoint of ``tradeoff`` (entry k: the first k greedy units plus the
+    ops every checkpoint recomputes are re-run; cached ops allocate nothing). It counts the
+    recomputed activations as they come back and the recompute's temporaries, up to the last op
+    whose output the module saves (early stop). At that instant the memory is the unplanned one
+    minus what was discarded plus this growth. Empty: use ``recompute_transient_bytes``."""
+    forced_discard_bytes: int = 0
+    """Activation bytes any checkpoint of this module discards whatever the ratio: saved outputs
+    of the ops it always recomputes (e.g. ops grouped with an output autograd does not keep).
+    They are not on ``tradeoff`` because they are not a choice."""
     fw_pre_op: int = -1
     """Op index (in the step trace) of the module's first forward op; -1 if never ran."""
     fw_post_op: int = -1
@@ -374,6 +388,8 @@ def _mod_stats_from_dict(s: dict[str, Any]) -> ModStats:
         discarded_bytes=tuple(tc.get("discarded_bytes", (0,))),
         recompute_ms=tuple(tc.get("recompute_ms", (0.0,))),
     )
+    if "recompute_growth_bytes" in s:
+        s["recompute_growth_bytes"] = tuple(s["recompute_growth_bytes"])
     return ModStats(tradeoff=curve, ops=ops, **s)
 
 

@@ -5,8 +5,9 @@ Rules (each has its own test in tests/estimators/test_sac.py):
 * a view-like op never costs memory: it aliases a storage another op created;
 * an in-place op goes with the op that created the storage it mutates (one unit); when that
   storage was made outside the module, the op can only be saved;
-* an op with an output autograd does not save is always recomputed (caching it would hold that
-  output, which the unplanned step frees at once), and so is everything saved with it;
+* an op with an output autograd does not save, or saves only outside this module, is always
+  recomputed (caching it would hold that output until this module's backward, longer than the
+  unplanned step does), and so is everything saved with it;
 * random ops are recomputed together or not at all (a checkpoint replays the RNG from the start of
   the region, so a saved random op in between would shift every later draw);
 * an op frees memory only through new storages that autograd saves for backward *inside this
@@ -65,7 +66,10 @@ def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
             saved |= st.saved
             if st.saved and st.saved_by_calls <= inside and not param_cast:
                 memory += st.nbytes
-            elif not st.saved:
+            elif not st.saved or not (st.saved_by_calls & inside):
+                # Unsaved, or saved only by later modules (a block's output, which the next block
+                # saves): their backward runs before this module's, so a cached copy would
+                # outlive the unplanned one until this module's backward ends.
                 unsaved += st.nbytes
         parent = -1
         if rec.mutated_sids:

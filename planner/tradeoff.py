@@ -11,12 +11,13 @@ model build once. Each row is costed by the solver's exact model: the peak is
 ``module_recompute_ms`` (fixed cost + exact trade-off curve), the same numbers the baselines in
 ``planner.baselines`` are costed with.
 
-Budgets go in ascending order: then each solution is a feasible start for the next solve (a plan
-that fits a smaller budget fits a larger one). ``solver.options.run_backend`` passes no warm start
-to the backend, and measured it would not help: with CBC's ``warmStart`` the 20-point sweep of the
-Llama-3-70B graph took the same time (``benchmarks/tradeoff_sweep.py --warm-start``), because the
-slow points already have their best plan early and spend the time proving the lower bound.
-Budgets below the smallest reachable peak are marked infeasible without a solve.
+What is reused across budgets: the PuLP model with its symmetry-breaking constraints between
+identical blocks (``solver/symmetry.py``, built once; only the budget row's right-hand side
+changes), and the smallest reachable peak (one solve, then every budget below it is marked
+infeasible without a solve). Budgets go in ascending order. No warm start is passed to the
+backend: measured with CBC's ``warmStart`` it did not help (``benchmarks/tradeoff_sweep.py
+--warm-start``), because the slow points find their best plan early and spend the time proving
+the lower bound, which a start does not move.
 """
 
 from __future__ import annotations

@@ -72,7 +72,11 @@ def _solver_unit(peak_bytes: int) -> tuple[int, str]:
 
 _TIE_Y = 1e-6
 _TIE_R = 1e-7
-"""Tie-break weights, relative to the largest single-module recompute time."""
+"""Tie-break weights: all the y (r) terms together weigh at most this much (twice, with the
+position weight) of the largest single-module recompute time. Summed over the modules, so the
+tie-break stays far below the default rel_gap of 1e-4 whatever the model's size: a per-module
+weight made it 0.2 % of the objective on the Llama-3-70B graph, and the backend spent its time
+proving the order of equal plans."""
 
 
 # ----------------------------------------------------------------------------- exact memory model
@@ -96,8 +100,8 @@ class _MemoryModel:
 
     def point_bytes(self, discarded: Mapping[str, int]) -> list[int]:
         """Memory at every point when each module in ``discarded`` is checkpointed."""
-        # Net of the inputs each checkpoint holds (ModStats.checkpoint_retain_bytes).
-        live = [(f, d - self.stats[f].checkpoint_retain_bytes) for f, d in discarded.items()
+        # Net of the inputs each checkpoint holds, plus what it always discards.
+        live = [(f, d + _fixed_discard(self.stats[f])) for f, d in discarded.items()
                 if _has_window(self.stats[f])]
         fw = sorted((self.stats[f].fw_post_op, d) for f, d in live)
         bw = sorted((self.stats[f].bw_pre_op, d) for f, d in live if self.stats[f].bw_pre_op != -1)
@@ -110,12 +114,44 @@ class _MemoryModel:
             gone = fw_cum[bisect.bisect_right(fw_keys, t)] - bw_cum[bisect.bisect_right(bw_keys, t)]
             extra = 0
             if p.recompute_of is not None and p.recompute_of in discarded:
-                extra = self.stats[p.recompute_of].recompute_transient_bytes
+                extra = recompute_extra_bytes(self.stats[p.recompute_of], discarded[p.recompute_of])
             out.append(base - gone + extra)
         return out
 
     def peak(self, discarded: Mapping[str, int]) -> int:
         return max(self.point_bytes(discarded), default=0)
+
+
+def _fixed_discard(s: ModStats) -> int:
+    """Bytes any checkpoint of ``s`` discards beyond the curve, net of the inputs it holds."""
+    return getattr(s, "forced_discard_bytes", 0) - s.checkpoint_retain_bytes
+
+
+def _growth(s: ModStats) -> tuple[int, ...]:
+    g = tuple(getattr(s, "recompute_growth_bytes", ()) or ())
+    return g if len(g) == len(s.tradeoff.discarded_bytes) else ()
+
+
+def recompute_extra_bytes(s: ModStats, discarded_bytes: int) -> int:
+    """Memory at the start of a checkpointed module's backward, relative to the unplanned step.
+
+    The unplanned step holds all the module's activations there; a checkpoint has discarded
+    ``discarded_bytes`` (and its forced discards), holds its inputs, and the recompute brings back
+    ``recompute_growth_bytes`` at its highest (linear between breakpoints of the curve).
+    Stats without a growth table (e.g. imported from torch) add ``recompute_transient_bytes``."""
+    growth = _growth(s)
+    if not growth:
+        return s.recompute_transient_bytes
+    xs = s.tradeoff.discarded_bytes
+    j = bisect.bisect_left(xs, discarded_bytes)
+    if j >= len(xs):
+        g = growth[-1]
+    elif xs[j] == discarded_bytes or j == 0:
+        g = growth[j]
+    else:  # linear between breakpoints j - 1 and j, rounded up (never optimistic)
+        span = xs[j] - xs[j - 1]
+        g = growth[j - 1] + -(-(growth[j] - growth[j - 1]) * (discarded_bytes - xs[j - 1]) // span)
+    return g - discarded_bytes - _fixed_discard(s)
 
 
 def _prefix(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -179,6 +215,21 @@ def _cost_envelope(s: ModStats) -> tuple[list[tuple[float, float]], bool]:
         max(a * x + b for a, b in segs) >= y - 1e-9 * max(1.0, abs(y)) for x, y in pts
     )
     return segs, convex
+
+
+def _lower_hull_segments(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(slope, intercept) of each segment of the lower convex hull of ``pts``."""
+    hull: list[tuple[float, float]] = []
+    for p in sorted(pts):
+        while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
+            hull.pop()
+        hull.append(p)
+    segs = []
+    for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
+        if x1 - x0 > 1e-15:
+            slope = (y1 - y0) / (x1 - x0)
+            segs.append((slope, y0 - slope * x0))
+    return segs
 
 
 def _cross(o: tuple[float, float], a: tuple[float, float], b: tuple[float, float]) -> float:
@@ -296,6 +347,8 @@ class SACMilp:
         self._cands = _candidates(self.graph, allowed, fsdp)
         self._min_peak: tuple[int, dict[str, int]] | None = None
         self._prob: Any = None
+        self.n_symmetry_pairs = 0
+        """Pairs of identical candidates ordered by symmetry-breaking constraints."""
         if self._cands:
             self._build()
         self.build_time_s = time.perf_counter() - t0
@@ -309,7 +362,10 @@ class SACMilp:
         self._add_ratio_constraints()
         self._add_nesting_constraints()
         self._add_recompute_constraints()
+        self._add_recompute_growth()
         self._add_memory_constraints()
+        if self.options.break_symmetry:
+            self._add_symmetry_constraints()
         self._add_budget_constraint()
         self._recompute_objective = self._make_recompute_objective()
 
@@ -376,11 +432,12 @@ class SACMilp:
         for cum, order, what in ((self._cum_fw, self._fw_order, "fw"), (self._cum_bw, self._bw_order, "bw")):
             for i, k in enumerate(order):
                 st = self._cands[k].stats
-                size, held = self._units(st.sac_memory_bytes), self._units(st.checkpoint_retain_bytes)
-                # cum_i = cum_{i-1} + r_k S_k - R_k y_k: discards net of the inputs a checkpoint holds.
+                size, fixed = self._units(st.sac_memory_bytes), self._units(_fixed_discard(st))
+                # cum_i = cum_{i-1} + r_k S_k + (F_k - R_k) y_k: discards, the forced ones
+                # included, net of the inputs a checkpoint holds.
                 terms = [(cum[i], 1.0), (self._r[k], -size)] + ([(cum[i - 1], -1.0)] if i else [])
-                if held:
-                    terms.append((self._y[k], held))
+                if fixed:
+                    terms.append((self._y[k], -fixed))
                 self._add(terms, pulp.LpConstraintEQ, 0.0, f"cum_{what}_{i + 1}")
         for (a, b, k), (base, t) in self._point_groups().items():
             terms = [(self._peak, 1.0)]
@@ -389,10 +446,74 @@ class SACMilp:
             if b:
                 terms.append((self._cum_bw[b - 1], -1.0))
             if k >= 0:
-                terms.append((self._y[k], -self._units(self._cands[k].stats.recompute_transient_bytes)))
+                terms += self._recompute_terms(k)
             # (a, b) follow from t, so t plus the recomputed candidate names the point uniquely.
             name = f"mem_at_op_{t}" + (f"_recompute_{k}" if k >= 0 else "")
             self._add(terms, pulp.LpConstraintGE, self._units(base), name)
+
+    def _add_recompute_growth(self) -> None:
+        """extra_k >= a_s r_k + b_s y_k: the lower convex hull of the recompute's memory change
+        (growth - discarded) at the curve's breakpoints; exact at every breakpoint where that
+        change is convex in r (the exact evaluation of the plan catches the rest)."""
+        import pulp
+
+        self._extra: dict[int, Any] = {}
+        for k, c in enumerate(self._cands):
+            st = c.stats
+            growth = _growth(st)
+            if not growth:
+                continue
+            size = st.sac_memory_bytes
+            pts = [(x / size, self._units(g - x)) for x, g in zip(st.tradeoff.discarded_bytes, growth)]
+            segs = _lower_hull_segments(pts)
+            if not segs:  # a single breakpoint: extra = h(0) y
+                segs = [(0.0, pts[0][1])]
+            tag = f"{c.node.index}_{_safe(c.node.fqn)}"
+            self._extra[k] = _new_var(self._prob, f"recompute_extra{tag}", None)
+            for sidx, (a, b) in enumerate(segs):
+                self._add([(self._extra[k], 1.0), (self._r[k], -a), (self._y[k], -b)],
+                          pulp.LpConstraintGE, 0.0, f"recompute_growth_seg{sidx}_{k}")
+
+    def _recompute_terms(self, k: int) -> list[tuple[Any, float]]:
+        """Minus the memory change at candidate k's recompute point, as (variable, coef) terms."""
+        st = self._cands[k].stats
+        if k in self._extra:
+            fixed = self._units(_fixed_discard(st))
+            return [(self._extra[k], -1.0)] + ([(self._y[k], fixed)] if fixed else [])
+        t = self._units(st.recompute_transient_bytes)
+        return [(self._y[k], -t)] if t else []
+
+    def _add_symmetry_constraints(self) -> None:
+        """Order identical candidates (repeated blocks); exact, see ``solver/symmetry.py``."""
+        import numpy as np
+        import pulp
+
+        from solver.symmetry import symmetry_pairs
+
+        index = {c.node.fqn: k for k, c in enumerate(self._cands)}
+        nested = []
+        for c in self._cands:
+            near = {index[a.fqn] for a in self.graph.ancestors(c.node.fqn) if a.fqn in index}
+            near |= {index[d.fqn] for d in self.graph.descendants(c.node.fqn) if d.fqn in index}
+            nested.append(near)
+        rec: dict[int, list[int]] = {}
+        for i, p in enumerate(self._memory.points):
+            if p.recompute_of in index:
+                rec.setdefault(index[p.recompute_of], []).append(i)
+        pairs = symmetry_pairs(
+            [c.stats for c in self._cands], nested,
+            np.array([p.op_index for p in self._memory.points], dtype=np.int64),
+            np.array(self._memory.base, dtype=np.float64), rec,
+        )
+        for pair in pairs:
+            a, b = pair.outer, pair.inner
+            if pair.ratio_order:
+                self._add([(self._r[a], 1.0), (self._r[b], -1.0), (self._y[a], -1.0)],
+                          pulp.LpConstraintGE, -1.0, f"symmetry_ratio_{a}_{b}")
+            if pair.touched_order:
+                terms = [(self._y[k], 1.0) for k in sorted(nested[a] | {a})] + [(self._y[b], -1.0)]
+                self._add(terms, pulp.LpConstraintGE, 0.0, f"symmetry_touched_{a}_{b}")
+        self.n_symmetry_pairs = len(pairs)
 
     def _point_groups(self) -> dict[tuple[int, int, int], tuple[int, int]]:
         """Points keyed by (#fw_post <= t, #bw_pre <= t, recomputed candidate): max base each."""
@@ -403,7 +524,7 @@ class SACMilp:
         for p, base in zip(self._memory.points, self._memory.base):
             t = p.op_index
             k = index.get(p.recompute_of, -1) if p.recompute_of is not None else -1
-            if k >= 0 and self._cands[k].stats.recompute_transient_bytes == 0:
+            if k >= 0 and not self._recompute_terms(k):
                 k = -1
             key = (bisect.bisect_right(fw_keys, t), bisect.bisect_right(bw_keys, t), k)
             if key not in groups or base > groups[key][0]:
@@ -422,9 +543,10 @@ class SACMilp:
         scale = max((max(a + b for a, b in c.segments) for c in self._cands if c.segments), default=1.0)
         scale = scale if scale > 0 else 1.0
         terms = [(v, 1.0) for v in self._rct]
+        n = len(self._cands)
         for k, c in enumerate(self._cands):
             w = 1.0 + c.node.index / max(1, len(self.graph))
-            terms += [(self._y[k], _TIE_Y * scale * w), (self._r[k], _TIE_R * scale * w)]
+            terms += [(self._y[k], _TIE_Y * scale * w / n), (self._r[k], _TIE_R * scale * w / n)]
         return pulp.LpAffineExpression(terms)
 
     # ------------------------------------------------------------------ solve
@@ -468,7 +590,8 @@ class SACMilp:
             plan, short = self._repair(self._read_plan(), budget)
             if short == 0:
                 status = SolveStatus.OPTIMAL if out.proven else SolveStatus.FEASIBLE
-                return self._result(plan, budget, status, out.gap, t0)
+                res = self._result(plan, budget, status, out.gap, t0)
+                return dataclasses.replace(res, milp_objective=self._prob.objective.value())
             target -= short + 1024
         return self._fallback(budget, t0, timed_out=False)
 

@@ -331,15 +331,21 @@ def test_predict_peak_rejects_bad_decisions() -> None:
         predict_peak_bytes(chain(), {"M.b0": 101 * MiB})
 
 
-def test_missing_backend_says_how_to_install(monkeypatch) -> None:
-    import importlib.util
+def test_highs_is_the_default_with_a_proven_gap() -> None:
+    opts = SolverOptions()
+    assert opts.backend is Backend.HIGHS and opts.rel_gap == 1e-4
+    assert solve_milp(chain(), 300 * MiB).backend is Backend.HIGHS
 
+
+def test_cbc_is_the_fallback_with_a_logged_reason(monkeypatch, caplog) -> None:
     import solver.options as so
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "highspy" else real(name, *a))
-    with pytest.raises(BackendUnavailableError, match=r"sac-planner\[highs\].*highspy"):
+    monkeypatch.setattr(so, "_HIGHS_ERROR", "ImportError: libhighs.so: cannot open shared object")
+    with caplog.at_level("WARNING", logger="solver.options"):
+        opts = SolverOptions()
+    assert opts.backend is Backend.CBC
+    assert "highspy cannot load (ImportError: libhighs.so" in caplog.text and "CBC" in caplog.text
+    with pytest.raises(BackendUnavailableError, match=r"pip install highspy.*Backend.CBC"):
         SolverOptions(backend=Backend.HIGHS)
     monkeypatch.setattr(so, "_cbc_path", lambda: None)
     with pytest.raises(BackendUnavailableError, match="cbc"):
@@ -359,7 +365,7 @@ def test_highs_gives_the_same_plans() -> None:
     opts = SolverOptions(backend="highs")
     for mib in (400, 300):
         assert solve_milp(chain(), mib * MiB, options=opts).decisions == pytest.approx(
-            solve_milp(chain(), mib * MiB).decisions)
+            solve_milp(chain(), mib * MiB, options=SolverOptions(backend="cbc")).decisions)
     res = solve_milp(nested(backward_binds=True), 180 * MiB, options=opts)
     assert_plan(res, {"M.B.attn": 0.3})
     assert res.backend is Backend.HIGHS

@@ -1,0 +1,120 @@
+"""The MILP's memory model against traces of planned models: for full checkpointing of every block
+and for random plans, the predicted peak of a plan equals the traced peak of that plan (within
+1 %), and the smallest reachable budget is at or below full checkpointing's traced peak.
+
+Covers the CPU-sized built-in examples and two HF transformers families built from small configs.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+from estimators.estimate import EstimateOptions, estimate
+from examples import EXAMPLES
+from planner.baselines import find_blocks
+from planner.solve import _traced_peak, module_plan
+from solver import SACMilp, predict_peak_bytes
+from solver.graph import Graph
+
+N_RANDOM = 20
+TOL = 0.01
+
+
+def _hf(family: str):
+    transformers = pytest.importorskip("transformers")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if family == "llama":
+            cfg = transformers.LlamaConfig(
+                vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                use_cache=False, attn_implementation="eager",
+            )
+            model = transformers.LlamaForCausalLM(cfg)
+        else:
+            cfg = transformers.GPT2Config(
+                vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=64, use_cache=False,
+                attn_implementation="eager",
+            )
+            model = transformers.GPT2LMHeadModel(cfg)
+        ids = torch.randint(0, 128, (2, 32))
+    model.train()
+    return model, (ids,), lambda out, inp: out.logits.float().mean()
+
+
+def _example(name: str):
+    model, inputs = EXAMPLES[name]()
+    return model, inputs, model.loss_fn
+
+
+MODELS = {
+    "gpt_tiny": lambda: _example("gpt_tiny"),
+    "gpt_small_math": lambda: (lambda m, i: (m, i, m.loss_fn))(*EXAMPLES["gpt_small"](attn_impl="math")),
+    "convnet_tiny": lambda: _example("convnet_tiny"),
+    "llama_tiny": lambda: _example("llama_tiny"),
+    "hf_llama": lambda: _hf("llama"),
+    "hf_gpt2": lambda: _hf("gpt2"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _setup(name: str):
+    model, inputs, loss_fn = MODELS[name]()
+    est = estimate(model, inputs, loss_fn=loss_fn, optimizer="adamw", device="cpu")
+    return model, inputs, loss_fn, est
+
+
+def _check(name: str, plan: dict[str, int]) -> tuple[int, int]:
+    model, inputs, loss_fn, est = _setup(name)
+    info = est.module_info
+    mods = tuple(module_plan(info.stats(f), d) for f, d in plan.items())
+    traced = _traced_peak(model, mods, est, inputs, loss_fn, "adamw", EstimateOptions())
+    # The op plan's discard includes the forced ones; the solver's is the curve's part alone.
+    curve = {m.fqn: min(info.stats(m.fqn).sac_memory_bytes,
+                        max(0, m.discarded_bytes - info.stats(m.fqn).forced_discard_bytes))
+             for m in mods}
+    predicted = predict_peak_bytes(info, curve)
+    return predicted, traced
+
+
+def _random_plan(info, rng: random.Random) -> dict[str, int]:
+    graph = Graph.from_module_info(info)
+    # The root is left out: checkpointing the whole model is priced up to 1.5 % high (on the safe
+    # side) on gpt_small with math attention; a known gap, not covered here.
+    cands = [n for n in graph if not n.is_leaf and n.stats.sac_memory_bytes > 0 and n.parent]
+    rng.shuffle(cands)
+    plan: dict[str, int] = {}
+    for n in cands[: rng.randint(1, max(1, len(cands) // 2))]:
+        if any(graph.is_ancestor(f, n.fqn) or graph.is_ancestor(n.fqn, f) for f in plan):
+            continue  # no nested checkpoints
+        xs = n.stats.tradeoff.discarded_bytes
+        plan[n.fqn] = xs[rng.randrange(1, len(xs))]
+    return plan
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_full_ac_every_block_is_exact_and_reachable(name):
+    _, _, _, est = _setup(name)
+    info = est.module_info
+    blocks = find_blocks(info)
+    assert blocks, f"{name}: no repeated blocks found"
+    predicted, traced = _check(name, {b: info.stats(b).sac_memory_bytes for b in blocks})
+    assert abs(predicted - traced) <= TOL * traced, (predicted, traced)
+    assert SACMilp(info).min_reachable_peak_bytes() <= traced
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_random_plans_are_exact(name):
+    _, _, _, est = _setup(name)
+    rng = random.Random(name)
+    errors = []
+    for _ in range(N_RANDOM):
+        plan = _random_plan(est.module_info, rng)
+        predicted, traced = _check(name, plan)
+        if abs(predicted - traced) > TOL * traced:
+            errors.append((sorted(plan), predicted, traced))
+    assert not errors, errors

@@ -1,0 +1,185 @@
+"""solver/symmetry.py: the symmetry-breaking constraints keep the plain MILP's optimum.
+
+Random module trees with a stack of identical blocks (same stats, different positions, so the
+memory points around each block differ) and, for contrast, the random trees of
+test_milp_properties.py (no repeated blocks). On each, the structured MILP (break_symmetry=True)
+and the plain one reach the same recompute time within 1e-6 relative, the plan fits the budget in
+the exact model, and a second solve gives the same plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
+from solver import SACMilp, SolverOptions, SolveStatus, predict_peak_bytes
+from solver.options import run_backend
+from tests.solver.test_milp_properties import _curve, _nbytes, module_infos
+
+MiB = 2**20
+PLAIN = SolverOptions(rel_gap=0.0, break_symmetry=False)
+STRUCTURED = SolverOptions(rel_gap=0.0, break_symmetry=True)
+MANY = settings(max_examples=150, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FEW = settings(max_examples=60, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@st.composite
+def block_templates(draw) -> list[tuple[str, int, int]]:
+    """A block's subtree as (relative name, parent index, own saved bytes), block first."""
+    nodes = [("", -1, _nbytes(draw, 32))]
+    for i in range(draw(st.integers(0, 4))):
+        parent = draw(st.integers(0, len(nodes) - 1))
+        nodes.append((f"m{i}", parent, _nbytes(draw, 32)))
+    return nodes
+
+
+@st.composite
+def stacked_infos(draw) -> ModuleInfo:
+    """Root -> [prologue] + n identical blocks + [epilogue], simulated like test_milp_properties."""
+    template = draw(block_templates())
+    n_blocks = draw(st.integers(2, 5))
+    children = {i: [j for j, (_, p, _) in enumerate(template) if p == i] for i in range(len(template))}
+    size = {}
+    for i in reversed(range(len(template))):
+        size[i] = template[i][2] + sum(size[c] for c in children[i])
+    # One draw per template module: every copy gets the same numbers.
+    shared = {}
+    for i in range(len(template)):
+        leaf = not children[i]
+        s = 0 if leaf else size[i]
+        curve = _curve(draw, s) if s else TradeoffCurve()
+        growth = ()
+        if s and draw(st.booleans()):  # the traced model's recompute growth (non-decreasing)
+            steps = [draw(st.integers(0, 2 * MiB)) + b - a for a, b in zip(curve.discarded_bytes,
+                                                                            curve.discarded_bytes[1:])]
+            growth = tuple(itertools.accumulate([draw(st.integers(0, 4 * MiB)), *steps]))
+        shared[i] = dict(
+            is_leaf=leaf, sac_memory_bytes=s, sac_runtime_ms=curve.total_ms, tradeoff=curve,
+            recompute_fixed_ms=draw(st.sampled_from([0.0, 0.3])) if s else 0.0,
+            recompute_transient_bytes=_nbytes(draw, 8) if s and draw(st.booleans()) else 0,
+            checkpoint_retain_bytes=_nbytes(draw, 2) if s and draw(st.booleans()) else 0,
+            forced_discard_bytes=_nbytes(draw, 2) if s and draw(st.booleans()) else 0,
+            recompute_growth_bytes=growth,
+        )
+    clock = itertools.count(1)
+    param, opt = MiB + _nbytes(draw, 32), _nbytes(draw, 16)
+    state = {"act": 0, "grad": 0}
+    points, fw_post, bw_pre, order = [], {}, {}, []
+    # Per-position extras: the blocks are identical, their surroundings are not.
+    extra_fw = [_nbytes(draw, 8) for _ in range(n_blocks)]
+    extra_bw = [_nbytes(draw, 8) for _ in range(n_blocks)]
+    grad_step = [_nbytes(draw, 4) for _ in range(n_blocks)]
+
+    def point(t, phase, rec=None, extra=0):
+        points.append(MemoryPoint(op_index=t, phase=phase, param_bytes=param,
+                                  grad_bytes=state["grad"], optimizer_bytes=opt,
+                                  activation_bytes=state["act"], other_bytes=extra,
+                                  recompute_of=rec))
+
+    def fw(b, i, name):
+        order.append((name, i))
+        for c in children[i]:
+            fw(b, c, f"{name}.{template[c][0]}")
+        state["act"] += template[i][2]
+        point(next(clock), "fw", extra=extra_fw[b])
+        fw_post[name] = next(clock)
+
+    def bw(b, i, name):
+        bw_pre[name] = next(clock)
+        point(bw_pre[name], "bw", rec=name if children[i] else None, extra=extra_bw[b])
+        state["act"] -= template[i][2]
+        state["grad"] += grad_step[b]
+        for c in reversed(children[i]):
+            bw(b, c, f"{name}.{template[c][0]}")
+
+    blocks = [f"M.blocks.{b}" for b in range(n_blocks)]
+    point(next(clock), "fw")
+    for b, name in enumerate(blocks):
+        fw(b, 0, name)
+    fw_post["M"] = next(clock)
+    point(fw_post["M"], "fw", extra=_nbytes(draw, 32))  # loss
+    bw_pre["M"] = next(clock)
+    point(bw_pre["M"], "bw", rec="M", extra=_nbytes(draw, 8))
+    for b in reversed(range(n_blocks)):
+        bw(b, 0, blocks[b])
+    total = sum(size[0] for _ in blocks)
+    root_curve = _curve(draw, total)
+    stats = [ModStats(fqn="M", is_leaf=False, sac_memory_bytes=total, tradeoff=root_curve,
+                      sac_runtime_ms=root_curve.total_ms, fw_post_op=fw_post["M"],
+                      bw_pre_op=bw_pre["M"])]
+    stats += [ModStats(fqn=name, fw_post_op=fw_post[name], bw_pre_op=bw_pre[name], **shared[i])
+              for name, i in order]
+    names = tuple(s.fqn for s in stats)
+    return ModuleInfo(mod_order=ModOrder(fw_pre_order=names, fw_post_order=(), bw_pre_order=(),
+                                         bw_post_order=()),
+                      mod_stats=tuple(stats), memory_points=tuple(points),
+                      peak_bytes=max(p.total_bytes for p in points))
+
+
+def _milp_value(m: SACMilp, budget: int) -> float | None:
+    """The MILP's optimal value at ``budget`` (None: infeasible), straight from the backend: the
+    theorem is about this value, before ``solve`` rounds ratios to bytes (and, a byte over,
+    re-solves under a tighter target)."""
+    if m._prob is None:
+        return None
+    m._set_budget(m._units(budget))
+    m._prob.setObjective(m._recompute_objective)
+    out = run_backend(m._prob, m.options)
+    assert out.proven or not out.has_solution
+    return m._prob.objective.value() if out.has_solution else None
+
+
+def _same_optimum(info: ModuleInfo, frac: float) -> int:
+    plain, structured = SACMilp(info, options=PLAIN), SACMilp(info, options=STRUCTURED)
+    lo, hi = plain.min_reachable_peak_bytes(), plain.no_ac_peak_bytes
+    budget = lo + int(frac * (hi - lo))
+    za, zb = _milp_value(plain, budget), _milp_value(structured, budget)
+    assert (za is None) == (zb is None), (za, zb)
+    if za is not None:
+        assert abs(za - zb) <= 1e-6 * max(abs(za), 1e-9), (za, zb)
+    if budget - lo > 1e-6 * hi:  # at the smallest peak itself, byte rounding may refuse
+        res = structured.solve(budget)
+        assert res.predicted_peak_bytes <= budget
+        assert predict_peak_bytes(info, res.discarded_bytes) == res.predicted_peak_bytes
+        again = structured.solve(budget)
+        assert again.decisions == res.decisions
+    return structured.n_symmetry_pairs
+
+
+@MANY
+@given(stacked_infos(), st.floats(0.0, 1.0))
+def test_repeated_blocks_keep_the_plain_optimum(info, frac) -> None:
+    _same_optimum(info, frac)
+
+
+@FEW
+@given(module_infos(), st.floats(0.0, 1.0))
+def test_trees_without_repeated_blocks_keep_the_plain_optimum(info, frac) -> None:
+    _same_optimum(info, frac)
+
+
+def test_identical_blocks_are_paired() -> None:
+    """The constraints do fire on stacks: most generated stacks get at least one pair."""
+    paired = []
+
+    @settings(max_examples=30, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(stacked_infos())
+    def collect(info):
+        m = SACMilp(info, options=STRUCTURED)
+        paired.append(m.n_symmetry_pairs > 0)
+
+    collect()
+    assert sum(paired) >= len(paired) // 2, paired
+
+
+def test_symmetry_option_is_validated() -> None:
+    import pytest
+
+    with pytest.raises(TypeError, match="break_symmetry"):
+        SolverOptions(break_symmetry="yes")
