@@ -280,10 +280,17 @@ def plan_for_budget(
     def floor() -> _Floor:
         return _floor(milp, est, info, model, world_size, solver_options)
 
+    mispriced: dict[str, str] = {}  # candidates whose traced recompute set a peak the MILP missed
+
     def peaks_of(res, modules) -> tuple[int, int]:
         """(first-step, steady-state) peak of a plan: traced, or the MILP's per-rank figures."""
         if verify and world_size == 1:
-            return _traced_peak(model, modules, est)
+            planned = _traced_estimate(model, modules, est)
+            culprit = _peak_in_backward_of(planned, modules)
+            if culprit is not None and max(planned.first_step_peak_bytes, planned.steady_peak_bytes) > usable:
+                mispriced.setdefault(culprit, f"its recompute set a traced peak of "
+                                              f"{fmt_bytes(planned.steady_peak_bytes)}")
+            return planned.first_step_peak_bytes, planned.steady_peak_bytes
         first = predict_peak_bytes(first_info, res.discarded_bytes, world_size=world_size)
         return first, res.predicted_peak_bytes
 
@@ -299,11 +306,23 @@ def plan_for_budget(
                 raise err from e
             break  # tightened past the floor: the min-peak plan is the last candidate (below)
         modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
+        n_mispriced = len(mispriced)
         peaks = peaks_of(res, modules)
         traced = max(peaks)
         if traced <= usable:
             break
         over = traced - usable
+        culprit = next(reversed(mispriced)) if len(mispriced) > n_mispriced else None
+        if culprit is not None:
+            # The traced peak falls in the backward of a module this plan checkpoints: the MILP
+            # misjudged that module's recompute, so plan again without it at the same target.
+            notes.append(f"traced peak {fmt_bytes(traced)} overshot the MILP's "
+                         f"{fmt_bytes(res.predicted_peak_bytes)} in the backward of {culprit}: "
+                         "planned again without checkpointing it")
+            names = allowed if allowed is not None else [s.fqn for s in info.mod_stats]
+            milp = SACMilp(info, world_size=world_size, ac_units=[f for f in names if f not in mispriced],
+                           fsdp_units=units, options=solver_options)
+            continue
         notes.append(
             f"traced peak {fmt_bytes(traced)} overshot the MILP's {fmt_bytes(res.predicted_peak_bytes)}"
             f" by {fmt_bytes(over)}: target tightened"
@@ -366,6 +385,21 @@ def _allowed_units(info, ac_units) -> tuple[list[str] | None, dict[str, str]]:
     names = list(ac_units) if ac_units is not None else [s.fqn for s in info.mod_stats]
     return [f for f in names if f not in excluded], excluded
 
+
+
+def _peak_in_backward_of(planned: Estimate, modules) -> str | None:
+    """The checkpointed module (innermost) in whose backward the traced peak falls, if any."""
+    from estimators.step import Phase
+
+    trace = planned.trace
+    op = trace.ops[planned.timeline.peak_op_index]
+    names = {m.fqn for m in modules}
+    c = op.call if op.phase is Phase.BW else -1
+    while c >= 0:
+        if trace.calls[c].fqn in names:
+            return trace.calls[c].fqn
+        c = trace.calls[c].parent
+    return None
 
 
 def _traced_peak(model, modules, est: Estimate) -> tuple[int, int]:

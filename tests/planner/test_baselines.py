@@ -22,7 +22,7 @@ from planner.baselines import (
     op_sac_module,
 )
 from planner.report import tradeoff_table_text
-from planner.solve import plan_for_budget
+from planner.solve import _traced_peak, module_plan, plan_for_budget
 from planner.tradeoff import tradeoff_curve as planner_tradeoff_curve
 from solver import SolverOptions, predict_peak_bytes
 from solver.milp import module_recompute_ms
@@ -61,11 +61,17 @@ def test_planner_is_at_or_below_every_baseline_at_its_peak():
 
 
 def test_realised_plans_also_beat_the_baselines():
-    """The applied plan (ratios rounded to whole ops, peak re-traced) at each baseline's peak."""
+    """The applied plan (ratios rounded to whole ops, peak re-traced) at each baseline's traced
+    peak: both sides as they run, not as the MILP prices them (it prices checkpointing the last
+    block's attention core of gpt_demo below its traced peak, so a baseline's MILP figure can be
+    a budget no plan with that module verifies at)."""
     model, inputs, est = demo()
-    for b in hand_made_baselines(est.module_info)[1:]:
-        plan = plan_for_budget(model, est, b.predicted_peak_bytes, solver_options=EXACT)
-        assert plan.predicted_peak_bytes <= b.predicted_peak_bytes, b.name
+    info = est.module_info
+    for b in hand_made_baselines(info)[1:]:
+        applied = tuple(module_plan(info.stats(f), d) for f, d in b.discarded_bytes.items())
+        reached = max(_traced_peak(model, applied, est))
+        plan = plan_for_budget(model, est, reached, solver_options=EXACT)
+        assert plan.predicted_peak_bytes <= reached, b.name
         assert plan.recompute_ms <= b.recompute_ms, (b.name, plan.recompute_ms, b.recompute_ms)
 
 

@@ -92,18 +92,11 @@ def _reference(name):
     return _loss_and_grads(model, inputs)
 
 
-# Known miss, same on the code before issue 10: at BERT's tightest budget MemTracker counts 8-16
-# KiB more than the planner's trace (fake or real) from the start of each recompute, so the measured
-# peak is 0.46 % above the prediction and 0.45 % above the budget. Op sequences agree; the trackers
-# disagree on a storage's lifetime. Strict: it fails loudly once fixed.
-_KNOWN_OVER_BUDGET = {("bert", 0.1)}
 
 
 @pytest.mark.parametrize("frac", FRACTIONS)
 @pytest.mark.parametrize("name", FAMILIES)
-def test_family_plans_apply_exactly(name, frac, request):
-    if (name, frac) in _KNOWN_OVER_BUDGET:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="MemTracker vs trace: +0.46 % at BERT's tightest budget"))
+def test_family_plans_apply_exactly(name, frac):
     model, inputs, est, milp, high, low = _planning(name)
     assert high > low, "the config must leave activations to discard"
     budget = int(low + frac * (high - low))
