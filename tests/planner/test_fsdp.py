@@ -246,6 +246,7 @@ def _planning_worker(rank: int, tmp: str, budget_gib: float) -> None:
     plan = solve_sac_distributed(model, budget_gib, inputs, loss_fn=model.loss_fn, optimizer="adamw",
                                  fsdp_units=_SPAWN_UNITS)
     (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(plan.to_dict()))
+    dist.barrier()  # neither rank tears gloo down while the other may still use the connection
     dist.destroy_process_group()
 
 
