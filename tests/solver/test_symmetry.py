@@ -154,10 +154,10 @@ def _same_optimum(info: ModuleInfo, frac: float) -> int:
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "seen once in a full-suite run on a loaded 2-core box, not reproduced alone: the PLAIN MILP "
-    "reported a proven optimum of 4.0 where the structured one proved 3.0 (a subset of plain's "
-    "feasible set), and 'infeasible' where the structured one proved 6.0 -- the plain side's "
-    "backend answer is suspect, not yet explained"))
+    "fails when tests/solver/test_milp_exact.py ran earlier in the same process (the full suite, "
+    "CI), passes alone: the PLAIN MILP then reports a proven optimum of 4.0 where the structured "
+    "one proves 3.0 (a subset of plain's feasible set), and 'infeasible' where the structured one "
+    "proves 6.0 -- state leaking between solves, not yet found"))
 @MANY
 @given(stacked_infos(), st.floats(0.0, 1.0))
 def test_repeated_blocks_keep_the_plain_optimum(info, frac) -> None:
