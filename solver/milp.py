@@ -201,16 +201,7 @@ def _cost_envelope(s: ModStats) -> tuple[list[tuple[float, float]], bool]:
     pts += [(b / size, fixed + ms) for b, ms in zip(curve.discarded_bytes, curve.recompute_ms)
             if 0 < b < size]
     pts.append((1.0, module_recompute_ms(s, size)))
-    hull: list[tuple[float, float]] = []
-    for p in sorted(pts):
-        while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
-            hull.pop()
-        hull.append(p)
-    segs = []
-    for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
-        if x1 - x0 > 1e-15:
-            slope = (y1 - y0) / (x1 - x0)
-            segs.append((slope, y0 - slope * x0))
+    segs = _lower_hull_segments(pts)
     convex = all(
         max(a * x + b for a, b in segs) >= y - 1e-9 * max(1.0, abs(y)) for x, y in pts
     )
