@@ -154,10 +154,12 @@ def _same_optimum(info: ModuleInfo, frac: float) -> int:
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "fails when a fake-mode estimate() of gpt_tiny ran earlier in the same process (the full "
-    "suite, CI), passes alone: the PLAIN MILP then reports a proven optimum of 4.0 where the structured "
-    "one proves 3.0 (a subset of plain's feasible set), and 'infeasible' where the structured one "
-    "proves 6.0 -- state leaking between solves, not yet found"))
+    "hypothesis draws other graphs depending on how the test is invoked (alone under pytest it "
+    "passes; in the full suite or called directly it does not) and finds: objective 0.4999997 "
+    "(plain) vs 0.5000004 (structured), 1.4e-6 relative against the 1e-6 asserted; plain "
+    "'infeasible' where structured proves 4.0 near the smallest budget; once 4.0 vs 3.0. The first "
+    "two are at HiGHS' 1e-7 feasibility-tolerance scale on ratio variables; the last is not "
+    "explained"))
 @MANY
 @given(stacked_infos(), st.floats(0.0, 1.0))
 def test_repeated_blocks_keep_the_plain_optimum(info, frac) -> None:
