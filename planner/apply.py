@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-gib", type=_positive_gib("--budget-gib"), help="memory budget per GPU in GiB (default: halfway between the smallest reachable peak and the no-AC peak)")
     p.add_argument("--device", default="cpu", choices=sorted(DEVICE_SPECS), help="target device the step is planned for (default cpu: this machine, so --verify compares like with like)")
     p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, or none (its state is counted) (default adam)")
+    p.add_argument("--micro-batches", type=_positive_int, default=1, help="forward/backward passes per optimizer step (gradient accumulation) (default 1)")
+    p.add_argument("--autocast", choices=sorted(_AUTOCAST), default="none", help="forward and loss under torch.autocast with this dtype (default none)")
     p.add_argument("--world-size", type=_positive_int, default=1, help="ranks sharing parameters, gradients and optimizer state (FSDP) (default 1)")
     p.add_argument("--reserve-gib", type=_reserve_gib, help="held back from the budget for CUDA context and fragmentation (default: 1 GiB + 5%% of the budget on CUDA targets, 0 on cpu)")
     p.add_argument("--mode", choices=[m.value for m in TraceMode], default="fake", help="trace with fake tensors (default) or real ones")
@@ -187,8 +189,17 @@ def _check_args(args) -> None:
         raise CLIError(f"--optimizer must be adam, adamw, sgd or none, got {args.optimizer!r}")
 
 
+_AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def _step(args, inputs, loss_fn) -> TrainStep:
-    return TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer=_optimizer_arg(args.optimizer))
+    step = TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer=_optimizer_arg(args.optimizer),
+                     micro_batches=args.micro_batches, autocast_dtype=_AUTOCAST[args.autocast])
+    try:
+        step.check_target(get_device_spec(args.device))
+    except ValueError as e:
+        raise CLIError(f"--autocast {args.autocast}: {e}") from e
+    return step
 
 
 def _solve(args, model, inputs, loss_fn) -> Plan:

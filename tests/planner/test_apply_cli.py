@@ -145,6 +145,9 @@ def test_cli_bad_budget_names_budget_gib(bad, capsys):
     (["--world-size", "0"], "--world-size: must be an integer >= 1"),
     (["--time-limit-s", "0"], "--time-limit-s: must be a positive"),
     (["--optimizer", "lion"], "--optimizer must be adam, adamw, sgd or none"),
+    (["--micro-batches", "0"], "--micro-batches: must be an integer >= 1"),
+    (["--autocast", "fp8"], "--autocast: invalid choice"),
+    (["--autocast", "fp16"], "--autocast fp16: autocast_dtype=float16 cannot run on the target 'cpu'"),
     (["--device", "tpu"], "--device: invalid choice"),
     (["--plan-in", "/nonexistent/plan.json"], "--plan-in /nonexistent/plan.json: cannot read it"),
     (["--plan-in", "p.json", "--budget-gib", "1"], "--budget-gib has no effect with --plan-in"),
@@ -193,3 +196,14 @@ def test_cli_plan_for_another_model_and_bad_plan_files(tmp_path, capsys):
     out.write_text(json.dumps(d))
     assert main(["--model", "examples:convnet_demo", "--quiet", "--plan-in", str(out)]) == 2
     assert "discard_ratio must be in [0, 1], got nan" in _error_line(capsys)
+
+
+def test_cli_plans_the_loop_it_is_told(capsys):
+    # Gradient accumulation and autocast reach the trace, the plan's notes and the 3 real steps.
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--json", "--micro-batches", "2",
+                 "--autocast", "bf16", "--optimizer", "adamw"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "2 micro-batch(es)" in out["plan"]["notes"][0] and "autocast bfloat16" in out["plan"]["notes"][0]
+    steps = out["measured_steps"]
+    assert len(steps) == 3
+    assert max(s["peak_bytes"] for s in steps) <= out["plan"]["budget_bytes"] - out["plan"]["reserve_bytes"]
