@@ -53,8 +53,8 @@ from estimators.step import run_step  # noqa: E402
 from examples import EXAMPLES  # noqa: E402
 from planner.checkpointing import apply_plan  # noqa: E402
 from planner.measure import measure_step  # noqa: E402
-from planner.plan import Plan, op_key  # noqa: E402
-from planner.solve import plan_for_budget  # noqa: E402
+from planner.plan import Plan  # noqa: E402
+from planner.solve import _recompute_ms, plan_for_budget  # noqa: E402
 from solver import SACMilp  # noqa: E402
 
 MiB = 2**20
@@ -205,18 +205,10 @@ def render(rows: list[Validation]) -> str:
 
 
 def plan_step_ms(est, plan: Plan) -> float:
-    """The unplanned step plus the plan's recompute, priced by ``est``'s runtime model: every op a
-    checkpointed module re-runs (not cached, up to its last op autograd saves)."""
-    total = est.module_info.step_runtime_ms
-    for mp in plan.modules:
-        stats = est.module_info.stats(mp.fqn)
-        saved = frozenset(mp.saved_ops)
-        last = max((i for i, o in enumerate(stats.ops) if o.is_saved), default=-1)
-        total += sum(
-            o.runtime_ms for o in stats.ops[: last + 1]
-            if not o.is_view and (op_key(o.func), o.occurrence) not in saved
-        )
-    return total
+    """The unplanned step plus the plan's recompute, priced by ``est``'s runtime model (the
+    planner's own rule: every op a checkpointed module re-runs)."""
+    return est.module_info.step_runtime_ms + sum(
+        _recompute_ms(est.module_info.stats(mp.fqn), frozenset(mp.saved_ops)) for mp in plan.modules)
 
 
 def saved_hits(model) -> int:

@@ -115,14 +115,22 @@ def _positive_gib(flag: str) -> Callable[[str], float]:
     return parse
 
 
-def _reserve_gib(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not (math.isfinite(v) and v >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number of GiB >= 0, got {text!r}")
-    return v
+def _finite_float(ok: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    """An argparse type: a finite float for which ``ok`` holds, else "must be <what>"."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = math.nan
+        if not (math.isfinite(v) and ok(v)):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return v
+
+    return parse
+
+
+_reserve_gib = _finite_float(lambda v: v >= 0, "a finite number of GiB >= 0")
+_positive_seconds = _finite_float(lambda v: v > 0, "a positive, finite number of seconds")
 
 
 def _positive_int(text: str) -> int:
@@ -132,16 +140,6 @@ def _positive_int(text: str) -> int:
         v = 0
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return v
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text!r}")
     return v
 
 

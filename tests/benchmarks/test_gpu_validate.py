@@ -11,13 +11,7 @@ from examples import EXAMPLES
 from tests.planner.conftest import budgets, plan_at, planning
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small models: an intra-op pool only contends for the cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the answer of a machine without CUDA")

@@ -25,13 +25,7 @@ from solver import SACMilp
 DEVICE = "h100"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: an intra-op pool only contends for the cores (steps ran 30x slower with it).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _example(name, dtype=None):
