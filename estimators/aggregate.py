@@ -20,7 +20,6 @@ from estimators.trace import ModuleCall, Phase, StepTrace, StorageKind
 
 __all__ = ["build_module_info"]
 
-_PHASE_NAMES = {Phase.FW: "fw", Phase.BW: "bw", Phase.OPTIM: "optim"}
 
 
 def _order(calls: list[ModuleCall], key) -> tuple[str, ...]:
@@ -225,7 +224,7 @@ def _point(trace: StepTrace, tl: MemoryTimeline, k: int, recompute_of: str | Non
     fqn = trace.calls[op.call].fqn if op is not None and op.call >= 0 else ""
     return MemoryPoint(
         op_index=k,
-        phase=_PHASE_NAMES[op.phase] if op is not None else "fw",
+        phase=op.phase if op is not None else Phase.FW,
         fqn=fqn,
         param_bytes=int(row[StorageKind.PARAM]),
         grad_bytes=int(row[StorageKind.GRAD]),
@@ -282,7 +281,7 @@ def build_module_info(trace: StepTrace, tl: MemoryTimeline) -> ModuleInfo:
     if 0 <= peak_k < len(trace.ops):
         op = trace.ops[peak_k]
         where = trace.calls[op.call].fqn if op.call >= 0 else "(outside modules)"
-        peak_op = f"{op.func} in {where} ({_PHASE_NAMES[op.phase]})"
+        peak_op = f"{op.func} in {where} ({op.phase})"
     by_phase = defaultdict(float)
     for op in trace.ops:
         by_phase[op.phase] += op.runtime_ms

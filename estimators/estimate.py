@@ -412,7 +412,7 @@ def first_step_module_info(info: ModuleInfo) -> ModuleInfo:
     forward and backward points (optimizer-phase points keep it: torch's optimizers create it
     before their update math). With it, ``predict_peak_bytes`` gives a plan's first-step peak."""
     points = tuple(
-        dataclasses.replace(p, optimizer_bytes=0) if p.phase in ("fw", "bw") else p
+        dataclasses.replace(p, optimizer_bytes=0) if p.phase in (Phase.FW, Phase.BW) else p
         for p in info.memory_points
     )
     return dataclasses.replace(info, memory_points=points)

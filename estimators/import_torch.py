@@ -29,6 +29,7 @@ from estimators.module_info import (
     ModStats,
     ModuleInfo,
     ModuleInfoFormatError,
+    Phase,
     TradeoffCurve,
     finite_or_raise,
 )
@@ -77,7 +78,7 @@ def module_info_from_torch_dict(info: Mapping[str, Any]) -> ModuleInfo:
             bw_post_op=bw_base + 3 * (len(order.bw_pre_order) + bw_post[fqn]) if fqn in bw_post else -1,
         ))
         points.append(MemoryPoint(
-            op_index=3 * pos + 1, phase="bw", fqn=fqn, param_bytes=root_params,
+            op_index=3 * pos + 1, phase=Phase.BW, fqn=fqn, param_bytes=root_params,
             grad_bytes=int(s["grad_total"]), activation_bytes=int(s["act_total"]),
             other_bytes=int(s["act_grad_per_module"]),
         ))

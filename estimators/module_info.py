@@ -26,6 +26,7 @@ so that its users recognise them; units are in the field names.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from typing import Any, Iterable
 
 __all__ = [
     "SCHEMA_VERSION",
+    "Phase",
     "ModOrder",
     "SACOp",
     "TradeoffCurve",
@@ -49,6 +51,19 @@ _KIND = "sac_planner.ModuleInfo"
 
 class ModuleInfoFormatError(ValueError):
     """A ModuleInfo file or dict that is corrupt, foreign, or from a newer version."""
+
+
+class Phase(enum.StrEnum):
+    """Part of the training step an op, a storage or a memory point belongs to.
+
+    A ``str`` enum so that JSON files keep ``"fw"`` / ``"bw"`` / ``"optim"`` and code that
+    compares with those strings keeps working; defined here (torch-free) so that the solver can
+    name it too."""
+
+    FW = "fw"
+    """Model forward and the loss."""
+    BW = "bw"
+    OPTIM = "optim"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,8 +267,8 @@ class MemoryPoint:
 
     op_index: int
     """Op index of the instant (same numbering as ModStats.fw_pre_op etc.)."""
-    phase: str
-    """``"fw"``, ``"bw"`` or ``"optim"``."""
+    phase: Phase
+    """Step phase of the instant (a ``"fw"`` / ``"bw"`` / ``"optim"`` string is converted)."""
     fqn: str = ""
     """Innermost module running at that instant ("" outside every module)."""
     param_bytes: int = 0
@@ -266,6 +281,14 @@ class MemoryPoint:
     recompute_of: str | None = None
     """Set on the point at the start of module ``recompute_of``'s backward, where its recompute's
     temporaries are added when it is checkpointed."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.phase, Phase):
+            try:
+                object.__setattr__(self, "phase", Phase(self.phase))
+            except ValueError:
+                known = ", ".join(repr(p.value) for p in Phase)
+                raise ValueError(f"MemoryPoint.phase must be one of {known}, got {self.phase!r}") from None
 
     @property
     def total_bytes(self) -> int:

@@ -24,16 +24,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
+from estimators.module_info import Phase
+
 if TYPE_CHECKING:
     from estimators.device import DeviceSpec
 
 __all__ = ["Phase", "StepError", "TrainStep", "ZeroGrad", "split_inputs", "run_step", "zero_grads"]
-
-
-class Phase(enum.IntEnum):
-    FW = 0  # model forward and the loss
-    BW = 1
-    OPTIM = 2
 
 
 class StepError(RuntimeError):

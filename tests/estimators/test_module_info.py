@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from estimators.estimate import estimate
-from estimators.module_info import ModuleInfo, ModuleInfoFormatError, TradeoffCurve
+from estimators.module_info import MemoryPoint, ModuleInfo, ModuleInfoFormatError, Phase, TradeoffCurve
 from examples import EXAMPLES
 
 
@@ -58,3 +61,23 @@ def test_every_non_leaf_has_a_curve_and_memory_points_cover_the_peak(info):
     cands = [s for s in info.mod_stats if not s.is_leaf]
     assert cands and all(s.tradeoff.total_bytes == s.sac_memory_bytes for s in cands)
     assert max(p.total_bytes for p in info.memory_points) == info.peak_bytes
+
+
+def test_module_info_and_solver_import_without_torch():
+    # A fresh interpreter: this one has torch loaded already. The solver promises never to import
+    # torch, and ModuleInfo is its only input.
+    code = (
+        "import sys; import solver; from estimators.module_info import ModuleInfo, Phase; "
+        "import estimators; assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_memory_point_phase_is_one_enum_and_json_keeps_the_string(info):
+    assert all(isinstance(p.phase, Phase) for p in info.memory_points)
+    d = json.loads(info.to_json())
+    assert {p["phase"] for p in d["memory_points"]} <= {"fw", "bw", "optim"}
+    with pytest.raises(ValueError, match="MemoryPoint.phase must be one of"):
+        MemoryPoint(op_index=0, phase="forward")
