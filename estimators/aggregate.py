@@ -9,7 +9,7 @@ import numpy as np
 from estimators.memory import MemoryTimeline
 from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo
 from estimators.sac import (
-    _forced_recompute_ops,
+    forced_recompute_ops,
     _subtree,
     fixed_recompute_ms,
     greedy_units,
@@ -92,7 +92,7 @@ def _mod_stats(
     ops = () if is_leaf else module_ops(trace, calls)
     units = greedy_units(ops) if ops else []
     curve = tradeoff_curve(units)
-    forced = set(_forced_recompute_ops(ops)) if ops else set()
+    forced = set(forced_recompute_ops(ops)) if ops else set()
     growth = _recompute_growth(trace, first, ops, units, forced) if ops else ()
     transient = 0
     act_bw_peak = act_grad = grad_total = 0

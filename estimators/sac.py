@@ -3,13 +3,10 @@
 Rules (each has its own test in tests/estimators/test_sac.py):
 
 * a view-like op never costs memory: it aliases a storage another op created;
-* an in-place op goes with the op that created the storage it mutates (one unit); when that
-  storage was made outside the module, the op can only be saved;
-* an op with an output autograd does not save, or saves only outside this module, is always
-  recomputed (caching it would hold that output until this module's backward, longer than the
-  unplanned step does), and so is everything saved with it;
-* random ops are recomputed together or not at all (a checkpoint replays the RNG from the start of
-  the region, so a saved random op in between would shift every later draw);
+* the grouping rules (in-place chains, random ops, forced saves and recomputes) are
+  ``estimators.sac_groups``, shared with the op-level solver; an op with an output autograd does
+  not save, or saves only outside this module, has a cache cost there (caching it would hold that
+  output until this module's backward, longer than the unplanned step does);
 * an op frees memory only through new storages that autograd saves for backward *inside this
   module alone*; a storage another module also saves stays alive anyway;
 * a cast of a parameter (``_to_copy``: autocast's low-precision weight copy) frees nothing:
@@ -22,14 +19,15 @@ The greedy order takes units by memory freed per ms of recompute, largest first,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
-from estimators.module_info import SACOp, TradeoffCurve
 import torch
 
-from estimators.trace import ModuleCall, Phase, StepTrace, StorageKind
+from estimators.module_info import Phase, SACOp, TradeoffCurve
+from estimators.sac_groups import SACGroup, sac_groups
+from estimators.trace import ModuleCall, StepTrace, StorageKind
 
-__all__ = ["module_ops", "greedy_units", "tradeoff_curve", "fixed_recompute_ms", "RecomputeUnit"]
+__all__ = ["module_ops", "greedy_units", "tradeoff_curve", "fixed_recompute_ms", "forced_recompute_ops"]
 
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -108,68 +106,24 @@ def module_ops(trace: StepTrace, calls: list[ModuleCall]) -> tuple[SACOp, ...]:
                 mem[i] += o.memory_bytes
                 rt[i] += o.runtime_ms
     return tuple(
-        SACOp(**{**o.__dict__, "memory_bytes": m, "runtime_ms": r})
-        for o, m, r in zip(first, mem, rt)
+        dataclasses.replace(o, memory_bytes=m, runtime_ms=r) for o, m, r in zip(first, mem, rt)
     )
 
 
-@dataclass(frozen=True)
-class RecomputeUnit:
-    """Ops that are saved or recomputed together."""
-
-    ops: tuple[int, ...]
-    memory_bytes: int
-    runtime_ms: float
-
-
-def _union_groups(ops: tuple[SACOp, ...]) -> list[int]:
-    """Root op of each op's unit: an in-place op joins its parent, all random ops join."""
-    parent = list(range(len(ops)))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    def union(a: int, b: int) -> None:
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[max(ra, rb)] = min(ra, rb)
-
-    for i, o in enumerate(ops):
-        if 0 <= o.inplace_parent != i:
-            union(i, o.inplace_parent)
-    randoms = [i for i, o in enumerate(ops) if o.is_random]
-    for a, b in zip(randoms, randoms[1:]):
-        union(a, b)
-    return [find(i) for i in range(len(ops))]
-
-
-def greedy_units(ops: tuple[SACOp, ...]) -> list[RecomputeUnit]:
+def greedy_units(ops: tuple[SACOp, ...]) -> list[SACGroup]:
     """Units worth recomputing, in greedy order (most bytes per ms first, then op order).
 
-    Units that must be saved (an in-place op on an outside storage) or must be recomputed
-    (an op with a cache cost) are not choices, so they are not on the curve."""
-    roots = _union_groups(ops)
-    blocked = {roots[i] for i, o in enumerate(ops) if o.inplace_parent == i}
-    forced = {roots[i] for i in _forced_recompute_ops(ops)}
-    groups: dict[int, list[int]] = {}
-    for i, o in enumerate(ops):
-        if not o.is_view:
-            groups.setdefault(roots[i], []).append(i)
-    units = []
-    for root, members in groups.items():
-        mem = sum(ops[i].memory_bytes for i in members)
-        if root in blocked or root in forced or mem <= 0:
-            continue
-        units.append(RecomputeUnit(tuple(members), mem, sum(ops[i].runtime_ms for i in members)))
+    A unit is a group of ``estimators.sac_groups``; groups whose decision the rules fix (must
+    save, must recompute) are not choices, so they are not on the curve, nor are groups that
+    free nothing."""
+    units = [g for g in sac_groups(ops) if g.is_choice and g.memory_bytes > 0]
     # Cheapest time per byte first; ties by first op so the order is deterministic.
     units.sort(key=lambda u: (u.runtime_ms / u.memory_bytes, u.ops[0]))
     return units
 
 
-def tradeoff_curve(units: list[RecomputeUnit]) -> TradeoffCurve:
+def tradeoff_curve(units: list[SACGroup]) -> TradeoffCurve:
+    """The cumulative (discarded bytes, recompute ms) breakpoints of ``units`` in their order."""
     xs, ys = [0], [0.0]
     for u in units:
         xs.append(xs[-1] + u.memory_bytes)
@@ -182,7 +136,7 @@ def fixed_recompute_ms(ops: tuple[SACOp, ...]) -> float:
     are re-run (saving them would cost memory the baseline never held), up to the last op whose
     output is saved, where the recompute stops early."""
     last = max((i for i, o in enumerate(ops) if o.is_saved), default=-1)
-    forced = set(_forced_recompute_ops(ops))
+    forced = set(forced_recompute_ops(ops))
     return sum(
         o.runtime_ms
         for i, o in enumerate(ops[: last + 1])
@@ -190,9 +144,9 @@ def fixed_recompute_ms(ops: tuple[SACOp, ...]) -> float:
     )
 
 
-def _forced_recompute_ops(ops: tuple[SACOp, ...]) -> list[int]:
-    """Ops recomputed whenever the module is checkpointed (cache-cost ops and their groups)."""
-    roots = _union_groups(ops)
-    blocked = {roots[i] for i, o in enumerate(ops) if o.inplace_parent == i}
-    forced = {roots[i] for i, o in enumerate(ops) if o.cache_cost_bytes > 0} - blocked
-    return [i for i in range(len(ops)) if roots[i] in forced]
+def forced_recompute_ops(ops: tuple[SACOp, ...]) -> list[int]:
+    """Ops (views aside: they launch nothing) re-run whenever the module is checkpointed: the
+    must-recompute groups of ``estimators.sac_groups``."""
+    return [
+        i for g in sac_groups(ops) if g.must_recompute for i in g.ops if not ops[i].is_view
+    ]

@@ -4,15 +4,11 @@ the least recompute time (an exact 0/1 knapsack, xformers-style).
     plan = solve_op_milp(stats.ops, keep_ratio=1 - r)
     plan.decisions          # (OpDecision.SAVE, OpDecision.RECOMPUTE, ...) one per op
 
-Rules, applied to groups of ops that must share one decision:
+The ops come as groups that share one decision, by the rules of ``estimators.sac_groups`` (the
+same groups the estimator's trade-off curve is made of): in-place chains, all random ops, a
+must-save group (an in-place op on a storage from outside the module; kept outside the budget)
+and must-recompute groups (views, ops with a cache cost). Of the other groups:
 
-* an in-place op shares the decision of the op that created the storage it mutates
-  (``inplace_parent``; chains of in-place ops form one group); one whose ``inplace_parent`` is its
-  own index mutates a storage from outside the module, and its group is always saved (recomputing
-  it would apply the mutation twice) and kept outside the budget;
-* all random ops of the module form one group (recomputed together or saved together, so the
-  recompute draws the same numbers as the forward or none at all);
-* a group containing a view is recomputed (a view costs no memory to recompute);
 * a group that frees no memory (all ``memory_bytes == 0``) is saved: it is free;
 * a group that takes no time to recompute (``runtime_ms == 0``) is recomputed.
 
@@ -31,6 +27,7 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from estimators.sac_groups import SACGroup, sac_groups  # torch-free
 from solver.options import SolverOptions, SolveStatus, run_backend
 
 if TYPE_CHECKING:  # only types: importing estimators would pull in torch
@@ -72,51 +69,6 @@ class OpPlan:
     floating-point MILP row; sizes were then rounded up to ``unit_bytes`` (plan still fits)."""
 
 
-@dataclass
-class _Group:
-    ops: list[int]
-    memory_bytes: int = 0
-    runtime_ms: float = 0.0
-    has_view: bool = False
-    forced_save: bool = False
-    """Holds an in-place op on a storage made outside the module (inplace_parent == own index)."""
-
-
-def _find(parent: list[int], i: int) -> int:
-    while parent[i] != i:
-        parent[i] = parent[parent[i]]
-        i = parent[i]
-    return i
-
-
-def _groups(ops: Sequence[SACOp]) -> list[_Group]:
-    """Union-find of in-place chains and the random ops; groups in order of their first op."""
-    parent = list(range(len(ops)))
-    randoms = [i for i, op in enumerate(ops) if op.is_random]
-    for i, op in enumerate(ops):
-        p = op.inplace_parent
-        if p == -1 or p == i:  # p == i: mutates an outside storage; saved (flagged below)
-            continue
-        if not (isinstance(p, int) and 0 <= p < i):
-            raise ValueError(
-                f"op {i} ({op.func}): inplace_parent must index an earlier op in this table, "
-                f"its own index, or be -1, got {p!r}"
-            )
-        parent[_find(parent, i)] = _find(parent, p)
-    for i in randoms[1:]:
-        parent[_find(parent, i)] = _find(parent, randoms[0])
-    by_root: dict[int, _Group] = {}
-    for i, op in enumerate(ops):
-        g = by_root.setdefault(_find(parent, i), _Group([]))
-        g.ops.append(i)
-        g.memory_bytes += op.memory_bytes
-        g.runtime_ms += op.runtime_ms
-        # A cache-cost op (outputs autograd does not save) is recomputed like a view.
-        g.has_view |= op.is_view or op.cache_cost_bytes > 0
-        g.forced_save |= op.inplace_parent == i
-    return sorted(by_root.values(), key=lambda g: g.ops[0])
-
-
 def _keep_budget(total: int, keep_bytes: int | None, keep_ratio: float | None) -> int:
     if (keep_bytes is None) == (keep_ratio is None):
         raise ValueError("pass exactly one of keep_bytes (bytes to keep) or keep_ratio (in [0, 1])")
@@ -144,10 +96,10 @@ def solve_op_milp(
     bytes)``; a module-level discard ratio r corresponds to ``keep_ratio = 1 - r``."""
     if any(op.memory_bytes < 0 or not (math.isfinite(op.runtime_ms) and op.runtime_ms >= 0) for op in ops):
         raise ValueError("ops need memory_bytes >= 0 and finite runtime_ms >= 0")
-    groups = _groups(ops)
+    groups = sac_groups(ops)
     save = {i: _fixed_decision(g) for i, g in enumerate(groups)}
     open_ = [i for i, d in save.items() if d is None]
-    optional = sum(g.memory_bytes for g in groups if not g.forced_save)
+    optional = sum(g.memory_bytes for g in groups if not g.must_save)
     keep = _keep_budget(optional, keep_bytes, keep_ratio)
     status, unit, exact = SolveStatus.OPTIMAL, 1, True
     if sum(groups[i].memory_bytes for i in open_) <= keep:
@@ -158,11 +110,11 @@ def solve_op_milp(
     return _plan(ops, groups, save, keep, status, unit, exact)
 
 
-def _fixed_decision(g: _Group) -> bool | None:
+def _fixed_decision(g: SACGroup) -> bool | None:
     """SAVE (True) / RECOMPUTE (False) forced by the rules, or None for the knapsack."""
-    if g.forced_save:  # recomputing would mutate the outside storage a second time
+    if g.must_save:
         return True
-    if g.has_view:
+    if g.must_recompute:
         return False
     if g.memory_bytes == 0:  # free to keep
         return True
@@ -186,7 +138,7 @@ def _row_unit(sizes: list[int]) -> tuple[int, bool]:
     return unit * 2**k, all(m % (unit * 2**k) == 0 for m in sizes)
 
 
-def _knapsack(groups: list[_Group], keep: int, n_ops: int, options: SolverOptions | None
+def _knapsack(groups: Sequence[SACGroup], keep: int, n_ops: int, options: SolverOptions | None
               ) -> tuple[list[bool], SolveStatus, int, bool]:
     """0/1 knapsack in row units (see ``_row_unit``); the row gets half a unit of slack so that
     feasible and infeasible integer points are 0.5 apart, the backend runs with tight
@@ -232,14 +184,14 @@ def _binary(prob: Any, name: str) -> Any:
     return pulp.LpVariable(name, 0, 1, "Integer")
 
 
-def _plan(ops: Sequence[SACOp], groups: list[_Group], save: dict[int, bool], keep: int,
+def _plan(ops: Sequence[SACOp], groups: Sequence[SACGroup], save: dict[int, bool], keep: int,
           status: SolveStatus, unit: int, exact: bool) -> OpPlan:
     decisions = [OpDecision.RECOMPUTE] * len(ops)
     for gi, g in enumerate(groups):
         if save[gi]:
             for i in g.ops:
                 decisions[i] = OpDecision.SAVE
-    saved = sum(g.memory_bytes for gi, g in enumerate(groups) if save[gi] and not g.forced_save)
+    saved = sum(g.memory_bytes for gi, g in enumerate(groups) if save[gi] and not g.must_save)
     if saved > keep:  # the knapsack re-checks in integers; a failure here is a bug
         raise AssertionError(f"op plan keeps {saved} bytes > budget {keep}")
     discarded = sum(g.memory_bytes for gi, g in enumerate(groups) if not save[gi])

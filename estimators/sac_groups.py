@@ -1,0 +1,85 @@
+"""The selective-checkpointing grouping rules, as data: which ops of a module share one decision.
+
+Both consumers read the same groups: ``estimators.sac`` (the greedy order and the exact
+trade-off curve) and ``solver.op_milp`` (the op-level knapsack), as xformers' checkpoint.py
+hands its solver index lists of view-like, in-place and random ops. Rules, over one module's
+``SACOp`` table:
+
+* an in-place op shares the decision of the op that created the storage it mutates
+  (``inplace_parent``; chains of in-place ops form one group);
+* an in-place op whose ``inplace_parent`` is its own index mutates a storage made outside the
+  module: its group must be saved (recomputing it would apply the mutation a second time);
+* all random ops of the module form one group (a checkpoint replays the RNG from the start of the
+  region, so the recompute draws the forward's numbers only if they are recomputed together);
+* a group holding a view or an op with a cache cost (outputs autograd does not keep) must be
+  recomputed: a view costs nothing to recompute, and caching the other would hold memory the
+  unplanned step never held. A must-save rule wins over a must-recompute one.
+
+Torch-free (the solver imports it): it reads only the plain numbers of ``SACOp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from networkx.utils import UnionFind
+
+if TYPE_CHECKING:
+    from estimators.module_info import SACOp
+
+__all__ = ["SACGroup", "sac_groups"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SACGroup:
+    """Ops that are saved or recomputed together, and whether the rules fix that decision."""
+
+    ops: tuple[int, ...]
+    """Indices in the module's op table, ascending."""
+    memory_bytes: int
+    """Bytes freed when the group is recomputed (sum of its ops' ``memory_bytes``)."""
+    runtime_ms: float
+    """Time to recompute the group (sum of its ops' ``runtime_ms``, in op order)."""
+    must_save: bool = False
+    """Holds an in-place op on a storage made outside the module."""
+    must_recompute: bool = False
+    """Holds a view or an op with a cache cost, and no must-save op."""
+
+    @property
+    def is_choice(self) -> bool:
+        """Neither decision is forced: the greedy curve and the knapsack decide."""
+        return not (self.must_save or self.must_recompute)
+
+
+def sac_groups(ops: Sequence[SACOp]) -> tuple[SACGroup, ...]:
+    """The groups of ``ops`` under the rules of this module, in order of their first op.
+
+    Raises ValueError for an ``inplace_parent`` that is not -1, the op's own index or an earlier
+    op of the table."""
+    uf = UnionFind(range(len(ops)))
+    for i, op in enumerate(ops):
+        p = op.inplace_parent
+        if p == -1 or p == i:
+            continue
+        if not (isinstance(p, int) and 0 <= p < i):
+            raise ValueError(
+                f"op {i} ({op.func}): inplace_parent must index an earlier op in this table, "
+                f"its own index, or be -1, got {p!r}"
+            )
+        uf.union(i, p)
+    uf.union(*(i for i, op in enumerate(ops) if op.is_random))
+    groups = []
+    for members in sorted(sorted(s) for s in uf.to_sets()):
+        must_save = any(ops[i].inplace_parent == i for i in members)
+        recompute = any(ops[i].is_view or ops[i].cache_cost_bytes > 0 for i in members)
+        groups.append(
+            SACGroup(
+                ops=tuple(members),
+                memory_bytes=sum(ops[i].memory_bytes for i in members),
+                runtime_ms=sum(ops[i].runtime_ms for i in members),
+                must_save=must_save,
+                must_recompute=recompute and not must_save,
+            )
+        )
+    return tuple(groups)

@@ -1,0 +1,50 @@
+"""estimators/sac_groups.py: the grouping rules on hand-built op tables, exact groups."""
+
+from __future__ import annotations
+
+import pytest
+
+from estimators.module_info import SACOp
+from estimators.sac_groups import sac_groups
+
+
+def op(i: int, mb: int = 0, ms: float = 1.0, **kw) -> SACOp:
+    return SACOp(func=f"aten.f{i}.default", occurrence=0, runtime_ms=ms, memory_bytes=mb, **kw)
+
+
+def test_inplace_chain_and_random_ops_form_groups_in_first_op_order():
+    ops = (
+        op(0, 10, is_random=True),
+        op(1, 20),
+        op(2, 0, inplace_parent=1),
+        op(3, 0, inplace_parent=2),  # a chain: 1 <- 2 <- 3
+        op(4, 5, is_random=True),
+        op(5, 0, is_view=True),
+    )
+    groups = sac_groups(ops)
+    assert [g.ops for g in groups] == [(0, 4), (1, 2, 3), (5,)]
+    assert [g.memory_bytes for g in groups] == [15, 20, 0]
+    assert [g.runtime_ms for g in groups] == [2.0, 3.0, 1.0]
+    assert [g.is_choice for g in groups] == [True, True, False]
+    assert groups[2].must_recompute and not groups[2].must_save
+
+
+def test_outside_mutation_must_be_saved_and_wins_over_a_cache_cost():
+    ops = (
+        op(0, 8, cache_cost_bytes=4),
+        op(1, 0, inplace_parent=0),
+        op(2, 0, inplace_parent=2),  # mutates a storage from outside the module
+        op(3, 8, cache_cost_bytes=4),
+    )
+    a, b, c = sac_groups(ops)
+    assert (a.ops, a.must_save, a.must_recompute) == ((0, 1), False, True)
+    assert (b.ops, b.must_save, b.must_recompute) == ((2,), True, False)
+    assert (c.ops, c.must_save, c.must_recompute) == ((3,), False, True)
+    both = sac_groups((op(0, 8, cache_cost_bytes=4, inplace_parent=0),))
+    assert both[0].must_save and not both[0].must_recompute
+
+
+@pytest.mark.parametrize("parent", [2, 3, -2])
+def test_inplace_parent_must_be_an_earlier_op(parent):
+    with pytest.raises(ValueError, match="inplace_parent must index an earlier op"):
+        sac_groups((op(0), op(1, inplace_parent=parent), op(2)))
