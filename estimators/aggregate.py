@@ -7,7 +7,7 @@ from collections import defaultdict
 import numpy as np
 
 from estimators.memory import MemoryTimeline
-from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo
+from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, Phase
 from estimators.sac import (
     forced_recompute_ops,
     _subtree,
@@ -16,7 +16,7 @@ from estimators.sac import (
     module_ops,
     tradeoff_curve,
 )
-from estimators.trace import ModuleCall, Phase, StepTrace, StorageKind
+from estimators.trace import ModuleCall, StepTrace, StorageKind
 
 __all__ = ["build_module_info"]
 

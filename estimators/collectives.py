@@ -30,16 +30,13 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import enum
 import functools
-import json
 import logging
 import math
 import os
 import statistics
-import tempfile
 import time
 import types
 from dataclasses import dataclass
@@ -51,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from estimators.device import DeviceSpec, Interconnect, get_device_spec, get_interconnect
-from estimators.runtime import BenchmarkCacheError
+from estimators.json_cache import BenchmarkCacheError, JsonTimingCache
 
 __all__ = [
     "Collective",
@@ -400,10 +397,14 @@ class CollectiveBenchmark:
         """Collective launches (warm-ups and timed runs; barriers and agreement not counted)."""
         self.skipped = 0
         """Calls answered ``None``: no process group, or a fake one."""
-        self._cache_path = Path(cache_path) if cache_path is not None else None
+        self._file: JsonTimingCache | None = None
         self._entries: dict[_Key, float] = {}
-        if self._cache_path is not None:
-            self._entries.update(_load_cache(self._cache_path))
+        if cache_path is not None:
+            self._file = JsonTimingCache(
+                path=Path(cache_path), format=_CACHE_FORMAT, version=_CACHE_VERSION,
+                description="collective benchmark cache", error=CollectiveCacheError,
+            )
+            self._entries.update(self._parse(self._file.load()))
 
     def time_ms(
         self, collective: Collective, message_bytes: int, group: Any = None
@@ -440,8 +441,17 @@ class CollectiveBenchmark:
 
     def save(self) -> None:
         """Write the cache to ``cache_path`` (atomic, merged with the file); no-op without one."""
-        if self._cache_path is not None:
-            _save_cache(self._cache_path, self._entries)
+        if self._file is not None:
+            self._file.save({k.text(): ms for k, ms in self._entries.items()})
+
+    def _parse(self, entries: Mapping[str, float]) -> dict[_Key, float]:
+        try:
+            return {_Key.parse(k): ms for k, ms in entries.items()}
+        except ValueError as exc:
+            raise CollectiveCacheError(
+                f"collective benchmark cache {self._file.path} has malformed entries ({exc}); "
+                "delete it"
+            ) from exc
 
     # -- measuring
 
@@ -495,11 +505,27 @@ class _PollTimeout(Exception):
     pass
 
 
+_SPIN_S = 5e-3
+_SLEEP_FRACTION = 1 / 64
+_SLEEP_MAX_S = 1e-2
+
+
 def _poll(work: Any, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+    """Wait for ``work`` without blocking in the backend (a dead NCCL group would never return).
+
+    The first ``_SPIN_S`` are a busy check: a short collective is timed to the microsecond. After
+    that the thread sleeps between checks, each sleep ``1/64`` of the time waited so far (at most
+    10 ms), so a long or hung wait costs no core and adds at most ~1.6 % plus the OS's sleep
+    granularity (~0.1 ms) to the time the caller measures around it."""
+    start = time.monotonic()
+    deadline = start + timeout_s
     while not work.is_completed():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise _PollTimeout("timed out")
+        waited = now - start
+        if waited > _SPIN_S:
+            time.sleep(min(waited * _SLEEP_FRACTION, _SLEEP_MAX_S))
     work.wait()  # completed: returns at once, or raises the backend's error
 
 
@@ -572,70 +598,6 @@ def _launcher(key: _Key, group: Any, device: torch.device, dtype: torch.dtype) -
 # torch 2.13 renamed the tensor variants (the old names warn); older torch has only the old ones.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-# ----------------------------------------------------------------------------- cache file
-
-
-def _load_cache(path: Path) -> dict[_Key, float]:
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CollectiveCacheError(
-            f"collective benchmark cache {path} is unreadable ({exc}); delete it or pass another "
-            "cache_path"
-        ) from exc
-    if not isinstance(data, dict) or data.get("format") != _CACHE_FORMAT:
-        raise CollectiveCacheError(
-            f"{path} is not a collective benchmark cache (format {_CACHE_FORMAT!r}); pass another "
-            "cache_path"
-        )
-    if data.get("version") != _CACHE_VERSION:
-        raise CollectiveCacheError(
-            f"collective benchmark cache {path} has version {data.get('version')!r}, this code "
-            f"reads {_CACHE_VERSION}; delete it to re-measure"
-        )
-    try:
-        return {_Key.parse(k): _time(v) for k, v in data["entries"].items()}
-    except (KeyError, AttributeError, ValueError, TypeError) as exc:
-        raise CollectiveCacheError(
-            f"collective benchmark cache {path} has malformed entries ({exc}); delete it"
-        ) from exc
-
-
-def _time(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"time {value!r} is not a number")
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"time {value!r} is not finite and >= 0")
-    return float(value)
-
-
-def _save_cache(path: Path, entries: Mapping[_Key, float]) -> None:
-    try:
-        # Merge: every rank (and other runs) may write the same file.
-        merged = {**_load_cache(path), **entries}
-    except CollectiveCacheError:
-        merged = dict(entries)  # a foreign or corrupt file was refused at load; replace it
-    payload = {
-        "format": _CACHE_FORMAT,
-        "version": _CACHE_VERSION,
-        "torch_version": torch.__version__,
-        "entries": {k.text(): ms for k, ms in sorted(merged.items(), key=lambda e: e[0].text())},
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Write-then-rename: a reader (another rank) never sees a half-written file.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=0)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 # ----------------------------------------------------------------------------- argument checks

@@ -61,10 +61,10 @@ from estimators.aggregate import build_module_info
 from estimators.cuda_rules import CudaSemanticsMode
 from estimators.device import DeviceSpec, get_device_spec
 from estimators.memory import MemoryTimeline, build_timeline, classify_storages
-from estimators.module_info import ModuleInfo
 from estimators.runtime import RuntimeKind, make_runtime_model
 from estimators.step import StepError, TrainStep, run_step
-from estimators.trace import Phase, StepTrace, StepTracer, StorageKind
+from estimators.module_info import ModuleInfo, Phase
+from estimators.trace import StepTrace, StepTracer, StorageKind
 
 __all__ = [
     "DEFAULT_DEVICE",

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from estimators.trace import Phase, StepTrace, StorageKind
+from estimators.module_info import Phase
+from estimators.trace import StepTrace, StorageKind
 
 __all__ = ["MemoryTimeline", "build_timeline", "CATEGORY_NAMES"]
 

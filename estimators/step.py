@@ -29,7 +29,7 @@ from estimators.module_info import Phase
 if TYPE_CHECKING:
     from estimators.device import DeviceSpec
 
-__all__ = ["Phase", "StepError", "TrainStep", "ZeroGrad", "split_inputs", "run_step", "zero_grads"]
+__all__ = ["StepError", "TrainStep", "ZeroGrad", "split_inputs", "run_step", "zero_grads"]
 
 
 class StepError(RuntimeError):

@@ -23,21 +23,23 @@ import enum
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from estimators.runtime import RuntimeModel
-from estimators.step import Phase
+from estimators.module_info import Phase
+from estimators.op_facts import op_facts, written_args
 
-__all__ = ["Phase", "OpRecord", "StorageRecord", "ModuleCall", "StepTrace", "StepTracer"]
+if TYPE_CHECKING:
+    from estimators.runtime import RuntimeModel
+
+__all__ = ["OpRecord", "StorageRecord", "ModuleCall", "StepTrace", "StepTracer"]
 
 logger = logging.getLogger(__name__)
 
 _NO_SEQ = 2**64 - 1  # AccumulateGrad nodes carry UINT64_MAX as sequence number
-_METADATA_OPS = {torch.ops.prim.device.default, torch.ops.aten.sym_size.int}
 
 
 class StorageKind(enum.IntEnum):
@@ -117,14 +119,6 @@ def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
-def _mutated_arg_positions(func) -> tuple[int, ...]:
-    return tuple(
-        i
-        for i, a in enumerate(func._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    )
-
-
 class StepTracer(TorchDispatchMode):
     """Records every aten op and storage of a step; see the module docstring."""
 
@@ -147,8 +141,6 @@ class StepTracer(TorchDispatchMode):
         self._seq_probe = torch.zeros(1, requires_grad=True)  # real, tiny, outside every mode
         self._seq_index: tuple[list[int], list[int]] | None = None
         self._last_bw_call = -1
-        self._mutates: dict[Any, tuple[int, ...]] = {}
-        self._func_is_random: dict[Any, bool] = {}
         self._hooks: list[Any] = []
         self._calls_done = 0
         self._last_progress = time.monotonic()
@@ -196,7 +188,8 @@ class StepTracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in _METADATA_OPS:
+        facts = op_facts(func)
+        if facts.is_query:
             return out
         index = len(self.ops)
         flat_in, _ = tree_flatten((args, kwargs))
@@ -211,7 +204,7 @@ class StepTracer(TorchDispatchMode):
                 sid = self._new_storage(st, alloc_op=index)
             if sid is not None:
                 arg_sids.append(sid)
-        mutated = self._mutated_sids(func, args, kwargs)
+        mutated = self._mutated_sids(written_args(facts, args, kwargs)) if facts.written else ()
         new_sids = []
         flat_out, _ = tree_flatten(out)
         for t in flat_out:
@@ -230,9 +223,10 @@ class StepTracer(TorchDispatchMode):
                 runtime_ms=runtime_ms,
                 new_sids=tuple(new_sids),
                 arg_sids=tuple(arg_sids),
+                # The one meaning of "view" (see estimators/op_facts.py): no new storage, no write.
                 is_view=not new_sids and not mutated,
                 mutated_sids=mutated,
-                is_random=self._is_random(func),
+                is_random=facts.is_random,
             )
         )
         if self.phase is Phase.BW and call >= 0:
@@ -242,16 +236,9 @@ class StepTracer(TorchDispatchMode):
             self.progress(f"{self.phase.name.lower()}: {index} ops, in {where}")
         return out
 
-    def _mutated_sids(self, func, args, kwargs) -> tuple[int, ...]:
-        pos = self._mutates.get(func)
-        if pos is None:
-            pos = self._mutates[func] = _mutated_arg_positions(func)
-        if not pos:
-            return ()
+    def _mutated_sids(self, values: list[Any]) -> tuple[int, ...]:
         sids = []
-        names = [a.name for a in func._schema.arguments]
-        for i in pos:
-            a = args[i] if i < len(args) else kwargs.get(names[i])
+        for a in values:
             for t in a if isinstance(a, (list, tuple)) else (a,):
                 if isinstance(t, torch.Tensor):
                     st = _storage_of(t)
@@ -259,12 +246,6 @@ class StepTracer(TorchDispatchMode):
                     if sid is not None:
                         sids.append(sid)
         return tuple(sids)
-
-    def _is_random(self, func) -> bool:
-        r = self._func_is_random.get(func)
-        if r is None:
-            r = self._func_is_random[func] = torch.Tag.nondeterministic_seeded in func.tags
-        return r
 
     def _current_call(self) -> int:
         if self.phase is not Phase.BW:

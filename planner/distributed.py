@@ -48,13 +48,9 @@ import torch.distributed as dist
 from estimators.collectives import AnalyticCollectiveModel
 from estimators.device import DeviceSpec, get_device_spec
 from estimators.estimate import DEFAULT_DEVICE, EstimateOptions, TraceMode, as_train_step, estimate
-from estimators.runtime import (
-    BenchmarkRuntime,
-    RuntimeKind,
-    SignatureRecorder,
-    benchmark_runtime_override,
-    make_runtime_model,
-)
+from estimators.kernel_bench import BenchmarkRuntime
+from estimators.op_signatures import SignatureRecorder
+from estimators.runtime import RuntimeKind, benchmark_runtime_override, make_runtime_model
 from planner.checkpointing import hf_cache_off
 from planner.fsdp import fsdp_comm_ms, fsdp_units_of
 from planner.plan import GiB, Plan

@@ -15,7 +15,8 @@ import collections
 from dataclasses import dataclass
 
 from estimators.estimate import Estimate
-from estimators.trace import Phase, StorageKind
+from estimators.module_info import Phase
+from estimators.trace import StorageKind
 
 __all__ = ["PeakContributor", "PeakBreakdown", "peak_breakdown", "lowering_hints"]
 

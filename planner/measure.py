@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from estimators.step import Phase, TrainStep, run_step, zero_grads
+from estimators.module_info import Phase
+from estimators.step import TrainStep, run_step, zero_grads
 
 __all__ = ["MeasuredStep", "measure_step", "measure_steps"]
 

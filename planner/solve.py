@@ -389,7 +389,7 @@ def _allowed_units(info, ac_units) -> tuple[list[str] | None, dict[str, str]]:
 
 def _peak_in_backward_of(planned: Estimate, modules) -> str | None:
     """The checkpointed module (innermost) in whose backward the traced peak falls, if any."""
-    from estimators.step import Phase
+    from estimators.module_info import Phase
 
     trace = planned.trace
     op = trace.ops[planned.timeline.peak_op_index]

@@ -10,15 +10,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from estimators.device import get_device_spec
-from estimators.runtime import (
-    BenchmarkCacheError,
-    BenchmarkRuntime,
-    RooflineRuntime,
-    RuntimeKind,
-    RuntimeModel,
-    make_runtime_model,
-    op_flops,
-)
+from estimators.json_cache import BenchmarkCacheError
+from estimators.kernel_bench import BenchmarkRuntime
+from estimators.roofline import RooflineRuntime, op_flops
+from estimators.runtime import RuntimeKind, RuntimeModel, make_runtime_model
 
 aten = torch.ops.aten
 H100_LAUNCH_MS = 0.004
@@ -196,13 +191,13 @@ def test_op_flops_zero_without_formula():
 
 def test_roofline_caches_by_signature(h100, monkeypatch):
     calls = []
-    original = RooflineRuntime._price
+    original = RooflineRuntime.price
 
     def counting(self, *a, **kw):
         calls.append(a[0])
         return original(self, *a, **kw)
 
-    monkeypatch.setattr(RooflineRuntime, "_price", counting)
+    monkeypatch.setattr(RooflineRuntime, "price", counting)
     first = price(h100, aten.mm.default, torch.ones(8, 4), torch.ones(4, 2))
     second = price(h100, aten.mm.default, torch.zeros(8, 4), torch.zeros(4, 2))  # same signature
     third = price(h100, aten.mm.default, torch.ones(8, 4), torch.ones(4, 3))  # new shape
@@ -306,7 +301,7 @@ def test_benchmark_falls_back_to_roofline_for_ops_that_cannot_run(caplog):
         probs = torch.empty(8, 16)
         args, out = (probs, 4), torch.empty(8, 4, dtype=torch.long)
         probs2 = torch.empty(4, 16)
-    with caplog.at_level(logging.DEBUG, logger="estimators.runtime"):
+    with caplog.at_level(logging.DEBUG, logger="estimators.kernel_bench"):
         ms = bench.op_runtime_ms(aten.multinomial.default, args, {}, out)
         bench.op_runtime_ms(aten.multinomial.default, (probs2, 4), {}, out)
     expected = RooflineRuntime(get_device_spec("cpu")).op_runtime_ms(aten.multinomial.default, args, {}, out)

@@ -144,7 +144,8 @@ def test_recorded_signatures_time_once_and_travel_as_timings():
     """The runtime hooks the split uses, in one process: record, time, export, import."""
     import torch
 
-    from estimators.runtime import BenchmarkRuntime, SignatureRecorder
+    from estimators.kernel_bench import BenchmarkRuntime
+    from estimators.op_signatures import SignatureRecorder
 
     mm, a, b = torch.ops.aten.mm.default, torch.randn(8, 16), torch.randn(16, 4)
     recorder = SignatureRecorder()
