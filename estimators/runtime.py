@@ -24,7 +24,7 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 import torch
 from torch._ops import OpOverload
 
-from estimators.device import DeviceSpec, get_device_spec
+from estimators.device import DeviceSpec
 from estimators.kernel_bench import BenchmarkRuntime
 from estimators.roofline import RooflineRuntime
 
@@ -81,6 +81,7 @@ def make_runtime_model(kind: RuntimeKind | str, spec: DeviceSpec, **kw: Any) -> 
     times kernels on ``device`` (default ``"cuda"`` for a CUDA spec, else ``"cpu"``); ops that
     cannot run get ``spec``'s roofline when ``spec`` is that kind of device, else the cpu spec's.
 
+    >>> from estimators.device import get_device_spec
     >>> make_runtime_model("roofline", get_device_spec("h100")).name
     'roofline:h100'
     """

@@ -316,3 +316,39 @@ def test_rank_that_dies_fails_fast(tmp_path):
     assert outcome["error"] in (CollectiveError.__name__, CollectiveTimeoutError.__name__)
     assert outcome["elapsed_s"] < 6.0
     assert "all_reduce" in outcome["message"]
+
+
+class _WorkDoneAt:
+    """A Work whose collective completes at a given monotonic time."""
+
+    def __init__(self, done_at: float):
+        self.done_at, self.checks = done_at, 0
+
+    def is_completed(self) -> bool:
+        self.checks += 1
+        return time.monotonic() >= self.done_at
+
+    def wait(self) -> None:
+        pass
+
+
+def test_poll_sleeps_instead_of_spinning_and_returns_soon_after_completion():
+    from estimators.collectives import _poll
+
+    wait_s = 0.3
+    work = _WorkDoneAt(time.monotonic() + wait_s)
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    _poll(work, timeout_s=5.0)
+    cpu_s, late_s = time.process_time() - cpu0, time.monotonic() - work.done_at
+    # A busy wait burns ~wait_s of CPU and checks ~1e6 times; this one spins 5 ms, then sleeps
+    # 1/64 of the time waited (the bound on how late it notices, plus the OS's wake-up delay).
+    assert cpu_s < 0.1 * wait_s and work.checks < 20_000
+    assert 0 <= late_s < wait_s / 64 + 0.05
+    assert time.monotonic() - wall0 >= wait_s
+
+
+def test_poll_times_out():
+    from estimators.collectives import _poll, _PollTimeout
+
+    with pytest.raises(_PollTimeout):
+        _poll(_WorkDoneAt(time.monotonic() + 60), timeout_s=0.05)
