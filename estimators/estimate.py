@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from estimators.aggregate import build_module_info
 from estimators.cuda_rules import CudaSemanticsMode
 from estimators.device import DeviceSpec, get_device_spec
-from estimators.memory import MemoryTimeline, build_timeline, classify_storages
+from estimators.memory import MemoryTimeline, build_timeline
 from estimators.runtime import RuntimeKind, make_runtime_model
 from estimators.step import StepError, TrainStep, run_step
 from estimators.module_info import ModuleInfo, Phase
@@ -308,18 +308,23 @@ def estimate(
             restore.enter_context(_restored(model))
         groups = _param_groups(model, step.optimizer, mapping)
         opt = resolve_optimizer(step.optimizer, groups, spec, fake)
-        with _maybe(fake_mode):
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
             _steady_state(traced, opt, step)
-        runtime = make_runtime_model(options.runtime, spec)
-        round_bytes = spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n)
-        progress = (lambda m: logger.info("trace: %s", m)) if options.progress else None
-        tracer = StepTracer(runtime, round_bytes=round_bytes, progress=progress)
-        root = type(model).__name__
-        _register_state(tracer, traced, step_inputs, opt)
+        tracer = StepTracer(
+            traced, type(model).__name__, make_runtime_model(options.runtime, spec),
+            inputs=step_inputs, optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
+            round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
+            progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
+        )
         applied = prepare(traced) if prepare is not None else None
-        tracer.attach(traced, root)
+        tracer.attach()
         try:
-            with _maybe(fake_mode), tracer, _maybe(CudaSemanticsMode() if cuda_rules else None):
+            with contextlib.ExitStack() as modes:
+                if fake_mode is not None:
+                    modes.enter_context(fake_mode)
+                modes.enter_context(tracer)
+                if cuda_rules:
+                    modes.enter_context(CudaSemanticsMode())
                 with torch.autograd.graph.saved_tensors_hooks(tracer.pack_hook, tracer.unpack_hook):
                     run_step(
                         traced, step_inputs, step.loss_fn, opt, on_phase=tracer.set_phase,
@@ -330,9 +335,8 @@ def estimate(
         finally:
             tracer.detach()
             _undo(applied)
-        tracer.finish()
-        trace = _finish_trace(tracer, traced, opt, root, spec if fake else get_device_spec("cpu"))
-        del opt
+        trace = tracer.finish()
+        del opt, tracer
     timeline = build_timeline(trace)
     info = build_module_info(trace, timeline)
     dt = time.perf_counter() - t0
@@ -418,75 +422,8 @@ def first_step_module_info(info: ModuleInfo) -> ModuleInfo:
     return dataclasses.replace(info, memory_points=points)
 
 
-class _maybe:
-    """``with _maybe(ctx)``: enter ctx unless it is None."""
-
-    def __init__(self, ctx):
-        self.ctx = ctx
-
-    def __enter__(self):
-        return self.ctx.__enter__() if self.ctx is not None else None
-
-    def __exit__(self, *exc):
-        return self.ctx.__exit__(*exc) if self.ctx is not None else False
-
-
 def _param_groups(model: torch.nn.Module, optimizer: Any, mapping: dict) -> list[dict]:
     if isinstance(optimizer, torch.optim.Optimizer):
         return [{"params": [mapping[id(p)] for p in g["params"] if id(p) in mapping]} for g in optimizer.param_groups]
     params = [mapping[id(p)] for p in model.parameters() if p.requires_grad]
     return [{"params": params}]
-
-
-def _register_state(tracer: StepTracer, model: torch.nn.Module, inputs: Any, opt) -> None:
-    for p in model.parameters():
-        tracer.register(p, StorageKind.PARAM)
-        if p.grad is not None:
-            tracer.register(p.grad, StorageKind.GRAD)
-    for b in model.buffers():
-        tracer.register(b, StorageKind.BUFFER)
-    for t in tree_flatten(inputs)[0]:
-        if isinstance(t, torch.Tensor):
-            tracer.register(t, StorageKind.INPUT)
-    if opt is not None:
-        for state in opt.state.values():
-            for t in tree_flatten(state)[0]:
-                if isinstance(t, torch.Tensor):
-                    tracer.register(t, StorageKind.OPTIMIZER)
-
-
-def _finish_trace(tracer: StepTracer, model: torch.nn.Module, opt, root: str, spec: DeviceSpec) -> StepTrace:
-    grad_sids = {tracer.register(p.grad, StorageKind.GRAD) for p in model.parameters() if p.grad is not None}
-    opt_sids: set[int | None] = set()
-    if opt is not None:
-        for state in opt.state.values():
-            for t in tree_flatten(state)[0]:
-                if isinstance(t, torch.Tensor):
-                    opt_sids.add(tracer.register(t, StorageKind.OPTIMIZER))
-    step = StepTrace(
-        ops=tracer.ops,
-        storages=tracer.storages,
-        calls=tracer.calls,
-        leaf_fqns=set(),
-        param_bytes_by_module={},
-        grad_bytes_by_module={},
-        device=spec.name,
-    )
-    classify_storages(step, grad_sids - {None}, opt_sids - {None})
-    for name, mod in model.named_modules():
-        fqn = f"{root}.{name}" if name else root
-        if next(mod.children(), None) is None:
-            step.leaf_fqns.add(fqn)
-        seen: set[int] = set()
-        pbytes = gbytes = 0
-        for p in mod.parameters():
-            key = id(p.untyped_storage())
-            if key in seen:
-                continue
-            seen.add(key)
-            nb = tracer.round_bytes(p.untyped_storage().nbytes())
-            pbytes += nb
-            gbytes += nb if p.requires_grad else 0
-        step.param_bytes_by_module[fqn] = pbytes
-        step.grad_bytes_by_module[fqn] = gbytes
-    return step

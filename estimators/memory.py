@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from estimators.module_info import Phase
 from estimators.trace import StepTrace, StorageKind
 
 __all__ = ["MemoryTimeline", "build_timeline", "CATEGORY_NAMES"]
@@ -66,19 +65,3 @@ def build_timeline(trace: StepTrace) -> MemoryTimeline:
             delta[max(s.free_op + 1, start + 1), s.kind] -= s.nbytes
     live = np.cumsum(delta[:n], axis=0)
     return MemoryTimeline(live_by_kind=live, alloc_by_op=alloc, total=live.sum(axis=1))
-
-
-def classify_storages(trace: StepTrace, grad_sids: set[int], optimizer_sids: set[int]) -> None:
-    """Give every storage made during the step its final category (in place)."""
-    for s in trace.storages:
-        if s.alloc_op < 0:
-            continue  # parameters, buffers, inputs, pre-existing state: set at registration
-        if s.sid in grad_sids:
-            s.kind = StorageKind.GRAD
-        elif s.sid in optimizer_sids or s.phase is Phase.OPTIM:
-            # Step temporaries count with the state: both scale with the (sharded) parameters.
-            s.kind = StorageKind.OPTIMIZER
-        elif s.saved and s.phase is Phase.FW:
-            s.kind = StorageKind.ACTIVATION
-        else:
-            s.kind = StorageKind.TEMP

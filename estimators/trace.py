@@ -18,9 +18,10 @@ and of custom autograd Functions.
 from __future__ import annotations
 
 import bisect
-import time
+import dataclasses
 import enum
 import logging
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -100,7 +101,8 @@ class ModuleCall:
 
 @dataclass
 class StepTrace:
-    """Everything recorded in one step; estimators.memory / runtime / sac derive from it."""
+    """Everything recorded in one step, complete (``StepTracer.finish`` builds it once);
+    estimators.memory / aggregate / sac derive from it."""
 
     ops: list[OpRecord]
     storages: list[StorageRecord]
@@ -111,7 +113,6 @@ class StepTrace:
     device: str
 
 
-
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     try:
         return t.untyped_storage()
@@ -120,15 +121,38 @@ def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
 
 
 class StepTracer(TorchDispatchMode):
-    """Records every aten op and storage of a step; see the module docstring."""
+    """Records every aten op and storage of one step of ``model``; see the module docstring.
+
+    Usage: build it (the state that exists before the step is registered then), ``attach()`` the
+    module hooks, run the step inside ``with tracer`` (and the saved-tensor hooks), ``detach()``,
+    then ``finish()`` returns the complete :class:`StepTrace`.
+    """
 
     def __init__(
         self,
+        model: torch.nn.Module,
+        root_name: str,
         runtime_model: RuntimeModel,
+        *,
+        inputs: Any = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        device: str = "",
         round_bytes: Callable[[int], int] = lambda n: n,
         progress: Callable[[str], None] | None = None,
     ) -> None:
+        """
+        Args:
+            model: the module whose step is traced (its parameters, buffers, gradients).
+            root_name: the root's name in fqns (its class name, as torch's ModTracker names it).
+            runtime_model: prices every recorded op.
+            inputs: the step's inputs (their tensors count as inputs).
+            optimizer: its state counts as optimizer state, before and after the step.
+            device: name of the DeviceSpec the trace stands for (``StepTrace.device``).
+            round_bytes: storage size as the target's allocator counts it.
+            progress: called with a short message now and then.
+        """
         super().__init__()
+        self.model, self.root_name, self.optimizer, self.device = model, root_name, optimizer, device
         self.runtime_model = runtime_model
         self.round_bytes = round_bytes
         self.progress = progress
@@ -145,6 +169,7 @@ class StepTracer(TorchDispatchMode):
         self._calls_done = 0
         self._last_progress = time.monotonic()
         self._sealed = False  # after finish(): later frees (the caller dropping tensors) are not the step's
+        self._register_state(inputs)
 
     def set_phase(self, phase: Phase) -> None:
         if phase is not self.phase and self.progress is not None and phase is not Phase.FW:
@@ -155,8 +180,28 @@ class StepTracer(TorchDispatchMode):
     def _sid(self, st: torch.UntypedStorage) -> int | None:
         return self._live.get(id(st))
 
-    def register(self, t: torch.Tensor, kind: StorageKind) -> int | None:
-        """Track a tensor that exists before the step (parameter, buffer, input, state)."""
+    def _register_state(self, inputs: Any) -> None:
+        for p in self.model.parameters():
+            self._register(p, StorageKind.PARAM)
+            if p.grad is not None:
+                self._register(p.grad, StorageKind.GRAD)
+        for b in self.model.buffers():
+            self._register(b, StorageKind.BUFFER)
+        for t in tree_flatten(inputs)[0]:
+            if isinstance(t, torch.Tensor):
+                self._register(t, StorageKind.INPUT)
+        for t in self._optimizer_tensors():
+            self._register(t, StorageKind.OPTIMIZER)
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        if self.optimizer is None:
+            return []
+        flat = tree_flatten(list(self.optimizer.state.values()))[0]
+        return [t for t in flat if isinstance(t, torch.Tensor)]
+
+    def _register(self, t: torch.Tensor, kind: StorageKind) -> int | None:
+        """Track a tensor that exists before the step (parameter, buffer, input, state); the
+        sid of one already tracked."""
         st = _storage_of(t)
         if st is None:
             return None
@@ -279,9 +324,10 @@ class StepTracer(TorchDispatchMode):
         with torch._C._DisableTorchDispatch(), torch.enable_grad():
             return self._seq_probe.view_as(self._seq_probe).grad_fn._sequence_nr() + 1
 
-    def attach(self, root: torch.nn.Module, root_name: str) -> None:
-        for name, mod in root.named_modules(remove_duplicate=True):
-            fqn = f"{root_name}.{name}" if name else root_name
+    def attach(self) -> None:
+        """Install the module hooks that attribute forward ops to module calls."""
+        for name, mod in self.model.named_modules(remove_duplicate=True):
+            fqn = f"{self.root_name}.{name}" if name else self.root_name
             self._hooks.append(
                 mod.register_forward_pre_hook(self._make_pre_hook(fqn), with_kwargs=True)
             )
@@ -383,9 +429,28 @@ class StepTracer(TorchDispatchMode):
         return bounds, owners
 
     # ------------------------------------------------------------------ results
-    def finish(self) -> None:
-        """Close backward attribution: first/last backward op of every call and its ancestors."""
+    def finish(self) -> StepTrace:
+        """End the recording and return the complete trace: backward attribution closed, every
+        storage in its final category, the module tree's leaves and parameter bytes."""
         self._sealed = True
+        self._close_backward()
+        # State the step created (gradients, new optimizer state) is known only now.
+        grads = {self._register(p.grad, StorageKind.GRAD) for p in self.model.parameters() if p.grad is not None}
+        state = {self._register(t, StorageKind.OPTIMIZER) for t in self._optimizer_tensors()}
+        storages = [
+            s if s.alloc_op < 0 else dataclasses.replace(s, kind=_final_kind(s, grads, state))
+            for s in self.storages
+        ]
+        leaves, param_bytes, grad_bytes = self._module_tree()
+        trace = StepTrace(
+            ops=self.ops, storages=storages, calls=self.calls, leaf_fqns=leaves,
+            param_bytes_by_module=param_bytes, grad_bytes_by_module=grad_bytes, device=self.device,
+        )
+        self.model = self.optimizer = None  # the trace holds numbers only
+        return trace
+
+    def _close_backward(self) -> None:
+        """First/last backward op of every call and its ancestors."""
         for op in self.ops:
             if op.phase is not Phase.BW:
                 continue
@@ -396,3 +461,37 @@ class StepTracer(TorchDispatchMode):
                     call.bw_first_op = op.index
                 call.bw_last_op = op.index
                 c = call.parent
+
+    def _module_tree(self) -> tuple[set[str], dict[str, int], dict[str, int]]:
+        """Leaf fqns, and unique parameter / gradient bytes of every module's subtree."""
+        leaves: set[str] = set()
+        param_bytes: dict[str, int] = {}
+        grad_bytes: dict[str, int] = {}
+        for name, mod in self.model.named_modules():
+            fqn = f"{self.root_name}.{name}" if name else self.root_name
+            if next(mod.children(), None) is None:
+                leaves.add(fqn)
+            seen: set[int] = set()
+            pbytes = gbytes = 0
+            for p in mod.parameters():
+                key = id(p.untyped_storage())
+                if key in seen:
+                    continue
+                seen.add(key)
+                nb = self.round_bytes(p.untyped_storage().nbytes())
+                pbytes += nb
+                gbytes += nb if p.requires_grad else 0
+            param_bytes[fqn], grad_bytes[fqn] = pbytes, gbytes
+        return leaves, param_bytes, grad_bytes
+
+
+def _final_kind(s: StorageRecord, grad_sids: set[int | None], optimizer_sids: set[int | None]) -> StorageKind:
+    """The category of a storage made during the step, decided once the step is over."""
+    if s.sid in grad_sids:
+        return StorageKind.GRAD
+    if s.sid in optimizer_sids or s.phase is Phase.OPTIM:
+        # Step temporaries count with the state: both scale with the (sharded) parameters.
+        return StorageKind.OPTIMIZER
+    if s.saved and s.phase is Phase.FW:
+        return StorageKind.ACTIVATION
+    return StorageKind.TEMP
