@@ -23,7 +23,7 @@ from torch._ops import OpOverload
 
 from estimators.device import DeviceSpec, get_device_spec
 from estimators.json_cache import BenchmarkCacheError, JsonTimingCache, is_time
-from estimators.op_facts import cache_key, hint, op_facts
+from estimators.op_facts import hint, timed_key
 from estimators.op_signatures import OpSignature, TensorSpec, storage_extent, synthetic_tensor
 from estimators.roofline import RooflineRuntime
 
@@ -113,11 +113,10 @@ class BenchmarkRuntime:
             weakref.finalize(self, _save_quietly, self._file, self._measured)
 
     def op_runtime_ms(self, func: OpOverload, args: Args, kwargs: Kwargs, out: Any) -> float:
-        facts = op_facts(func)
-        if facts.free:
+        keys = timed_key(func, args, kwargs, out)
+        if keys is None:
             return 0.0
-        key = cache_key(func, facts, args, kwargs, out, safe=True)
-        key_repr = repr(key)
+        key, key_repr = keys
         ms = self._lookup(key, key_repr)
         if ms is not None:
             self.hits += 1

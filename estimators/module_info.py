@@ -25,6 +25,7 @@ so that its users recognise them; units are in the field names.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import json
@@ -151,20 +152,8 @@ class TradeoffCurve:
         ``recompute_fraction(r) = max_s(slope_s * r + intercept_s)`` for ``r`` in [0, 1]; a MILP
         uses one ``>=`` constraint per segment. Vertical steps (memory-free ops) are dropped."""
         xs, ys = self.normalized()
-        pts = sorted(set(zip(xs, ys)))
-        # Andrew's monotone chain, lower hull only; the greedy order makes it the curve itself.
-        hull: list[tuple[float, float]] = []
-        for p in pts:
-            while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
-                hull.pop()
-            hull.append(p)
-        segs = []
-        for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
-            if x1 - x0 <= 1e-15:
-                continue
-            slope = (y1 - y0) / (x1 - x0)
-            segs.append((slope, y0 - slope * x0))
-        return segs
+        # The greedy order makes the hull the curve itself.
+        return lower_hull_segments(list(zip(xs, ys)))
 
     def recompute_ms_at(self, discarded_bytes: float) -> float:
         """Recompute time of discarding ``discarded_bytes`` along the curve (linear in between)."""
@@ -173,12 +162,26 @@ class TradeoffCurve:
         xs, ys = self.discarded_bytes, self.recompute_ms
         if discarded_bytes >= xs[-1]:
             return ys[-1]
-        for i in range(1, len(xs)):
-            if discarded_bytes <= xs[i]:
-                span = xs[i] - xs[i - 1]
-                t = (discarded_bytes - xs[i - 1]) / span if span else 1.0
-                return ys[i - 1] + t * (ys[i] - ys[i - 1])
-        return ys[-1]
+        i = bisect.bisect_left(xs, discarded_bytes, 1)  # first breakpoint at or past it
+        span = xs[i] - xs[i - 1]
+        t = (discarded_bytes - xs[i - 1]) / span if span else 1.0
+        return ys[i - 1] + t * (ys[i] - ys[i - 1])
+
+
+def lower_hull_segments(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(slope, intercept) of each segment of the lower convex hull of ``points``, left to right
+    (Andrew's monotone chain); vertical steps are dropped. Torch-free, for the solver too."""
+    hull: list[tuple[float, float]] = []
+    for p in sorted(set(points)):
+        while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
+            hull.pop()
+        hull.append(p)
+    segs = []
+    for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
+        if x1 - x0 > 1e-15:
+            slope = (y1 - y0) / (x1 - x0)
+            segs.append((slope, y0 - slope * x0))
+    return segs
 
 
 def _cross(o: tuple[float, float], a: tuple[float, float], b: tuple[float, float]) -> float:

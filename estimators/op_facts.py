@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["OpFacts", "op_facts", "cache_key", "hint", "tensor_bytes", "is_empty"]
+__all__ = ["OpFacts", "op_facts", "cache_key", "timed_key", "hint", "tensor_bytes", "is_empty"]
 
 aten = torch.ops.aten
 Args = Sequence[Any]
@@ -212,6 +212,16 @@ def cache_key(func: Any, facts: OpFacts, args: Args, kwargs: Kwargs, out: Any, s
     if facts.dynamic_output:
         key += (sign(out if isinstance(out, (list, tuple)) else (out,)),)
     return key
+
+
+def timed_key(func: Any, args: Args, kwargs: Kwargs, out: Any) -> tuple[tuple, str] | None:
+    """The key a benchmark times one call under and its ``repr`` (how timings are named across
+    processes and in cache files); None for an op that launches no kernel (nothing to time)."""
+    facts = op_facts(func)
+    if facts.free:
+        return None
+    key = cache_key(func, facts, args, kwargs, out, safe=True)
+    return key, repr(key)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch._ops import OpOverload
 
-from estimators.op_facts import cache_key, hint, op_facts
+from estimators.op_facts import hint, timed_key
 
 __all__ = ["TensorSpec", "OpSignature", "SignatureRecorder", "synthetic_tensor"]
 
@@ -109,11 +109,10 @@ class SignatureRecorder:
         self._seen: dict[str, OpSignature] = {}
 
     def op_runtime_ms(self, func: OpOverload, args: Args, kwargs: Kwargs, out: Any) -> float:
-        facts = op_facts(func)
-        if facts.free:
+        keys = timed_key(func, args, kwargs, out)
+        if keys is None:
             return 0.0
-        key = cache_key(func, facts, args, kwargs, out, safe=True)
-        key_repr = repr(key)
+        key, key_repr = keys
         if key_repr not in self._seen:
             memo: dict[int, TensorSpec] = {}
             try:
