@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from estimators.module_info import (
     MemoryPoint,
     ModOrder,
@@ -140,17 +142,9 @@ def _curve(s: Mapping[str, Any]) -> tuple[int, TradeoffCurve]:
     x_min = (acm - ia) / acm
     xs = [x_min] + [x for x, _ in pts if x_min < x < 1.0] + [1.0]
     bytes_ = [0] + [int(round(acm * x - (acm - ia))) for x in xs]
-    ms = [0.0] + [total_ms * _interp(pts, x) for x in xs]
+    # torch's curve at each ratio: flat before its first and after its last point, linear between.
+    curve = np.interp(xs, [x for x, _ in pts], [y for _, y in pts])
+    ms = [0.0] + [total_ms * float(y) for y in curve]
     for i in range(1, len(bytes_)):  # rounding must not make the curve step back
         bytes_[i] = max(bytes_[i], bytes_[i - 1])
     return bytes_[-1], TradeoffCurve(discarded_bytes=tuple(bytes_), recompute_ms=tuple(ms))
-
-
-def _interp(pts: list[tuple[float, float]], x: float) -> float:
-    """torch's curve at ratio x: flat before its first and after its last point, linear between."""
-    if x <= pts[0][0]:
-        return pts[0][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if x <= x1:
-            return y0 if x1 - x0 <= 0 else y0 + (x - x0) / (x1 - x0) * (y1 - y0)
-    return pts[-1][1]
