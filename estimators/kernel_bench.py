@@ -100,14 +100,13 @@ class BenchmarkRuntime:
         self._memory: dict[tuple, float] = {}
         self._measured: dict[str, float] = {}
         self._fallback_funcs: set[Any] = set()
+        self._autosave_every, self._unsaved = autosave_every, 0
         self._file: JsonTimingCache | None = None
         if cache_path is not None:
             self._file = JsonTimingCache(
                 path=Path(cache_path), format=_CACHE_FORMAT, version=_CACHE_VERSION,
                 description="benchmark cache", identity={"device": self.device_label},
             )
-        self._autosave_every, self._unsaved = autosave_every, 0
-        if self._file is not None:
             self._measured.update(self._file.load())
             # Also save at exit / collection; the finaliser holds the dict, not self.
             weakref.finalize(self, _save_quietly, self._file, self._measured)

@@ -27,10 +27,10 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from estimators.sac_groups import SACGroup, sac_groups  # torch-free
+from estimators.sac_groups import SACGroup, sac_groups  # torch-free, like ModuleInfo
 from solver.options import SolverOptions, SolveStatus, run_backend
 
-if TYPE_CHECKING:  # only types: importing estimators would pull in torch
+if TYPE_CHECKING:
     from estimators.module_info import SACOp
 
 __all__ = ["OpDecision", "OpPlan", "solve_op_milp"]

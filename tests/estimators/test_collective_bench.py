@@ -154,9 +154,14 @@ def test_gloo_two_ranks_benchmark_cache_and_disk_round_trip(tmp_path):
 
 def _absent_peer_worker(rank: int, tmp: str, peer: str) -> None:
     _init_gloo(rank, tmp, timeout_s=30)  # the group's own timeout is long: ours must fire
-    done = os.path.join(tmp, "rank0.json")
+    done, ready = os.path.join(tmp, "rank0.json"), os.path.join(tmp, "rank0_ready")
+    if rank == 0:
+        _write_json(ready, {})
     if rank == 1:
         if peer == "exits":
+            # Die only once rank 0's side of the group is up: dying during gloo's connect makes
+            # rank 0's init fail instead (seen 1 run in 12 before this wait).
+            _wait_for(ready)
             os._exit(0)
         deadline = time.monotonic() + 30  # alive but never joining, until rank 0 has its answer
         while not os.path.exists(done) and time.monotonic() < deadline:
@@ -172,6 +177,12 @@ def _absent_peer_worker(rank: int, tmp: str, peer: str) -> None:
     outcome["elapsed_s"] = time.monotonic() - start
     _write_json(done, outcome)
     os._exit(0)  # the group is broken: skip its teardown
+
+
+def _wait_for(path: str, limit_s: float = 30.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _write_json(path: str, data: dict) -> None:
