@@ -188,7 +188,7 @@ def test_trace_runs_the_cuda_attention_kernel_and_its_backward(name):
 
 
 def test_cli_plans_for_h100_and_trains_on_cpu(capsys):
-    from planner.apply import main
+    from planner.cli import main
 
     est, milp = _planning("gpt_tiny")
     high, low = est.module_info.peak_bytes, milp.min_reachable_peak_bytes()

@@ -116,7 +116,7 @@ def test_one_default_target_everywhere():
     import inspect
 
     from estimators.estimate import DEFAULT_DEVICE
-    from planner.apply import build_parser
+    from planner.cli import build_parser
     from planner.distributed import solve_sac_distributed
     from planner.tradeoff import tradeoff_curve
 

@@ -1,4 +1,4 @@
-"""planner/apply.py: the command line, end to end on a small model, and its errors."""
+"""planner/cli.py (run as ``python -m planner.apply``): the command line, end to end on a small model, and its errors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from planner.apply import main
+from planner.cli import main
 from planner.plan import ModulePlan, Plan, model_fingerprint
 
 _USER_MODULE = '''
@@ -207,3 +207,16 @@ def test_cli_plans_the_loop_it_is_told(capsys):
     steps = out["measured_steps"]
     assert len(steps) == 3
     assert max(s["peak_bytes"] for s in steps) <= out["plan"]["budget_bytes"] - out["plan"]["reserve_bytes"]
+
+
+def test_python_m_planner_apply_runs_the_cli():
+    """planner/apply.py is only the entry point: ``python -m planner.apply`` must reach cli.main
+    (a bad flag is answered by cli's parser: its prog name and exit status 2)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "planner.apply", "--optimizer", "lion"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["error: --optimizer must be adam, adamw, sgd or none, got 'lion'"]
