@@ -22,14 +22,14 @@ import torch.multiprocessing as mp
 
 from estimators.estimate import estimate
 from examples.gpt import GPTConfig, build_gpt
-from planner.fsdp import fsdp_module_info
+from planner.fsdp.memory import fsdp_module_info
 from planner.plan import GiB
 from solver import SACMilp
 
 WORLD_SIZE = 2
 SEED = 1234
 # Parameters, gradients and Adam state weigh as much as the activations here, so the per-rank
-# peak depends on FSDP's sharding and buffers (without planner/fsdp.py's rules the prediction
+# peak depends on FSDP's sharding and buffers (without planner/fsdp/memory.py's rules the prediction
 # is 11% low at this budget).
 CONFIG = GPTConfig(vocab_size=2048, seq_len=64, n_layer=4, n_head=4, dim=256)
 BATCH = 4

@@ -17,7 +17,8 @@ from estimators.device import get_device_spec
 from estimators.estimate import EstimateOptions, estimate
 from estimators.runtime import RuntimeKind, benchmark_runtime_override
 from examples.gpt import GPTConfig, build_gpt
-from planner.fsdp import fsdp_comm_ms, fsdp_module_info
+from planner.fsdp.comm import fsdp_comm_ms
+from planner.fsdp.memory import fsdp_module_info
 from planner.plan import GiB
 from planner.solve import module_plan
 from solver import SACMilp

@@ -1,4 +1,4 @@
-"""planner/fsdp.py ``fsdp_comm_ms``: FSDP2's all-gather / reduce-scatter time per unit on a
+"""planner/fsdp/comm.py ``fsdp_comm_ms``: FSDP2's all-gather / reduce-scatter time per unit on a
 hand-built ModuleInfo, against numbers computed by hand."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import pytest
 from estimators.collectives import AnalyticCollectiveModel, Collective, CollectiveCost
 from estimators.device import Interconnect
 from estimators.module_info import ModOrder, ModStats, ModuleInfo
-from planner.fsdp import RECOMPUTE_EXTRA_ALL_GATHER_REASON, FSDPUnitError, fsdp_comm_ms
+from planner.fsdp.comm import RECOMPUTE_EXTRA_ALL_GATHER_REASON, fsdp_comm_ms
+from planner.fsdp.units import FSDPUnitError
 
 # Root "M" holds 1000 B of parameters in all: "M.a" 300 B (of which its child "M.a.x" 100 B, not a
 # unit) and "M.b" 200 B, so the root's own parameters are 1000 - 300 - 200 = 500 B. "M.b" is
