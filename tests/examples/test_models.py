@@ -53,7 +53,11 @@ def test_gpt_math_and_sdpa_attention_agree_in_eval_mode() -> None:
     sdpa_model.eval()
     math_model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(math_model(*inputs), sdpa_model(*inputs), rtol=1e-4, atol=1e-5)
+        math_out, sdpa_out = math_model(*inputs), sdpa_model(*inputs)
+    # Two float32 summation orders (explicit softmax(QK^T)V against the fused SDPA kernel): the
+    # measured max |diff| is 5.4e-7 on outputs up to 1.03 (a few ulps, with 1 and 2 threads), so
+    # the bound is absolute; a relative one fails on outputs near zero.
+    torch.testing.assert_close(math_out, sdpa_out, rtol=0, atol=1e-6)
 
 
 def test_gpt_attention_core_is_its_own_module() -> None:
@@ -117,8 +121,10 @@ def test_llama3_70b_builds_on_meta_in_seconds_with_the_right_parameter_count() -
     analytic = layers * per_layer + dim + 2 * vocab * dim
     count = sum(p.numel() for p in params)
     assert count == model.config.num_parameters()
-    assert abs(count - analytic) <= 0.01 * analytic
-    assert abs(count - 70.6e9) <= 0.01 * 70.6e9
+    assert count == analytic
+    # "70.6B" is the published count rounded to 0.1e9, so it is within half a unit of that
+    # (measured: 70,553,706,496, 46.3e6 below).
+    assert abs(count - 70.6e9) <= 0.05e9
 
 
 def test_llama_forward_and_loss_run_on_meta() -> None:
