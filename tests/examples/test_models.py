@@ -97,11 +97,14 @@ def test_gpt_bench_builds_on_meta_with_the_benchmark_shape() -> None:
 def test_rotary_matches_the_complex_reference() -> None:
     # Meta's reference: view pairs as complex numbers and multiply by exp(i * angle).
     B, T, H, hd = 2, 6, 3, 8
-    x = torch.randn(B, T, H, hd)
+    x = torch.randn(B, T, H, hd, generator=torch.Generator().manual_seed(0))
     cos, sin = rotary_tables(hd, T, theta=10_000.0)
     freqs = torch.polar(torch.ones_like(cos), torch.atan2(sin, cos))  # (T, hd/2) complex
     reference = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (hd // 2, 2))) * freqs[:, None, :])
-    torch.testing.assert_close(apply_rotary(x, cos, sin), reference.flatten(-2))
+    # The reference rebuilds cos / sin through atan2 and polar and multiplies in complex float32:
+    # measured max |diff| 2.4e-7 for this draw, 4.8e-7 over generator seeds 0-19 (1 ulp at |x| in
+    # [4, 8)), so the bound is absolute.
+    torch.testing.assert_close(apply_rotary(x, cos, sin), reference.flatten(-2), rtol=0, atol=1e-6)
 
 
 def test_llama3_70b_builds_on_meta_in_seconds_with_the_right_parameter_count() -> None:
