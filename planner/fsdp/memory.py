@@ -129,7 +129,6 @@ def _chain(fqn: str, units: dict[str, Unit]) -> list[Unit]:
     return [units[p] for p in prefixes if p in units]
 
 
-
 # ------------------------------------------------------------------------------ the rules
 def _gathered_param_bytes(p: MemoryPoint, units: dict[str, Unit], root: Unit) -> int:
     """R2 + R3."""
