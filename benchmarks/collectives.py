@@ -51,6 +51,7 @@ from estimators.collectives import (  # noqa: E402
     CollectiveFitError,
     CollectivePoint,
 )
+from planner.report import fmt_bytes  # noqa: E402
 
 KiB = 1024
 
@@ -102,10 +103,6 @@ def measure(world_size: int, sizes: list[int], args: dict) -> dict:
         return json.loads(Path(tmp, "result.json").read_text())
 
 
-def _fmt_bytes(n: int) -> str:
-    return f"{n // (KiB * KiB)} MiB" if n >= KiB * KiB else f"{n // KiB} KiB"
-
-
 def fit_models(
     points: list[CollectivePoint], joint: bool
 ) -> dict[int | None, AnalyticCollectiveModel]:
@@ -128,7 +125,7 @@ def report(
         rel = (predicted - p.runtime_ms) / p.runtime_ms
         errors.setdefault((fit_key, p.collective), []).append(abs(rel))
         lines.append(f"{p.collective.value:15s} {p.group_size:5d} "
-                     f"{_fmt_bytes(p.message_bytes):>9s} {p.runtime_ms:12.4f} {predicted:10.4f} "
+                     f"{fmt_bytes(p.message_bytes, digits=0):>9s} {p.runtime_ms:12.4f} {predicted:10.4f} "
                      f"{rel:+8.1%}")
     lines += ["", f"{'fit':>5s} {'collective':15s} {'latency us':>11s} {'bandwidth GB/s':>15s} "
                   f"{'median |rel err|':>17s}"]
@@ -177,7 +174,7 @@ def main(argv=None) -> int:
               f"{result['hits']} cache hits")
         if result["skipped"]:
             complete = False
-            missed = [_fmt_bytes(s) for s in result["skipped"]]
+            missed = [fmt_bytes(s, digits=0) for s in result["skipped"]]
             print(f"  budget spent: sizes not measured: {missed}")
     wall = time.perf_counter() - t0
     points.sort(key=lambda q: (list(Collective).index(q.collective), q.group_size, q.message_bytes))
@@ -186,7 +183,7 @@ def main(argv=None) -> int:
     except CollectiveFitError as exc:  # e.g. a budget so small that one size was measured
         print(f"no model: {exc}")
         for q in points:
-            print(f"{q.collective.value:15s} {q.group_size:5d} {_fmt_bytes(q.message_bytes):>9s} "
+            print(f"{q.collective.value:15s} {q.group_size:5d} {fmt_bytes(q.message_bytes, digits=0):>9s} "
                   f"{q.runtime_ms:12.4f}")
         return 1
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())

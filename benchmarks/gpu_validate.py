@@ -97,40 +97,37 @@ def _dims(size: str) -> dict:
     return dict(layers=2, hidden=64, ffn=128) if size == "tiny" else dict(layers=4, hidden=256, ffn=1024)
 
 
-def _gpt2(tf, size):
-    d, vocab = _dims(size), 512
-    cfg = tf.GPT2Config(n_layer=d["layers"], n_embd=d["hidden"], n_head=4, vocab_size=vocab,
-                        n_positions=256)
-    ids = _ids(size, vocab)
-    return tf.GPT2LMHeadModel(cfg), {"input_ids": ids, "labels": ids}
+_VOCAB = 512
 
 
-def _llama(tf, size):
-    d, vocab = _dims(size), 512
-    cfg = tf.LlamaConfig(num_hidden_layers=d["layers"], hidden_size=d["hidden"], intermediate_size=d["ffn"],
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                         max_position_embeddings=256)
-    ids = _ids(size, vocab)
-    return tf.LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+def _hf_family(config: str, model: str, config_kwargs: Callable[[dict], dict],
+               mask: bool = False) -> Callable[[Any, str], tuple[torch.nn.Module, dict]]:
+    """A builder of ``transformers.<model>(transformers.<config>(...))`` at ``size``, with token
+    ids as inputs and labels (and, with ``mask``, an attention mask that pads the last 1/8)."""
+
+    def build(tf, size):
+        ids = _ids(size, _VOCAB)
+        inputs = {"input_ids": ids}
+        if mask:
+            inputs["attention_mask"] = torch.ones_like(ids)
+            inputs["attention_mask"][:, -ids.shape[1] // 8:] = 0  # padding: the attention gets a bias
+        cfg = getattr(tf, config)(vocab_size=_VOCAB, **config_kwargs(_dims(size)))
+        return getattr(tf, model)(cfg), {**inputs, "labels": ids}
+
+    return build
 
 
-def _bert(tf, size):
-    d, vocab = _dims(size), 512
-    cfg = tf.BertConfig(num_hidden_layers=d["layers"], hidden_size=d["hidden"], intermediate_size=d["ffn"],
-                        num_attention_heads=4, vocab_size=vocab, max_position_embeddings=256)
-    ids = _ids(size, vocab)
-    mask = torch.ones_like(ids)
-    mask[:, -ids.shape[1] // 8:] = 0  # padding: the attention gets a bias
-    return tf.BertForMaskedLM(cfg), {"input_ids": ids, "attention_mask": mask, "labels": ids}
-
-
-def _t5(tf, size):
-    d, vocab = _dims(size), 512
-    cfg = tf.T5Config(num_layers=d["layers"], num_decoder_layers=d["layers"], d_model=d["hidden"],
-                      d_ff=d["ffn"], d_kv=d["hidden"] // 4, num_heads=4, vocab_size=vocab,
-                      decoder_start_token_id=0)
-    ids = _ids(size, vocab)
-    return tf.T5ForConditionalGeneration(cfg), {"input_ids": ids, "labels": ids}
+_gpt2 = _hf_family("GPT2Config", "GPT2LMHeadModel", lambda d: dict(
+    n_layer=d["layers"], n_embd=d["hidden"], n_head=4, n_positions=256))
+_llama = _hf_family("LlamaConfig", "LlamaForCausalLM", lambda d: dict(
+    num_hidden_layers=d["layers"], hidden_size=d["hidden"], intermediate_size=d["ffn"],
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+_bert = _hf_family("BertConfig", "BertForMaskedLM", lambda d: dict(
+    num_hidden_layers=d["layers"], hidden_size=d["hidden"], intermediate_size=d["ffn"],
+    num_attention_heads=4, max_position_embeddings=256), mask=True)
+_t5 = _hf_family("T5Config", "T5ForConditionalGeneration", lambda d: dict(
+    num_layers=d["layers"], num_decoder_layers=d["layers"], d_model=d["hidden"], d_ff=d["ffn"],
+    d_kv=d["hidden"] // 4, num_heads=4, decoder_start_token_id=0))
 
 
 MODELS: dict[str, Callable[[str], Built]] = {

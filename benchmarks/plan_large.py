@@ -5,7 +5,7 @@
 
 Model: 80 layers, hidden 8192, 64 heads / 8 KV heads, FFN 28672, vocab 128256, seq 4096,
 micro-batch 1, bf16, AdamW. FSDP2 units as a 70B user shards: every layer and the root
-(``planner/fsdp.py`` counts the sharded state, the gathered parameters and the all-gather /
+(``planner/fsdp/memory.py`` counts the sharded state, the gathered parameters and the all-gather /
 reduce-scatter buffers per rank). The step planned is the steady state (AdamW state alive from
 the start); the first step's per-rank peak is printed beside it. Prints wall time and max RSS
 against the targets (<= 120 s, <= 4 GiB) and whether the plan fits the steady state.

@@ -13,7 +13,7 @@ The protocol, on the ranks of ``group`` (default: the whole job):
 
 1. every rank validates its arguments locally (same arguments -> same error, no collective yet);
 2. rank 0 traces one step of the *unsharded* model in fake mode (``inputs`` is one rank's batch),
-   makes the memory FSDP-aware (``planner.fsdp.fsdp_module_info``) and solves per rank; the
+   makes the memory FSDP-aware (``planner.fsdp.memory.fsdp_module_info``) and solves per rank; the
    plan's notes state FSDP's all-gather / reduce-scatter time per step (``fsdp_comm_ms`` on the
    device's default link). With ``estimate_options=EstimateOptions(runtime=RuntimeKind.BENCHMARK)``
    a shared benchmark comes first (:func:`share_benchmarks`): every rank traces the step once in
@@ -52,7 +52,8 @@ from estimators.kernel_bench import BenchmarkRuntime
 from estimators.op_signatures import SignatureRecorder
 from estimators.runtime import RuntimeKind, benchmark_runtime_override, make_runtime_model
 from planner.checkpointing import hf_cache_off
-from planner.fsdp import fsdp_comm_ms, fsdp_units_of
+from planner.fsdp.comm import fsdp_comm_ms
+from planner.fsdp.model import fsdp_units_of
 from planner.plan import GiB, Plan
 from planner.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget
 
@@ -139,7 +140,7 @@ def solve_sac_distributed(
     rank, ``inputs`` one rank's batch. ``fsdp_units`` names the modules you will ``fully_shard``
     (ModuleInfo names: ``"GPT"``, ``"GPT.blocks.0"``...; the root included): parameters, gradients
     and optimizer state are then sharded over the group and FSDP2's gathered parameters and
-    communication buffers are counted (``planner/fsdp.py``). ``fsdp_units=None`` plans a
+    communication buffers are counted (``planner/fsdp/memory.py``). ``fsdp_units=None`` plans a
     replicated model (e.g. DDP; its gradient buckets are not modelled): per-rank memory is the
     single-process step's. ``solve_kwargs``: ``world_size`` (must equal the group's size),
     ``reserve_gib``, ``ac_units``, ``solver_options``, ``estimate_options``, ``verify``, as in
@@ -251,7 +252,7 @@ def _solve_traced(model, budget_gib, inputs, loss_fn, optimizer, device, units, 
     )
     note = (
         f"FSDP2 over {world_size} ranks, {len(units)} units: per-rank memory counts gathered "
-        "parameters and all-gather / reduce-scatter buffers (planner/fsdp.py)"
+        "parameters and all-gather / reduce-scatter buffers (planner/fsdp/memory.py)"
         if units is not None
         else f"replicated on {world_size} ranks (no fsdp_units): per-rank memory of one process"
     )
@@ -268,7 +269,7 @@ def _comm_note(info, units: list[str], world_size: int, spec: DeviceSpec) -> str
         model = AnalyticCollectiveModel.from_device(spec)
     except ValueError:
         return (f"FSDP collectives: not estimated (device {spec.name!r} names no interconnect; "
-                "see planner.fsdp.fsdp_comm_ms)")
+                "see planner.fsdp.comm.fsdp_comm_ms)")
     return fsdp_comm_ms(info, units, world_size, model).note()
 
 

@@ -14,6 +14,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from planner.report import byte_unit
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -33,10 +35,8 @@ def memory_unit(nbytes: float) -> tuple[int, str]:
     >>> memory_unit(3 * 2**30), memory_unit(5 * 2**20)
     ((1073741824, 'GiB'), (1048576, 'MiB'))
     """
-    for div, name in ((2**30, "GiB"), (2**20, "MiB")):
-        if nbytes >= div:
-            return div, name
-    return 2**10, "KiB"
+    div, name = byte_unit(nbytes)
+    return (2**10, "KiB") if div == 1 else (div, name)  # an axis in bytes would need 4-digit ticks
 
 
 def _import_matplotlib() -> Any:

@@ -53,7 +53,11 @@ def test_gpt_math_and_sdpa_attention_agree_in_eval_mode() -> None:
     sdpa_model.eval()
     math_model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(math_model(*inputs), sdpa_model(*inputs), rtol=1e-4, atol=1e-5)
+        math_out, sdpa_out = math_model(*inputs), sdpa_model(*inputs)
+    # Two float32 summation orders (explicit softmax(QK^T)V against the fused SDPA kernel): the
+    # measured max |diff| is 5.4e-7 on outputs up to 1.03 (a few ulps, with 1 and 2 threads), so
+    # the bound is absolute; a relative one fails on outputs near zero.
+    torch.testing.assert_close(math_out, sdpa_out, rtol=0, atol=1e-6)
 
 
 def test_gpt_attention_core_is_its_own_module() -> None:
@@ -93,11 +97,14 @@ def test_gpt_bench_builds_on_meta_with_the_benchmark_shape() -> None:
 def test_rotary_matches_the_complex_reference() -> None:
     # Meta's reference: view pairs as complex numbers and multiply by exp(i * angle).
     B, T, H, hd = 2, 6, 3, 8
-    x = torch.randn(B, T, H, hd)
+    x = torch.randn(B, T, H, hd, generator=torch.Generator().manual_seed(0))
     cos, sin = rotary_tables(hd, T, theta=10_000.0)
     freqs = torch.polar(torch.ones_like(cos), torch.atan2(sin, cos))  # (T, hd/2) complex
     reference = torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (hd // 2, 2))) * freqs[:, None, :])
-    torch.testing.assert_close(apply_rotary(x, cos, sin), reference.flatten(-2))
+    # The reference rebuilds cos / sin through atan2 and polar and multiplies in complex float32:
+    # measured max |diff| 2.4e-7 for this draw, 4.8e-7 over generator seeds 0-19 (1 ulp at |x| in
+    # [4, 8)), so the bound is absolute.
+    torch.testing.assert_close(apply_rotary(x, cos, sin), reference.flatten(-2), rtol=0, atol=1e-6)
 
 
 def test_llama3_70b_builds_on_meta_in_seconds_with_the_right_parameter_count() -> None:
@@ -117,8 +124,10 @@ def test_llama3_70b_builds_on_meta_in_seconds_with_the_right_parameter_count() -
     analytic = layers * per_layer + dim + 2 * vocab * dim
     count = sum(p.numel() for p in params)
     assert count == model.config.num_parameters()
-    assert abs(count - analytic) <= 0.01 * analytic
-    assert abs(count - 70.6e9) <= 0.01 * 70.6e9
+    assert count == analytic
+    # "70.6B" is the published count rounded to 0.1e9, so it is within half a unit of that
+    # (measured: 70,553,706,496, 46.3e6 below).
+    assert abs(count - 70.6e9) <= 0.05e9
 
 
 def test_llama_forward_and_loss_run_on_meta() -> None:

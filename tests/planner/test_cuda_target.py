@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -188,7 +189,7 @@ def test_trace_runs_the_cuda_attention_kernel_and_its_backward(name):
 
 
 def test_cli_plans_for_h100_and_trains_on_cpu(capsys):
-    from planner.apply import main
+    from planner.cli import main
 
     est, milp = _planning("gpt_tiny")
     high, low = est.module_info.peak_bytes, milp.min_reachable_peak_bytes()
@@ -196,7 +197,16 @@ def test_cli_plans_for_h100_and_trains_on_cpu(capsys):
     args = ["--model", "examples:gpt_tiny", "--device", "h100", "--optimizer", "none", "--reserve-gib", "0", "-q"]
     assert main(args + ["--budget-gib", f"{tight_gib:.9f}"]) == 0
     out = capsys.readouterr().out
-    assert "SAC plan for GPT on h100" in out and "measured peak" in out
-    assert "full" in out or "SAC: save" in out  # something is checkpointed at the tight budget
+    assert "SAC plan for GPT on h100" in out
+    assert _MODULE_ROW.search(out), out  # something is checkpointed at the tight budget
+    assert _STEP_ROW.search(out), out  # and a real step was measured
+    # An h100 plan on this CPU: the peaks are not comparable, and the CLI says so instead of failing.
+    assert "note: plan made for h100 but verified on this CPU: peaks are not comparable" in out
     assert main(args) == 0  # default budget: halfway
-    assert "measured peak" in capsys.readouterr().out
+    assert _STEP_ROW.search(capsys.readouterr().out)
+
+
+# A row of the plan's module table ("  GPT.blocks.0   100.0%   1.00 MiB   0.123 ms  full") and of
+# the measured steps ("     1   1.19 MiB (  1,251,080 B)   +5.96%   ABOVE  <loss>").
+_MODULE_ROW = re.compile(r"^  GPT\.\S+ +\d+\.\d% +[\d.]+ [KMG]?i?B +[\d.]+ ms  (full|SAC: save \d+ ops)", re.M)
+_STEP_ROW = re.compile(r"^ +1 +[\d.]+ [KMG]?i?B \( *[\d,]+ B\) +[+-]\d+\.\d\d% +(within|ABOVE) ", re.M)

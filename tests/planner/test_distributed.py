@@ -22,14 +22,14 @@ import torch.multiprocessing as mp
 
 from estimators.estimate import estimate
 from examples.gpt import GPTConfig, build_gpt
-from planner.fsdp import fsdp_module_info
+from planner.fsdp.memory import fsdp_module_info
 from planner.plan import GiB
 from solver import SACMilp
 
 WORLD_SIZE = 2
 SEED = 1234
 # Parameters, gradients and Adam state weigh as much as the activations here, so the per-rank
-# peak depends on FSDP's sharding and buffers (without planner/fsdp.py's rules the prediction
+# peak depends on FSDP's sharding and buffers (without planner/fsdp/memory.py's rules the prediction
 # is 11% low at this budget).
 CONFIG = GPTConfig(vocab_size=2048, seq_len=64, n_layer=4, n_head=4, dim=256)
 BATCH = 4
@@ -130,9 +130,15 @@ def test_same_plan_on_every_rank_and_the_prediction_holds(tmp_path):
         assert torch.equal(torch.load(tmp_path / f"loss{rank}.pt"), ref_loss)
         predicted, measured = r["predicted_peak_bytes"], r["measured_peak_bytes"]
         assert predicted <= budget_gib * GiB < no_ac_peak
-        assert abs(measured - predicted) <= 0.10 * predicted, (rank, predicted, measured, r["peak_by_kind"])
+        print(f"rank {rank} steady {measured} vs {predicted}; first {r['measured_first_step_bytes']} "
+              f"vs {r['first_step_peak_bytes']}")
+        # Measured on both ranks: the prediction is above FSDPMemTracker's peak by 13,202 B in the
+        # steady state and 13,312 B in step 1 (0.02 %), never below. The FSDP rules' stated upper
+        # bounds (planner/fsdp/memory.py: optimizer temporaries at their unsharded size, R7a by
+        # whole units) make it one-sided; the excess is not attributed to one of them.
+        assert 0 <= predicted - measured <= 16 * 1024, (rank, predicted, measured, r["peak_by_kind"])
         first, measured_first = r["first_step_peak_bytes"], r["measured_first_step_bytes"]
-        assert abs(measured_first - first) <= 0.10 * first and first < predicted, (rank, first, measured_first)
+        assert 0 <= first - measured_first <= 16 * 1024 and first < predicted, (rank, first, measured_first)
 
 
 # ------------------------------------------------------------------------------ bad input

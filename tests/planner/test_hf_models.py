@@ -2,8 +2,8 @@
 (``use_cache`` on, HF's own loss), dropout on, planned and applied at three budgets on CPU.
 
 Each case: plan + apply + one real step, measured by torch's MemTracker: loss and every gradient
-bitwise equal to the unplanned model's, measured peak within 3 % of the prediction and under the
-budget.
+bitwise equal to the unplanned model's, measured peak equal to the prediction or, for the decoder
+families, at most one attention mask below it, and under the budget.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def _configs():
 
 FAMILIES = ["gpt2", "llama", "bert", "t5", "qwen2", "gemma", "phi", "gpt_neox", "opt"]  # mistral: llama's code
 FRACTIONS = (0.7, 0.35, 0.1)  # of the way from the smallest reachable peak to the no-AC peak
+_MASK_OVERCOUNTED = {"gpt2", "llama", "qwen2", "gemma", "phi", "gpt_neox"}  # see the peak check
 
 
 def _build(name):
@@ -115,7 +116,13 @@ def test_family_plans_apply_exactly(name, frac):
     err = (measured.peak_bytes - plan.predicted_peak_bytes) / plan.predicted_peak_bytes
     print(f"{name} budget {budget} predicted {plan.predicted_peak_bytes} measured {measured.peak_bytes} "
           f"({err:+.2%}) modules {len(plan.modules)} max|grad diff| {max(diffs.values())}")
-    assert abs(err) <= 0.03
+    # Measured: to the byte for bert, t5 and opt; for the decoder families below, to the byte at
+    # 0.7 and over-predicted by exactly BATCH * SEQ * SEQ = 1024 B at 0.35 and 0.1: the size of
+    # one bool [BATCH, 1, SEQ, SEQ] attention mask (the excess was 512 B at BATCH 2 and 256 B at
+    # SEQ 8 on llama), which the planned trace counts at its peak and the real step does not hold
+    # there (which op holds it is not traced further). One-sided: never under the measurement.
+    over = BATCH * SEQ * SEQ if name in _MASK_OVERCOUNTED else 0
+    assert 0 <= plan.predicted_peak_bytes - measured.peak_bytes <= over
     assert measured.peak_bytes <= budget
 
 

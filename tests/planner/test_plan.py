@@ -12,6 +12,7 @@ import pytest
 from examples import EXAMPLES
 from planner import PlanFormatError, apply_plan, plan_hash, remove_plan
 from planner.plan import ModulePlan, Plan, model_fingerprint
+from planner.report import fmt_bytes
 from planner.solve import plan_for_budget
 from tests.planner.conftest import budgets, plan_at, planning
 
@@ -64,7 +65,11 @@ def test_loaded_plan_applies(plan, tmp_path):
 def test_summary_lists_every_checkpointed_module(plan):
     text = plan.summary()
     assert all(m.fqn in text for m in plan.modules)
-    assert "peak, planned" in text and "recompute" in text
+    # The figures, not the labels (the labels are printed for any plan).
+    assert f"  peak, planned    {fmt_bytes(plan.predicted_peak_bytes)}  (MILP model: " in text
+    assert f"  recompute        {plan.recompute_ms:.3f} ms/step" in text
+    for m in plan.modules:
+        assert f"{m.discard_ratio:>7.1%}  {fmt_bytes(m.discarded_bytes):>10}" in text, m.fqn
 
 
 def _mutated(plan: Plan, change) -> dict:

@@ -12,6 +12,7 @@ from examples.gpt import GPTConfig, build_gpt
 from planner import PlanningError, apply_plan, solve_sac
 from planner.measure import measure_steps
 from planner.plan import GiB
+from planner.report import fmt_bytes
 from planner.solve import module_plan, plan_for_budget
 from solver import SACMilp, predict_peak_bytes
 from tests.estimators.test_estimate import _assert_same, _snapshot
@@ -30,11 +31,12 @@ def test_measured_peak_matches_prediction_at_four_budgets(name):
         step = TrainStep(inputs=inputs, loss_fn=model.loss_fn)
         with apply_plan(model, plan):
             first, *steady = measure_steps(model, step, opt, n_steps=2)
-        # Step 1 (no Adam state yet) and the steady state, each against its own prediction.
-        assert abs(first.peak_bytes - plan.first_step_peak_bytes) <= 0.02 * plan.first_step_peak_bytes
+        # Step 1 (no Adam state yet) and the steady state, each against its own prediction: to
+        # the byte on both examples at all four budgets (measured error 0 B; MemTracker on CPU
+        # counts the same storages the fake-mode trace does).
+        assert first.peak_bytes == plan.first_step_peak_bytes
         measured = max(m.peak_bytes for m in steady)
-        assert abs(measured - plan.predicted_peak_bytes) <= 0.02 * plan.predicted_peak_bytes, (
-            budget, measured, plan.predicted_peak_bytes)
+        assert measured == plan.predicted_peak_bytes, (budget, measured, plan.predicted_peak_bytes)
         assert max(first.peak_bytes, measured) <= budget
         activations.append(steady[-1].activation_bytes)
     assert activations == sorted(activations, reverse=True), activations
@@ -59,7 +61,7 @@ def test_plan_no_worse_than_megatron_attention_core_recompute():
     assert hand_peak < info.peak_bytes
     plan = plan_for_budget(model, est, hand_peak)
     assert plan.predicted_peak_bytes <= hand_peak
-    assert plan.recompute_ms <= hand_ms + 1e-9, (plan.recompute_ms, hand_ms, plan.checkpointed)
+    assert plan.recompute_ms <= hand_ms, (plan.recompute_ms, hand_ms, plan.checkpointed)
 
 
 def test_short_form_uses_example_inputs():
@@ -93,7 +95,7 @@ def test_cuda_reserve_is_stated():
     model, inputs = EXAMPLES["gpt_tiny"]()
     plan = solve_sac(model, 40, inputs, loss_fn=model.loss_fn, device="h100")
     assert plan.reserve_bytes == int(GiB + 0.05 * 40 * GiB)
-    assert "reserve" in plan.summary()
+    assert f"(reserve {fmt_bytes(plan.reserve_bytes)}, usable {fmt_bytes(plan.usable_budget_bytes)})" in plan.summary()
 
 
 @pytest.mark.parametrize("name", ["convnet_demo", "gpt_demo"])
@@ -116,7 +118,7 @@ def test_one_default_target_everywhere():
     import inspect
 
     from estimators.estimate import DEFAULT_DEVICE
-    from planner.apply import build_parser
+    from planner.cli import build_parser
     from planner.distributed import solve_sac_distributed
     from planner.tradeoff import tradeoff_curve
 

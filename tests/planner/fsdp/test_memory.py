@@ -1,5 +1,5 @@
-"""planner/fsdp.py: each FSDP2 memory rule on a hand-built ModuleInfo with hand-computed bytes;
-unit names and the fingerprint of a really sharded model."""
+"""planner/fsdp/memory.py: each FSDP2 memory rule on a hand-built ModuleInfo with hand-computed bytes;
+unit validation (planner/fsdp/units.py); one code path for solve_sac and solve_sac_distributed."""
 
 from __future__ import annotations
 
@@ -9,15 +9,8 @@ import pytest
 import torch
 
 from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo
-from planner.fsdp import (
-    FSDPExtraBytes,
-    FSDPUnitError,
-    fsdp_extra_bytes,
-    fsdp_module_info,
-    fsdp_units_of,
-    original_class_name,
-)
-from planner.plan import model_fingerprint
+from planner.fsdp.memory import FSDPExtraBytes, fsdp_extra_bytes, fsdp_module_info
+from planner.fsdp.units import FSDPUnitError
 from solver import predict_peak_bytes
 
 # A hand-built step. Root "M" owns an embedding (100 B) and "M.head" (400 B); blocks "M.a" (300 B,
@@ -193,36 +186,6 @@ def test_unknown_units_name_the_close_ones():
 def test_bad_world_size(bad):
     with pytest.raises(ValueError, match="world_size must be an int >= 1"):
         fsdp_module_info(_info(), UNITS, bad)
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    import torch.distributed as dist
-
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def test_units_and_fingerprint_of_a_sharded_model(one_rank_group):
-    from torch.distributed.fsdp import fully_shard
-
-    from examples import EXAMPLES
-
-    model, _ = EXAMPLES["gpt_tiny"]()
-    before = model_fingerprint(model)
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    assert fsdp_units_of(model) == []
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    assert type(model).__name__ == "FSDPGPT" and original_class_name(model) == "GPT"
-    assert fsdp_units_of(model) == ["GPT", "GPT.blocks.0", "GPT.blocks.1"]
-    # DTensor parameters report the global shape, so the fingerprint does not change.
-    assert {n: tuple(p.shape) for n, p in model.named_parameters()} == shapes
-    assert type(next(model.parameters())).__name__ == "DTensor"
-    assert model_fingerprint(model) == before
 
 
 # ------------------------------------------------------------------------------ one code path

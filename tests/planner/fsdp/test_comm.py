@@ -1,4 +1,4 @@
-"""planner/fsdp.py ``fsdp_comm_ms``: FSDP2's all-gather / reduce-scatter time per unit on a
+"""planner/fsdp/comm.py ``fsdp_comm_ms``: FSDP2's all-gather / reduce-scatter time per unit on a
 hand-built ModuleInfo, against numbers computed by hand."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import pytest
 from estimators.collectives import AnalyticCollectiveModel, Collective, CollectiveCost
 from estimators.device import Interconnect
 from estimators.module_info import ModOrder, ModStats, ModuleInfo
-from planner.fsdp import RECOMPUTE_EXTRA_ALL_GATHER_REASON, FSDPUnitError, fsdp_comm_ms
+from planner.fsdp.comm import RECOMPUTE_EXTRA_ALL_GATHER_REASON, fsdp_comm_ms
+from planner.fsdp.units import FSDPUnitError
 
 # Root "M" holds 1000 B of parameters in all: "M.a" 300 B (of which its child "M.a.x" 100 B, not a
 # unit) and "M.b" 200 B, so the root's own parameters are 1000 - 300 - 200 = 500 B. "M.b" is
@@ -41,25 +42,27 @@ def test_per_unit_times_match_the_hand_computed_ones():
     root, a, b = by_fqn["M"], by_fqn["M.a"], by_fqn["M.b"]
     # The root stays gathered after forward: one all-gather; the others re-gather in backward.
     assert (root.all_gather_bytes, root.all_gathers) == (500, 1)
-    assert root.all_gather_ms == pytest.approx(_ms(500))  # 0.010375 ms
+    assert root.all_gather_ms == _ms(500)  # 0.010375 ms
     assert (a.all_gather_bytes, a.all_gathers) == (300, 2)
-    assert a.all_gather_ms == pytest.approx(2 * _ms(300))  # 0.02045 ms
-    assert b.all_gather_ms == pytest.approx(2 * _ms(200))  # 0.0203 ms
+    assert a.all_gather_ms == 2 * _ms(300)  # 0.02045 ms
+    assert b.all_gather_ms == 2 * _ms(200)  # 0.0203 ms
     # Gradients: root's own 800 - 300 = 500 B; M.b is frozen and issues no reduce-scatter.
-    assert root.reduce_scatter_bytes == 500 and root.reduce_scatter_ms == pytest.approx(_ms(500))
-    assert a.reduce_scatter_ms == pytest.approx(_ms(300))
+    assert root.reduce_scatter_bytes == 500 and root.reduce_scatter_ms == _ms(500)
+    assert a.reduce_scatter_ms == _ms(300)
     assert b.reduce_scatter_bytes == 0 and b.reduce_scatter_ms == 0.0
-    assert a.total_ms == pytest.approx(3 * _ms(300))
+    assert a.total_ms == 3 * _ms(300)
 
 
 def test_step_totals_and_the_recompute_adds_no_all_gather():
     est = fsdp_comm_ms(_info(), UNITS, 4, AnalyticCollectiveModel.from_interconnect(LINK))
-    assert est.all_gather_ms == pytest.approx(0.010375 + 0.02045 + 0.0203)
-    assert est.reduce_scatter_ms == pytest.approx(0.010375 + 0.010225)
+    # Exact: the same float operations in the same order as the estimate (units root, M.a, M.b);
+    # the decimals 0.010375 + 0.02045 + 0.0203 differ from them in the last bit.
+    assert est.all_gather_ms == _ms(500) + 2 * _ms(300) + 2 * _ms(200)  # 0.051125 ms
+    assert est.reduce_scatter_ms == _ms(500) + _ms(300) + 0.0  # 0.0206 ms
     assert est.recompute_extra_all_gather_ms == 0.0
     assert est.recompute_extra_reason == RECOMPUTE_EXTRA_ALL_GATHER_REASON
     assert "pre-backward all-gather" in est.recompute_extra_reason
-    assert est.total_ms == pytest.approx(est.all_gather_ms + est.reduce_scatter_ms)
+    assert est.total_ms == est.all_gather_ms + est.reduce_scatter_ms
     note = est.note()
     assert "all-gather 0.051 ms, reduce-scatter 0.021 ms per step over 4 ranks" in note
     assert "analytic:test" in note
@@ -75,8 +78,9 @@ def test_one_rank_moves_nothing_and_a_fitted_model_is_accepted():
     )
     est = fsdp_comm_ms(_info(), UNITS, 2, fitted)
     # all-gather: (500 + 2*300 + 2*200) * 1/2 / 1e6 s; reduce-scatter: 2 * 1 ms + (500 + 300) / 2 / 1e6 s
-    assert est.all_gather_ms == pytest.approx(1500 * 0.5 / 1e6 * 1e3)
-    assert est.reduce_scatter_ms == pytest.approx(2 * 1.0 + 800 * 0.5 / 1e6 * 1e3)
+    # Exact (float operations in the model's order), as in every check of this file.
+    assert est.all_gather_ms == 1500 * 0.5 / 1e6 * 1e3
+    assert est.reduce_scatter_ms == 2 * 1.0 + 800 * 0.5 / 1e6 * 1e3
     assert est.model_name == "analytic:fit"
 
 

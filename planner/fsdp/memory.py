@@ -1,4 +1,4 @@
-"""FSDP2-aware memory for the solver, without changing the solver.
+"""FSDP2-aware memory for the solver, without changing the solver: the rules R1-R8.
 
     units = ["GPT", *(f"GPT.blocks.{i}" for i in range(4))]     # what you will fully_shard
     info2 = fsdp_module_info(est.module_info, units, world_size=8)
@@ -12,7 +12,7 @@ per-rank memory of a ``fully_shard``-ed training step. Each rule below is how ``
 torch 2.13 behaves with its defaults (``reshard_after_forward`` left unset, implicit prefetching,
 no mixed precision, no CPU offload); ``W`` is the world size and a unit's *own* parameter bytes are
 its ``ModStats.param_bytes`` minus those of the units nested in it (likewise for gradients).
-Every rule has a test on a hand-built ModuleInfo (tests/planner/test_fsdp.py).
+Every rule has a test on a hand-built ModuleInfo (tests/planner/fsdp/test_memory.py).
 
 R1  sharded state: parameters, gradients (after their reduce-scatter) and optimizer state are
     1/W per rank. The points' param/grad/optimizer bytes stay as traced; the solver divides them.
@@ -78,36 +78,15 @@ Simplifications (stated, not hidden):
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import logging
-import numbers
-import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable
 
 import torch
 
-from estimators.collectives import Collective
-from estimators.module_info import MemoryPoint, ModStats, ModuleInfo
+from estimators.module_info import MemoryPoint, ModuleInfo
+from planner.fsdp.units import Unit, check_world_size, unit_table
 
-__all__ = [
-    "FSDPUnitError",
-    "FSDPExtraBytes",
-    "fsdp_units_of",
-    "fsdp_extra_bytes",
-    "fsdp_module_info",
-    "original_class_name",
-    "FsdpUnitComm",
-    "FsdpCommEstimate",
-    "fsdp_comm_ms",
-    "RECOMPUTE_EXTRA_ALL_GATHER_REASON",
-]
-
-logger = logging.getLogger(__name__)
-
-
-class FSDPUnitError(ValueError):
-    """``fsdp_units`` that do not describe a valid FSDP wrapping of the traced model."""
+__all__ = ["FSDPExtraBytes", "fsdp_extra_bytes", "fsdp_module_info"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,128 +116,13 @@ class FSDPExtraBytes:
         )
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Unit:
-    """One FSDP unit as the rules need it."""
-
-    stats: ModStats
-    own_param_bytes: int
-    own_grad_bytes: int
-    is_root: bool
-
-    @property
-    def fqn(self) -> str:
-        return self.stats.fqn
-
-
-# ------------------------------------------------------------------------------ from a model
-def original_class_name(module: torch.nn.Module) -> str:
-    """The class name the module had before ``fully_shard`` (which swaps in ``FSDP<Name>``).
-
-    >>> original_class_name(torch.nn.Linear(2, 2))
-    'Linear'
-    """
-    cls = type(module)
-    fsdp_module = _fsdp_module_class()
-    if fsdp_module is not None and isinstance(module, fsdp_module):
-        bases = [b for b in cls.__bases__ if b is not fsdp_module]
-        if len(bases) == 1 and cls.__name__ == f"FSDP{bases[0].__name__}":
-            return bases[0].__name__
-    return cls.__name__
-
-
-def _fsdp_module_class() -> type | None:
-    """``FSDPModule`` if FSDP2 was imported (no module can be sharded otherwise); importing it
-    here would cost a second on every fingerprint."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return getattr(fsdp, "FSDPModule", None)
-
-
-def fsdp_units_of(model: torch.nn.Module) -> list[str]:
-    """Names (ModuleInfo style: root class name first) of the modules ``fully_shard`` was called on.
-
-    Example::
-
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        fsdp_units_of(model)   # ['GPT', 'GPT.blocks.0', 'GPT.blocks.1', ...]
-    """
-    fsdp_module = _fsdp_module_class()
-    if fsdp_module is None:
-        return []
-    root = original_class_name(model)
-    return [
-        f"{root}.{name}" if name else root
-        for name, mod in model.named_modules()
-        if isinstance(mod, fsdp_module)
-    ]
-
-
-# ------------------------------------------------------------------------------ validation
-def _check_world_size(world_size: object) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1 (number of ranks), got {world_size!r}")
-    return int(world_size)
-
-
-def _check_units(info: ModuleInfo, fsdp_units: Iterable[str]) -> list[str]:
-    if isinstance(fsdp_units, str):
-        raise FSDPUnitError(f"fsdp_units must be a list of module names, not the string {fsdp_units!r}")
-    units = list(dict.fromkeys(fsdp_units))
-    known = [s.fqn for s in info.mod_stats]
-    known_set = set(known)
-    for u in units:
-        if not isinstance(u, str):
-            raise FSDPUnitError(f"fsdp_units must hold module names (str), got {u!r}")
-        if u not in known_set:
-            close = difflib.get_close_matches(u, known, n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise FSDPUnitError(
-                f"fsdp_units names {u!r}, which is not a module of the traced model "
-                f"(names start with the root class, e.g. {known[0]!r}){hint}"
-            )
-    root = known[0]
-    if root not in units:
-        raise FSDPUnitError(
-            f"fsdp_units must include the root {root!r}: call fully_shard(model) last, as FSDP2 "
-            "expects; parameters outside every unit would stay replicated, which this model does "
-            "not count"
-        )
-    return units
-
-
-# ------------------------------------------------------------------------------ unit table
-def _is_under(fqn: str, ancestor: str) -> bool:
-    """Strict descendant by dotted prefix ("a.bc" is not under "a.b")."""
-    return fqn.startswith(ancestor + ".")
-
-
-def _build_units(info: ModuleInfo, names: list[str]) -> dict[str, _Unit]:
-    root = info.mod_stats[0].fqn
-    out: dict[str, _Unit] = {}
-    for name in names:
-        s = info.stats(name)
-        # Units nested in this one, not inside another nested unit: their params are theirs.
-        nested = [n for n in names if _is_under(n, name)]
-        direct = [n for n in nested if not any(_is_under(n, m) for m in nested)]
-        own_p = s.param_bytes - sum(info.stats(n).param_bytes for n in direct)
-        own_g = s.grad_bytes - sum(info.stats(n).grad_bytes for n in direct)
-        if s.n_calls > 1:
-            logger.warning("FSDP unit %s runs %d times per step; modelled as one call", name, s.n_calls)
-        out[name] = _Unit(
-            stats=s, own_param_bytes=max(0, own_p), own_grad_bytes=max(0, own_g), is_root=name == root
-        )
-    return out
-
-
-def _post_forward_order(units: dict[str, _Unit]) -> list[_Unit]:
+def _post_forward_order(units: dict[str, Unit]) -> list[Unit]:
     """FSDP's ``post_forward_order``: units by forward end, a nested unit before its parent."""
     ran = [u for u in units.values() if u.stats.fw_post_op >= 0]
     return sorted(ran, key=lambda u: (u.stats.fw_post_op, -u.fqn.count(".")))
 
 
-def _chain(fqn: str, units: dict[str, _Unit]) -> list[_Unit]:
+def _chain(fqn: str, units: dict[str, Unit]) -> list[Unit]:
     """Units that are ``fqn`` or one of its ancestors."""
     parts = fqn.split(".") if fqn else []
     prefixes = (".".join(parts[:k]) for k in range(len(parts), 0, -1))
@@ -266,7 +130,7 @@ def _chain(fqn: str, units: dict[str, _Unit]) -> list[_Unit]:
 
 
 # ------------------------------------------------------------------------------ the rules
-def _gathered_param_bytes(p: MemoryPoint, units: dict[str, _Unit], root: _Unit) -> int:
+def _gathered_param_bytes(p: MemoryPoint, units: dict[str, Unit], root: Unit) -> int:
     """R2 + R3."""
     if p.phase not in ("fw", "bw") or root.stats.fw_pre_op < 0 or p.op_index < root.stats.fw_pre_op:
         return 0
@@ -275,7 +139,7 @@ def _gathered_param_bytes(p: MemoryPoint, units: dict[str, _Unit], root: _Unit) 
     return sum(u.own_param_bytes for u in gathered.values())
 
 
-def _forward_all_gather_bytes(p: MemoryPoint, order_fw: list[_Unit], root: _Unit, world_size: int) -> int:
+def _forward_all_gather_bytes(p: MemoryPoint, order_fw: list[Unit], root: Unit, world_size: int) -> int:
     """R4: the flat all-gather output of the unit gathered last in forward."""
     if world_size == 1 or p.phase != "fw" or not root.stats.fw_pre_op <= p.op_index < root.stats.fw_post_op:
         return 0
@@ -283,7 +147,7 @@ def _forward_all_gather_bytes(p: MemoryPoint, order_fw: list[_Unit], root: _Unit
     return started[-1].own_param_bytes if started else 0
 
 
-def _prefetch_bytes(p: MemoryPoint, order_post: list[_Unit], world_size: int) -> int:
+def _prefetch_bytes(p: MemoryPoint, order_post: list[Unit], world_size: int) -> int:
     """R5: flat all-gather outputs prefetched in backward and not yet copied out."""
     if world_size == 1 or p.phase != "bw":
         return 0
@@ -295,7 +159,7 @@ def _prefetch_bytes(p: MemoryPoint, order_post: list[_Unit], world_size: int) ->
     return held
 
 
-def _reduce_scatter_bytes(p: MemoryPoint, order_bw_end: list[_Unit]) -> int:
+def _reduce_scatter_bytes(p: MemoryPoint, order_bw_end: list[Unit]) -> int:
     """R6: the reduce-scatter input of the non-root unit whose backward ended last."""
     if p.phase != "bw":
         return 0
@@ -303,8 +167,8 @@ def _reduce_scatter_bytes(p: MemoryPoint, order_bw_end: list[_Unit]) -> int:
     return done[-1].own_grad_bytes if done else 0
 
 
-def _unsharded_grad_bytes(p: MemoryPoint, order_bw_end: list[_Unit], world_size: int,
-                          kept: bool, units: dict[str, _Unit], root: _Unit, scale: float = 1.0) -> int:
+def _unsharded_grad_bytes(p: MemoryPoint, order_bw_end: list[Unit], world_size: int,
+                          kept: bool, units: dict[str, Unit], root: Unit, scale: float = 1.0) -> int:
     """R7, or R7a when the gradients are ``kept`` across steps; unsharded gradients have the
     gathered parameters' dtype (``scale``: its size over the traced one, R8)."""
     if p.phase != "bw":
@@ -347,8 +211,8 @@ def fsdp_extra_bytes(
     >>> extras = fsdp_extra_bytes(info, ["GPT", "GPT.blocks.0"], world_size=2)  # doctest: +SKIP
     >>> max(e.total_bytes for e in extras)                                       # doctest: +SKIP
     """
-    world_size = _check_world_size(world_size)
-    units = _build_units(info, _check_units(info, fsdp_units))
+    world_size = check_world_size(world_size)
+    units = unit_table(info, fsdp_units)
     root = units[info.mod_stats[0].fqn]
     order_fw = sorted((u for u in units.values() if u.stats.fw_pre_op >= 0), key=lambda u: u.stats.fw_pre_op)
     order_post = _post_forward_order(units)
@@ -392,116 +256,3 @@ def fsdp_module_info(
         for p, e in zip(info.memory_points, extras)
     )
     return dataclasses.replace(info, memory_points=points)
-
-
-# ------------------------------------------------------------------------------ communication time
-class CollectiveTimeModel(Protocol):
-    """What :func:`fsdp_comm_ms` needs: :class:`estimators.collectives.AnalyticCollectiveModel`,
-    from a link (``from_device``) or fitted to a CollectiveBenchmark (``fit(bench.points())``)."""
-
-    name: str
-
-    def time_ms(self, collective: Collective, message_bytes: int, group_size: int) -> float: ...
-
-
-RECOMPUTE_EXTRA_ALL_GATHER_REASON = (
-    "the planner never checkpoints a module above an FSDP unit, and a checkpointed module inside "
-    "a unit recomputes during that unit's backward, after FSDP2's pre-backward all-gather: its "
-    "parameters are already gathered, so the recompute issues no extra all-gather"
-)
-
-
-@dataclass(frozen=True, kw_only=True)
-class FsdpUnitComm:
-    """Collective time of one FSDP unit per training step (one rank, ms)."""
-
-    fqn: str
-    all_gather_bytes: int
-    """Whole gathered buffer: the unit's own parameter bytes (padding not counted)."""
-    all_gathers: int
-    """All-gathers per step: 1 (forward) + 1 when resharded after forward (non-root units)."""
-    all_gather_ms: float
-    """Time of all of them."""
-    reduce_scatter_bytes: int
-    """Whole reduced buffer: the unit's own gradient bytes."""
-    reduce_scatter_ms: float
-
-    @property
-    def total_ms(self) -> float:
-        return self.all_gather_ms + self.reduce_scatter_ms
-
-
-@dataclass(frozen=True, kw_only=True)
-class FsdpCommEstimate:
-    """FSDP2's all-gather / reduce-scatter time per step, by unit (see :func:`fsdp_comm_ms`)."""
-
-    units: tuple[FsdpUnitComm, ...]
-    world_size: int
-    model_name: str
-    """The collective model's label, e.g. ``"analytic:nvlink4"``."""
-    recompute_extra_all_gather_ms: float = 0.0
-    """Extra all-gathers the plan's recomputation causes: none, see ``recompute_extra_reason``."""
-    recompute_extra_reason: str = RECOMPUTE_EXTRA_ALL_GATHER_REASON
-
-    @property
-    def all_gather_ms(self) -> float:
-        return sum(u.all_gather_ms for u in self.units)
-
-    @property
-    def reduce_scatter_ms(self) -> float:
-        return sum(u.reduce_scatter_ms for u in self.units)
-
-    @property
-    def total_ms(self) -> float:
-        return self.all_gather_ms + self.reduce_scatter_ms + self.recompute_extra_all_gather_ms
-
-    def note(self) -> str:
-        """One line for a plan's notes."""
-        return (
-            f"FSDP collectives: all-gather {self.all_gather_ms:.3f} ms, reduce-scatter "
-            f"{self.reduce_scatter_ms:.3f} ms per step over {self.world_size} ranks "
-            f"({self.model_name}; not overlapped with compute, recompute adds no all-gather)"
-        )
-
-
-def _collective_ms(model: CollectiveTimeModel, collective: Collective, nbytes: int, world_size: int) -> float:
-    """One collective's time; an empty buffer issues no collective (FSDP2 skips empty groups)."""
-    return model.time_ms(collective, nbytes, world_size) if nbytes > 0 else 0.0
-
-
-def _unit_comm(unit: _Unit, model: CollectiveTimeModel, world_size: int) -> FsdpUnitComm:
-    # FSDP2 reshards non-root units after forward (R2: the root stays gathered), so their
-    # pre-backward all-gathers the parameters again.
-    count = 1 if unit.is_root else 2
-    return FsdpUnitComm(
-        fqn=unit.fqn,
-        all_gather_bytes=unit.own_param_bytes,
-        all_gathers=count,
-        all_gather_ms=count * _collective_ms(model, Collective.ALL_GATHER, unit.own_param_bytes, world_size),
-        reduce_scatter_bytes=unit.own_grad_bytes,
-        reduce_scatter_ms=_collective_ms(model, Collective.REDUCE_SCATTER, unit.own_grad_bytes, world_size),
-    )
-
-
-def fsdp_comm_ms(
-    info: ModuleInfo, fsdp_units: Iterable[str], world_size: int, model: CollectiveTimeModel
-) -> FsdpCommEstimate:
-    """All-gather and reduce-scatter time per step of each FSDP unit, with FSDP2's defaults.
-
-    Per unit (its *own* parameters / gradients, as in the module doc): one all-gather of its
-    parameter bytes in forward, one more in backward for non-root units (resharded after
-    forward; the root is not), one reduce-scatter of its gradient bytes. A unit with no own
-    bytes issues none. Times come from ``model`` (``AnalyticCollectiveModel.from_device(spec)``
-    or ``.fit(CollectiveBenchmark(...).points())``); overlap with compute is not modelled.
-    The plan's recompute adds no all-gather (:data:`RECOMPUTE_EXTRA_ALL_GATHER_REASON`).
-
-    >>> est = fsdp_comm_ms(info, ["GPT", "GPT.blocks.0"], 8, AnalyticCollectiveModel.from_device("h100"))  # doctest: +SKIP
-    >>> est.all_gather_ms, est.reduce_scatter_ms                                                          # doctest: +SKIP
-    """
-    world_size = _check_world_size(world_size)
-    units = _build_units(info, _check_units(info, fsdp_units))
-    return FsdpCommEstimate(
-        units=tuple(_unit_comm(u, model, world_size) for u in units.values()),
-        world_size=world_size,
-        model_name=model.name,
-    )

@@ -1,0 +1,346 @@
+"""Plan, apply and check selective activation checkpointing from the command line.
+
+With no arguments it runs the built-in example end to end on this machine: trace one step of a
+small GPT in fake mode, solve for a budget between the smallest reachable peak and the no-AC peak,
+print the plan, apply it, check that the planned step gives bitwise the unplanned loss and
+gradients, run one real training step and print the predicted peak beside the measured one.
+
+    python -m planner.apply
+    python -m planner.apply --model examples:convnet_demo --budget-gib 0.011
+    python -m planner.apply --model mypkg.models:make --loss-fn mypkg.losses:lm_loss --budget-gib 20
+    python -m planner.apply --model examples:llama3_70b --device h100 --budget-gib 80 \\
+        --world-size 64 --no-verify --plan-out llama70b.json
+    python -m planner.apply --model mypkg.models:make --plan-in plan.json   # re-check a saved plan
+
+``--model MODULE:FACTORY`` names a zero-argument callable returning ``(model, inputs)`` or
+``(model, inputs, loss_fn)`` (see examples/__init__.py); the loss is ``--loss-fn MODULE:FN`` if
+given, else the factory's, else ``model.loss_fn(output, inputs)``, else the planner's default.
+
+``planner/apply.py`` runs :func:`main` so that ``python -m planner.apply`` keeps working; this
+module is the command line itself.
+
+Exit status: 0 done (and every check passed), 1 a check failed (gradients differ, or the measured
+peak is above the usable budget), 2 bad input or a request that cannot be planned: one
+``error: ...`` line on stderr (``--debug`` shows the traceback instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import logging
+import math
+import sys
+from typing import Any, Callable, Sequence
+
+import torch
+
+from estimators.device import DEVICE_SPECS, get_device_spec
+from estimators.estimate import EstimateOptions, TraceMode, estimate, resolve_optimizer
+from estimators.step import StepError, TrainStep
+from planner.checkpointing import AlreadyCheckpointedError, PlanMismatchError, apply_plan, hf_cache_off
+from planner.gradcheck import GradientCheck, check_gradients
+from planner.measure import MeasuredStep, measure_steps
+from planner.plan import GiB, Plan, PlanFormatError
+from planner.report import fmt_bytes, gradient_check_text, steps_vs_prediction
+from planner.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget
+from solver import SolverOptions, min_reachable_peak_bytes
+from solver.errors import SolverError
+
+__all__ = ["main"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "examples:gpt_demo"
+VERIFY_STEPS = 3
+
+
+class CLIError(Exception):
+    """Bad command-line input; the message says what to change."""
+
+
+# Errors a user can cause and fix: one line, exit status 2 (a traceback only with --debug).
+_EXPECTED = (CLIError, PlanningError, PlanFormatError, PlanMismatchError, AlreadyCheckpointedError,
+             StepError, SolverError, OSError)
+
+
+def load_callable(spec: str, flag: str, example: str) -> Callable:
+    """``MODULE:NAME`` -> the callable, with errors that say what to fix."""
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise CLIError(f"{flag} must look like MODULE:NAME (e.g. {example}), got {spec!r}")
+    mod_name, fn_name = spec.split(":", 1)
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # ImportError, or the module itself raising on import
+        raise CLIError(f"cannot import module {mod_name!r} for {flag}: {type(e).__name__}: {e}") from e
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        known = sorted(n for n in dir(mod) if not n.startswith("_") and callable(getattr(mod, n)))
+        raise CLIError(f"{mod_name} has no callable {fn_name!r} for {flag}; callables there: "
+                       f"{', '.join(known[:12]) or 'none'}")
+    return fn
+
+
+def load_factory(spec: str) -> Callable:
+    """``MODULE:FACTORY`` for ``--model``."""
+    return load_callable(spec, "--model", DEFAULT_MODEL)
+
+
+def _build(spec: str, loss_spec: str | None) -> tuple[torch.nn.Module, Any, Any]:
+    factory = load_factory(spec)
+    try:
+        made = factory()
+    except Exception as e:
+        raise CLIError(f"--model {spec}: the factory raised {type(e).__name__}: {e}") from e
+    if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], torch.nn.Module)):
+        got = f"a tuple of {len(made)}" if isinstance(made, tuple) else type(made).__name__
+        raise CLIError(f"--model {spec} must return (model, inputs) or (model, inputs, loss_fn); got {got}")
+    model, inputs = made[0], made[1]
+    if loss_spec is not None:
+        loss_fn = load_callable(loss_spec, "--loss-fn", "mypkg.losses:lm_loss")
+    else:
+        loss_fn = made[2] if len(made) == 3 else getattr(model, "loss_fn", None)
+    if loss_fn is not None and not callable(loss_fn):
+        raise CLIError(f"the loss function of --model {spec} is not callable: {loss_fn!r}")
+    return model, inputs, loss_fn
+
+
+def _positive_gib(flag: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            return check_budget_gib(float(text))
+        except (ValueError, PlanningError):
+            raise argparse.ArgumentTypeError(
+                f"must be a positive, finite number of GiB (e.g. 40 or 0.5), got {text!r}") from None
+    parse.__name__ = flag
+    return parse
+
+
+def _finite_float(ok: Callable[[float], bool], what: str) -> Callable[[str], float]:
+    """An argparse type: a finite float for which ``ok`` holds, else "must be <what>"."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = math.nan
+        if not (math.isfinite(v) and ok(v)):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return v
+
+    return parse
+
+
+_reserve_gib = _finite_float(lambda v: v >= 0, "a finite number of GiB >= 0")
+_positive_seconds = _finite_float(lambda v: v > 0, "a positive, finite number of seconds")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return v
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, like every other error of this command
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m planner.apply",
+        description="Plan selective activation checkpointing for a memory budget, apply it, check it.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 2)[1],
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"MODULE:FACTORY returning (model, inputs) or (model, inputs, loss_fn) (default {DEFAULT_MODEL})")
+    p.add_argument("--loss-fn", metavar="MODULE:FN", help="loss_fn(output, inputs) -> scalar tensor (default: the factory's, else model.loss_fn, else the planner's default)")
+    p.add_argument("--budget-gib", type=_positive_gib("--budget-gib"), help="memory budget per GPU in GiB (default: halfway between the smallest reachable peak and the no-AC peak)")
+    p.add_argument("--device", default="cpu", choices=sorted(DEVICE_SPECS), help="target device the step is planned for (default cpu: this machine, so --verify compares like with like)")
+    p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, or none (its state is counted) (default adam)")
+    p.add_argument("--micro-batches", type=_positive_int, default=1, help="forward/backward passes per optimizer step (gradient accumulation) (default 1)")
+    p.add_argument("--autocast", choices=sorted(_AUTOCAST), default="none", help="forward and loss under torch.autocast with this dtype (default none)")
+    p.add_argument("--world-size", type=_positive_int, default=1, help="ranks sharing parameters, gradients and optimizer state (FSDP) (default 1)")
+    p.add_argument("--reserve-gib", type=_reserve_gib, help="held back from the budget for CUDA context and fragmentation (default: 1 GiB + 5%% of the budget on CUDA targets, 0 on cpu)")
+    p.add_argument("--mode", choices=[m.value for m in TraceMode], default="fake", help="trace with fake tensors (default) or real ones")
+    p.add_argument("--plan-out", help="write the plan as JSON here")
+    p.add_argument("--plan-in", help="skip solving: load this plan and apply/verify it")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True, help="check the plan on real tensors: the planned step's loss and gradients against the unplanned step's (bitwise), then one real training step with its measured peak (default on)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (plan, gradient check, measurement) instead of tables")
+    p.add_argument("--time-limit-s", type=_positive_seconds, default=60.0, help="MILP time limit in seconds (default 60)")
+    p.add_argument("--seed", type=int, default=0, help="torch seed of the verification steps (dropout masks) (default 0)")
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
+    return p
+
+
+def _optimizer_arg(name: str) -> str | None:
+    return None if name.lower() == "none" else name
+
+
+def _check_args(args) -> None:
+    if args.plan_in and args.budget_gib is not None:
+        raise CLIError("--budget-gib has no effect with --plan-in (the plan is already made); drop one")
+    if args.optimizer.lower() not in ("adam", "adamw", "sgd", "none"):
+        raise CLIError(f"--optimizer must be adam, adamw, sgd or none, got {args.optimizer!r}")
+
+
+_AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _step(args, inputs, loss_fn) -> TrainStep:
+    step = TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer=_optimizer_arg(args.optimizer),
+                     micro_batches=args.micro_batches, autocast_dtype=_AUTOCAST[args.autocast])
+    try:
+        step.check_target(get_device_spec(args.device))
+    except ValueError as e:
+        raise CLIError(f"--autocast {args.autocast}: {e}") from e
+    return step
+
+
+def _solve(args, model, inputs, loss_fn) -> Plan:
+    spec = get_device_spec(args.device)
+    opts = EstimateOptions(mode=TraceMode(args.mode), progress=not args.quiet)
+    if args.budget_gib is not None and args.reserve_gib is not None and args.reserve_gib >= args.budget_gib:
+        raise CLIError(f"--reserve-gib ({args.reserve_gib:g}) must be below --budget-gib ({args.budget_gib:g})")
+    if args.budget_gib is not None and args.reserve_gib is None:
+        default = default_reserve_bytes(spec, int(args.budget_gib * GiB))
+        if default >= args.budget_gib * GiB:
+            raise CLIError(
+                f"--budget-gib {args.budget_gib:g} leaves nothing once the default reserve for "
+                f"{spec.name} is held back ({default / GiB:.3f} GiB: 1 GiB + 5 %); pass a larger "
+                "--budget-gib, or --reserve-gib 0 to plan for the whole budget"
+            )
+    with hf_cache_off(model):  # trace the step as it runs once the plan is applied
+        est = estimate(model, step=_step(args, inputs, loss_fn), device=spec, options=opts)
+    info = est.module_info
+    solver_options = SolverOptions(time_limit_s=args.time_limit_s)
+    fixed_reserve = int(args.reserve_gib * GiB) if args.reserve_gib is not None else None
+    if args.budget_gib is not None:
+        budget = int(args.budget_gib * GiB)
+        reserve = fixed_reserve if fixed_reserve is not None else default_reserve_bytes(spec, budget)
+    else:
+        # The usable budget (budget - reserve) is the midpoint; the reserve is added on top.
+        low = min_reachable_peak_bytes(info, world_size=args.world_size, options=solver_options)
+        high = info.peak_bytes
+        usable = (low + high) // 2
+        reserve = fixed_reserve if fixed_reserve is not None else default_reserve_bytes(spec, usable)
+        budget = usable + reserve
+        logger.info(
+            "no --budget-gib: using %s (usable %s), halfway between the smallest reachable peak %s "
+            "and the no-AC peak %s", fmt_bytes(budget), fmt_bytes(usable), fmt_bytes(low), fmt_bytes(high)
+        )
+    return plan_for_budget(
+        model, est, budget, world_size=args.world_size, reserve_bytes=reserve,
+        solver_options=solver_options, verify=True,
+    )
+
+
+def _verify(args, plan: Plan, model, inputs, loss_fn
+            ) -> tuple[GradientCheck | None, list[MeasuredStep] | None, str | None]:
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return None, None, "the model is on the meta device: nothing to run (use --no-verify)"
+    spec = get_device_spec(args.device)
+    note = None
+    if spec.name != "cpu" and next(model.parameters()).device.type == "cpu":
+        note = f"plan made for {spec.name} but verified on this CPU: peaks are not comparable"
+    # First the same forward + backward with and without the plan, from the same state and seed
+    # (the model is left as it was), then real training steps with the plan.
+    check = check_gradients(model, plan, inputs, loss_fn=loss_fn, seed=args.seed)
+    params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    optimizer = resolve_optimizer(_optimizer_arg(args.optimizer), params, spec, fake=False)
+    torch.manual_seed(args.seed)
+    # Three steps: the first of a fresh run, then the steady state the plan is made for.
+    with apply_plan(model, plan):
+        measured = measure_steps(model, _step(args, inputs, loss_fn), optimizer, n_steps=VERIFY_STEPS)
+    return check, measured, note
+
+
+def _json_number(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)
+
+
+def _report(args, plan: Plan, check: GradientCheck | None, measured: list[MeasuredStep] | None,
+            note: str | None) -> None:
+    if args.json:
+        out: dict[str, Any] = {"plan": plan.to_dict()}
+        if check is not None:
+            out["gradient_check"] = {**dataclasses.asdict(check),
+                                     "max_abs_diff": _json_number(check.max_abs_diff)}
+        if measured is not None:
+            steps = [{"step": i + 1, "peak_bytes": m.peak_bytes, "loss": m.loss,
+                      "step_time_ms": m.step_time_ms, "tracker": m.tracker} for i, m in enumerate(measured)]
+            out["measured"] = max(steps, key=lambda s: s["peak_bytes"])  # the binding step
+            out["measured_steps"] = steps
+        if note:
+            out["note"] = note
+        print(json.dumps(out, indent=1))
+        return
+    print(plan.summary())
+    if args.plan_out:
+        print(f"\nplan written to {args.plan_out}")
+    if check is not None:
+        print("\nThe planned step against the unplanned one (same state, same seed):")
+        print(gradient_check_text(check))
+    if measured is not None:
+        print(f"\n{len(measured)} real training steps with the plan applied:")
+        print(steps_vs_prediction(plan, measured))
+    if note:
+        print(f"  note: {note}")
+
+
+def _run(args) -> int:
+    _check_args(args)
+    model, inputs, loss_fn = _build(args.model, args.loss_fn)
+    if args.plan_in:
+        try:
+            plan = Plan.load(args.plan_in)
+        except OSError as e:
+            raise CLIError(f"--plan-in {args.plan_in}: cannot read it ({e.strerror or e})") from e
+    else:
+        plan = _solve(args, model, inputs, loss_fn)
+    if args.plan_out:
+        try:
+            plan.save(args.plan_out)
+        except OSError as e:
+            raise CLIError(f"--plan-out {args.plan_out}: cannot write it ({e.strerror or e})") from e
+    check, measured, note = _verify(args, plan, model, inputs, loss_fn) if args.verify else (None, None, None)
+    _report(args, plan, check, measured, note)
+    failed = []
+    if check is not None and not check.equal:
+        failed.append(f"the planned step's loss or gradients differ from the unplanned step's "
+                      f"({len(check.differing)} parameters, max |diff| {check.max_abs_diff:.3g})")
+    peak = max((m.peak_bytes for m in measured), default=0) if measured is not None else 0
+    if measured is not None and note is None and peak > plan.usable_budget_bytes:
+        failed.append(f"the measured peak {fmt_bytes(peak)} is above the usable budget "
+                      f"{fmt_bytes(plan.usable_budget_bytes)}")
+    for f in failed:
+        print(f"check failed: {f}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns the exit status (0 ok, 1 a check failed, 2 bad input)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad argument (2, its line already printed)
+        return e.code if isinstance(e.code, int) else 2
+    if not args.quiet and not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        return _run(args)
+    except _EXPECTED as e:
+        if args.debug:
+            raise
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

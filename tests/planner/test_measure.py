@@ -1,0 +1,79 @@
+"""planner/measure.py: real steps of a three-module net measured by MemTracker, against peaks
+worked out by hand (tests/estimators/test_aggregate.py derives the same step's 632 B)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from estimators.step import TrainStep, ZeroGrad
+from planner.measure import measure_step, measure_steps
+from tests.estimators.test_aggregate import Net
+
+# The unplanned step (loss = output.sum(), no optimizer) peaks at threshold_backward: params 224 +
+# x 48 + loss 4 + its gradient 4 + ReLU's output 96 + b's weight gradient 64 + the two [3, 8]
+# gradients 96 + 96.
+PEAK = 632
+# With the gradients kept from the last step (ZeroGrad.ZERO), all 224 B of them are there, and
+# b's new weight gradient is added in place, so its 64 B are gone by then: 632 - 64 + 224.
+PEAK_GRADS_KEPT = 792
+
+
+def _net():
+    torch.manual_seed(0)
+    return Net(), torch.randn(3, 4)
+
+
+def test_one_step_peak_loss_and_activation_bytes():
+    model, x = _net()
+    with torch.no_grad():
+        ref_loss = float(model(x).sum())
+    m = measure_step(model, (x,))
+    assert m.peak_bytes == PEAK
+    assert m.loss == ref_loss
+    assert m.tracker == "torch.distributed._tools.MemTracker"
+    # Everything but parameters and the gradients alive at the peak (b's weight gradient, 64 B).
+    assert m.activation_bytes == PEAK - 224 - 64
+    assert m.step_time_ms > 0
+    assert model.b.weight.grad is not None and model.a.weight.grad is not None  # the step ran
+
+
+@pytest.mark.parametrize("how, peaks", [
+    (ZeroGrad.SET_TO_NONE, [PEAK, PEAK, PEAK]),
+    (ZeroGrad.ZERO, [PEAK, PEAK_GRADS_KEPT, PEAK_GRADS_KEPT]),
+])
+def test_steps_reset_gradients_as_the_loop_says(how, peaks):
+    model, x = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = measure_steps(model, TrainStep(inputs=(x,), zero_grad=how), opt, n_steps=3)
+    assert [s.peak_bytes for s in steps] == peaks
+
+
+def test_steps_train_the_model():
+    model, x = _net()
+    ref = copy.deepcopy(model)
+    steps = measure_steps(model, TrainStep(inputs=(x,)), torch.optim.SGD(model.parameters(), lr=0.1),
+                          n_steps=2)
+    # Step 2's loss is that of the parameters after one plain SGD step, done here by hand.
+    ref(x).sum().backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+        assert steps[1].loss == float(ref(x).sum())
+
+
+def test_micro_batches_report_the_last_scaled_loss():
+    model, x = _net()
+    with torch.no_grad():
+        ref_loss = float(model(x).sum())
+    (m,) = measure_steps(model, TrainStep(inputs=(x,), micro_batches=2), n_steps=1)
+    assert m.loss == ref_loss / 2  # each micro-batch's loss is divided by their number (exact: / 2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_n_steps_must_be_a_positive_int(bad):
+    model, x = _net()
+    with pytest.raises(ValueError, match="n_steps must be an int >= 1"):
+        measure_steps(model, TrainStep(inputs=(x,)), n_steps=bad)
