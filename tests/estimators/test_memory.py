@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from estimators.memory import build_timeline, classify_storages
-from estimators.trace import Phase, StorageKind, StorageRecord
+from estimators.memory import build_timeline
+from estimators.trace import Phase, StorageKind, StorageRecord, _final_kind
 
 K = StorageKind
 
@@ -61,7 +61,7 @@ def test_storages_outside_the_ops_and_freed_by_their_own_op():
     assert tl.alloc_by_op.tolist() == [0, 7, 3]
 
 
-def test_classify_gives_every_step_storage_its_category():
+def test_final_kind_gives_every_step_storage_its_category():
     rec = [
         StorageRecord(sid=0, nbytes=1, alloc_op=-1, kind=K.PARAM, saved=True),    # registered: kept
         StorageRecord(sid=1, nbytes=1, alloc_op=0, phase=Phase.FW, saved=True),   # activation
@@ -71,5 +71,7 @@ def test_classify_gives_every_step_storage_its_category():
         StorageRecord(sid=5, nbytes=1, alloc_op=4, phase=Phase.OPTIM),            # optimizer-step temporary
         StorageRecord(sid=6, nbytes=1, alloc_op=0, phase=Phase.FW, saved=True),   # optimizer state wins
     ]
-    classify_storages(_trace(5, rec), grad_sids={4}, optimizer_sids={6})
-    assert [r.kind for r in rec] == [K.PARAM, K.ACTIVATION, K.TEMP, K.TEMP, K.GRAD, K.OPTIMIZER, K.OPTIMIZER]
+    # Registered storages (alloc_op -1) keep the kind they were registered with; StepTracer.finish
+    # gives every storage made during the step the kind _final_kind decides.
+    kinds = [r.kind if r.alloc_op < 0 else _final_kind(r, {4}, {6}) for r in rec]
+    assert kinds == [K.PARAM, K.ACTIVATION, K.TEMP, K.TEMP, K.GRAD, K.OPTIMIZER, K.OPTIMIZER]
