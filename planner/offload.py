@@ -20,7 +20,10 @@ Never offloaded: views and in-place results whose storage no offloaded op create
 buffers (no op of the forward creates them), storages under :data:`MIN_OFFLOAD_BYTES`, tensor
 subclasses other than fake tensors, dtypes whose bytes cannot be reinterpreted. A saved storage
 that was written in place after autograd saved it is ambiguous (which bytes does the backward
-want?): it stays on the device and is counted in ``OffloadCounter.ambiguous``.
+want?): it stays on the device, is counted in ``OffloadCounter.ambiguous``, and its unpack raises
+autograd's own "modified by an inplace operation" error, as the unplanned backward does. (A saved
+tensor written in place *after* the module's forward, before backward, is not detected once
+offloaded, as with torch's ``save_on_cpu``: autograd checks no versions through hooks.)
 
 When
 ----
@@ -49,6 +52,7 @@ what the plan saves).
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
@@ -63,6 +67,8 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from planner.plan import OpKey, op_key
 
 __all__ = ["MIN_OFFLOAD_BYTES", "OffloadCounter", "OffloadError"]
+
+logger = logging.getLogger(__name__)
 
 MIN_OFFLOAD_BYTES = 64 * 1024
 """Storages smaller than this stay on the device: a copy costs a launch and a sync for little."""
@@ -283,6 +289,13 @@ class _Handle:
 
     def unpack(self) -> torch.Tensor:
         if self.tensor is not None:  # kept on the device (ambiguous, or the forward is running)
+            if self.tensor._version != self.version:
+                # What autograd says without hooks (with hooks it checks nothing): same behaviour.
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an "
+                    f"inplace operation: [{self.tensor.type()} {list(self.size)}] is at version "
+                    f"{self.tensor._version}; expected version {self.version} instead "
+                    "(SAC Planner offload: the tensor was saved by an offloaded op)")
             return self.tensor
         buf = self.stored.device_bytes()
         with torch.no_grad():
@@ -328,11 +341,15 @@ class CallStore:
         in place since it was saved; drop the device references of those that went."""
         changed = {id(h.stored) for h in self.handles if h.tensor is not None and h.tensor._version != h.version}
         for stored in self.stored.values():
-            if id(stored) in changed:
-                self.counter.ambiguous += 1
-                stored.device_ref = None  # the handles keep their own tensors: nothing moves
-                continue
-            stored.offload()
+            if id(stored) not in changed:
+                try:
+                    stored.offload()
+                    continue
+                except Exception as e:  # never fail a training step over an optimisation
+                    logger.warning("SAC Planner: kept a saved storage on the device, its offload failed: %s", e)
+            self.counter.ambiguous += 1
+            stored.device_ref = None  # the handles keep their own tensors: nothing moves
+            changed.add(id(stored))
         for h in self.handles:
             if id(h.stored) not in changed:
                 h.tensor = None
@@ -390,9 +407,13 @@ def run_offloading(forward: Callable, args, kwargs, offloaded: frozenset[OpKey],
     def pack(t):
         st = _storage(t) if isinstance(t, torch.Tensor) else None
         if st is not None and mapping.made_by_offloaded(st):
-            with bookkeeping():
-                if store.offloadable(t, st):
-                    return store.handle(t, st)
+            try:
+                with bookkeeping():
+                    if store.offloadable(t, st):
+                        return store.handle(t, st)
+            except Exception as e:  # an odd tensor: kept as without the plan, never a crash
+                store.counter.ambiguous += 1
+                logger.warning("SAC Planner: kept a saved tensor on the device, offloading it failed: %s", e)
         return (_Kept, outer_pack(t) if outer_pack is not None else t)
 
     def unpack(x):

@@ -282,9 +282,9 @@ class PlannedForward:
             return forward(*args, **kwargs)  # nothing is saved without grad: no checkpoint
         kwargs = _without_hf_cache(kwargs)
         # Offload runs in the eager forward only: not in a recompute (backward), not compiled.
-        offloading = bool(self._offloaded) and not offload.in_recompute() and not torch.compiler.is_compiling()
-        claimed = offload.take_pending() if not offload.in_recompute() else []
-        store = offload.CallStore(self.offload_counter) if offloading else None
+        eager = not torch.compiler.is_compiling() and not offload.in_recompute()
+        claimed = offload.take_pending() if eager else []  # this module's backward prefetches them
+        store = offload.CallStore(self.offload_counter) if eager and self._offloaded else None
         if not self.checkpointed:
             if store is None:
                 out = forward(*args, **kwargs)
@@ -295,12 +295,20 @@ class PlannedForward:
             log: list[_Entry] = []
             kw: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
             if not self.mp.full and self.fallback is None:
-                kw["context_fn"] = lambda: self._contexts(log)
+                # torch.compile accepts a bound method only (no store when compiling: no log)
+                kw["context_fn"] = self._contexts if store is None else (lambda: self._contexts(log))
             out = checkpoint(_StateKeeper(self.module, forward), *args, **kwargs, **kw)
             if store is not None:
-                with _Bookkeeping():
-                    offload.offload_cached(log, self._offloaded, store)
-        offload.prefetch_on_backward(out, claimed)
+                try:
+                    with _Bookkeeping():
+                        offload.offload_cached(log, self._offloaded, store)
+                except Exception as e:  # never fail a step over an optimisation: what did not
+                    # go keeps its device tensor (a handle holds it until finish_forward)
+                    store.counter.ambiguous += 1
+                    warnings.warn(f"SAC Planner: {self.mp.fqn} kept its cached outputs on the device, "
+                                  f"offloading them failed: {e}", stacklevel=2)
+        if claimed:
+            offload.prefetch_on_backward(out, claimed)
         if store is not None and store.stored:
             offload.set_pending(store)
         return out
