@@ -28,9 +28,11 @@ offloaded, as with torch's ``save_on_cpu``: autograd checks no versions through 
 When
 ----
 The bytes leave the device when the module's forward returns (all its saved tensors are known by
-then). They come back when the backward of the next planned module in forward order starts (a
-gradient hook on that module's outputs: one module ahead of their use); without such a module, at
-the first unpack (synchronously). A storage is rebuilt exactly: same bytes, dtype, size, stride and
+then). They come back when the backward of the next module in forward order starts -- the next
+planned module, or an unplanned module beside the offloading one (same parent: a forward hook is
+put on those while the plan is applied) -- through a gradient hook on that module's outputs: one
+module ahead of their use. Without such a module (the last block), at the first unpack
+(synchronously). A storage is rebuilt exactly: same bytes, dtype, size, stride and
 storage offset, so gradients are bitwise those of the unplanned step. Several saved tensors of one
 storage share one host copy and one restored storage.
 
@@ -467,6 +469,24 @@ def set_pending(store: CallStore) -> None:
 
 def clear_pending() -> None:
     _pending().clear()
+
+
+def sibling_post_hook(module, args, output) -> None:
+    """Forward post-hook on the unplanned modules beside an offloading one (same parent): the
+    stores left by the offloading module before it come back when its backward starts."""
+    if torch.compiler.is_compiling() or in_recompute() or not torch.is_grad_enabled():
+        return
+    prefetch_on_backward(output, take_pending())
+
+
+def remove_sibling_hooks(module: torch.nn.Module) -> bool:
+    hooks = module._forward_hooks
+    keys = [k for k, fn in hooks.items() if fn is sibling_post_hook]
+    for k in keys:
+        del hooks[k]
+        module._forward_hooks_with_kwargs.pop(k, None)
+        module._forward_hooks_always_called.pop(k, None)
+    return bool(keys)
 
 
 def prefetch_on_backward(output: Any, claimed: list) -> None:
