@@ -521,7 +521,18 @@ def predicted_host_bytes(est, modules) -> dict[str, int]:
     trace, micro_batches = est.trace, est.step.micro_batches
 
     plans = {mp.fqn: mp for mp in modules if mp.offloaded_ops}
+    checkpointed = {mp.fqn for mp in modules if is_checkpointed(mp)}
     out = dict.fromkeys(plans, 0)
+
+    def under_checkpoint(c: int, top: int) -> bool:
+        """Whether call ``c`` runs inside a checkpointed module nested in call ``top``: autograd's
+        saved tensors there go to that checkpoint, not to the offload hooks."""
+        while c >= 0 and c != top:
+            if trace.calls[c].fqn in checkpointed:
+                return True
+            c = trace.calls[c].parent
+        return False
+
     for call in trace.calls:
         mp = plans.get(call.fqn)
         if mp is None or call.fw_first_op < 0:
@@ -535,7 +546,7 @@ def predicted_host_bytes(est, modules) -> dict[str, int]:
             key = op_key(str(rec.func))
             occ = counts.get(key, 0)
             counts[key] = occ + 1
-            if (key, occ) not in offloaded:
+            if (key, occ) not in offloaded or (not cached and under_checkpoint(rec.call, call.cid)):
                 continue
             for sid in rec.new_sids:
                 st = trace.storages[sid]

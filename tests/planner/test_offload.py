@@ -310,3 +310,26 @@ def test_micro_batches_offload_each_micro_batch():
         _, steady = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=2)
         assert abs(steady.peak_bytes - predicted.steady_peak_bytes) <= 0.03 * predicted.steady_peak_bytes
         assert handle.host_bytes_offloaded == 2 * sum(predicted_host_bytes(est, plans).values())
+
+
+@pytest.mark.parametrize("mode", ["alone", "with_sac"])
+def test_offload_around_a_checkpointed_submodule(mode):
+    """GPT.blocks.0 offloads and its mlp is fully checkpointed: the mlp's saved tensors are its
+    checkpoint's (not offloaded when blocks.0 is not checkpointed; cached by blocks.0's policy,
+    so offloaded, when it is), and the host-bytes prediction says so."""
+    est, _ = _planning("gpt_demo")
+    plans = _offload_plans(est, _CASES["gpt_demo"][0], mode, MIN_OFFLOAD_BYTES)
+    plans += (ModulePlan(fqn="GPT.blocks.0.mlp", discard_ratio=1.0, full=True),)
+    model, inputs = _build("gpt_demo")
+    ref = _loss_grads_buffers(copy.deepcopy(model), inputs)
+    predicted = _traced_estimate(model, plans, est)
+    with apply_module_plans(model, plans) as handle:
+        _assert_same(_loss_grads_buffers(model, inputs), ref)
+        step = _step(model, inputs)
+        _, steady = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=2)
+        assert abs(steady.peak_bytes - predicted.steady_peak_bytes) <= 0.03 * predicted.steady_peak_bytes
+        per_module = predicted_host_bytes(est, plans)
+        got = {fqn: c.host_bytes for fqn, c in handle.offload_counters().items()}
+        assert got == {fqn: 3 * b for fqn, b in per_module.items()}  # 1 + 2 measured steps
+        inner_kept = per_module["GPT.blocks.0"] < per_module["GPT.blocks.1"]
+        assert inner_kept == (mode == "alone")
