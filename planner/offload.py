@@ -508,17 +508,16 @@ def prefetch_on_backward(output: Any, claimed: list) -> None:
 
 
 # ------------------------------------------------------------------ what a plan offloads, predicted
-def predicted_host_bytes(est, modules) -> dict[str, int]:
-    """Host bytes per training step each offloading module plan copies, from the estimate of the
-    *unplanned* step: the storages its offloaded ops create that the mechanism above takes
-    (autograd saves them inside the module when it is not checkpointed; the policy caches them
-    when it is) and that reach :data:`MIN_OFFLOAD_BYTES`, times the step's micro-batches (the
-    trace holds one). Ops are counted per call as the policy counts them. Storage sizes are the
-    trace's (rounded to CUDA blocks for CUDA targets)."""
+def predicted_host_bytes(trace, modules, *, micro_batches: int = 1) -> dict[str, int]:
+    """Host bytes per training step each offloading module plan copies, from the trace of the
+    *unplanned* step (``Estimate.trace``): the storages its offloaded ops create that the
+    mechanism above takes (autograd saves them inside the module when it is not checkpointed;
+    the policy caches them when it is) and that reach :data:`MIN_OFFLOAD_BYTES`, times
+    ``micro_batches`` (``Estimate.step.micro_batches``: the trace holds one). Ops are counted per
+    call as the policy counts them. Storage sizes are the trace's (rounded to CUDA blocks for
+    CUDA targets)."""
     from estimators.sac import _subtree
     from estimators.trace import Phase
-
-    trace, micro_batches = est.trace, est.step.micro_batches
 
     plans = {mp.fqn: mp for mp in modules if mp.offloaded_ops}
     checkpointed = {mp.fqn for mp in modules if is_checkpointed(mp)}
