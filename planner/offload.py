@@ -68,7 +68,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from planner.plan import OpKey, op_key
 
-__all__ = ["MIN_OFFLOAD_BYTES", "OffloadCounter", "OffloadError"]
+__all__ = ["MIN_OFFLOAD_BYTES", "OffloadCounter", "OffloadError", "is_checkpointed", "predicted_host_bytes"]
 
 logger = logging.getLogger(__name__)
 
