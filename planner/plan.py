@@ -130,6 +130,11 @@ class ModulePlan:
     """Ops autograd would have saved that are recomputed instead (for reading; not used to apply)."""
     discarded_bytes: int = 0
     recompute_ms: float = 0.0
+    offloaded_ops: tuple[OpKey, ...] = ()
+    """Ops of the module (same (op key, occurrence-within-one-call) indexing as ``saved_ops``)
+    whose outputs, where autograd saves them for backward, are copied to host memory in forward
+    and brought back in backward. Disjoint from ``recomputed_ops``; empty when ``full``. A module
+    may offload without being checkpointed (``full=False``, ``discard_ratio=0``, no saved_ops)."""
 
     def __post_init__(self) -> None:
         w = f"module {self.fqn!r}" if isinstance(self.fqn, str) else "module"
@@ -148,6 +153,12 @@ class ModulePlan:
         both = set(self.saved_ops) & set(self.recomputed_ops)
         if both:
             raise PlanFormatError(f"{w}: op {list(min(both))} is both saved and recomputed")
+        set_("offloaded_ops", _op_keys(f"{w}: offloaded_ops", self.offloaded_ops))
+        if self.full and self.offloaded_ops:
+            raise PlanFormatError(f"{w}: full checkpointing keeps no output, so none can be offloaded")
+        both = set(self.offloaded_ops) & set(self.recomputed_ops)
+        if both:
+            raise PlanFormatError(f"{w}: op {list(min(both))} is both offloaded and recomputed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +190,17 @@ class Plan:
     """Peak of the first step of a fresh run (no optimizer state before its optimizer phase)."""
     steady_peak_bytes: int | None = None
     """Peak of the steady-state step (step 2 on); ``predicted_peak_bytes`` is the larger one."""
+    host_peak_bytes: int = 0
+    """Bytes of offloaded activations on host memory at their peak (the end of the forward)."""
+    compute_ms: float = 0.0
+    """Step timeline (``estimators/timeline.py``): forward + backward + optimizer compute."""
+    exposed_comm_ms: float = 0.0
+    """Collective time the compute stream waits for (FSDP2 all-gather / reduce-scatter)."""
+    exposed_copy_ms: float = 0.0
+    """Offload copy time the compute stream waits for."""
+    step_ms: float = 0.0
+    """Predicted step time: compute + recompute + exposed comm + exposed copies (0: not costed,
+    e.g. a plan file written before the timeline existed)."""
     solve_time_s: float = field(default=0.0, compare=False, repr=False)
     """Wall time of the solve. A timing, not part of the plan: left out of equality, of the JSON
     (so of ``plan_hash``), so identical solves give identical plans; 0 for a loaded plan."""
@@ -208,8 +230,10 @@ class Plan:
             )
         for name in ("predicted_peak_bytes", "solver_peak_bytes", "baseline_peak_bytes"):
             set_(name, _int(name, getattr(self, name)))
-        for name in ("recompute_ms", "baseline_step_ms"):
+        for name in ("recompute_ms", "baseline_step_ms", "compute_ms", "exposed_comm_ms",
+                     "exposed_copy_ms", "step_ms"):
             set_(name, _float(name, getattr(self, name)))
+        set_("host_peak_bytes", _int("host_peak_bytes", self.host_peak_bytes))
         notes = self.notes
         if isinstance(notes, (str, bytes)) or not isinstance(notes, (list, tuple)):
             raise PlanFormatError(f"notes must be a list of strings, got {notes!r}")
@@ -241,6 +265,11 @@ class Plan:
     @property
     def checkpointed(self) -> tuple[str, ...]:
         return tuple(m.fqn for m in self.modules)
+
+    @property
+    def offloading(self) -> tuple[str, ...]:
+        """Modules that send saved activations to host memory."""
+        return tuple(m.fqn for m in self.modules if m.offloaded_ops)
 
     def module(self, fqn: str) -> ModulePlan:
         for m in self.modules:
