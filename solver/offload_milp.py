@@ -11,10 +11,11 @@
 The maths, on top of ``solver/milp.py``'s memory model (read that first)::
 
     c_k in {0,1}, 0 <= r_k <= c_k      candidate k is checkpointed, discarding r_k S_k (+ F_k c_k)
-    z_b in {0,1}, 0 <= o_b <= z_b      block b offloads o_b H_b bytes (H_b: its offloadable bytes)
-    sum_{modules on a root-to-leaf path} (c + z) <= 1
-        no nested plans; and a module that offloads recomputes nothing, so no recompute ever
-        reads an offloaded tensor (SACOp has no inputs to check op by op)
+    0 <= o_b <= 1                      block b offloads o_b H_b bytes (H_b: its offloadable bytes)
+    sum_{candidates on a root-to-leaf path} c <= 1            no nested checkpoints
+    o_b + c_k <= 1  for k = b, inside b or above b
+        a block that offloads recomputes nothing, so no recompute ever reads an offloaded
+        tensor (SACOp has no inputs to check op by op)
     mem(p) = base_p - sum_k d_k [fw_post_k <= t < bw_pre_k] - sum_b o_b H_b [fw_post_b <= t < back_b]
              + recompute growth of k at its recompute point            <= peak <= budget
     sum_b o_b H_b <= host budget      (all offloaded bytes are on host when the forward ends)
@@ -116,6 +117,9 @@ class OffloadResult:
     world_size: int
     milp_step_ms: float | None = None
     """The MILP's objective (step time on the envelopes), before rounding."""
+    from_incumbent: bool = False
+    """The backend's plan was slower than (or missing beside) the recompute-only incumbent
+    passed to ``solve``, which is returned instead."""
 
     @property
     def checkpointed(self) -> tuple[str, ...]:
@@ -277,28 +281,38 @@ class OffloadMilp:
                 for s, (a, b) in enumerate(segs):
                     self._add([(self._extra[k], 1.0), (r, -a), (c, -b)], pulp.LpConstraintGE, 0.0,
                               f"rgrowth_seg{s}_{k}")
-        self._z, self._o = [], []
+        self._o = []
         for j, blk in enumerate(self._blocks):
-            z = _new_var(p, f"z{j}_{_safe(blk.fqn)}", 0, 1, "Integer")
-            o = _new_var(p, f"o{j}_{_safe(blk.fqn)}", 0, 1)
-            self._z.append(z), self._o.append(o)
-            self._add([(o, 1.0), (z, -1.0)], pulp.LpConstraintLE, 0.0, f"offload_if_planned_{j}")
+            self._o.append(_new_var(p, f"o{j}_{_safe(blk.fqn)}", 0, 1))
         self._peak = _new_var(p, "peak", 0)
 
     def _add_nesting_constraints(self) -> None:
+        """No nested checkpoints (one clique per maximal chain, as SACMilp), and a block that
+        offloads recomputes nothing in it: o_b + c_k <= 1 for every candidate k in b or above
+        it (no binary for offloading: these rows are all it would be used for)."""
         import pulp
 
-        planned: dict[str, list[Any]] = {}
-        for k, cand in enumerate(self._cands):
-            planned.setdefault(cand.node.fqn, []).append(self._c[k])
-        for j, blk in enumerate(self._blocks):
-            planned.setdefault(blk.fqn, []).append(self._z[j])
-        chains = {f: [a.fqn for a in self.graph.ancestors(f) if a.fqn in planned] for f in planned}
+        index = {c.node.fqn: k for k, c in enumerate(self._cands)}
+        chains = {k: [index[a.fqn] for a in self.graph.ancestors(c.node.fqn) if a.fqn in index]
+                  for k, c in enumerate(self._cands)}
         inner = {a for anc in chains.values() for a in anc}
-        for i, (f, anc) in enumerate(sorted(chains.items())):
-            terms = [(v, 1.0) for g in [f, *anc] for v in planned[g]]
-            if f not in inner and len(terms) > 1:
-                self._add(terms, pulp.LpConstraintLE, 1.0, f"one_plan_per_path_{i}")
+        for k, anc in chains.items():
+            if anc and k not in inner:
+                self._add([(self._c[j], 1.0) for j in [k, *anc]], pulp.LpConstraintLE, 1.0,
+                          f"no_nesting_{k}")
+        # Per offload block a mode m_b (1: it may recompute, 0: it may offload): branching on
+        # it splits the search cleanly, where pairwise o_b + c_k <= 1 rows left HiGHS mixing.
+        self._m = []
+        for j, blk in enumerate(self._blocks):
+            m = _new_var(self._prob, f"m{j}_{_safe(blk.fqn)}", 0, 1, "Integer")
+            self._m.append(m)
+            self._add([(self._o[j], 1.0), (m, 1.0)], pulp.LpConstraintLE, 1.0, f"offload_mode_{j}")
+            near = {index[a.fqn] for a in self.graph.ancestors(blk.fqn) if a.fqn in index}
+            near |= {index[d.fqn] for d in self.graph.descendants(blk.fqn) if d.fqn in index}
+            near |= {index[blk.fqn]} if blk.fqn in index else set()
+            for k in sorted(near):
+                self._add([(self._c[k], 1.0), (m, -1.0)], pulp.LpConstraintLE, 0.0,
+                          f"recompute_mode_{j}_{k}")
 
     def _events(self) -> tuple[list[tuple[int, list]], list[tuple[int, list]]]:
         """(op index, terms) of memory leaving (fw_post) and coming back (bw_pre / back_op)."""
@@ -423,9 +437,8 @@ class OffloadMilp:
 
         scale = max(self.baseline_timeline.step_ms, 1e-9) * _TIE
         terms = [(self._step, 1.0)]
-        n = max(1, len(self._c) + len(self._z))
-        terms += [(v, scale / n) for v in self._c + self._z]
-        terms += [(v, 0.1 * scale / n) for v in self._r + self._o]
+        n = max(1, len(self._c) + len(self._o))
+        terms += [(v, scale / n) for v in self._c + self._o]
         return pulp.LpAffineExpression(terms)
 
     # ------------------------------------------------------------------ solve
@@ -444,14 +457,14 @@ class OffloadMilp:
         disc, off = {}, {}
         for k, cand in enumerate(self._cands):
             if round(self._c[k].varValue or 0.0) == 1:
-                d = round(min(1.0, max(0.0, self._r[k].varValue or 0.0)) * cand.stats.sac_memory_bytes)
+                # Up, not to nearest: a byte short at a tight point is a re-solve.
+                d = math.ceil(min(1.0, max(0.0, self._r[k].varValue or 0.0)) * cand.stats.sac_memory_bytes)
                 if d > 0:
                     disc[cand.node.fqn] = d
         for j, blk in enumerate(self._blocks):
-            if round(self._z[j].varValue or 0.0) == 1:
-                h = round(min(1.0, max(0.0, self._o[j].varValue or 0.0)) * blk.offload_bytes)
-                if h > 0:
-                    off[blk.fqn] = h
+            h = math.ceil(min(1.0, max(0.0, self._o[j].varValue or 0.0)) * blk.offload_bytes)
+            if h > 0:
+                off[blk.fqn] = h
         return disc, off
 
     def _offload_windows(self, off: Mapping[str, int]) -> dict[str, tuple[int, int, int]]:
@@ -472,8 +485,12 @@ class OffloadMilp:
         return self.layout.timeline(recompute_ms_by_segment=rec, offload_bytes=offloaded,
                                     copy_bytes_per_s=self.copy_bytes_per_s)
 
-    def solve(self, budget_bytes: int) -> OffloadResult:
-        """Least step time plan whose exact peak is <= ``budget_bytes`` (per rank)."""
+    def solve(self, budget_bytes: int, *, incumbent: Mapping[str, int] | None = None) -> OffloadResult:
+        """Least step time plan whose exact peak is <= ``budget_bytes`` (per rank).
+
+        ``incumbent``: a recompute-only plan (``SolveResult.discarded_bytes`` of ``SACMilp``),
+        returned instead when it is faster on the timeline than what the backend found within
+        its time limit (it is a plan of this MILP too: no offload)."""
         t0 = time.perf_counter()
         budget = _check_budget(budget_bytes)
         target = budget
@@ -482,6 +499,8 @@ class OffloadMilp:
             self._prob.setObjective(self._objective)
             out = run_backend(self._prob, self.options)
             if not out.has_solution:
+                if incumbent is not None and not out.infeasible:
+                    return self._incumbent(incumbent, budget, t0)
                 if out.infeasible:
                     raise InfeasibleBudgetError(budget, self.min_reachable_peak_bytes(), self.world_size)
                 raise SolverTimeoutError(
@@ -491,10 +510,23 @@ class OffloadMilp:
             peak = self.peak_bytes(disc, off)
             if peak <= budget:
                 status = SolveStatus.OPTIMAL if out.proven else SolveStatus.FEASIBLE
-                return self._result(disc, off, peak, budget, status, out.gap, t0,
-                                    self._step.varValue)
+                res = self._result(disc, off, peak, budget, status, out.gap, t0, self._step.varValue)
+                if incumbent is not None:
+                    alt = self._incumbent(incumbent, budget, t0)
+                    if alt.step_ms < res.step_ms:
+                        return alt
+                return res
             target -= peak - budget + 1024
+        if incumbent is not None:
+            return self._incumbent(incumbent, budget, t0)
         raise InfeasibleBudgetError(budget, self.min_reachable_peak_bytes(), self.world_size)
+
+    def _incumbent(self, disc: Mapping[str, int], budget: int, t0: float) -> OffloadResult:
+        peak = self.peak_bytes(disc, {})
+        if peak > budget:
+            raise ValueError(f"the incumbent plan's peak {peak} exceeds the budget {budget}")
+        return self._result(dict(disc), {}, peak, budget, SolveStatus.FEASIBLE, None, t0, None,
+                            from_incumbent=True)
 
     def min_reachable_peak_bytes(self) -> int:
         """Smallest peak any plan of this MILP reaches (host budget included)."""
@@ -511,7 +543,8 @@ class OffloadMilp:
             self._min_peak = min(self.no_ac_peak_bytes, self.peak_bytes(disc, off))
         return self._min_peak
 
-    def _result(self, disc, off, peak, budget, status, gap, t0, milp_step) -> OffloadResult:
+    def _result(self, disc, off, peak, budget, status, gap, t0, milp_step, *,
+                from_incumbent: bool = False) -> OffloadResult:
         order = {n.fqn: n.index for n in self.graph}
         disc = dict(sorted(disc.items(), key=lambda kv: order[kv[0]]))
         off = dict(sorted(off.items(), key=lambda kv: order[kv[0]]))
@@ -521,5 +554,5 @@ class OffloadMilp:
             no_ac_peak_bytes=self.no_ac_peak_bytes, host_peak_bytes=sum(off.values()),
             recompute_ms=tl.recompute_ms, timeline=tl, baseline_timeline=self.baseline_timeline,
             solve_time_s=time.perf_counter() - t0, gap=gap, budget_bytes=budget,
-            world_size=self.world_size, milp_step_ms=milp_step,
+            world_size=self.world_size, milp_step_ms=milp_step, from_incumbent=from_incumbent,
         )
