@@ -71,7 +71,13 @@ def main(argv=None) -> int:
                    help="host memory per rank for offloaded activations (default 128)")
     p.add_argument("--points", type=int, default=10, help="budgets (default 10)")
     p.add_argument("--info-cache", help="ModuleInfo JSON: read if it exists, else written")
-    p.add_argument("--time-limit-s", type=float, default=60.0, help="solver limit per budget")
+    p.add_argument("--time-limit-s", type=float, default=60.0,
+                   help="recompute-only solver limit per budget (default 60)")
+    p.add_argument("--three-way-time-limit-s", type=float, default=4.0,
+                   help="three-way solver limit per budget (default 4: the 5 s target with the "
+                        "exact re-evaluation); the best plan found by then is used, its gap printed")
+    p.add_argument("--incumbent", action="store_true",
+                   help="give the three-way solve the recompute-only plan as a fallback")
     args = p.parse_args(argv)
 
     spec = get_device_spec(args.device)
@@ -91,7 +97,8 @@ def main(argv=None) -> int:
     t_rec = time.perf_counter() - t0
     t0 = time.perf_counter()
     three = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s, world_size=ws,
-                        host_budget_bytes=int(args.host_budget_gib * GiB), fsdp_units=fsdp, options=opts)
+                        host_budget_bytes=int(args.host_budget_gib * GiB), fsdp_units=fsdp,
+                        options=SolverOptions(time_limit_s=args.three_way_time_limit_s))
     t_three = time.perf_counter() - t0
     base = three.baseline_timeline
     lo_rec = rec.min_reachable_peak_bytes()
@@ -109,8 +116,8 @@ def main(argv=None) -> int:
     print()
     print(f"{'budget':>9} | {'recompute-only':^44} | {'keep/recompute/offload':^58}")
     print(f"{'GiB':>9} | {'step ms':>9} {'recomp':>8} {'exp.comm':>8} {'solve s':>8}    | "
-          f"{'step ms':>9} {'recomp':>8} {'exp.copy':>8} {'exp.comm':>8} {'host GiB':>8} {'solve s':>8}")
-    ok_time, ok_step, worst = True, True, 0.0
+          f"{'step ms':>9} {'recomp':>8} {'exp.copy':>8} {'exp.comm':>8} {'host GiB':>8} {'solve s':>8} {'gap':>7}")
+    ok_time, ok_step, worst, n_fallback = True, True, 0.0, 0
     for b in budgets:
         try:
             r = rec.solve(b)
@@ -118,17 +125,23 @@ def main(argv=None) -> int:
             print(f"{b / GiB:9.2f} | infeasible")
             continue
         tl = three.timeline(r.discarded_bytes, {})
-        t = three.solve(b)
+        t = three.solve(b, incumbent=r.discarded_bytes if args.incumbent else None)
+        n_fallback += t.from_incumbent
         t3 = t.timeline
         ok_step &= t3.step_ms <= tl.step_ms * (1 + 1e-9)
-        ok_time &= t.solve_time_s <= 5.0 and r.solve_time_s <= 5.0
+        ok_time &= t.solve_time_s <= 5.0
         worst = max(worst, t.solve_time_s)
         print(f"{b / GiB:9.2f} | {tl.step_ms:9.1f} {tl.recompute_ms:8.1f} {tl.exposed_comm_ms:8.2f} "
               f"{r.solve_time_s:8.2f}    | {t3.step_ms:9.1f} {t3.recompute_ms:8.1f} {t3.exposed_copy_ms:8.2f} "
-              f"{t3.exposed_comm_ms:8.2f} {t.host_peak_bytes / GiB:8.2f} {t.solve_time_s:8.2f}")
+              f"{t3.exposed_comm_ms:8.2f} {t.host_peak_bytes / GiB:8.2f} {t.solve_time_s:8.2f} "
+              + (f"{100 * t.gap:6.2f}%" if t.gap is not None else "   n/a ")
+              + (" (incumbent)" if t.from_incumbent else ""))
     print()
+    if args.incumbent:
+        print(f"budgets where the recompute-only incumbent was returned: {n_fallback}")
     print(f"three-way step time <= recompute-only at every budget: {'PASS' if ok_step else 'FAIL'}")
-    print(f"solve <= 5 s per budget (three-way worst {worst:.2f} s): {'PASS' if ok_time else 'FAIL'}")
+    print(f"solve <= 5 s per budget (three-way worst {worst:.2f} s; the recompute-only column is "
+          f"SACMilp as it is today, not part of this target): {'PASS' if ok_time else 'FAIL'}")
     return 0 if ok_step and ok_time else 1
 
 

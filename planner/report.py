@@ -41,6 +41,7 @@ def plan_summary(plan: "Plan") -> str:
         f"  recompute        {plan.recompute_ms:.3f} ms/step = "
         f"{100 * plan.recompute_ms / plan.baseline_step_ms if plan.baseline_step_ms else 0:.1f}%"
         f" of the {plan.baseline_step_ms:.3f} ms step",
+        *_timeline_lines(plan),
         f"  solver           {plan.solver_status}"
         + (f", {plan.solve_time_s:.2f} s" if plan.solve_time_s else ""),
         "",
@@ -52,6 +53,9 @@ def plan_summary(plan: "Plan") -> str:
         lines.append(f"  {'module':<{w}}  {'discard':>7}  {'freed':>10}  {'recompute':>10}  policy")
         for m in plan.modules:
             policy = "full" if m.full else f"SAC: save {len(m.saved_ops)} ops, recompute {len(m.recomputed_ops)}"
+            if m.offloaded_ops:
+                policy = f"offload {len(m.offloaded_ops)} ops to host" + (
+                    f"; recompute {len(m.recomputed_ops)}" if m.recomputed_ops else "")
             lines.append(
                 f"  {m.fqn:<{w}}  {m.discard_ratio:>7.1%}  {fmt_bytes(m.discarded_bytes):>10}  "
                 f"{m.recompute_ms:>7.3f} ms  {policy}"
@@ -59,6 +63,20 @@ def plan_summary(plan: "Plan") -> str:
     for n in plan.notes:
         lines.append(f"  note: {n}")
     return "\n".join(lines)
+
+
+def _timeline_lines(plan: "Plan") -> list[str]:
+    """The step on the timeline (absent from plans made before it existed: step_ms == 0)."""
+    lines = []
+    if plan.host_peak_bytes:
+        lines.append(f"  host memory      {fmt_bytes(plan.host_peak_bytes)} of offloaded activations "
+                     f"({len(plan.offloading)} modules)")
+    if plan.step_ms:
+        lines.append(
+            f"  step timeline    {plan.step_ms:.3f} ms = compute {plan.compute_ms:.3f} + recompute "
+            f"{plan.recompute_ms:.3f} + exposed comm {plan.exposed_comm_ms:.3f} + exposed copies "
+            f"{plan.exposed_copy_ms:.3f} ms")
+    return lines
 
 
 def _binding_line(plan: "Plan") -> list[str]:

@@ -471,6 +471,10 @@ class OffloadMilp:
         blocks = {b.fqn: b for b in self._blocks}
         return {f: (h, blocks[f].stats.fw_post_op, blocks[f].back_op) for f, h in off.items()}
 
+    def back_op(self, fqn: str) -> int:
+        """Op index at which an offloading block's bytes are back on the device."""
+        return next(b.back_op for b in self._blocks if b.fqn == fqn)
+
     def peak_bytes(self, discarded: Mapping[str, int], offloaded: Mapping[str, int]) -> int:
         """Exact peak of the memory model for a plan of this MILP's candidates."""
         return max(_point_bytes(self._memory, discarded, self._offload_windows(offloaded)), default=0)
