@@ -29,7 +29,9 @@ from typing import Iterable
 
 import torch
 
+from planner import offload
 from planner.fsdp import original_class_name
+from planner.offload import OffloadCounter, OffloadError
 from planner.plan import ModulePlan, Plan, model_fingerprint
 from planner.planned_forward import CheckpointDivergenceWarning, PlannedForward
 
@@ -41,6 +43,7 @@ __all__ = [
     "PlanMismatchError",
     "AlreadyCheckpointedError",
     "CheckpointDivergenceWarning",
+    "OffloadError",
     "check_plannable",
     "hf_cache_note",
     "hf_cache_off",
@@ -164,7 +167,20 @@ class AppliedPlan:
         for mod in self.modules:
             _restore(mod)
         _restore_cache(self.model)
+        offload.clear_pending()
         self.modules = []
+
+    def offload_counters(self) -> dict[str, OffloadCounter]:
+        """Per planned module that offloads: what it copied to host memory so far (a live
+        counter; ``reset()`` it between steps to read one step)."""
+        return {pf.mp.fqn: pf.offload_counter for mod in self.modules
+                for pf in (mod.__dict__.get("forward"),)
+                if isinstance(pf, PlannedForward) and pf.mp.offloaded_ops}
+
+    @property
+    def host_bytes_offloaded(self) -> int:
+        """Bytes copied to host memory by every module of the plan, since applied (or reset)."""
+        return sum(c.host_bytes for c in self.offload_counters().values())
 
     def __enter__(self) -> "AppliedPlan":
         return self
@@ -240,6 +256,7 @@ def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan]) ->
             targets.append((model.get_submodule(name) if name else model, mp))
         except AttributeError as e:
             raise PlanMismatchError(f"plan module {mp.fqn!r} does not exist in the model") from e
+    _check_offload(targets)
     done: list[torch.nn.Module] = []
     try:
         for mod, mp in targets:
@@ -256,6 +273,23 @@ def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan]) ->
     return AppliedPlan(model=model, plan=None, modules=done)
 
 
+def _check_offload(targets: list[tuple[torch.nn.Module, ModulePlan]]) -> None:
+    """An offloading module must not run inside another planned module: that one's recompute
+    would run it again in backward, and its saved tensors are that one's to manage."""
+    for _, mp in targets:
+        offload.check_module_plan(mp)
+    names = [mp.fqn for _, mp in targets]
+    for _, mp in targets:
+        if not mp.offloaded_ops:
+            continue
+        outer = next((n for n in names if mp.fqn.startswith(n + ".")), None)
+        if outer is not None:
+            raise OffloadError(
+                f"module {mp.fqn!r} offloads but is nested in {outer!r}, which the plan also "
+                f"checkpoints; offload in {outer!r} instead, or leave {outer!r} out of the plan"
+            )
+
+
 def _planned_forward(mod: torch.nn.Module, mp: ModulePlan) -> PlannedForward:
     original = mod.__dict__.get("forward")
     if getattr(original, "__self__", None) is mod:
@@ -267,4 +301,5 @@ def remove_plan(model: torch.nn.Module) -> int:
     """Undo every applied plan on ``model``; returns how many modules were restored."""
     n = sum(_restore(mod) for mod in model.modules())
     _restore_cache(model)
+    offload.clear_pending()
     return n

@@ -131,10 +131,8 @@ class ModulePlan:
     discarded_bytes: int = 0
     recompute_ms: float = 0.0
     offloaded_ops: tuple[OpKey, ...] = ()
-    """Ops of the module (same (op key, occurrence-within-one-call) indexing as ``saved_ops``)
-    whose outputs, where autograd saves them for backward, are copied to host memory in forward
-    and brought back in backward. Disjoint from ``recomputed_ops``; empty when ``full``. A module
-    may offload without being checkpointed (``full=False``, ``discard_ratio=0``, no saved_ops)."""
+    """Ops of the module whose outputs, where autograd saves them for backward, are copied to host
+    memory in forward and brought back in backward (prefetched one module ahead)."""
 
     def __post_init__(self) -> None:
         w = f"module {self.fqn!r}" if isinstance(self.fqn, str) else "module"
@@ -155,10 +153,16 @@ class ModulePlan:
             raise PlanFormatError(f"{w}: op {list(min(both))} is both saved and recomputed")
         set_("offloaded_ops", _op_keys(f"{w}: offloaded_ops", self.offloaded_ops))
         if self.full and self.offloaded_ops:
-            raise PlanFormatError(f"{w}: full checkpointing keeps no output, so none can be offloaded")
-        both = set(self.offloaded_ops) & set(self.recomputed_ops)
-        if both:
-            raise PlanFormatError(f"{w}: op {list(min(both))} is both offloaded and recomputed")
+            raise PlanFormatError(
+                f"{w}: full checkpointing keeps no op output to offload, but offloaded_ops lists "
+                f"{len(self.offloaded_ops)}; drop them or plan the module selectively (full=False)"
+            )
+        clash = set(self.offloaded_ops) & set(self.recomputed_ops)
+        if clash:
+            raise PlanFormatError(
+                f"{w}: op {list(min(clash))} is both offloaded and recomputed; an op's output is "
+                "either recomputed or offloaded, not both"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

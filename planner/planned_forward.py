@@ -60,6 +60,7 @@ from torch.utils.checkpoint import (
     checkpoint,
 )
 
+from planner import offload
 from planner.plan import ModulePlan, op_key
 
 __all__ = ["PlannedForward", "CheckpointDivergenceWarning"]
@@ -97,14 +98,28 @@ class _Entry:
     func: Any
     meta: tuple
     value: Any = None  # the cached outputs (wrapped), None: recompute
+    key: tuple | None = None  # (op key, occurrence), as the policy counted it
+    fresh: bool = False  # every cached output is a storage this op created (not a view / in-place)
+
+
+def _storage_ids(flat: list) -> set[int]:
+    out = set()
+    for t in flat:
+        if isinstance(t, torch.Tensor):
+            try:
+                out.add(t.untyped_storage()._cdata)
+            except (NotImplementedError, RuntimeError):
+                pass
+    return out
 
 
 class _RecordingMode(_CachingTorchDispatchMode):
     """Forward side: log every op in order; keep the outputs the policy saves."""
 
-    def __init__(self, policy_fn, storage, log: list[_Entry]) -> None:
+    def __init__(self, policy_fn, storage, log: list[_Entry], key_of: Callable[[], tuple]) -> None:
         super().__init__(policy_fn, storage)
         self.log = log
+        self.key_of = key_of
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = {} if kwargs is None else kwargs
@@ -114,9 +129,11 @@ class _RecordingMode(_CachingTorchDispatchMode):
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         policy = self.policy_fn(SelectiveCheckpointContext(is_recompute=False, op_output=out), func, *args, **kwargs)
-        entry = _Entry(func, _meta(args, kwargs))
+        entry = _Entry(func, _meta(args, kwargs), key=self.key_of())
         if policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
             entry.value = tree_map(lambda x: _VersionWrapper(_detach_helper(x)), out)
+            outs = _storage_ids(tree_flatten(out)[0])
+            entry.fresh = bool(outs) and not (outs & _storage_ids(tree_flatten((args, kwargs))[0]))
         self.log.append(entry)
         return out
 
@@ -152,7 +169,9 @@ class _ReplayMode(_CachedTorchDispatchMode):
                 value, e.value = e.value, None  # consumed: its memory goes with the last use
                 # An in-place op shares its parent's decision (estimators/sac.py): a cached output
                 # is only mutated by ops cached with it, so the value is already final.
-                return tree_map(lambda x: x.get_val(True), value)
+                # An offloaded output comes back from the host store (planner.offload).
+                with _Bookkeeping():
+                    return tree_map(lambda x: offload.materialize(x.get_val(True)), value)
         return func(*args, **kwargs)
 
 
@@ -185,7 +204,8 @@ class _StateKeeper:
         with _Bookkeeping(), torch.no_grad():
             before = [(b, b.detach().clone()) for b in self.mutated]
         try:
-            return self.forward(*args, **kwargs)
+            with offload.recompute_scope():
+                return self.forward(*args, **kwargs)
         finally:
             with _Bookkeeping(), torch.no_grad():
                 for b, value in before:
@@ -220,6 +240,14 @@ class PlannedForward:
         self.fallback: str | None = None  # why this module now checkpoints fully
         self._saved = frozenset(mp.saved_ops)
         self.saved_hits = 0  # forward ops the policy saved, over every call: the plan's ops matched
+        self._offloaded = frozenset(mp.offloaded_ops)
+        self.offload_counter = offload.OffloadCounter()  # host bytes etc., over every call
+
+    @property
+    def checkpointed(self) -> bool:
+        """False for an offload-only module plan (``offloaded_ops`` without ``saved_ops``):
+        nothing is recomputed, saved tensors of the offloaded ops go to the host store."""
+        return offload.is_checkpointed(self.mp)
 
     # ------------------------------------------------------------------ identity across copies
     def __deepcopy__(self, memo):
@@ -253,27 +281,57 @@ class PlannedForward:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)  # nothing is saved without grad: no checkpoint
         kwargs = _without_hf_cache(kwargs)
-        kw: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
-        if not self.mp.full and self.fallback is None:
-            kw["context_fn"] = self._contexts
-        return checkpoint(_StateKeeper(self.module, forward), *args, **kwargs, **kw)
+        # Offload runs in the eager forward only: not in a recompute (backward), not compiled.
+        eager = not torch.compiler.is_compiling() and not offload.in_recompute()
+        claimed = offload.take_pending() if eager else []  # this module's backward prefetches them
+        store = offload.CallStore(self.offload_counter) if eager and self._offloaded else None
+        if not self.checkpointed:
+            if store is None:
+                out = forward(*args, **kwargs)
+            else:
+                out = offload.run_offloading(forward, args, kwargs, self._offloaded, store,
+                                             _in_bookkeeping, _Bookkeeping)
+        else:
+            log: list[_Entry] = []
+            kw: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
+            if not self.mp.full and self.fallback is None:
+                # torch.compile accepts a bound method only (no store when compiling: no log)
+                kw["context_fn"] = self._contexts if store is None else (lambda: self._contexts(log))
+            out = checkpoint(_StateKeeper(self.module, forward), *args, **kwargs, **kw)
+            if store is not None:
+                try:
+                    with _Bookkeeping():
+                        offload.offload_cached(log, self._offloaded, store)
+                except Exception as e:  # never fail a step over an optimisation: what did not
+                    # go keeps its device tensor (a handle holds it until finish_forward)
+                    store.counter.ambiguous += 1
+                    warnings.warn(f"SAC Planner: {self.mp.fqn} kept its cached outputs on the device, "
+                                  f"offloading them failed: {e}", stacklevel=2)
+        if claimed:
+            offload.prefetch_on_backward(out, claimed)
+        if store is not None and store.stored:
+            offload.set_pending(store)
+        return out
 
-    def _contexts(self):
+    def _contexts(self, log: list[_Entry] | None = None):
         counts: dict[str, int] = {}
         saved = self._saved
+        last: list[tuple | None] = [None]
 
         def policy(ctx, op, *args, **kwargs):
             key = op_key(str(op))
             occ = counts.get(key, 0)
             counts[key] = occ + 1
+            last[0] = (key, occ)
             if (key, occ) in saved:
                 self.saved_hits += 1
                 return CheckpointPolicy.MUST_SAVE
             return CheckpointPolicy.PREFER_RECOMPUTE
 
         storage: dict = defaultdict(dict)  # torch's format, used only under torch.compile
-        log: list[_Entry] = []
-        return _RecordingMode(policy, storage, log), _ReplayMode(storage, log, self._diverged)
+        log = [] if log is None else log
+        return (_RecordingMode(policy, storage, log, lambda: last[0]),
+                _ReplayMode(storage, log, self._diverged))
 
     def _diverged(self, func, index: int, expected: _Entry | None) -> None:
         if self.fallback is not None:

@@ -173,3 +173,40 @@ def test_identical_solves_give_byte_identical_plans_and_equal_hashes(tmp_path):
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
     assert a == b and plan_hash(a) == plan_hash(b)
     assert plan_hash(Plan.load(tmp_path / "a.json")) == plan_hash(a)
+
+
+# ------------------------------------------------------------------ offloaded_ops
+_MM, _ADD = ("aten.mm.default", 0), ("aten.add.Tensor", 1)
+
+
+def test_offloaded_ops_round_trip_and_old_files_load(plan, tmp_path):
+    m = plan.modules[0]
+    mp = dataclasses.replace(m, full=False, saved_ops=m.saved_ops or (_MM,),
+                             offloaded_ops=(m.saved_ops or (_MM,))[:1])
+    offloading = dataclasses.replace(plan, modules=(mp, *plan.modules[1:]))
+    p = tmp_path / "p.json"
+    offloading.save(p)
+    loaded = Plan.load(p)
+    assert loaded == offloading and loaded.modules[0].offloaded_ops == mp.offloaded_ops
+    assert json.loads(p.read_text())["modules"][0]["offloaded_ops"] == [list(k) for k in mp.offloaded_ops]
+    d = plan.to_dict()
+    for md in d["modules"]:
+        del md["offloaded_ops"]  # a file written before the field existed
+    p.write_text(json.dumps(d))
+    assert Plan.load(p) == plan and all(m.offloaded_ops == () for m in Plan.load(p).modules)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(offloaded_ops=[_MM, _MM]), r"offloaded_ops lists \['aten.mm.default', 0\] twice"),
+        (dict(offloaded_ops=[["aten.mm.default"]]), r"offloaded_ops\[0\] must be an \[op, occurrence\] pair"),
+        (dict(offloaded_ops="aten.mm.default"), "offloaded_ops must be a list"),
+        (dict(offloaded_ops=[_MM], recomputed_ops=[_MM]), "both offloaded and recomputed"),
+        (dict(offloaded_ops=[_ADD], full=True, discard_ratio=1.0), "full checkpointing keeps no op output to offload"),
+    ],
+)
+def test_bad_offloaded_ops_are_refused(kw, message):
+    base = dict(fqn="GPT.blocks.0", discard_ratio=0.0, full=False)
+    with pytest.raises(PlanFormatError, match=message):
+        ModulePlan(**{**base, **kw})
