@@ -9,7 +9,10 @@ side by side:
 
 * recompute-only, as the planner solves it today (``SACMilp``: least recompute time), costed on
   the step timeline (``estimators/timeline.py``: compute, FSDP2 collectives, copies);
-* keep / recompute / offload (``solver/offload_milp.py``: least step time on that timeline);
+* keep / recompute / offload (``solver/offload_milp.py``: least step time on that timeline,
+  within ``--three-way-time-limit-s``, with the recompute-only plan as its incumbent as
+  ``planner.offload_solve`` does: where the backend's best plan is slower, or none was found in
+  time, the incumbent is returned and marked);
 
 with each plan's predicted step time, recompute, exposed copy and exposed comm time, bytes on
 host, and solve time per budget (the model build, shared by all budgets, printed once). PASS
@@ -76,8 +79,9 @@ def main(argv=None) -> int:
     p.add_argument("--three-way-time-limit-s", type=float, default=4.0,
                    help="three-way solver limit per budget (default 4: the 5 s target with the "
                         "exact re-evaluation); the best plan found by then is used, its gap printed")
-    p.add_argument("--incumbent", action="store_true",
-                   help="give the three-way solve the recompute-only plan as a fallback")
+    p.add_argument("--no-incumbent", dest="incumbent", action="store_false",
+                   help="do not give the three-way solve the recompute-only plan as its fallback "
+                        "(the planner always does)")
     args = p.parse_args(argv)
 
     spec = get_device_spec(args.device)
