@@ -171,10 +171,7 @@ def plan_offload(
         try:
             res = milp.solve(target, incumbent=incumbent)
         except InfeasibleBudgetError as e:
-            raise PlanningError(
-                f"infeasible: a budget of {budget_bytes / GiB:.3f} GiB cannot be met with "
-                f"keep / recompute / offload; the smallest peak the MILP reaches is "
-                f"{e.args[0] if e.args else ''}") from e
+            raise PlanningError(f"keep / recompute / offload: {e}") from e
         modules, host = _module_plans(info, res, min_bytes, solver_options, module_plan)
         windows = {m.fqn: (_offloaded_bytes(info.stats(m.fqn), m), info.stats(m.fqn).fw_post_op,
                            milp.back_op(m.fqn)) for m in modules if m.offloaded_ops}
@@ -202,6 +199,10 @@ def plan_offload(
         notes.append("the recompute-only plan is at least as fast on the timeline: nothing offloaded")
     if host_budget_bytes is not None:
         notes.append(f"host budget {host_budget_bytes / GiB:.2f} GiB per rank")
+    if _apply_side_offloads():  # what the apply side will really copy: storages of the trace
+        from planner.offload import predicted_host_bytes
+
+        host = sum(predicted_host_bytes(est.trace, modules).values())
     tl = plan_timeline(layout, info, modules, spec.host_copy_bytes_per_s)
     return Plan(
         modules=modules, model_name=type(model).__name__, model_fingerprint=model_fingerprint(model),
