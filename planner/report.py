@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from planner.gradcheck import GradientCheck
     from planner.measure import MeasuredStep
     from planner.plan import Plan
-    from planner.tradeoff import TradeoffTable
+    from planner.tradeoff import StepTimeCurves, TradeoffTable
 
 __all__ = [
     "plan_summary",
@@ -20,6 +20,7 @@ __all__ = [
     "floor_text",
     "gradient_check_text",
     "steps_vs_prediction",
+    "step_time_curves_text",
 ]
 
 
@@ -194,4 +195,22 @@ def gradient_check_text(check: "GradientCheck") -> str:
     if check.differing:
         lines.append(f"  differing        {', '.join(check.differing[:8])}"
                      + (f" (+{len(check.differing) - 8} more)" if len(check.differing) > 8 else ""))
+    return "\n".join(lines)
+
+
+def step_time_curves_text(curves: "StepTimeCurves") -> str:
+    """Recompute-only beside keep / recompute / offload, step time per budget, then baselines."""
+    def ms(v: float | None) -> str:
+        return f"{v:10.3f}" if v is not None else f"{'-':>10}"
+
+    lines = [f"no AC: peak {fmt_bytes(curves.no_ac_peak_bytes)}, step {curves.no_ac_step_ms:.3f} ms",
+             f"{'budget':>12}  {'recompute-only':>14}  {'three-way':>10}  {'exp. copy':>10}  {'host':>10}"]
+    for r in curves.rows:
+        host = fmt_bytes(r.three_way_host_bytes) if r.three_way_host_bytes is not None else "-"
+        lines.append(f"{fmt_bytes(r.budget_bytes):>12}  {ms(r.recompute_only_step_ms):>14}  "
+                     f"{ms(r.three_way_step_ms)}  {ms(r.three_way_exposed_copy_ms)}  {host:>10}")
+    if curves.baselines:
+        lines.append("hand-made baselines (step time on the same timeline):")
+        for b in curves.baselines:
+            lines.append(f"  {b.name:32s} peak {fmt_bytes(b.predicted_peak_bytes):>10}  step {b.step_ms:10.3f} ms")
     return "\n".join(lines)

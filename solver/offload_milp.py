@@ -503,7 +503,9 @@ class OffloadMilp:
             self._prob.setObjective(self._objective)
             out = run_backend(self._prob, self.options)
             if not out.has_solution:
-                if incumbent is not None and not out.infeasible:
+                # At the floor the backend may call the budget infeasible within its
+                # tolerances where the incumbent, evaluated exactly, fits.
+                if incumbent is not None and self.peak_bytes(incumbent, {}) <= budget:
                     return self._incumbent(incumbent, budget, t0)
                 if out.infeasible:
                     raise InfeasibleBudgetError(budget, self.min_reachable_peak_bytes(), self.world_size)
