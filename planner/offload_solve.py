@@ -55,17 +55,22 @@ def _apply_side_offloads() -> bool:
     return True
 
 
-def offload_module_plan(stats: ModStats, offload_bytes: int, min_bytes: int) -> tuple[ModulePlan, int]:
+def offload_module_plan(stats: ModStats, offload_bytes: int, min_bytes: int,
+                        cap_bytes: int | None = None) -> tuple[ModulePlan, int]:
     """The ops of ``stats`` whose saved outputs go to host, in forward order until at least
-    ``offload_bytes`` (over all calls) are covered; and the bytes they really offload."""
+    ``offload_bytes`` (over all calls) are covered, skipping any that would pass ``cap_bytes``
+    (what is left of the host budget); and the bytes they really offload."""
     calls = max(1, stats.n_calls)
     chosen, total = [], 0
     for op in stats.ops:
         if total * calls >= offload_bytes:
             break
-        if op.is_saved and not op.is_view and not op.cache_cost_bytes and op.memory_bytes >= min_bytes:
-            chosen.append((op_key(op.func), op.occurrence))
-            total += op.memory_bytes
+        if not (op.is_saved and not op.is_view and not op.cache_cost_bytes and op.memory_bytes >= min_bytes):
+            continue
+        if cap_bytes is not None and (total + op.memory_bytes) * calls > cap_bytes:
+            continue
+        chosen.append((op_key(op.func), op.occurrence))
+        total += op.memory_bytes
     plan = ModulePlan(fqn=stats.fqn, discard_ratio=0.0, full=False, offloaded_ops=tuple(chosen))
     return plan, total * calls
 
@@ -172,7 +177,8 @@ def plan_offload(
             res = milp.solve(target, incumbent=incumbent)
         except InfeasibleBudgetError as e:
             raise PlanningError(f"keep / recompute / offload: {e}") from e
-        modules, host = _module_plans(info, res, min_bytes, solver_options, module_plan)
+        modules, host = _module_plans(info, res, min_bytes, solver_options, module_plan,
+                                      host_budget_bytes)
         windows = {m.fqn: (_offloaded_bytes(info.stats(m.fqn), m), info.stats(m.fqn).fw_post_op,
                            milp.back_op(m.fqn)) for m in modules if m.offloaded_ops}
         solver_first = predict_offload_peak_bytes(first_info, res.discarded_bytes, windows,
@@ -217,14 +223,18 @@ def plan_offload(
     )
 
 
-def _module_plans(info: ModuleInfo, res: Any, min_bytes: int, options, module_plan) -> tuple[tuple[ModulePlan, ...], int]:
-    """ModulePlans in forward pre-order, and the bytes the offloading ones send to host."""
+def _module_plans(info: ModuleInfo, res: Any, min_bytes: int, options, module_plan,
+                  host_budget_bytes: int | None) -> tuple[tuple[ModulePlan, ...], int]:
+    """ModulePlans in forward pre-order, and the bytes the offloading ones send to host (whole
+    ops: within the host budget, which may leave a block short of the MILP's bytes; the trace
+    of the plan then says whether it still fits)."""
     plans: dict[str, ModulePlan] = {}
     host = 0
     for f, d in res.discarded_bytes.items():
         plans[f] = module_plan(info.stats(f), d, options)
     for f, nbytes in res.offloaded_bytes.items():
-        p, real = offload_module_plan(info.stats(f), nbytes, min_bytes)
+        cap = None if host_budget_bytes is None else host_budget_bytes - host
+        p, real = offload_module_plan(info.stats(f), nbytes, min_bytes, cap)
         if p.offloaded_ops:
             plans[f] = p
             host += real
