@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -49,7 +49,7 @@ def min_offload_bytes() -> int:
 
 def _apply_side_offloads() -> bool:
     try:
-        import planner.offload  # noqa: F401
+        import planner.offload  # noqa: F401  (the apply side is there)
     except ImportError:
         return False
     return True

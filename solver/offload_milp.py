@@ -42,12 +42,11 @@ timeline with each module's exact ``module_recompute_ms``.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from solver.errors import InfeasibleBudgetError, SolverTimeoutError
 from solver.graph import Graph

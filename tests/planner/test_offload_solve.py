@@ -10,7 +10,7 @@ import torch
 from estimators.device import get_device_spec
 from estimators.step import TrainStep
 from examples import EXAMPLES
-from planner import apply_plan, solve_sac
+from planner import apply_plan
 from planner.gradcheck import check_gradients
 from planner.measure import measure_steps
 from planner.plan import Plan
