@@ -152,3 +152,15 @@ def test_layout_fsdp_collectives():
     assert tl.exposed_comm_ms == 2.0
     assert tl.step_ms == 41.0
     assert tl.comm_ms == 0.5 + 0.5 + 2 * (2 + 2 + 1)
+
+
+def test_recompute_lands_in_the_segment_its_backward_starts_in():
+    info = _info()
+    lay = step_layout(info, ["M.b.0", "M.b.1"])
+    seg = {f: lay.segments[lay.segment_of_backward(info.stats(f))].name for f in ("M.b.0", "M.b.1", "M.head", "M.emb")}
+    assert seg == {"M.b.0": "bw:M.b.0", "M.b.1": "bw:M.b.1", "M.head": "bw:before blocks",
+                   "M.emb": "bw:after blocks"}
+    inner = ModStats(fqn="M.b.0.mlp", is_leaf=True, bw_pre_op=18)
+    assert lay.segments[lay.segment_of_backward(inner)].name == "bw:M.b.0"
+    # 2 ms of recompute at the start of bw:b.0 delays the step by 2 ms.
+    assert lay.timeline(recompute_ms_by_segment={lay.bw_segment["M.b.0"]: 2.0}).step_ms == 41
