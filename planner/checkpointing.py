@@ -10,6 +10,13 @@ keys do not change). Ratio-1 modules are plainly checkpointed; the others save e
 ops. RNG state is preserved, so dropout draws the same mask in the recompute. How the recompute is
 kept in step with the forward, and what still runs twice, is in ``planner/planned_forward.py``.
 
+Offload (``ModulePlan.offloaded_ops``, ``planner/offload.py``): the outputs of the named ops that
+are kept for backward go to host memory when the module's forward ends and come back one module
+ahead in backward; a module plan with ``offloaded_ops`` and no ``saved_ops`` offloads without
+checkpointing. ``handle.host_bytes_offloaded`` / ``handle.offload_counters()`` say what moved.
+While such a plan is applied, the unplanned modules after an offloading one carry a forward hook
+that starts the prefetch (removed with the plan).
+
 Supported with a plan applied:
 
 * ``copy.deepcopy(model)``: an independent planned model (``remove_plan`` works on it);
@@ -166,6 +173,8 @@ class AppliedPlan:
     def remove(self) -> None:
         for mod in self.modules:
             _restore(mod)
+        for mod in self.model.modules():
+            offload.remove_sibling_hooks(mod)
         _restore_cache(self.model)
         offload.clear_pending()
         self.modules = []
@@ -262,6 +271,7 @@ def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan]) ->
         for mod, mp in targets:
             mod.forward = _planned_forward(mod, mp)
             done.append(mod)
+        _hook_siblings(model, targets)
         cache = hf_cache_off(model)
         if done and cache.configs:
             cache.__enter__()
@@ -269,6 +279,8 @@ def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan]) ->
     except BaseException:
         for mod in done:
             _restore(mod)
+        for mod in model.modules():
+            offload.remove_sibling_hooks(mod)
         raise
     return AppliedPlan(model=model, plan=None, modules=done)
 
@@ -290,6 +302,25 @@ def _check_offload(targets: list[tuple[torch.nn.Module, ModulePlan]]) -> None:
             )
 
 
+def _hook_siblings(model: torch.nn.Module, targets: list[tuple[torch.nn.Module, ModulePlan]]) -> None:
+    """Unplanned modules beside an offloading module or beside one of its ancestors (the next
+    module in forward order, at whatever level it is) prefetch what it offloaded
+    (planner.offload). Planned modules do it themselves; ancestors would do it too late."""
+    planned = {id(mod) for mod, _ in targets}
+    root = original_class_name(model)
+    names = [_root_relative(mp.fqn, root) for _, mp in targets if mp.offloaded_ops]
+    chain = {id(model.get_submodule(".".join(n.split(".")[:i]))) for n in names if n
+             for i in range(len(n.split(".")) + 1)}  # offloading modules and their ancestors
+    hooked: set[int] = set()
+    for n in names:
+        parts = n.split(".") if n else []
+        for depth in range(len(parts)):
+            for child in model.get_submodule(".".join(parts[:depth])).children():
+                if id(child) not in planned | chain | hooked:
+                    hooked.add(id(child))
+                    child.register_forward_hook(offload.sibling_post_hook)
+
+
 def _planned_forward(mod: torch.nn.Module, mp: ModulePlan) -> PlannedForward:
     original = mod.__dict__.get("forward")
     if getattr(original, "__self__", None) is mod:
@@ -300,6 +331,8 @@ def _planned_forward(mod: torch.nn.Module, mp: ModulePlan) -> PlannedForward:
 def remove_plan(model: torch.nn.Module) -> int:
     """Undo every applied plan on ``model``; returns how many modules were restored."""
     n = sum(_restore(mod) for mod in model.modules())
+    for mod in model.modules():
+        offload.remove_sibling_hooks(mod)
     _restore_cache(model)
     offload.clear_pending()
     return n

@@ -28,9 +28,11 @@ offloaded, as with torch's ``save_on_cpu``: autograd checks no versions through 
 When
 ----
 The bytes leave the device when the module's forward returns (all its saved tensors are known by
-then). They come back when the backward of the next planned module in forward order starts (a
-gradient hook on that module's outputs: one module ahead of their use); without such a module, at
-the first unpack (synchronously). A storage is rebuilt exactly: same bytes, dtype, size, stride and
+then). They come back when the backward of the next module in forward order starts -- the next
+planned module, or an unplanned module beside the offloading one (same parent: a forward hook is
+put on those while the plan is applied) -- through a gradient hook on that module's outputs: one
+module ahead of their use. Without such a module (the last block), at the first unpack
+(synchronously). A storage is rebuilt exactly: same bytes, dtype, size, stride and
 storage offset, so gradients are bitwise those of the unplanned step. Several saved tensors of one
 storage share one host copy and one restored storage.
 
@@ -66,7 +68,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from planner.plan import OpKey, op_key
 
-__all__ = ["MIN_OFFLOAD_BYTES", "OffloadCounter", "OffloadError"]
+__all__ = ["MIN_OFFLOAD_BYTES", "OffloadCounter", "OffloadError", "is_checkpointed", "predicted_host_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -469,6 +471,24 @@ def clear_pending() -> None:
     _pending().clear()
 
 
+def sibling_post_hook(module, args, output) -> None:
+    """Forward post-hook on the unplanned modules beside an offloading one (same parent): the
+    stores left by the offloading module before it come back when its backward starts."""
+    if torch.compiler.is_compiling() or in_recompute() or not torch.is_grad_enabled():
+        return
+    prefetch_on_backward(output, take_pending())
+
+
+def remove_sibling_hooks(module: torch.nn.Module) -> bool:
+    hooks = module._forward_hooks
+    keys = [k for k, fn in hooks.items() if fn is sibling_post_hook]
+    for k in keys:
+        del hooks[k]
+        module._forward_hooks_with_kwargs.pop(k, None)
+        module._forward_hooks_always_called.pop(k, None)
+    return bool(keys)
+
+
 def prefetch_on_backward(output: Any, claimed: list) -> None:
     """Prefetch ``claimed`` stores when the gradient of ``output`` arrives: the backward of the
     module that made ``output`` is about to start."""
@@ -488,17 +508,30 @@ def prefetch_on_backward(output: Any, claimed: list) -> None:
 
 
 # ------------------------------------------------------------------ what a plan offloads, predicted
-def predicted_host_bytes(trace, modules) -> dict[str, int]:
-    """Host bytes per step each offloading module plan copies, from a trace of the *unplanned*
-    step (``Estimate.trace``): the storages its offloaded ops create that the mechanism above
-    takes (autograd saves them inside the module when it is not checkpointed; the policy caches
-    them when it is) and that reach :data:`MIN_OFFLOAD_BYTES`. Ops are counted per call as the
-    policy counts them. Storage sizes are the trace's (rounded to CUDA blocks for CUDA targets)."""
+def predicted_host_bytes(trace, modules, *, micro_batches: int = 1) -> dict[str, int]:
+    """Host bytes per training step each offloading module plan copies, from the trace of the
+    *unplanned* step (``Estimate.trace``): the storages its offloaded ops create that the
+    mechanism above takes (autograd saves them inside the module when it is not checkpointed;
+    the policy caches them when it is) and that reach :data:`MIN_OFFLOAD_BYTES`, times
+    ``micro_batches`` (``Estimate.step.micro_batches``: the trace holds one). Ops are counted per
+    call as the policy counts them. Storage sizes are the trace's (rounded to CUDA blocks for
+    CUDA targets)."""
     from estimators.sac import _subtree
     from estimators.trace import Phase
 
     plans = {mp.fqn: mp for mp in modules if mp.offloaded_ops}
+    checkpointed = {mp.fqn for mp in modules if is_checkpointed(mp)}
     out = dict.fromkeys(plans, 0)
+
+    def under_checkpoint(c: int, top: int) -> bool:
+        """Whether call ``c`` runs inside a checkpointed module nested in call ``top``: autograd's
+        saved tensors there go to that checkpoint, not to the offload hooks."""
+        while c >= 0 and c != top:
+            if trace.calls[c].fqn in checkpointed:
+                return True
+            c = trace.calls[c].parent
+        return False
+
     for call in trace.calls:
         mp = plans.get(call.fqn)
         if mp is None or call.fw_first_op < 0:
@@ -512,11 +545,11 @@ def predicted_host_bytes(trace, modules) -> dict[str, int]:
             key = op_key(str(rec.func))
             occ = counts.get(key, 0)
             counts[key] = occ + 1
-            if (key, occ) not in offloaded:
+            if (key, occ) not in offloaded or (not cached and under_checkpoint(rec.call, call.cid)):
                 continue
             for sid in rec.new_sids:
                 st = trace.storages[sid]
                 taken = cached or (st.saved and bool(st.saved_by_calls & inside))
                 if taken and st.nbytes >= MIN_OFFLOAD_BYTES:
-                    out[mp.fqn] += st.nbytes
+                    out[mp.fqn] += st.nbytes * micro_batches
     return out
