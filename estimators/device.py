@@ -147,10 +147,35 @@ class DeviceSpec:
     """Default link between devices of this kind (within a node): its name and latency, and its
     bandwidth where ``interconnect_bytes_per_s`` is 0. ``None``: no link named."""
     extra: Mapping[str, float] = field(default_factory=dict)
+    host_link_bytes_per_s: float = 0.0
+    """Device <-> host memory bandwidth, one direction (the link activation offload copies
+    cross), datasheet figure; 0: no host link modelled (offload is not planned). SXM H100 / H200
+    / B200 hosts: PCIe 5.0 x16, 32 GT/s x 16 lanes x 128/130 = 63 GB/s per direction (PCI-SIG
+    PCIe 5.0 base specification; NVIDIA H100 datasheet "PCIe Gen5 128 GB/s" bidirectional);
+    A100 and L4 hosts: PCIe 4.0 x16, half that (31.5 GB/s).
+    GH200: NVLink-C2C, 900 GB/s bidirectional = 450 GB/s per direction (NVIDIA GH200 datasheet).
+    CPU target: the "host" is other DRAM of the same socket, so a copy is a memcpy, which reads
+    and writes: half of ``memory_bandwidth_bytes_per_s``."""
+    host_link_efficiency: float = 0.8
+    """Fraction of ``host_link_bytes_per_s`` a pinned-memory ``cudaMemcpyAsync`` reaches: about
+    50-55 GB/s of the 63 GB/s on PCIe 5.0 x16 (NVIDIA's bandwidthTest on H100 SXM hosts)."""
+
+    @property
+    def host_copy_bytes_per_s(self) -> float:
+        """Bytes per second an offload copy moves in one direction (0: no host link)."""
+        return self.host_link_bytes_per_s * self.host_link_efficiency
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("DeviceSpec.name must be a non-empty string")
+        if not (math.isfinite(self.host_link_bytes_per_s) and self.host_link_bytes_per_s >= 0):
+            raise ValueError(
+                f"DeviceSpec.host_link_bytes_per_s must be finite and >= 0, got {self.host_link_bytes_per_s}"
+            )
+        if not 0 < self.host_link_efficiency <= 1:
+            raise ValueError(
+                f"DeviceSpec.host_link_efficiency must be in (0, 1], got {self.host_link_efficiency}"
+            )
         if self.kind not in ("cuda", "cpu"):
             raise ValueError(f"DeviceSpec.kind must be 'cuda' or 'cpu', got {self.kind!r}")
         self._check_peaks()
@@ -219,7 +244,13 @@ class DeviceSpec:
         return dataclasses.replace(self, **changes)
 
 
-def _cuda(name, bf16_tflops, fp32_tflops, bw_gbps, mem_bytes, fp8_tflops=None, link=None):
+_PCIE5_X16_BYTES_PER_S = 32e9 * 16 / 8 * 128 / 130  # 63.0 GB/s per direction
+_PCIE4_X16_BYTES_PER_S = 16e9 * 16 / 8 * 128 / 130  # 31.5 GB/s per direction (A100, L4)
+_NVLINK_C2C_BYTES_PER_S = 450 * _GB  # GH200: 900 GB/s bidirectional
+
+
+def _cuda(name, bf16_tflops, fp32_tflops, bw_gbps, mem_bytes, fp8_tflops=None, link=None,
+          host_link_bytes_per_s=_PCIE5_X16_BYTES_PER_S):
     peaks = {
         torch.bfloat16: bf16_tflops * _TF,
         torch.float16: bf16_tflops * _TF,
@@ -239,6 +270,7 @@ def _cuda(name, bf16_tflops, fp32_tflops, bw_gbps, mem_bytes, fp8_tflops=None, l
         kernel_launch_ms=0.004,
         interconnect_bytes_per_s=INTERCONNECTS[link].bandwidth_bytes_per_s if link else 0.0,
         interconnect=INTERCONNECTS[link] if link else None,
+        host_link_bytes_per_s=host_link_bytes_per_s,
     )
 
 
@@ -248,10 +280,16 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
     # "141 GB" on the datasheet is what CUDA reports as ~140 GiB (HBM sizes are binary in
     # practice, as for the "80 GB" H100), so GiB, not 10**9: 141e9 would understate it by 10 GiB.
     "h200": _cuda("h200", 989.4, 66.9, 4800, 141 * _GiB, fp8_tflops=1978.9, link="nvlink4"),
-    "a100-40gb": _cuda("a100-40gb", 312.0, 19.5, 1555, 40 * _GiB, link="nvlink3"),
-    "a100-80gb": _cuda("a100-80gb", 312.0, 19.5, 2039, 80 * _GiB, link="nvlink3"),
-    "l4": _cuda("l4", 121.0, 30.3, 300, 24 * _GiB, fp8_tflops=242.0),
+    "a100-40gb": _cuda("a100-40gb", 312.0, 19.5, 1555, 40 * _GiB, link="nvlink3",
+                       host_link_bytes_per_s=_PCIE4_X16_BYTES_PER_S),
+    "a100-80gb": _cuda("a100-80gb", 312.0, 19.5, 2039, 80 * _GiB, link="nvlink3",
+                       host_link_bytes_per_s=_PCIE4_X16_BYTES_PER_S),
+    "l4": _cuda("l4", 121.0, 30.3, 300, 24 * _GiB, fp8_tflops=242.0,
+                host_link_bytes_per_s=_PCIE4_X16_BYTES_PER_S),
     "b200": _cuda("b200", 2250.0, 75.0, 8000, 180 * _GiB, fp8_tflops=4500.0, link="nvlink5"),
+    # Grace Hopper: an H100 (96 GB HBM3, 4.0 TB/s) whose host link is NVLink-C2C, not PCIe.
+    "gh200": _cuda("gh200", 989.4, 66.9, 4000, 96 * _GiB, fp8_tflops=1978.9, link="nvlink4",
+                   host_link_bytes_per_s=_NVLINK_C2C_BYTES_PER_S),
     # A modest server CPU core pair: numbers for relative costing, not a promise.
     "cpu": DeviceSpec(
         name="cpu",
@@ -261,6 +299,8 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
         memory_bytes=24 * _GiB,
         compute_efficiency=0.5,
         bandwidth_efficiency=0.5,
+        host_link_bytes_per_s=10 * _GB,  # memcpy: reads and writes the 20 GB/s DRAM
+        host_link_efficiency=1.0,
     ),
 }
 _ALIASES = {"h100-sxm": "h100", "a100": "a100-80gb", "h100_sxm": "h100"}

@@ -194,6 +194,17 @@ class Plan:
     """Peak of the first step of a fresh run (no optimizer state before its optimizer phase)."""
     steady_peak_bytes: int | None = None
     """Peak of the steady-state step (step 2 on); ``predicted_peak_bytes`` is the larger one."""
+    host_peak_bytes: int = 0
+    """Bytes of offloaded activations on host memory at their peak (the end of the forward)."""
+    compute_ms: float = 0.0
+    """Step timeline (``estimators/timeline.py``): forward + backward + optimizer compute."""
+    exposed_comm_ms: float = 0.0
+    """Collective time the compute stream waits for (FSDP2 all-gather / reduce-scatter)."""
+    exposed_copy_ms: float = 0.0
+    """Offload copy time the compute stream waits for."""
+    step_ms: float = 0.0
+    """Predicted step time: compute + recompute + exposed comm + exposed copies (0: not costed,
+    e.g. a plan file written before the timeline existed)."""
     solve_time_s: float = field(default=0.0, compare=False, repr=False)
     """Wall time of the solve. A timing, not part of the plan: left out of equality, of the JSON
     (so of ``plan_hash``), so identical solves give identical plans; 0 for a loaded plan."""
@@ -223,8 +234,10 @@ class Plan:
             )
         for name in ("predicted_peak_bytes", "solver_peak_bytes", "baseline_peak_bytes"):
             set_(name, _int(name, getattr(self, name)))
-        for name in ("recompute_ms", "baseline_step_ms"):
+        for name in ("recompute_ms", "baseline_step_ms", "compute_ms", "exposed_comm_ms",
+                     "exposed_copy_ms", "step_ms"):
             set_(name, _float(name, getattr(self, name)))
+        set_("host_peak_bytes", _int("host_peak_bytes", self.host_peak_bytes))
         notes = self.notes
         if isinstance(notes, (str, bytes)) or not isinstance(notes, (list, tuple)):
             raise PlanFormatError(f"notes must be a list of strings, got {notes!r}")
@@ -256,6 +269,11 @@ class Plan:
     @property
     def checkpointed(self) -> tuple[str, ...]:
         return tuple(m.fqn for m in self.modules)
+
+    @property
+    def offloading(self) -> tuple[str, ...]:
+        """Modules that send saved activations to host memory."""
+        return tuple(m.fqn for m in self.modules if m.offloaded_ops)
 
     def module(self, fqn: str) -> ModulePlan:
         for m in self.modules:

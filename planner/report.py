@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from planner.gradcheck import GradientCheck
     from planner.measure import MeasuredStep
     from planner.plan import Plan
-    from planner.tradeoff import TradeoffTable
+    from planner.tradeoff import StepTimeCurves, TradeoffTable
 
 __all__ = [
     "plan_summary",
@@ -21,6 +21,7 @@ __all__ = [
     "floor_text",
     "gradient_check_text",
     "steps_vs_prediction",
+    "step_time_curves_text",
 ]
 
 
@@ -58,6 +59,7 @@ def plan_summary(plan: "Plan") -> str:
         f"  recompute        {plan.recompute_ms:.3f} ms/step = "
         f"{100 * plan.recompute_ms / plan.baseline_step_ms if plan.baseline_step_ms else 0:.1f}%"
         f" of the {plan.baseline_step_ms:.3f} ms step",
+        *_timeline_lines(plan),
         f"  solver           {plan.solver_status}"
         + (f", {plan.solve_time_s:.2f} s" if plan.solve_time_s else ""),
         "",
@@ -69,6 +71,9 @@ def plan_summary(plan: "Plan") -> str:
         lines.append(f"  {'module':<{w}}  {'discard':>7}  {'freed':>10}  {'recompute':>10}  policy")
         for m in plan.modules:
             policy = "full" if m.full else f"SAC: save {len(m.saved_ops)} ops, recompute {len(m.recomputed_ops)}"
+            if m.offloaded_ops:
+                policy = f"offload {len(m.offloaded_ops)} ops to host" + (
+                    f"; recompute {len(m.recomputed_ops)}" if m.recomputed_ops else "")
             lines.append(
                 f"  {m.fqn:<{w}}  {m.discard_ratio:>7.1%}  {fmt_bytes(m.discarded_bytes):>10}  "
                 f"{m.recompute_ms:>7.3f} ms  {policy}"
@@ -76,6 +81,20 @@ def plan_summary(plan: "Plan") -> str:
     for n in plan.notes:
         lines.append(f"  note: {n}")
     return "\n".join(lines)
+
+
+def _timeline_lines(plan: "Plan") -> list[str]:
+    """The step on the timeline (absent from plans made before it existed: step_ms == 0)."""
+    lines = []
+    if plan.host_peak_bytes:
+        lines.append(f"  host memory      {fmt_bytes(plan.host_peak_bytes)} of offloaded activations "
+                     f"({len(plan.offloading)} modules)")
+    if plan.step_ms:
+        lines.append(
+            f"  step timeline    {plan.step_ms:.3f} ms = compute {plan.compute_ms:.3f} + recompute "
+            f"{plan.recompute_ms:.3f} + exposed comm {plan.exposed_comm_ms:.3f} + exposed copies "
+            f"{plan.exposed_copy_ms:.3f} ms")
+    return lines
 
 
 def _binding_line(plan: "Plan") -> list[str]:
@@ -193,4 +212,22 @@ def gradient_check_text(check: "GradientCheck") -> str:
     if check.differing:
         lines.append(f"  differing        {', '.join(check.differing[:8])}"
                      + (f" (+{len(check.differing) - 8} more)" if len(check.differing) > 8 else ""))
+    return "\n".join(lines)
+
+
+def step_time_curves_text(curves: "StepTimeCurves") -> str:
+    """Recompute-only beside keep / recompute / offload, step time per budget, then baselines."""
+    def ms(v: float | None) -> str:
+        return f"{v:10.3f}" if v is not None else f"{'-':>10}"
+
+    lines = [f"no AC: peak {fmt_bytes(curves.no_ac_peak_bytes)}, step {curves.no_ac_step_ms:.3f} ms",
+             f"{'budget':>12}  {'recompute-only':>14}  {'three-way':>10}  {'exp. copy':>10}  {'host':>10}"]
+    for r in curves.rows:
+        host = fmt_bytes(r.three_way_host_bytes) if r.three_way_host_bytes is not None else "-"
+        lines.append(f"{fmt_bytes(r.budget_bytes):>12}  {ms(r.recompute_only_step_ms):>14}  "
+                     f"{ms(r.three_way_step_ms)}  {ms(r.three_way_exposed_copy_ms)}  {host:>10}")
+    if curves.baselines:
+        lines.append("hand-made baselines (step time on the same timeline):")
+        for b in curves.baselines:
+            lines.append(f"  {b.name:32s} peak {fmt_bytes(b.predicted_peak_bytes):>10}  step {b.step_ms:10.3f} ms")
     return "\n".join(lines)

@@ -191,6 +191,8 @@ def solve_sac(
     solver_options: SolverOptions | None = None,
     estimate_options: EstimateOptions = EstimateOptions(),
     verify: bool = True,
+    offload: bool = False,
+    host_budget_gib: float | None = None,
 ) -> Plan:
     """Plan selective activation checkpointing so the training step fits ``budget_gib``.
 
@@ -214,7 +216,10 @@ def solve_sac(
     modules you will ``fully_shard`` (root included): with ``world_size`` ranks FSDP2's gathered
     parameters and buffers are counted per rank (``planner.fsdp``), as in
     :func:`planner.solve_sac_distributed`. ``reserve_gib`` defaults to
-    :func:`default_reserve_bytes`.
+    :func:`default_reserve_bytes`. ``offload=True`` adds the third choice, host memory, for the
+    saved activations of the repeated blocks (``planner.offload_solve``): the plan of least
+    predicted step time on the step timeline, with at most ``host_budget_gib`` per rank on host
+    (default: no limit); offloading modules list ``offloaded_ops``.
     """
     from planner.checkpointing import check_plannable, hf_cache_off, unwrap_compiled
 
@@ -236,6 +241,8 @@ def solve_sac(
         fsdp_units=fsdp_units,
         solver_options=solver_options,
         verify=verify,
+        offload=offload,
+        host_budget_bytes=None if host_budget_gib is None else int(check_budget_gib(host_budget_gib) * GiB),
     )
 
 
@@ -251,6 +258,8 @@ def plan_for_budget(
     solver_options: SolverOptions | None = None,
     verify: bool = True,
     milp: SACMilp | None = None,
+    offload: bool = False,
+    host_budget_bytes: int | None = None,
 ) -> Plan:
     """The Plan for one budget, from an existing estimate (see :func:`solve_sac`); the estimate
     carries the step and trace options its verification trace reuses. With ``fsdp_units`` the
@@ -272,6 +281,13 @@ def plan_for_budget(
     notes: list[str] = [est.step.describe()] + [n for n in (hf_cache_note(model),) if n]
     allowed, excluded = _allowed_units(info, ac_units)
     notes += [f"{fqn} not checkpointed: {why}" for fqn, why in excluded.items()]
+    if offload:
+        from planner.offload_solve import plan_offload
+
+        return plan_offload(model, est, budget_bytes, info=info, world_size=world_size,
+                            reserve_bytes=reserve_bytes, allowed=allowed, fsdp_units=units,
+                            solver_options=solver_options, verify=verify,
+                            host_budget_bytes=host_budget_bytes, notes=notes)
     if milp is None or excluded:  # a caller's MILP may not know which modules are unsafe
         milp = SACMilp(info, world_size=world_size, ac_units=allowed, fsdp_units=units, options=solver_options)
     usable = budget_bytes - reserve_bytes
@@ -360,6 +376,7 @@ def plan_for_budget(
         notes=tuple(notes),
         first_step_peak_bytes=first,
         steady_peak_bytes=steady,
+        **_timeline_fields(info, modules, est.spec, units, world_size),
     )
     if traced > usable:
         need = _min_budget_bytes(floor().usable_bytes, budget_bytes, reserve_bytes, est.spec)
@@ -368,6 +385,14 @@ def plan_for_budget(
             f"{traced / GiB:.3f} GiB); the smallest budget that verifies is {_gib_up(need):.6f} GiB"
         )
     return plan
+
+
+def _timeline_fields(info, modules, spec: DeviceSpec, units, world_size: int) -> dict[str, float]:
+    """The plan on the step timeline (compute, exposed comm, step), as Plan fields."""
+    from planner.offload_solve import plan_timeline, step_layout_of, timeline_fields
+
+    layout = step_layout_of(info, spec, fsdp_units=units, world_size=world_size)
+    return timeline_fields(plan_timeline(layout, info, modules, spec.host_copy_bytes_per_s))
 
 
 def _allowed_units(info, ac_units) -> tuple[list[str] | None, dict[str, str]]:

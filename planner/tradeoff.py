@@ -47,6 +47,10 @@ __all__ = [
     "default_budgets",
     "mark_pareto",
     "pareto_mask",
+    "step_time_curves",
+    "StepTimeCurves",
+    "StepTimePoint",
+    "BaselineStep",
 ]
 
 logger = logging.getLogger(__name__)
@@ -321,3 +325,117 @@ def tradeoff_curve(
         build_time_s=build_s,
         sweep_time_s=time.perf_counter() - t1,
     )
+
+
+# ----------------------------------------------------------------------------- step time curves
+@dataclass(frozen=True, kw_only=True)
+class StepTimePoint:
+    """One budget: the recompute-only and the keep / recompute / offload plan on the timeline."""
+
+    budget_bytes: int
+    recompute_only_step_ms: float | None = None
+    """Step time of the least-recompute plan (``SACMilp``); None when no plan fits."""
+    three_way_step_ms: float | None = None
+    """Step time of the three-way plan (``solver.offload_milp``); None when no plan fits."""
+    three_way_exposed_copy_ms: float | None = None
+    three_way_host_bytes: int | None = None
+    """Bytes on host (per rank) of the three-way plan."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaselineStep:
+    """A hand-made baseline (``planner.baselines``) on the step timeline."""
+
+    name: str
+    predicted_peak_bytes: int
+    step_ms: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTimeCurves:
+    """Step time against budget, recompute-only beside keep / recompute / offload."""
+
+    rows: tuple[StepTimePoint, ...]
+    baselines: tuple[BaselineStep, ...]
+    no_ac_step_ms: float
+    """Step on the timeline with nothing planned (exposed communication included)."""
+    no_ac_peak_bytes: int
+
+
+def step_time_curves(
+    model_or_module_info: Any,
+    budgets: Sequence[float] | None = None,
+    *,
+    inputs: Any = None,
+    step: TrainStep | None = None,
+    loss_fn: Any = None,
+    optimizer: Any = None,
+    device: str | DeviceSpec = DEFAULT_DEVICE,
+    world_size: int = 1,
+    fsdp_units: Sequence[str] | None = None,
+    host_budget_bytes: int | None = None,
+    n_points: int = 10,
+    solver_options: SolverOptions | None = None,
+) -> StepTimeCurves:
+    """The step time of recompute-only and three-way plans at every budget, and the hand-made
+    baselines', all on the step timeline of ``estimators.timeline`` (a sibling of
+    :func:`tradeoff_curve`, which plots recompute time alone). Budgets (bytes per rank)
+    default to ``n_points`` from the smallest peak recompute alone reaches to the no-AC peak.
+
+    Example::
+
+        curves = step_time_curves(model, inputs=batch, optimizer="adamw", device="h100")
+        print(planner.report.step_time_curves_text(curves))
+    """
+    from estimators.device import get_device_spec
+    from planner.baselines import hand_made_baselines
+    from planner.offload_solve import step_layout_of
+    from solver.offload_milp import OffloadMilp
+
+    spec = get_device_spec(device)
+    info = _module_info(model_or_module_info, inputs, loss_fn, optimizer, spec, step)
+    units = list(fsdp_units) if fsdp_units else None
+    if units and world_size > 1:
+        from planner.fsdp import fsdp_module_info
+
+        info = fsdp_module_info(info, units, world_size)
+    layout = step_layout_of(info, spec, fsdp_units=units, world_size=world_size)
+    sac = SACMilp(info, world_size=world_size, fsdp_units=units, options=solver_options)
+    three = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s, world_size=world_size,
+                        host_budget_bytes=host_budget_bytes, fsdp_units=units, options=solver_options,
+                        offload=spec.host_copy_bytes_per_s > 0)
+    if budgets is None:
+        _check_n_points(n_points)
+        checked = default_budgets(sac.min_reachable_peak_bytes(), sac.no_ac_peak_bytes, n_points)
+    else:
+        checked = _check_budgets(budgets)
+    rows = []
+    for b in checked:
+        try:
+            rec = sac.solve(b)
+        except (InfeasibleBudgetError, SolverTimeoutError):
+            rec = None
+        try:
+            res = three.solve(b, incumbent=rec.discarded_bytes if rec is not None else None)
+        except (InfeasibleBudgetError, SolverTimeoutError):
+            res = None
+        rows.append(StepTimePoint(
+            budget_bytes=b,
+            recompute_only_step_ms=three.timeline(rec.discarded_bytes, {}).step_ms if rec else None,
+            three_way_step_ms=res.step_ms if res else None,
+            three_way_exposed_copy_ms=res.timeline.exposed_copy_ms if res else None,
+            three_way_host_bytes=res.host_peak_bytes if res else None,
+        ))
+    try:
+        base = hand_made_baselines(info, world_size=world_size)
+    except ValueError:  # no repeated blocks: no block baselines
+        base = ()
+    baselines = []
+    for p in base:
+        rec_ms = {layout.segment_of_backward(info.stats(f)): 0.0 for f in p.recompute_ms_by_module}
+        for f, ms in p.recompute_ms_by_module.items():
+            rec_ms[layout.segment_of_backward(info.stats(f))] += ms
+        tl = layout.timeline(recompute_ms_by_segment=rec_ms)
+        baselines.append(BaselineStep(name=p.name, predicted_peak_bytes=p.predicted_peak_bytes, step_ms=tl.step_ms))
+    return StepTimeCurves(rows=tuple(rows), baselines=tuple(baselines),
+                          no_ac_step_ms=three.baseline_timeline.step_ms, no_ac_peak_bytes=sac.no_ac_peak_bytes)

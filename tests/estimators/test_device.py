@@ -99,3 +99,18 @@ def test_valid_custom_spec():
         memory_bytes=2**30,
     )
     assert spec.flops_per_s(torch.bfloat16) == 1e12
+
+
+def test_host_link_figures():
+    from estimators.device import get_device_spec
+
+    pcie5 = 32e9 * 16 / 8 * 128 / 130
+    for name in ("h100", "h200", "b200"):
+        assert get_device_spec(name).host_link_bytes_per_s == pcie5
+    assert get_device_spec("gh200").host_link_bytes_per_s == 450e9
+    assert get_device_spec("a100-80gb").host_link_bytes_per_s == pcie5 / 2
+    cpu = get_device_spec("cpu")
+    assert cpu.host_copy_bytes_per_s == cpu.memory_bandwidth_bytes_per_s / 2
+    assert get_device_spec("h100").host_copy_bytes_per_s == pytest.approx(0.8 * pcie5)
+    with pytest.raises(ValueError, match="host_link"):
+        get_device_spec("h100").replace(host_link_bytes_per_s=-1.0)

@@ -1,0 +1,242 @@
+"""Plans that offload: the three-way MILP's decisions as ModulePlans, checked by tracing them.
+
+    plan = solve_sac(model, budget_gib=40, inputs=batch, device="h100", offload=True,
+                     host_budget_gib=128)
+    plan.offloading, plan.host_peak_bytes, plan.step_ms, plan.exposed_copy_ms
+
+``solve_sac(..., offload=True)`` comes here (``plan_offload``). The step is laid out on the
+timeline at the granularity of the repeated blocks (``planner.baselines.find_blocks``), with
+FSDP2's collectives when ``fsdp_units`` and ``world_size > 1`` are given, and solved by
+``solver.offload_milp.OffloadMilp`` with the recompute-only plan of ``SACMilp`` as its incumbent
+(so a three-way plan is never slower on the timeline than the recompute-only one). An
+offloading block's ModulePlan lists the ops whose saved outputs go to host
+(``offloaded_ops``), in forward order until the MILP's bytes are reached. The applied plan is
+traced (``planner.solve._traced_estimate``) where the apply side can offload
+(``planner.offload``), as for SAC plans.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from estimators.device import DeviceSpec
+from estimators.estimate import Estimate, first_step_module_info
+from estimators.module_info import ModStats, ModuleInfo
+from estimators.timeline import StepLayout, StepTimeline, UnitComm, step_layout
+from planner.plan import GiB, ModulePlan, Plan, model_fingerprint, op_key
+from solver import InfeasibleBudgetError, SACMilp, SolverOptions
+from solver.offload_milp import DEFAULT_MIN_OFFLOAD_BYTES, OffloadMilp, predict_offload_peak_bytes
+
+__all__ = ["plan_offload", "offload_module_plan", "plan_timeline", "min_offload_bytes", "step_layout_of"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_TIGHTENINGS = 4
+
+
+def min_offload_bytes() -> int:
+    """The apply side's threshold (``planner.offload.MIN_OFFLOAD_BYTES``) where it exists."""
+    try:
+        from planner.offload import MIN_OFFLOAD_BYTES  # type: ignore[attr-defined]
+    except ImportError:
+        return DEFAULT_MIN_OFFLOAD_BYTES
+    return int(MIN_OFFLOAD_BYTES)
+
+
+def _apply_side_offloads() -> bool:
+    try:
+        import planner.offload  # noqa: F401  (the apply side is there)
+    except ImportError:
+        return False
+    return True
+
+
+def offload_module_plan(stats: ModStats, offload_bytes: int, min_bytes: int,
+                        cap_bytes: int | None = None) -> tuple[ModulePlan, int]:
+    """The ops of ``stats`` whose saved outputs go to host, in forward order until at least
+    ``offload_bytes`` (over all calls) are covered, skipping any that would pass ``cap_bytes``
+    (what is left of the host budget); and the bytes they really offload."""
+    calls = max(1, stats.n_calls)
+    chosen, total = [], 0
+    for op in stats.ops:
+        if total * calls >= offload_bytes:
+            break
+        if not (op.is_saved and not op.is_view and not op.cache_cost_bytes and op.memory_bytes >= min_bytes):
+            continue
+        if cap_bytes is not None and (total + op.memory_bytes) * calls > cap_bytes:
+            continue
+        chosen.append((op_key(op.func), op.occurrence))
+        total += op.memory_bytes
+    plan = ModulePlan(fqn=stats.fqn, discard_ratio=0.0, full=False, offloaded_ops=tuple(chosen))
+    return plan, total * calls
+
+
+def _offloaded_bytes(stats: ModStats, plan: ModulePlan) -> int:
+    keys = set(plan.offloaded_ops)
+    one = sum(op.memory_bytes for op in stats.ops if (op_key(op.func), op.occurrence) in keys)
+    return one * max(1, stats.n_calls)
+
+
+def _unit_comm(info: ModuleInfo, units: Sequence[str], world_size: int, spec: DeviceSpec) -> list[UnitComm]:
+    from estimators.collectives import AnalyticCollectiveModel
+    from planner.fsdp import fsdp_comm_ms
+
+    est = fsdp_comm_ms(info, units, world_size, AnalyticCollectiveModel.from_device(spec))
+    return [UnitComm(fqn=u.fqn, all_gather_ms=u.all_gather_ms / max(1, u.all_gathers),
+                     all_gathers=u.all_gathers, reduce_scatter_ms=u.reduce_scatter_ms)
+            for u in est.units]
+
+
+def step_layout_of(info: ModuleInfo, spec: DeviceSpec, *, fsdp_units: Sequence[str] | None = None,
+                   world_size: int = 1) -> StepLayout:
+    """The step on the timeline: blocks from ``find_blocks`` (none: one segment per phase), FSDP2
+    collectives priced on ``spec``'s link when sharded over ``world_size > 1`` ranks."""
+    from planner.baselines import find_blocks
+
+    try:
+        blocks = list(find_blocks(info))
+    except ValueError:
+        blocks = []
+    comm = _unit_comm(info, list(fsdp_units), world_size, spec) if fsdp_units and world_size > 1 else []
+    return step_layout(info, blocks, comm=comm)
+
+
+def plan_timeline(layout: StepLayout, info: ModuleInfo, modules: Iterable[ModulePlan],
+                  copy_bytes_per_s: float) -> StepTimeline:
+    """The step of a plan on the timeline: each module's recompute (its op-level
+    ``recompute_ms``) in the segment its backward starts in, each block's offloaded bytes."""
+    rec: dict[int, float] = {}
+    off: dict[str, int] = {}
+    for m in modules:
+        s = info.stats(m.fqn)
+        if m.recompute_ms:
+            seg = layout.segment_of_backward(s)
+            rec[seg] = rec.get(seg, 0.0) + m.recompute_ms
+        if m.offloaded_ops:
+            off[m.fqn] = _offloaded_bytes(s, m)
+    return layout.timeline(recompute_ms_by_segment=rec, offload_bytes=off,
+                           copy_bytes_per_s=copy_bytes_per_s)
+
+
+def timeline_fields(tl: StepTimeline) -> dict[str, float]:
+    """The Plan fields of a timeline."""
+    return {"compute_ms": tl.compute_ms, "exposed_comm_ms": tl.exposed_comm_ms,
+            "exposed_copy_ms": tl.exposed_copy_ms, "step_ms": tl.step_ms}
+
+
+def plan_offload(
+    model: torch.nn.Module,
+    est: Estimate,
+    budget_bytes: int,
+    *,
+    info: ModuleInfo,
+    world_size: int = 1,
+    reserve_bytes: int = 0,
+    allowed: list[str] | None = None,
+    fsdp_units: list[str] | None = None,
+    solver_options: SolverOptions | None = None,
+    verify: bool = True,
+    host_budget_bytes: int | None = None,
+    notes: list[str],
+) -> Plan:
+    """The keep / recompute / offload Plan for one budget (see the module docstring).
+    ``info`` carries the FSDP2 additions already (``planner.solve.plan_for_budget``)."""
+    from planner.solve import PlanningError, _traced_estimate, module_plan
+
+    spec = est.spec
+    if spec.host_copy_bytes_per_s <= 0:
+        raise PlanningError(f"device {spec.name!r} has no host link (host_link_bytes_per_s = 0): "
+                            "offload cannot be planned; pass a DeviceSpec with one or offload=False")
+    t0 = time.perf_counter()
+    layout = step_layout_of(info, spec, fsdp_units=fsdp_units, world_size=world_size)
+    if len(layout.blocks) < 2:
+        notes.append("no repeated blocks (<prefix>.<int>) found: nothing is offloaded")
+    min_bytes = min_offload_bytes()
+    milp = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s, world_size=world_size,
+                       host_budget_bytes=host_budget_bytes, min_offload_bytes=min_bytes,
+                       ac_units=allowed, fsdp_units=fsdp_units, options=solver_options)
+    sac = SACMilp(info, world_size=world_size, ac_units=allowed, fsdp_units=fsdp_units, options=solver_options)
+    traced_ok = verify and world_size == 1 and _apply_side_offloads()
+    if verify and world_size == 1 and not traced_ok:
+        notes.append("offload plan not traced: the apply side (planner.offload) is missing; the "
+                     "predicted peak is the MILP's")
+    usable = budget_bytes - reserve_bytes
+    target = usable
+    first_info = first_step_module_info(info)
+    result = None
+    for _ in range(_MAX_TIGHTENINGS + 1):
+        try:
+            incumbent = sac.solve(target).discarded_bytes
+        except InfeasibleBudgetError:
+            incumbent = None
+        try:
+            res = milp.solve(target, incumbent=incumbent)
+        except InfeasibleBudgetError as e:
+            raise PlanningError(f"keep / recompute / offload: {e}") from e
+        modules, host = _module_plans(info, res, min_bytes, solver_options, module_plan,
+                                      host_budget_bytes)
+        windows = {m.fqn: (_offloaded_bytes(info.stats(m.fqn), m), info.stats(m.fqn).fw_post_op,
+                           milp.back_op(m.fqn)) for m in modules if m.offloaded_ops}
+        solver_first = predict_offload_peak_bytes(first_info, res.discarded_bytes, windows,
+                                                  world_size=world_size)
+        if traced_ok:
+            planned = _traced_estimate(model, modules, est)
+            first, steady = planned.first_step_peak_bytes, planned.steady_peak_bytes
+        else:
+            first, steady = solver_first, milp.peak_bytes(res.discarded_bytes,
+                                                          {f: w[0] for f, w in windows.items()})
+        result = (res, modules, host, first, steady, solver_first)
+        traced = max(first, steady)
+        if traced <= usable:
+            break
+        over = traced - usable
+        notes.append(f"traced peak {traced / GiB:.3f} GiB overshot the MILP's "
+                     f"{res.predicted_peak_bytes / GiB:.3f} GiB: target tightened")
+        target -= 2 * over + usable // 1000
+    res, modules, host, first, steady, solver_first = result
+    if max(first, steady) > usable:
+        raise PlanningError(f"no offload plan verified under {usable / GiB:.3f} GiB usable (last "
+                            f"traced peak {max(first, steady) / GiB:.3f} GiB); raise the budget")
+    if res.from_incumbent:
+        notes.append("the recompute-only plan is at least as fast on the timeline: nothing offloaded")
+    if host_budget_bytes is not None:
+        notes.append(f"host budget {host_budget_bytes / GiB:.2f} GiB per rank")
+    if _apply_side_offloads():  # what the apply side will really copy: storages of the trace
+        from planner.offload import predicted_host_bytes
+
+        host = sum(predicted_host_bytes(est.trace, modules).values())
+    tl = plan_timeline(layout, info, modules, spec.host_copy_bytes_per_s)
+    return Plan(
+        modules=modules, model_name=type(model).__name__, model_fingerprint=model_fingerprint(model),
+        device=spec.name, world_size=world_size, budget_bytes=budget_bytes, reserve_bytes=reserve_bytes,
+        predicted_peak_bytes=max(first, steady),
+        solver_peak_bytes=max(solver_first, res.predicted_peak_bytes),
+        baseline_peak_bytes=res.no_ac_peak_bytes, recompute_ms=tl.recompute_ms,
+        baseline_step_ms=est.module_info.step_runtime_ms,
+        solver_status=res.status.value, solve_time_s=time.perf_counter() - t0, notes=tuple(notes),
+        first_step_peak_bytes=first, steady_peak_bytes=steady, host_peak_bytes=host,
+        **timeline_fields(tl),
+    )
+
+
+def _module_plans(info: ModuleInfo, res: Any, min_bytes: int, options, module_plan,
+                  host_budget_bytes: int | None) -> tuple[tuple[ModulePlan, ...], int]:
+    """ModulePlans in forward pre-order, and the bytes the offloading ones send to host (whole
+    ops: within the host budget, which may leave a block short of the MILP's bytes; the trace
+    of the plan then says whether it still fits)."""
+    plans: dict[str, ModulePlan] = {}
+    host = 0
+    for f, d in res.discarded_bytes.items():
+        plans[f] = module_plan(info.stats(f), d, options)
+    for f, nbytes in res.offloaded_bytes.items():
+        cap = None if host_budget_bytes is None else host_budget_bytes - host
+        p, real = offload_module_plan(info.stats(f), nbytes, min_bytes, cap)
+        if p.offloaded_ops:
+            plans[f] = p
+            host += real
+    order = {s.fqn: i for i, s in enumerate(info.mod_stats)}
+    return tuple(plans[f] for f in sorted(plans, key=order.__getitem__)), host

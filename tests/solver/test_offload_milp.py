@@ -1,0 +1,116 @@
+"""solver/offload_milp.py on a hand-built two-block step whose best plan is worked out by hand.
+
+Blocks b0 (ops 0-9, fw_post 10) and b1 (fw_post 20): 100 MiB saved each, full recompute 10 ms
+(linear). Forward 10 ms per block, backward 20 ms; the copy link moves 1 MiB per ms. Memory:
+300 MiB at op 25 (forward done), 200 MiB at op 35 (in b1's backward). b1 runs first in backward
+(bw_pre 30), so b0's H2D is issued at 30 and b0's backward starts at 40.
+
+Offloading o MiB of b0: D2H issued at t=10 ends at 10 + o; H2D issued at t=20 (bw:b1 starts)
+after the D2H: ends at max(20, 10 + o) + o; bw:b0 would start at t=40 + the recompute b1 runs at
+the start of its backward (rec ms). Hidden iff 10 + 2 o <= 40 + rec.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, SACOp, TradeoffCurve
+from estimators.timeline import step_layout
+from solver import InfeasibleBudgetError
+from solver.offload_milp import OffloadMilp, offloadable_bytes, predict_offload_peak_bytes
+
+MiB = 2**20
+RATE = MiB * 1000.0  # 1 MiB per ms
+
+
+def block(fqn, fw_post, bw_pre, *, size_mib=100, ms=10.0, small_op_bytes=0):
+    size = size_mib * MiB
+    ops = (SACOp(func="aten.mm.default", occurrence=0, runtime_ms=ms, memory_bytes=size, is_saved=True),)
+    if small_op_bytes:
+        ops += (SACOp(func="aten.relu.default", occurrence=0, runtime_ms=0.0,
+                      memory_bytes=small_op_bytes, is_saved=True),)
+    return ModStats(fqn=fqn, is_leaf=False, sac_memory_bytes=size, sac_runtime_ms=ms,
+                    tradeoff=TradeoffCurve(discarded_bytes=(0, size), recompute_ms=(0.0, ms)),
+                    ops=ops, fw_runtime_ms=10.0, bw_runtime_ms=20.0, fw_pre_op=fw_post - 10,
+                    fw_post_op=fw_post, bw_pre_op=bw_pre, bw_post_op=bw_pre + 9)
+
+
+def info(small_op_bytes=0):
+    stats = (ModStats(fqn="M", is_leaf=False, fw_runtime_ms=20.0, bw_runtime_ms=40.0, fw_pre_op=0,
+                      fw_post_op=20, bw_pre_op=30, bw_post_op=49),
+             block("M.b.0", 10, 40, small_op_bytes=small_op_bytes), block("M.b.1", 20, 30))
+    points = (MemoryPoint(op_index=25, phase="fw", activation_bytes=300 * MiB),
+              MemoryPoint(op_index=35, phase="bw", activation_bytes=200 * MiB))
+    names = tuple(s.fqn for s in stats)
+    order = ModOrder(fw_pre_order=names, fw_post_order=names, bw_pre_order=names, bw_post_order=names)
+    return ModuleInfo(mod_order=order, mod_stats=stats, memory_points=points, peak_bytes=300 * MiB,
+                      fw_runtime_ms=20.0, bw_runtime_ms=40.0)
+
+
+def milp(i=None, **kw):
+    i = i or info()
+    return OffloadMilp(i, step_layout(i, ["M.b.0", "M.b.1"]), copy_bytes_per_s=RATE, **kw)
+
+
+def test_hidden_offload_plus_recompute_beats_recompute_only():
+    """Budget 250 MiB: free 50 MiB at op 25. Recompute alone: 50 MiB at 0.1 ms/MiB = 5 ms.
+    Three-way: b0 offloads o, b1 recomputes 50 - o (0.1 (50 - o) ms, which also widens b0's
+    copy window): hidden while 10 + 2 o <= 40 + 0.1 (50 - o), so o = 35 / 2.1 = 16.667 MiB and
+    the step is 60 + 3.333 ms. (b0 cannot do both: a module that offloads recomputes nothing.)"""
+    three = milp().solve(250 * MiB)
+    o = 35 / 2.1
+    assert three.offloaded_bytes["M.b.0"] == pytest.approx(o * MiB, abs=4096)
+    assert three.discarded_bytes == {"M.b.1": pytest.approx((50 - o) * MiB, abs=4096)}
+    assert three.timeline.exposed_copy_ms == pytest.approx(0.0, abs=1e-3)
+    assert three.step_ms == pytest.approx(60 + 0.1 * (50 - o), abs=1e-3)
+    assert three.host_peak_bytes == sum(three.offloaded_bytes.values())
+    assert three.predicted_peak_bytes <= 250 * MiB
+    assert three.milp_step_ms == pytest.approx(three.step_ms, abs=1e-3)
+    rec = milp(offload=False).solve(250 * MiB)
+    assert rec.offloaded_bytes == {}
+    assert rec.step_ms == pytest.approx(65.0, abs=1e-3)
+
+
+def test_host_budget_caps_the_offload():
+    """10 MiB of host memory: b0 offloads 10 MiB (hidden: 30 <= 44), b1 recomputes 40 MiB (4 ms)."""
+    res = milp(host_budget_bytes=10 * MiB).solve(250 * MiB)
+    assert res.host_peak_bytes <= 10 * MiB
+    assert res.offloaded_bytes["M.b.0"] == pytest.approx(10 * MiB, abs=4096)
+    assert res.step_ms == pytest.approx(64.0, abs=1e-3)
+
+
+def test_exposed_copy_is_paid_when_it_is_cheapest():
+    """Recompute made expensive (10 ms per MiB): b1 recomputes x MiB, b0 offloads 50 - x. The
+    H2D ends at 10 + 2 (50 - x), bw:b0 is ready at 40 + 10 x: step = 60 + 10 x + max(0, 70 - 12 x),
+    least at x = 70 / 12 (the recompute runs while the compute stream would wait for the copy
+    anyway): 118.333 ms, nothing exposed. Recompute alone: 500 ms; offload alone: 130 ms."""
+    i = info()
+    slow = tuple(s if s.fqn == "M" else ModStats(**{**s.__dict__, "tradeoff": TradeoffCurve(
+        discarded_bytes=(0, 100 * MiB), recompute_ms=(0.0, 1000.0))}) for s in i.mod_stats)
+    i = ModuleInfo(**{**i.__dict__, "mod_stats": slow})
+    res = milp(i).solve(250 * MiB)
+    x = 70 / 12
+    assert res.discarded_bytes == {"M.b.1": pytest.approx(x * MiB, abs=4096)}
+    assert res.offloaded_bytes["M.b.0"] == pytest.approx((50 - x) * MiB, abs=4096)
+    assert res.timeline.exposed_copy_ms == pytest.approx(0.0, abs=1e-2)
+    assert res.step_ms == pytest.approx(60 + 10 * x, abs=1e-2)
+    host_only = milp(i, host_budget_bytes=50 * MiB)
+    assert host_only.solve(250 * MiB).step_ms == pytest.approx(60 + 10 * x, abs=1e-2)
+
+
+def test_last_block_and_tiny_tensors_stay():
+    i = info(small_op_bytes=1000)
+    assert offloadable_bytes(i.stats("M.b.0")) == 100 * MiB  # the 1000-byte output is skipped
+    assert offloadable_bytes(i.stats("M.b.0"), min_offload_bytes=0) == 100 * MiB + 1000
+    m = milp(i)
+    assert [b.fqn for b in m._blocks] == ["M.b.0"]  # the last block in forward order keeps its own
+
+
+def test_peak_model_window_and_errors():
+    i = info()
+    # 40 MiB of b0 gone from op 10 until op 30 (b1's backward start): 260 at 25, 200 at 35.
+    assert predict_offload_peak_bytes(i, {}, {"M.b.0": (40 * MiB, 10, 30)}) == 260 * MiB
+    with pytest.raises(InfeasibleBudgetError):
+        milp().solve(50 * MiB)
+    with pytest.raises(ValueError, match="host link"):
+        OffloadMilp(i, step_layout(i, ["M.b.0", "M.b.1"]), copy_bytes_per_s=0.0)
