@@ -54,7 +54,7 @@ from examples import EXAMPLES  # noqa: E402
 from planner.checkpointing import apply_plan  # noqa: E402
 from planner.measure import measure_step  # noqa: E402
 from planner.plan import Plan  # noqa: E402
-from planner.solve import _recompute_ms, plan_for_budget  # noqa: E402
+from planner.solve import plan_for_budget, recompute_ms_with_saved  # noqa: E402
 from solver import SACMilp  # noqa: E402
 
 MiB = 2**20
@@ -205,7 +205,7 @@ def plan_step_ms(est, plan: Plan) -> float:
     """The unplanned step plus the plan's recompute, priced by ``est``'s runtime model (the
     planner's own rule: every op a checkpointed module re-runs)."""
     return est.module_info.step_runtime_ms + sum(
-        _recompute_ms(est.module_info.stats(mp.fqn), frozenset(mp.saved_ops)) for mp in plan.modules)
+        recompute_ms_with_saved(est.module_info.stats(mp.fqn), frozenset(mp.saved_ops)) for mp in plan.modules)
 
 
 def saved_hits(model) -> int:

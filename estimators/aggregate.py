@@ -14,7 +14,7 @@ from estimators.sac import (
     fixed_recompute_ms,
     greedy_units,
     module_ops,
-    tradeoff_curve,
+    cumulative_curve,
 )
 from estimators.trace import ModuleCall, StepTrace, StorageKind
 
@@ -91,7 +91,7 @@ def _mod_stats(
 
     ops = () if is_leaf else module_ops(trace, calls)
     units = greedy_units(ops) if ops else []
-    curve = tradeoff_curve(units)
+    curve = cumulative_curve(units)
     forced = set(forced_recompute_ops(ops)) if ops else set()
     growth = _recompute_growth(trace, first, ops, units, forced) if ops else ()
     transient = 0

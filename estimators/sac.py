@@ -20,6 +20,7 @@ The greedy order takes units by memory freed per ms of recompute, largest first,
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
@@ -27,7 +28,9 @@ from estimators.module_info import Phase, SACOp, TradeoffCurve
 from estimators.sac_groups import SACGroup, sac_groups
 from estimators.trace import ModuleCall, StepTrace, StorageKind
 
-__all__ = ["module_ops", "greedy_units", "tradeoff_curve", "fixed_recompute_ms", "forced_recompute_ops"]
+__all__ = [
+    "module_ops", "greedy_units", "cumulative_curve", "replay_ms", "fixed_recompute_ms", "forced_recompute_ops",
+]
 
 _TO_COPY = torch.ops.aten._to_copy.default
 
@@ -122,7 +125,7 @@ def greedy_units(ops: tuple[SACOp, ...]) -> list[SACGroup]:
     return units
 
 
-def tradeoff_curve(units: list[SACGroup]) -> TradeoffCurve:
+def cumulative_curve(units: list[SACGroup]) -> TradeoffCurve:
     """The cumulative (discarded bytes, recompute ms) breakpoints of ``units`` in their order."""
     xs, ys = [0], [0.0]
     for u in units:
@@ -131,17 +134,18 @@ def tradeoff_curve(units: list[SACGroup]) -> TradeoffCurve:
     return TradeoffCurve(discarded_bytes=tuple(xs), recompute_ms=tuple(ys))
 
 
-def fixed_recompute_ms(ops: tuple[SACOp, ...]) -> float:
-    """Recompute time paid by any checkpoint of the module: the non-view ops autograd does not save
-    are re-run (saving them would cost memory the baseline never held), up to the last op whose
-    output is saved, where the recompute stops early."""
+def replay_ms(ops: tuple[SACOp, ...], rerun: Callable[[int, SACOp], bool]) -> float:
+    """Time of a recompute that re-runs the ops ``rerun(index, op)`` selects. Views launch nothing,
+    and the recompute stops early after the last op whose output autograd saves."""
     last = max((i for i, o in enumerate(ops) if o.is_saved), default=-1)
+    return sum(o.runtime_ms for i, o in enumerate(ops[: last + 1]) if not o.is_view and rerun(i, o))
+
+
+def fixed_recompute_ms(ops: tuple[SACOp, ...]) -> float:
+    """Recompute time paid by any checkpoint of the module: the ops autograd does not save are
+    re-run (saving them would cost memory the baseline never held), and so are the forced ones."""
     forced = set(forced_recompute_ops(ops))
-    return sum(
-        o.runtime_ms
-        for i, o in enumerate(ops[: last + 1])
-        if not o.is_view and (not o.is_saved or i in forced)
-    )
+    return replay_ms(ops, lambda i, o: not o.is_saved or i in forced)
 
 
 def forced_recompute_ops(ops: tuple[SACOp, ...]) -> list[int]:

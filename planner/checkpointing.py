@@ -40,6 +40,7 @@ from planner import offload
 from planner.fsdp import original_class_name
 from planner.offload import OffloadCounter, OffloadError
 from planner.plan import ModulePlan, Plan, model_fingerprint
+from solver.graph import is_submodule
 from planner.planned_forward import CheckpointDivergenceWarning, PlannedForward
 
 __all__ = [
@@ -157,7 +158,7 @@ class hf_cache_off:
 def _root_relative(fqn: str, root: str) -> str:
     if fqn == root:
         return ""
-    if not fqn.startswith(root + "."):
+    if not is_submodule(fqn, root):
         raise PlanMismatchError(f"plan module {fqn!r} is not under the model {root!r}")
     return fqn[len(root) + 1 :]
 

@@ -94,14 +94,20 @@ def _unit_comm(info: ModuleInfo, units: Sequence[str], world_size: int, spec: De
 def step_layout_of(info: ModuleInfo, spec: DeviceSpec, *, fsdp_units: Sequence[str] | None = None,
                    world_size: int = 1) -> StepLayout:
     """The step on the timeline: blocks from ``find_blocks`` (none: one segment per phase), FSDP2
-    collectives priced on ``spec``'s link when sharded over ``world_size > 1`` ranks."""
+    collectives priced on ``spec``'s link when sharded over ``world_size > 1`` ranks (left out
+    where ``spec`` names no interconnect)."""
     from planner.baselines import find_blocks
 
     try:
         blocks = list(find_blocks(info))
     except ValueError:
         blocks = []
-    comm = _unit_comm(info, list(fsdp_units), world_size, spec) if fsdp_units and world_size > 1 else []
+    comm = []
+    if fsdp_units and world_size > 1:
+        try:
+            comm = _unit_comm(info, list(fsdp_units), world_size, spec)
+        except ValueError:  # a spec with no interconnect (the cpu target): comm not estimated,
+            comm = []       # which the plan's notes say (planner.distributed._comm_note)
     return step_layout(info, blocks, comm=comm)
 
 

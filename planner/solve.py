@@ -31,6 +31,7 @@ from estimators.estimate import (
     first_step_module_info,
 )
 from estimators.module_info import ModStats
+from estimators.sac import replay_ms
 from estimators.step import TrainStep
 from planner.floor import PeakBreakdown, lowering_hints, peak_breakdown
 from planner.fsdp import fsdp_module_info
@@ -88,18 +89,14 @@ def module_plan(stats: ModStats, discarded_bytes: int, options: SolverOptions | 
         saved_ops=tuple(saved),
         recomputed_ops=tuple(recomputed),
         discarded_bytes=op_plan.discarded_bytes,
-        recompute_ms=_recompute_ms(stats, frozenset(saved)),
+        recompute_ms=recompute_ms_with_saved(stats, frozenset(saved)),
     )
 
 
-def _recompute_ms(stats: ModStats, saved: frozenset) -> float:
-    """Ops the recompute re-runs: everything not cached, up to the last op autograd saves."""
-    last = max((i for i, o in enumerate(stats.ops) if o.is_saved), default=-1)
-    return sum(
-        o.runtime_ms
-        for o in stats.ops[: last + 1]
-        if not o.is_view and (op_key(o.func), o.occurrence) not in saved
-    )
+def recompute_ms_with_saved(stats: ModStats, saved: frozenset) -> float:
+    """Recompute time of a checkpoint of ``stats`` that caches the ``saved`` op keys: every other
+    op is re-run (``estimators.sac.replay_ms``)."""
+    return replay_ms(stats.ops, lambda _, o: (op_key(o.func), o.occurrence) not in saved)
 
 
 def check_budget_gib(budget_gib: Any) -> float:

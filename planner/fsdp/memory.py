@@ -83,7 +83,7 @@ from typing import Any, Iterable
 
 import torch
 
-from estimators.module_info import MemoryPoint, ModuleInfo
+from estimators.module_info import MemoryPoint, ModuleInfo, Phase
 from planner.fsdp.units import Unit, check_world_size, unit_table
 
 __all__ = ["FSDPExtraBytes", "fsdp_extra_bytes", "fsdp_module_info"]
@@ -132,7 +132,7 @@ def _chain(fqn: str, units: dict[str, Unit]) -> list[Unit]:
 # ------------------------------------------------------------------------------ the rules
 def _gathered_param_bytes(p: MemoryPoint, units: dict[str, Unit], root: Unit) -> int:
     """R2 + R3."""
-    if p.phase not in ("fw", "bw") or root.stats.fw_pre_op < 0 or p.op_index < root.stats.fw_pre_op:
+    if p.phase not in (Phase.FW, Phase.BW) or root.stats.fw_pre_op < 0 or p.op_index < root.stats.fw_pre_op:
         return 0
     gathered = {u.fqn: u for u in _chain(p.fqn, units)}
     gathered[root.fqn] = root
@@ -141,7 +141,7 @@ def _gathered_param_bytes(p: MemoryPoint, units: dict[str, Unit], root: Unit) ->
 
 def _forward_all_gather_bytes(p: MemoryPoint, order_fw: list[Unit], root: Unit, world_size: int) -> int:
     """R4: the flat all-gather output of the unit gathered last in forward."""
-    if world_size == 1 or p.phase != "fw" or not root.stats.fw_pre_op <= p.op_index < root.stats.fw_post_op:
+    if world_size == 1 or p.phase is not Phase.FW or not root.stats.fw_pre_op <= p.op_index < root.stats.fw_post_op:
         return 0
     started = [u for u in order_fw if 0 <= u.stats.fw_pre_op <= p.op_index]
     return started[-1].own_param_bytes if started else 0
@@ -149,7 +149,7 @@ def _forward_all_gather_bytes(p: MemoryPoint, order_fw: list[Unit], root: Unit, 
 
 def _prefetch_bytes(p: MemoryPoint, order_post: list[Unit], world_size: int) -> int:
     """R5: flat all-gather outputs prefetched in backward and not yet copied out."""
-    if world_size == 1 or p.phase != "bw":
+    if world_size == 1 or p.phase is not Phase.BW:
         return 0
     held = 0
     for prev, unit in zip(order_post, order_post[1:]):
@@ -161,7 +161,7 @@ def _prefetch_bytes(p: MemoryPoint, order_post: list[Unit], world_size: int) -> 
 
 def _reduce_scatter_bytes(p: MemoryPoint, order_bw_end: list[Unit]) -> int:
     """R6: the reduce-scatter input of the non-root unit whose backward ended last."""
-    if p.phase != "bw":
+    if p.phase is not Phase.BW:
         return 0
     done = [u for u in order_bw_end if u.stats.bw_post_op < p.op_index]
     return done[-1].own_grad_bytes if done else 0
@@ -171,7 +171,7 @@ def _unsharded_grad_bytes(p: MemoryPoint, order_bw_end: list[Unit], world_size: 
                           kept: bool, units: dict[str, Unit], root: Unit, scale: float = 1.0) -> int:
     """R7, or R7a when the gradients are ``kept`` across steps; unsharded gradients have the
     gathered parameters' dtype (``scale``: its size over the traced one, R8)."""
-    if p.phase != "bw":
+    if p.phase is not Phase.BW:
         return 0
     if kept:
         running = [u for u in units.values() if not u.is_root and u.stats.bw_pre_op <= p.op_index <= u.stats.bw_post_op]
@@ -198,7 +198,7 @@ def _dtype_scales(mp_policy: Any, traced_param_dtype: torch.dtype) -> tuple[floa
 
 def _grads_kept(info: ModuleInfo) -> bool:
     """The traced step starts with gradients allocated (R7a): they are there at its first point."""
-    first = next((p for p in info.memory_points if p.phase == "fw"), None)
+    first = next((p for p in info.memory_points if p.phase is Phase.FW), None)
     return first is not None and first.grad_bytes > 0
 
 

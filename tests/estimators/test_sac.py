@@ -8,7 +8,7 @@ from torch import nn
 
 from estimators.estimate import EstimateOptions, TraceMode, estimate
 from estimators.module_info import SACOp
-from estimators.sac import greedy_units, tradeoff_curve
+from estimators.sac import cumulative_curve, greedy_units
 
 REAL = EstimateOptions(mode=TraceMode.REAL)
 
@@ -129,7 +129,7 @@ def test_greedy_order_and_curve_on_a_hand_built_table():
     )
     units = greedy_units(ops)
     assert [u.ops for u in units] == [(2,), (4, 5), (0, 6)]
-    curve = tradeoff_curve(units)
+    curve = cumulative_curve(units)
     assert curve.discarded_bytes == (0, 100, 160, 260)
     assert curve.recompute_ms == (0.0, 1.0, 3.0, 7.5)
     segs = curve.lower_convex_envelope()

@@ -9,7 +9,7 @@ import pytest
 
 from estimators.estimate import estimate
 from estimators.module_info import ModOrder, ModStats, ModuleInfo, SACOp
-from estimators.sac import fixed_recompute_ms, greedy_units, tradeoff_curve
+from estimators.sac import cumulative_curve, fixed_recompute_ms, greedy_units
 from examples import EXAMPLES
 from planner.baselines import (
     attention_core_ac,
@@ -23,7 +23,7 @@ from planner.baselines import (
 )
 from planner.report import tradeoff_table_text
 from planner.solve import _traced_peak, module_plan, plan_for_budget
-from planner.tradeoff import tradeoff_curve as planner_tradeoff_curve
+from planner.tradeoff import tradeoff_curve
 from solver import SolverOptions, predict_peak_bytes
 from solver.milp import module_recompute_ms
 
@@ -47,7 +47,7 @@ def test_planner_is_at_or_below_every_baseline_at_its_peak():
         "no AC", "full AC, every block", "full AC, every 2nd block", "full AC, every 3rd block",
         "op-level SAC (torchtitan 'op')", "attention core (Megatron)"]
     peaks = sorted({b.predicted_peak_bytes for b in bases})
-    table = planner_tradeoff_curve(info, peaks, solver_options=EXACT)
+    table = tradeoff_curve(info, peaks, solver_options=EXACT)
     at = {r.budget_bytes: r for r in table.rows}
     for b in bases:
         r = at[b.predicted_peak_bytes]
@@ -111,7 +111,7 @@ def _op(func, mem, ms, **kw):
 def _module(ops):
     """ModStats as estimators/aggregate.py builds them from an op table."""
     ops = tuple(ops)
-    curve = tradeoff_curve(greedy_units(ops))
+    curve = cumulative_curve(greedy_units(ops))
     return ModStats(fqn="M.blk", is_leaf=False, ops=ops, recompute_fixed_ms=fixed_recompute_ms(ops),
                     tradeoff=curve, sac_memory_bytes=curve.total_bytes)
 
