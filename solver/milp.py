@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from solver.errors import InfeasibleBudgetError, SolverTimeoutError, UnknownModuleError
 from solver.graph import Graph, Node, close_names
-from solver.options import SolveResult, SolverOptions, SolveStatus, run_backend
+from solver.lp_model import EQ, GE, LE, LinearModel
+from solver.options import SolveResult, SolverOptions, SolveStatus
 
 if TYPE_CHECKING:  # only types: importing estimators would pull in torch
     from estimators.module_info import ModStats, ModuleInfo
@@ -208,13 +209,34 @@ def _cost_envelope(s: ModStats) -> tuple[list[tuple[float, float]], bool]:
     return segs, convex
 
 
-def _lower_hull_segments(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """(slope, intercept) of each segment of the lower convex hull of ``pts``."""
+def _lower_hull(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Vertices of the lower convex hull of ``pts``, by x."""
     hull: list[tuple[float, float]] = []
     for p in sorted(pts):
         while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
             hull.pop()
         hull.append(p)
+    return hull
+
+
+def _cost_vertices(s: ModStats) -> list[tuple[float, float]]:
+    """(r, cost_ms) vertices of the convex envelope ``_cost_envelope`` describes, r from 0 to 1."""
+    size, curve = s.sac_memory_bytes, s.tradeoff
+    fixed = getattr(s, "recompute_fixed_ms", 0.0)
+    jump = 0.0
+    for b, ms in zip(curve.discarded_bytes, curve.recompute_ms):
+        if b == 0:
+            jump = ms
+    pts = [(0.0, fixed + jump)]
+    pts += [(b / size, fixed + ms) for b, ms in zip(curve.discarded_bytes, curve.recompute_ms)
+            if 0 < b < size]
+    pts.append((1.0, module_recompute_ms(s, size)))
+    return _lower_hull(pts)
+
+
+def _lower_hull_segments(pts: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(slope, intercept) of each segment of the lower convex hull of ``pts``."""
+    hull = _lower_hull(pts)
     segs = []
     for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
         if x1 - x0 > 1e-15:
@@ -294,16 +316,6 @@ def _candidates(graph: Graph, allowed: set[str] | None, fsdp: set[str] | None) -
     return out
 
 
-def _new_var(prob: Any, name: str, low: float | None, up: float | None = None,
-             cat: str = "Continuous") -> Any:
-    """PuLP >= 3.3 attaches variables to the problem; older PuLP builds them directly."""
-    if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, low, up, cat=cat)
-    import pulp
-
-    return pulp.LpVariable(name, low, up, cat)
-
-
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", name)
 
@@ -346,9 +358,7 @@ class SACMilp:
 
     # ------------------------------------------------------------------ build
     def _build(self) -> None:
-        import pulp
-
-        self._prob = pulp.LpProblem("sac_milp", pulp.LpMinimize)
+        self._prob = LinearModel("sac_milp")
         self._add_variables()
         self._add_ratio_constraints()
         self._add_nesting_constraints()
@@ -365,13 +375,12 @@ class SACMilp:
 
     def _add_variables(self) -> None:
         prob, n = self._prob, len(self._cands)
-        self._y, self._r, self._rct = [], [], []
+        self._y, self._r = [], []
         for c in self._cands:
             tag = f"{c.node.index}_{_safe(c.node.fqn)}"
-            self._y.append(_new_var(prob, f"y{tag}", 0, 1, "Integer"))
-            self._r.append(_new_var(prob, f"r{tag}", 0, 1))
-            self._rct.append(_new_var(prob, f"rct_ms{tag}", 0))
-        self._peak = _new_var(prob, f"peak_{self._unit_name}", 0)
+            self._y.append(prob.add_var(f"y{tag}", 0, 1, integer=True))
+            self._r.append(prob.add_var(f"r{tag}", 0, 1))
+        self._peak = prob.add_var(f"peak_{self._unit_name}", 0)
         # Prefix sums of discarded GiB in fw_post_op order and in bw_pre_op order.
         self._fw_order = sorted(range(n), key=lambda k: (self._cands[k].stats.fw_post_op, k))
         self._bw_order = sorted(
@@ -379,27 +388,19 @@ class SACMilp:
             key=lambda k: (self._cands[k].stats.bw_pre_op, k),
         )
         # Free: a checkpoint that holds more inputs than it discards makes a prefix negative.
-        self._cum_fw = [_new_var(prob, f"cum_fw_{i + 1}", None) for i in range(len(self._fw_order))]
-        self._cum_bw = [_new_var(prob, f"cum_bw_{i + 1}", None) for i in range(len(self._bw_order))]
+        self._cum_fw = [prob.add_var(f"cum_fw_{i + 1}", None) for i in range(len(self._fw_order))]
+        self._cum_bw = [prob.add_var(f"cum_bw_{i + 1}", None) for i in range(len(self._bw_order))]
 
-    def _add(self, terms: Sequence[tuple[Any, float]], sense: int, rhs: float, name: str) -> Any:
-        import pulp
-
-        con = pulp.LpConstraint(pulp.LpAffineExpression(list(terms)), sense, name, rhs)
-        self._prob.addConstraint(con)
-        return con
+    def _add(self, terms: Sequence[tuple[int, float]], sense: int, rhs: float, name: str) -> int:
+        return self._prob.add_row(terms, sense, rhs, name)
 
     def _add_ratio_constraints(self) -> None:
-        import pulp
-
         for k, c in enumerate(self._cands):
-            self._add([(self._r[k], 1.0), (self._y[k], -1.0)], pulp.LpConstraintLE, 0.0,
+            self._add([(self._r[k], 1.0), (self._y[k], -1.0)], LE, 0.0,
                       f"discard_only_if_checkpointed_{k}")
 
     def _add_nesting_constraints(self) -> None:
         """One clique per maximal chain of candidates: tighter than pairwise y_i + y_j <= 1."""
-        import pulp
-
         index = {c.node.fqn: k for k, c in enumerate(self._cands)}
         chains = {k: [index[a.fqn] for a in self.graph.ancestors(c.node.fqn) if a.fqn in index]
                   for k, c in enumerate(self._cands)}
@@ -407,19 +408,25 @@ class SACMilp:
         for k, anc in chains.items():
             if anc and k not in inner:
                 terms = [(self._y[j], 1.0) for j in [k, *anc]]
-                self._add(terms, pulp.LpConstraintLE, 1.0, f"no_nesting_{k}")
+                self._add(terms, LE, 1.0, f"no_nesting_{k}")
 
     def _add_recompute_constraints(self) -> None:
-        import pulp
-
+        """Recompute time as a convex combination of the envelope's vertices (x_v, c_v):
+        ``sum_v lam_v = y``, ``sum_v x_v lam_v = r``, cost ``sum_v c_v lam_v``. The same
+        feasible set and LP relaxation as the epigraph rows ``rct >= a_s r + b_s y`` (both are
+        the perspective of the envelope), with two rows per module instead of one per segment:
+        the backend's LPs stay the size of the memory model, not of the curves."""
+        self._lam: list[list[tuple[int, float]]] = []
         for k, c in enumerate(self._cands):
-            for s, (a, b) in enumerate(c.segments):
-                self._add([(self._rct[k], 1.0), (self._r[k], -a), (self._y[k], -b)],
-                          pulp.LpConstraintGE, 0.0, f"recompute_seg{s}_{k}")
+            verts = _cost_vertices(c.stats)
+            lam = [(self._prob.add_var(f"lam{v}_{k}", 0), cost) for v, (_, cost) in enumerate(verts)]
+            self._lam.append(lam)
+            self._add([(j, 1.0) for j, _ in lam] + [(self._y[k], -1.0)], EQ, 0.0,
+                      f"recompute_seg_sum_{k}")
+            self._add([(j, x) for (j, _), (x, _) in zip(lam, verts) if x]
+                      + [(self._r[k], -1.0)], EQ, 0.0, f"recompute_seg_ratio_{k}")
 
     def _add_memory_constraints(self) -> None:
-        import pulp
-
         for cum, order, what in ((self._cum_fw, self._fw_order, "fw"), (self._cum_bw, self._bw_order, "bw")):
             for i, k in enumerate(order):
                 st = self._cands[k].stats
@@ -429,7 +436,7 @@ class SACMilp:
                 terms = [(cum[i], 1.0), (self._r[k], -size)] + ([(cum[i - 1], -1.0)] if i else [])
                 if fixed:
                     terms.append((self._y[k], -fixed))
-                self._add(terms, pulp.LpConstraintEQ, 0.0, f"cum_{what}_{i + 1}")
+                self._add(terms, EQ, 0.0, f"cum_{what}_{i + 1}")
         for (a, b, k), (base, t) in self._point_groups().items():
             terms = [(self._peak, 1.0)]
             if a:
@@ -440,14 +447,12 @@ class SACMilp:
                 terms += self._recompute_terms(k)
             # (a, b) follow from t, so t plus the recomputed candidate names the point uniquely.
             name = f"mem_at_op_{t}" + (f"_recompute_{k}" if k >= 0 else "")
-            self._add(terms, pulp.LpConstraintGE, self._units(base), name)
+            self._add(terms, GE, self._units(base), name)
 
     def _add_recompute_growth(self) -> None:
         """extra_k >= a_s r_k + b_s y_k: the lower convex hull of the recompute's memory change
         (growth - discarded) at the curve's breakpoints; exact at every breakpoint where that
         change is convex in r (the exact evaluation of the plan catches the rest)."""
-        import pulp
-
         self._extra: dict[int, Any] = {}
         for k, c in enumerate(self._cands):
             st = c.stats
@@ -460,10 +465,10 @@ class SACMilp:
             if not segs:  # a single breakpoint: extra = h(0) y
                 segs = [(0.0, pts[0][1])]
             tag = f"{c.node.index}_{_safe(c.node.fqn)}"
-            self._extra[k] = _new_var(self._prob, f"recompute_extra{tag}", None)
+            self._extra[k] = self._prob.add_var(f"recompute_extra{tag}", None)
             for sidx, (a, b) in enumerate(segs):
                 self._add([(self._extra[k], 1.0), (self._r[k], -a), (self._y[k], -b)],
-                          pulp.LpConstraintGE, 0.0, f"recompute_growth_seg{sidx}_{k}")
+                          GE, 0.0, f"recompute_growth_seg{sidx}_{k}")
 
     def _recompute_terms(self, k: int) -> list[tuple[Any, float]]:
         """Minus the memory change at candidate k's recompute point, as (variable, coef) terms."""
@@ -477,8 +482,6 @@ class SACMilp:
     def _add_symmetry_constraints(self) -> None:
         """Order identical candidates (repeated blocks); exact, see ``solver/symmetry.py``."""
         import numpy as np
-        import pulp
-
         from solver.symmetry import symmetry_pairs
 
         index = {c.node.fqn: k for k, c in enumerate(self._cands)}
@@ -500,10 +503,10 @@ class SACMilp:
             a, b = pair.outer, pair.inner
             if pair.ratio_order:
                 self._add([(self._r[a], 1.0), (self._r[b], -1.0), (self._y[a], -1.0)],
-                          pulp.LpConstraintGE, -1.0, f"symmetry_ratio_{a}_{b}")
+                          GE, -1.0, f"symmetry_ratio_{a}_{b}")
             if pair.touched_order:
                 terms = [(self._y[k], 1.0) for k in sorted(nested[a] | {a})] + [(self._y[b], -1.0)]
-                self._add(terms, pulp.LpConstraintGE, 0.0, f"symmetry_touched_{a}_{b}")
+                self._add(terms, GE, 0.0, f"symmetry_touched_{a}_{b}")
         self.n_symmetry_pairs = len(pairs)
 
     def _point_groups(self) -> dict[tuple[int, int, int], tuple[int, int]]:
@@ -523,41 +526,37 @@ class SACMilp:
         return groups
 
     def _add_budget_constraint(self) -> None:
-        import pulp
-
-        self._budget = self._add([(self._peak, 1.0)], pulp.LpConstraintLE,
+        self._budget = self._add([(self._peak, 1.0)], LE,
                                  self._units(self.no_ac_peak_bytes), "budget")
 
     def _make_recompute_objective(self) -> Any:
-        import pulp
-
         scale = max((max(a + b for a, b in c.segments) for c in self._cands if c.segments), default=1.0)
         scale = scale if scale > 0 else 1.0
-        terms = [(v, 1.0) for v in self._rct]
+        terms = [(j, cost) for lam in self._lam for j, cost in lam]
         n = len(self._cands)
         for k, c in enumerate(self._cands):
             w = 1.0 + c.node.index / max(1, len(self.graph))
             terms += [(self._y[k], _TIE_Y * scale * w / n), (self._r[k], _TIE_R * scale * w / n)]
-        return pulp.LpAffineExpression(terms)
+        return terms
 
     # ------------------------------------------------------------------ solve
     @property
     def n_variables(self) -> int:
-        return self._prob.numVariables() if self._prob is not None else 0
+        return self._prob.n_cols if self._prob is not None else 0
 
     @property
     def n_constraints(self) -> int:
-        return self._prob.numConstraints() if self._prob is not None else 0
+        return self._prob.n_rows if self._prob is not None else 0
 
     def _set_budget(self, budget_units: float) -> None:
-        self._budget.constant = -budget_units  # PuLP keeps "expr + constant <= 0"
+        self._prob.set_row_upper(self._budget, budget_units)
 
-    def _read_plan(self) -> dict[str, int]:
+    def _read_plan(self, values: Any) -> dict[str, int]:
         plan = {}
         for k, c in enumerate(self._cands):
-            if round(self._y[k].varValue or 0.0) != 1:
+            if round(float(values[self._y[k]])) != 1:
                 continue
-            r = min(1.0, max(0.0, self._r[k].varValue or 0.0))
+            r = min(1.0, max(0.0, float(values[self._r[k]])))
             d = round(r * c.stats.sac_memory_bytes)
             if d > 0:  # checkpointing without discarding only costs time and transients
                 plan[c.node.fqn] = d
@@ -574,15 +573,16 @@ class SACMilp:
         target = budget
         for _ in range(3):  # re-solve with a tighter target if rounding cannot be repaired
             self._set_budget(self._units(target))
-            self._prob.setObjective(self._recompute_objective)
-            out = run_backend(self._prob, self.options)
+            self._prob.set_cost(self._recompute_objective)
+            sol = self._prob.solve(self.options)
+            out = sol.outcome
             if not out.has_solution:
                 return self._fallback(budget, t0, timed_out=not out.infeasible)
-            plan, short = self._repair(self._read_plan(), budget)
+            plan, short = self._repair(self._read_plan(sol.values), budget)
             if short == 0:
                 status = SolveStatus.OPTIMAL if out.proven else SolveStatus.FEASIBLE
                 res = self._result(plan, budget, status, out.gap, t0)
-                return dataclasses.replace(res, milp_objective=self._prob.objective.value())
+                return dataclasses.replace(res, milp_objective=sol.objective)
             target -= short + 1024
         return self._fallback(budget, t0, timed_out=False)
 
@@ -647,17 +647,15 @@ class SACMilp:
         if self._prob is None:
             self._min_peak = (self.no_ac_peak_bytes, {})
             return self._min_peak
-        import pulp
-
         self._set_budget(self._units(self.no_ac_peak_bytes) + 1.0)  # not binding
-        self._prob.setObjective(pulp.LpAffineExpression([(self._peak, 1.0)]))
-        out = run_backend(self._prob, self.options, rel_gap=0.0)
-        if not out.has_solution:
+        self._prob.set_cost([(self._peak, 1.0)])
+        sol = self._prob.solve(self.options, rel_gap=0.0)
+        if not sol.outcome.has_solution:
             raise SolverTimeoutError(
                 f"could not compute the smallest reachable peak within time_limit_s="
                 f"{self.options.time_limit_s}; raise SolverOptions.time_limit_s"
             )
-        plan = self._read_plan()
+        plan = self._read_plan(sol.values)
         for f, d in plan.items():  # undo the backend's rounding of r = 1
             size = self._stats(f).sac_memory_bytes
             if size - d <= max(1, size * 1e-6):
