@@ -30,9 +30,9 @@ logger = logging.getLogger(__name__)
 
 
 class Backend(str, enum.Enum):
-    """MILP backend, both through PuLP. HiGHS (highspy, a core dependency) is the default: it
-    proves plans optimal within 1e-4 in about a second where CBC hits its time limit. CBC (the
-    binary PuLP bundles) stays selectable and is the fallback where highspy cannot load."""
+    """MILP backend. HiGHS (highspy, a core dependency) is the default; the module-level MILP
+    calls it directly (``solver/lp_model.py``), the op-level one through PuLP. CBC (through PuLP,
+    the binary PuLP bundles) stays selectable and is the fallback where highspy cannot load."""
 
     CBC = "cbc"
     HIGHS = "highs"

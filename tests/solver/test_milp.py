@@ -280,7 +280,7 @@ def test_write_lp_reads_like_the_maths(tmp_path) -> None:
     path = tmp_path / "sac.lp"
     solve_milp(chain(), 300 * MiB, options=SolverOptions(write_lp_path=path))
     text = path.read_text()
-    for name in ("budget", "mem_at_op_40", "cum_fw_1", "cum_bw_1", "recompute_seg_sum_0", "recompute_seg_ratio_0",
+    for name in ("budget", "mem_at_op_40", "cum_fw_1", "cum_bw_1", "recompute_seg0_0",
                  "discard_only_if_checkpointed_0", "y1_M.b0", "peak_mib"):
         assert name in text, name
 
