@@ -35,6 +35,7 @@ LE, GE, EQ = -1, 1, 0
 
 _INF = math.inf
 _INT_TOL = 1e-9
+_DEFAULT_TOL = 1e-6
 
 
 @dataclass(frozen=True)
@@ -133,9 +134,10 @@ class LinearModel:
             self._lp = lp
         return self._lp
 
-    def _solve_highs(self, options: SolverOptions, rel_gap: float) -> LpSolution:
+    def _solve_highs(self, options: SolverOptions, rel_gap: float, tol: float | None = None) -> LpSolution:
         import highspy
 
+        tol = _INT_TOL if tol is None else tol
         h = highspy.Highs()
         h.setOptionValue("output_flag", bool(options.verbose))
         h.setOptionValue("threads", int(options.threads))
@@ -152,8 +154,8 @@ class LinearModel:
         # bytes at 1e-6 of its fixed cost: at budgets at the smallest reachable peak that slack
         # decided the optimum (the plain and the symmetry-broken MILP disagreed by 5e-6
         # relative). 1e-9 makes it a fraction of a byte on every model this solver sees.
-        h.setOptionValue("mip_feasibility_tolerance", _INT_TOL)
-        h.setOptionValue("primal_feasibility_tolerance", _INT_TOL)
+        h.setOptionValue("mip_feasibility_tolerance", tol)
+        h.setOptionValue("primal_feasibility_tolerance", tol)
         if options.time_limit_s is not None:
             h.setOptionValue("time_limit", float(options.time_limit_s))
         h.passModel(self._highs_lp())
@@ -166,7 +168,9 @@ class LinearModel:
         info = h.getInfo()
         ms = highspy.HighsModelStatus
         has = info.primal_solution_status == 2  # kSolutionStatusFeasible
-        infeasible = status == ms.kInfeasible
+        # Both objectives (recompute ms, peak) are bounded below, so "unbounded or
+        # infeasible" from presolve means infeasible.
+        infeasible = status in (ms.kInfeasible, ms.kUnboundedOrInfeasible)
         proven = status == ms.kOptimal and has
         gap = float(info.mip_gap) if has else None
         gap = gap if gap is None or math.isfinite(gap) else None
@@ -175,6 +179,13 @@ class LinearModel:
         logger.debug("backend highs: status=%s gap=%s nodes=%d lp_iterations=%d in %.3fs",
                      h.modelStatusToString(status), gap, int(info.mip_node_count),
                      int(info.simplex_iteration_count), seconds)
+        stopped = status in (ms.kTimeLimit, ms.kInterrupt, ms.kSolutionLimit, ms.kIterationLimit)
+        if not has and not infeasible and not stopped and tol < _DEFAULT_TOL:
+            # Numerical trouble at the tight tolerances (seen once on a random graph): solve
+            # again at HiGHS' defaults rather than report a timeout that did not happen.
+            logger.info("HiGHS: %s at tolerance %g; solving again at %g",
+                        h.modelStatusToString(status), tol, _DEFAULT_TOL)
+            return self._solve_highs(options, rel_gap, _DEFAULT_TOL)
         values = np.array(h.getSolution().col_value) if has else None
         obj = float(info.objective_function_value) if has else None
         return LpSolution(_BackendOutcome(has, proven, infeasible and not has, gap, seconds),
