@@ -13,13 +13,16 @@ The maths (memory in GiB, or KiB / MiB for models under 1 GiB, converted once by
     0 <= r_i <= y_i       fraction of sac_memory_bytes_i discarded
     d_i = S_i r_i         discarded memory
     sum_{i on a root-to-leaf path} y_i <= 1            no nested checkpoints
-    mem(p) = base_p - sum_j d_j [fw_post_j <= t_p < bw_pre_j] + T_j y_j [p recomputes j] <= peak
+    mem(p) = base_p - sum_j d_j [fw_post_j <= t_p < bw_pre_j] + T_j y_j [p recomputes j]
+             + sum_j R_j y_j [bw_pre_j <= t_p <= bw_post_j, p not j's recompute point] <= peak
     peak <= budget
     rct_i >= a_s r_i + b_s y_i  for each segment s of i's exact cost curve (convex envelope),
                                 the module's recompute_fixed_ms included in b_s
     minimise  sum_i rct_i  (+ a tie-break below 1e-6 of the largest module's recompute time)
 
-``base_p = ceil((param + grad + optimizer) / world_size) + activation + other`` of MemoryPoint p.
+``base_p = ceil((param + grad + optimizer) / world_size) + activation + other`` of MemoryPoint p;
+``R_j = checkpoint_retain_bytes``: the inputs j's checkpoint holds stay alive through j's own
+backward, where the unplanned step had freed them.
 The window sum is written with prefix sums over the modules sorted by ``fw_post_op`` and by
 ``bw_pre_op`` (``cum_fw_k = cum_fw_{k-1} + d_{j_k}``), so the model is linear in modules + points.
 
