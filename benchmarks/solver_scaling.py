@@ -361,6 +361,11 @@ def verdicts(rows: list[dict]) -> list[str]:
                    f"{worst:.2f} s (target <= 2 s)")
     speeds = [r["torch_s"] / r["ours_s"] for r in rows
               if r.get("torch_s") and not r.get("capped") and "ours_s" in r]
+    capped = [r for r in rows if r.get("torch_s") and r.get("capped") and "ours_s" in r]
+    if not speeds and capped:
+        low = min(r["torch_s"] / r["ours_s"] for r in capped)
+        out.append(f"N/A   speed-up over sac_milp: it stopped at its time limit in all {len(capped)} "
+                   f"rows (our speed-up is at least {low:.1f}x there); raise --torch-time-limit")
     if speeds:
         out.append(f"{'PASS' if min(speeds) >= 90 else 'FAIL'}  speed-up over sac_milp where it "
                    f"finished: min {min(speeds):.1f}x, median {sorted(speeds)[len(speeds) // 2]:.1f}x "
