@@ -396,3 +396,15 @@ def test_held_inputs_count_through_the_checkpoints_own_backward() -> None:
     assert res.predicted_peak_bytes == 280 * MiB
     with pytest.raises(InfeasibleBudgetError):
         solve_milp(info, 279 * MiB)
+
+
+@pytest.mark.skipif(not backend_available(Backend.CBC), reason="no CBC binary here")
+def test_cbc_through_pulp_finds_the_highs_plan() -> None:
+    """The CBC fallback builds its PuLP model from the same arrays HiGHS gets."""
+    cbc = SolverOptions(backend="cbc")
+    for mib in (250, 300, 400):
+        a, b = solve_milp(chain(), mib * MiB), solve_milp(chain(), mib * MiB, options=cbc)
+        assert b.backend is Backend.CBC
+        assert b.recompute_ms == pytest.approx(a.recompute_ms, rel=1e-6)
+        assert b.predicted_peak_bytes <= mib * MiB
+    assert min_reachable_peak_bytes(chain(), options=cbc) == 250 * MiB
