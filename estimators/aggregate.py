@@ -247,6 +247,8 @@ def _memory_points(trace: StepTrace, tl: MemoryTimeline, stats: list[ModStats]) 
         bounds.add(min(s.fw_post_op, n - 1))
         if s.bw_pre_op >= 0:
             bounds.add(s.bw_pre_op)
+            if s.checkpoint_retain_bytes and 0 <= s.bw_post_op < n - 1:
+                bounds.add(s.bw_post_op + 1)  # a checkpoint's held inputs die here (solver)
     starts = np.array(sorted(bounds), dtype=np.int64)
     maxes = np.maximum.reduceat(tl.total, starts)
     points = []

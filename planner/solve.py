@@ -289,9 +289,13 @@ def plan_for_budget(
         milp = SACMilp(info, world_size=world_size, ac_units=allowed, fsdp_units=units, options=solver_options)
     usable = budget_bytes - reserve_bytes
     target = usable
+    # The floor and the last-resort min-peak plan come from the MILP over every allowed module,
+    # not one re-planned without a mispriced module: asking for the stated floor must give the
+    # plan that was traced to state it.
+    full_milp = milp
 
     def floor() -> _Floor:
-        return _floor(milp, est, info, model, world_size, solver_options)
+        return _floor(full_milp, est, info, model, world_size, solver_options)
 
     mispriced: dict[str, str] = {}  # candidates whose traced recompute set a peak the MILP missed
 
@@ -346,7 +350,7 @@ def plan_for_budget(
     if traced > usable:
         # The min-peak plan: the refusal states its traced peak as the smallest budget, so
         # asking for that figure must give this plan.
-        res = milp.solve(milp.min_reachable_peak_bytes())
+        res = full_milp.solve(full_milp.min_reachable_peak_bytes())
         modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
         peaks = peaks_of(res, modules)
         traced = max(peaks)

@@ -13,8 +13,12 @@ model build once. Each row is costed by the solver's exact model: the peak is
 
 What is reused across budgets: the PuLP model with its symmetry-breaking constraints between
 identical blocks (``solver/symmetry.py``, built once; only the budget row's right-hand side
-changes), and the smallest reachable peak (one solve, then every budget below it is marked
-infeasible without a solve). Budgets go in ascending order. No warm start is passed to the
+changes), the smallest reachable peak (one solve, then every budget below it is marked
+infeasible without a solve), and plans: budgets are solved largest first, and a plan proven
+optimal at one budget whose peak fits the next smaller budget is optimal there too (the least
+recompute never falls as the budget shrinks), so that budget needs no solve. The backend is
+called directly (``solver/lp_model.py``), so a solve pays no model-building in Python. Rows
+come back in ascending order. No warm start is passed to the
 backend: measured with CBC's ``warmStart`` it did not help (``benchmarks/tradeoff_sweep.py
 --warm-start``), because the slow points find their best plan early and spend the time proving
 the lower bound, which a start does not move.
@@ -312,10 +316,18 @@ def tradeoff_curve(
     checked = sorted(set(checked) | set(extra))
     step_ms = info.step_runtime_ms
     t1 = time.perf_counter()
-    rows = []
-    for budget in checked:
-        rows.append(_solve_point(milp, budget, min_peak, step_ms))
+    rows: list[TradeoffPoint] = []
+    for budget in reversed(checked):  # largest first: a plan may serve the budgets below it
+        prev = rows[-1] if rows else None
+        if (prev is not None and prev.status is PointStatus.OPTIMAL
+                and prev.predicted_peak_bytes is not None and prev.predicted_peak_bytes <= budget):
+            # Optimal at a larger budget and fits this one: optimal here too (the least
+            # recompute never falls as the budget shrinks), within the same proven gap.
+            rows.append(replace(prev, budget_bytes=budget, solve_time_s=0.0))
+        else:
+            rows.append(_solve_point(milp, budget, min_peak, step_ms))
         logger.debug("budget %d: %s in %.3fs", budget, rows[-1].status.value, rows[-1].solve_time_s)
+    rows.reverse()
     return TradeoffTable(
         rows=mark_pareto(rows),
         step_ms=step_ms,

@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from estimators.module_info import lower_hull_segments
 from solver.errors import InfeasibleBudgetError, SolverTimeoutError
 from solver.graph import Graph
 from solver.milp import (
@@ -57,16 +58,14 @@ from solver.milp import (
     _check_world_size,
     _fixed_discard,
     _growth,
-    _lower_hull_segments,
     _MemoryModel,
-    _new_var,
     _safe,
     _solver_unit,
     module_recompute_ms,
 )
 from solver.options import SolverOptions, SolveStatus, run_backend
 
-if TYPE_CHECKING:  # plain data; importing estimators would pull in torch
+if TYPE_CHECKING:  # only types
     from estimators.module_info import ModStats, ModuleInfo
     from estimators.timeline import StepLayout, StepTimeline
 
@@ -74,6 +73,16 @@ __all__ = ["OffloadMilp", "OffloadResult", "offloadable_bytes", "predict_offload
            "DEFAULT_MIN_OFFLOAD_BYTES"]
 
 logger = logging.getLogger(__name__)
+
+
+def _new_var(prob: Any, name: str, low: float | None, up: float | None = None,
+             cat: str = "Continuous") -> Any:
+    """PuLP >= 3.3 attaches variables to the problem; older PuLP builds them directly."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, low, up, cat=cat)
+    import pulp
+
+    return pulp.LpVariable(name, low, up, cat)
 
 DEFAULT_MIN_OFFLOAD_BYTES = 64 * 2**10
 """Saved outputs smaller than this stay on the device: a copy's fixed cost (launch, event, host
@@ -275,7 +284,7 @@ class OffloadMilp:
             if growth:
                 size = cand.stats.sac_memory_bytes
                 pts = [(x / size, self._u(g - x)) for x, g in zip(cand.stats.tradeoff.discarded_bytes, growth)]
-                segs = _lower_hull_segments(pts) or [(0.0, pts[0][1])]
+                segs = lower_hull_segments(pts) or [(0.0, pts[0][1])]
                 self._extra[k] = _new_var(p, f"rextra{tag}", None)
                 for s, (a, b) in enumerate(segs):
                     self._add([(self._extra[k], 1.0), (r, -a), (c, -b)], pulp.LpConstraintGE, 0.0,

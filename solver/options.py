@@ -30,9 +30,9 @@ logger = logging.getLogger(__name__)
 
 
 class Backend(str, enum.Enum):
-    """MILP backend, both through PuLP. HiGHS (highspy, a core dependency) is the default: it
-    proves plans optimal within 1e-4 in about a second where CBC hits its time limit. CBC (the
-    binary PuLP bundles) stays selectable and is the fallback where highspy cannot load."""
+    """MILP backend. HiGHS (highspy, a core dependency) is the default; the module-level MILP
+    calls it directly (``solver/lp_model.py``), the op-level one through PuLP. CBC (through PuLP,
+    the binary PuLP bundles) stays selectable and is the fallback where highspy cannot load."""
 
     CBC = "cbc"
     HIGHS = "highs"
@@ -116,9 +116,11 @@ class SolverOptions:
 
     1e-4 by default: plans are proven optimal, not approximately so. The symmetric choices among
     identical blocks that made closing the gap expensive are broken by the solver (see
-    ``solver.symmetry``). Measured on a 2-core CPU: 100-module graphs prove 1e-4 in < 0.3 s,
-    500-module ones in 2-4 s, 1000-module ones in 3-42 s; at ``time_limit_s`` the best plan found
-    is returned with status FEASIBLE (benchmarks/solver_scaling.py)."""
+    ``solver.symmetry``). Measured on a loaded 2-core CPU: 100-module graphs prove 1e-4 in
+    < 0.3 s, 1000-module ones in 1.6-60 s; the traced Llama-3-70B graph in 0.2-21 s at 16 of
+    20 sweep budgets, the other 4 stop at the 60 s limit 0.4-1.3 % from the bound. At
+    ``time_limit_s`` the best plan found is returned with status FEASIBLE
+    (benchmarks/solver_scaling.py, benchmarks/tradeoff_sweep.py)."""
     break_symmetry: bool = True
     """Order identical candidates (repeated blocks) with constraints that keep every optimal
     value (proof in ``solver/symmetry.py``); False solves the plain MILP."""

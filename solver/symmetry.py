@@ -49,10 +49,14 @@ at i minus the old one).
    (gamma: every other candidate's terms). ``base_p - base_q + max D <= min(gamma_p - gamma_q)``
    makes the latter no higher; the minimum is bounded candidate by candidate from the ranges of D
    (``_cross_bound``), which depend only on the data.
+   A checkpoint's held inputs (``checkpoint_retain_bytes``, alive from its ``bw_pre_op`` to its
+   ``bw_post_op``) depend on y alone, which this exchange does not change.
 2. Touched order violated: y_j = 1 and all of chain(i) is 0; sigma moves j's plan to i. Points in
    i's window only lose ``D >= 0`` (needs ``f >= 0``, checked); j's recompute point changes by
    ``-g <= 0``; i's recompute point gains ``X`` of the moved plan: fine if ``X <= 0`` for every
-   ratio, else compared with j's recompute point as in 1 (without the ``max D`` term).
+   ratio, else compared with j's recompute point as in 1 (without the ``max D`` term). This
+   exchange moves the held inputs from j's backward to i's; that is not covered, so candidates
+   that hold inputs (``checkpoint_retain_bytes > 0``) get no touched order.
 
 Every exchange keeps the plan feasible at no more cost, and strictly lowers
 ``(sum_c index_c y_c, sum_c index_c r_c)`` lexicographically (case 2 lowers the first, case 1
@@ -170,7 +174,9 @@ def symmetry_pairs(
             ratio = t.g_nondecreasing and (
                 t.x_nonincreasing or _cross_ok(a, b, t.d_max, fw, bw, d_lo, d_hi, ancestors,
                                                points_t, points_base, recompute_points))
-            touched = t.fixed >= 0 and t.g_nondecreasing and (
+            # Held inputs (alive through the candidate's own backward, ``held_points``) move
+            # with y in the touched exchange and are not covered by its proof: no touched order.
+            touched = t.fixed >= 0 and t.g_nondecreasing and not stats[a].checkpoint_retain_bytes and (
                 t.x_max <= 0 or _cross_ok(a, b, 0.0, fw, bw, d_lo, d_hi, ancestors,
                                           points_t, points_base, recompute_points))
             if ratio or touched:

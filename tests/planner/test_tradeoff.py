@@ -246,3 +246,18 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch):
     table = tradeoff_curve(_two_module_info(), n_points=2)
     with pytest.raises(ImportError, match=r"pip install sac-planner\[plot\]"):
         plot_tradeoff(table)
+
+
+def test_sweep_reuse_matches_independent_solves() -> None:
+    """Budgets are solved largest first and a plan that fits the next budget is reused there:
+    every row still has the least recompute an independent solve finds at its budget."""
+    from solver import solve_milp
+    from tests.solver.test_milp import MiB, chain
+
+    info = chain()
+    budgets = [b * MiB for b in (250, 275, 300, 350, 400, 425, 449)]
+    table = tradeoff_curve(info, budgets)
+    for row in table.rows:
+        alone = solve_milp(info, row.budget_bytes)
+        assert row.recompute_ms == pytest.approx(alone.recompute_ms, rel=1e-4, abs=1e-9)
+        assert row.predicted_peak_bytes <= row.budget_bytes
