@@ -16,6 +16,7 @@ in Python on every solve, which on 1,000-module graphs cost as much as a warm so
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import time
@@ -37,6 +38,19 @@ _INF = math.inf
 _INT_TOL = 1e-8
 """HiGHS' integrality tolerance (``mip_feasibility_tolerance``; its default is 1e-6)."""
 _DEFAULT_TOL = 1e-6
+
+
+_AT_EXIT_REGISTERED = False
+
+
+def _stop_highs_threads_at_exit(highspy: Any) -> None:
+    """Join HiGHS' global worker threads when the interpreter exits: left running, their
+    destructors call std::terminate ("terminate called without an active exception", SIGABRT),
+    seen in a spawned planning rank of tests/planner/test_distributed_bench.py."""
+    global _AT_EXIT_REGISTERED
+    if not _AT_EXIT_REGISTERED:
+        atexit.register(highspy.Highs.resetGlobalScheduler, True)
+        _AT_EXIT_REGISTERED = True
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,7 @@ class LinearModel:
     def _solve_highs(self, options: SolverOptions, rel_gap: float, tol: float | None = None) -> LpSolution:
         import highspy
 
+        _stop_highs_threads_at_exit(highspy)
         tol = _INT_TOL if tol is None else tol
         h = highspy.Highs()
         h.setOptionValue("output_flag", bool(options.verbose))
