@@ -40,7 +40,7 @@ from estimators.module_info import (  # noqa: E402
     TradeoffCurve,
 )
 from solver import InfeasibleBudgetError, predict_peak_bytes, solve_milp  # noqa: E402
-from solver.milp import module_recompute_ms  # noqa: E402
+from solver.plan_cost import module_recompute_ms  # noqa: E402
 
 GiB = 2**30
 _FLOPS = 989e12 * 0.7  # H100 bf16 dense, derated

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from estimators.sac import greedy_units
-from solver.milp import module_recompute_ms, predict_peak_bytes
+from solver.plan_cost import module_recompute_ms, predict_peak_bytes
 
 if TYPE_CHECKING:
     from estimators.module_info import ModStats, ModuleInfo

@@ -37,7 +37,7 @@ see there), or by CBC through PuLP where asked for or where highspy cannot
 load. A solve changes only the budget row's bound and the objective.
 
 The LP values come back rounded by the backend, so the plan is re-evaluated in exact integers:
-``predicted_peak_bytes`` comes from ``predict_peak_bytes`` (never the LP variable) and a plan
+``predicted_peak_bytes`` comes from ``solver.plan_cost.predict_peak_bytes`` (never the LP variable) and a plan
 that overshoots the budget by rounding is repaired by discarding the missing bytes.
 """
 
@@ -51,12 +51,23 @@ import numbers
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from estimators.module_info import lower_hull_segments
-from solver.errors import InfeasibleBudgetError, SolverTimeoutError, UnknownModuleError
-from solver.graph import Graph, Node, close_names
+from solver.errors import InfeasibleBudgetError, SolverTimeoutError
+from solver.graph import Graph, Node
 from solver.lp_model import EQ, GE, LE, LinearModel
+from solver.plan_cost import (
+    MemoryModel,
+    check_world_size,
+    cost_envelope,
+    fixed_discard_bytes,
+    growth_table,
+    has_window,
+    module_recompute_ms,
+    predict_peak_bytes,
+    unknown_module_error,
+)
 from solver.options import SolveResult, SolverOptions, SolveStatus
 
 if TYPE_CHECKING:
@@ -89,157 +100,7 @@ weight made it 0.2 % of the objective on the Llama-3-70B graph, and the backend 
 proving the order of equal plans."""
 
 
-# ----------------------------------------------------------------------------- exact memory model
-def _has_window(s: ModStats) -> bool:
-    """A discard can lower memory only between fw_post_op and bw_pre_op (-1: never ends)."""
-    return s.fw_post_op >= 0 and (s.bw_pre_op == -1 or s.bw_pre_op > s.fw_post_op)
-
-
-class _MemoryModel:
-    """Evaluates the memory model of ``estimators/module_info.py`` in exact integers."""
-
-    def __init__(self, info: ModuleInfo, world_size: int) -> None:
-        self.stats = {s.fqn: s for s in info.mod_stats}
-        self.points = info.memory_points
-        self.base = [
-            -(-(p.param_bytes + p.grad_bytes + p.optimizer_bytes) // world_size)
-            + p.activation_bytes
-            + p.other_bytes
-            for p in self.points
-        ]
-
-    def point_bytes(self, discarded: Mapping[str, int]) -> list[int]:
-        """Memory at every point when each module in ``discarded`` is checkpointed."""
-        # Net of the inputs each checkpoint holds, plus what it always discards.
-        live = [(f, d + _fixed_discard(self.stats[f])) for f, d in discarded.items()
-                if _has_window(self.stats[f])]
-        fw = sorted((self.stats[f].fw_post_op, d) for f, d in live)
-        bw = sorted((self.stats[f].bw_pre_op, d) for f, d in live if self.stats[f].bw_pre_op != -1)
-        fw_keys, fw_cum = _prefix(fw)
-        bw_keys, bw_cum = _prefix(bw)
-        out = []
-        for p, base in zip(self.points, self.base):
-            t = p.op_index
-            # Modules whose backward began by t also ended their forward by t (window check).
-            gone = fw_cum[bisect.bisect_right(fw_keys, t)] - bw_cum[bisect.bisect_right(bw_keys, t)]
-            extra = 0
-            if p.recompute_of is not None and p.recompute_of in discarded:
-                extra = recompute_extra_bytes(self.stats[p.recompute_of], discarded[p.recompute_of])
-            out.append(base - gone + extra)
-        for f in discarded:
-            for i in self.held_points(f):
-                out[i] += self.stats[f].checkpoint_retain_bytes
-        return out
-
-    def held_points(self, fqn: str) -> list[int]:
-        """Points during ``fqn``'s backward (bw_pre_op..bw_post_op) other than its recompute
-        point: the inputs its checkpoint holds are still alive there, and the unplanned step freed
-        them before that backward (that is what ``checkpoint_retain_bytes`` counts). Traced:
-        without this term the last block's attention core of gpt_demo was priced 3 MiB (2 %) low,
-        the peak falling in its own backward."""
-        s = self.stats[fqn]
-        if s.checkpoint_retain_bytes <= 0 or s.bw_pre_op < 0 or not _has_window(s):
-            return []
-        end = s.bw_post_op if s.bw_post_op >= s.bw_pre_op else s.bw_pre_op
-        return [i for i, p in enumerate(self.points)
-                if s.bw_pre_op <= p.op_index <= end and p.recompute_of != fqn]
-
-    def peak(self, discarded: Mapping[str, int]) -> int:
-        return max(self.point_bytes(discarded), default=0)
-
-
-def _fixed_discard(s: ModStats) -> int:
-    """Bytes any checkpoint of ``s`` discards beyond the curve, net of the inputs it holds."""
-    return getattr(s, "forced_discard_bytes", 0) - s.checkpoint_retain_bytes
-
-
-def _growth(s: ModStats) -> tuple[int, ...]:
-    g = tuple(getattr(s, "recompute_growth_bytes", ()) or ())
-    return g if len(g) == len(s.tradeoff.discarded_bytes) else ()
-
-
-def recompute_extra_bytes(s: ModStats, discarded_bytes: int) -> int:
-    """Memory at the start of a checkpointed module's backward, relative to the unplanned step.
-
-    The unplanned step holds all the module's activations there; a checkpoint has discarded
-    ``discarded_bytes`` (and its forced discards), holds its inputs, and the recompute brings back
-    ``recompute_growth_bytes`` at its highest (linear between breakpoints of the curve).
-    Stats without a growth table (e.g. imported from torch) add ``recompute_transient_bytes``."""
-    growth = _growth(s)
-    if not growth:
-        return s.recompute_transient_bytes
-    xs = s.tradeoff.discarded_bytes
-    j = bisect.bisect_left(xs, discarded_bytes)
-    if j >= len(xs):
-        g = growth[-1]
-    elif xs[j] == discarded_bytes or j == 0:
-        g = growth[j]
-    else:  # linear between breakpoints j - 1 and j, rounded up (never optimistic)
-        span = xs[j] - xs[j - 1]
-        g = growth[j - 1] + -(-(growth[j] - growth[j - 1]) * (discarded_bytes - xs[j - 1]) // span)
-    return g - discarded_bytes - _fixed_discard(s)
-
-
-def _prefix(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-    keys, cum = [], [0]
-    for k, d in pairs:
-        keys.append(k)
-        cum.append(cum[-1] + d)
-    return keys, cum
-
-
-def predict_peak_bytes(
-    info: ModuleInfo, discarded_bytes: Mapping[str, int], *, world_size: int = 1
-) -> int:
-    """Peak of the exact memory model when each module in ``discarded_bytes`` is checkpointed
-    and discards that many bytes (``{}``: no checkpointing)."""
-    _check_world_size(world_size)
-    model = _MemoryModel(info, world_size)
-    for fqn, d in discarded_bytes.items():
-        s = model.stats.get(fqn)
-        if s is None:
-            raise _unknown(fqn, model.stats, "discarded_bytes")
-        if not 0 <= d <= s.sac_memory_bytes:
-            raise ValueError(f"{fqn}: discarded bytes {d} not in [0, {s.sac_memory_bytes}]")
-    return model.peak(discarded_bytes)
-
-
-# ----------------------------------------------------------------------------- cost curves
-def module_recompute_ms(s: ModStats, discarded_bytes: int) -> float:
-    """Recompute time of checkpointing ``s`` with ``discarded_bytes`` discarded (0: not
-    checkpointed): its fixed cost plus the exact curve, linear between breakpoints."""
-    if discarded_bytes <= 0:
-        return 0.0
-    return getattr(s, "recompute_fixed_ms", 0.0) + s.tradeoff.recompute_ms_at(discarded_bytes)
-
-
-def _cost_envelope(s: ModStats) -> tuple[list[tuple[float, float]], bool]:
-    """Segments (a, b) with cost_ms(r) = max_s(a r + b) for r in (0, 1], and whether that is the
-    curve itself (convex). b of the first segment is the cost at r -> 0+: the fixed recompute
-    cost plus any zero-byte step at the start of the curve."""
-    size, curve = s.sac_memory_bytes, s.tradeoff
-    fixed = getattr(s, "recompute_fixed_ms", 0.0)
-    jump = 0.0
-    for b, ms in zip(curve.discarded_bytes, curve.recompute_ms):
-        if b == 0:
-            jump = ms  # recompute_ms_at(0+) starts from the last zero-byte breakpoint
-    pts = [(0.0, fixed + jump)]
-    pts += [(b / size, fixed + ms) for b, ms in zip(curve.discarded_bytes, curve.recompute_ms)
-            if 0 < b < size]
-    pts.append((1.0, module_recompute_ms(s, size)))
-    segs = lower_hull_segments(pts)
-    convex = all(
-        max(a * x + b for a, b in segs) >= y - 1e-9 * max(1.0, abs(y)) for x, y in pts
-    )
-    return segs, convex
-
-
 # ----------------------------------------------------------------------------- validation
-def _check_world_size(world_size: int) -> None:
-    if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1 (number of ranks), got {world_size!r}")
-
-
 def _check_budget(budget_bytes: float) -> int:
     ok = isinstance(budget_bytes, numbers.Real) and not isinstance(budget_bytes, bool)
     if not ok or not math.isfinite(budget_bytes) or budget_bytes <= 0:
@@ -250,12 +111,6 @@ def _check_budget(budget_bytes: float) -> int:
     return int(math.floor(budget_bytes))
 
 
-def _unknown(fqn: str, known: Iterable[str], what: str) -> UnknownModuleError:
-    hint = close_names(fqn, known)
-    more = f"; close names: {', '.join(map(repr, hint))}" if hint else ""
-    return UnknownModuleError(f"{what} names a module that does not exist: {fqn!r}{more}")
-
-
 def _check_units(units: Iterable[str] | None, graph: Graph, what: str) -> set[str] | None:
     if units is None:
         return None
@@ -264,7 +119,7 @@ def _check_units(units: Iterable[str] | None, graph: Graph, what: str) -> set[st
     names = set(units)
     for fqn in sorted(names):
         if fqn not in graph:
-            raise _unknown(fqn, (n.fqn for n in graph), what)
+            raise unknown_module_error(fqn, (n.fqn for n in graph), what)
     return names
 
 
@@ -290,10 +145,10 @@ def _candidates(graph: Graph, allowed: set[str] | None, fsdp: set[str] | None) -
             continue
         if (allowed is not None and node.fqn not in allowed) or node.fqn in blocked:
             continue
-        if not _has_window(s):
+        if not has_window(s):
             logger.info("%s: empty fw_post_op..bw_pre_op window, never checkpointed", node.fqn)
             continue
-        segs, convex = _cost_envelope(s)
+        segs, convex = cost_envelope(s)
         if not convex:
             logger.warning("%s: trade-off curve is not convex; the MILP uses its convex envelope "
                            "and reports recompute_ms on the exact curve", node.fqn)
@@ -322,14 +177,14 @@ class SACMilp:
         options: SolverOptions | None = None,
     ) -> None:
         t0 = time.perf_counter()
-        _check_world_size(world_size)
+        check_world_size(world_size)
         self.info = info
         self.world_size = int(world_size)
         self.options = options if options is not None else SolverOptions()
         self.graph = Graph.from_module_info(info)
         allowed = _check_units(ac_units, self.graph, "ac_units")
         fsdp = _check_units(fsdp_units, self.graph, "fsdp_units")
-        self._memory = _MemoryModel(info, self.world_size)
+        self._memory = MemoryModel(info, self.world_size)
         self.no_ac_peak_bytes: int = self._memory.peak({})
         self._unit, self._unit_name = _solver_unit(self.no_ac_peak_bytes)
         self._cands = _candidates(self.graph, allowed, fsdp)
@@ -411,7 +266,7 @@ class SACMilp:
         for cum, order, what in ((self._cum_fw, self._fw_order, "fw"), (self._cum_bw, self._bw_order, "bw")):
             for i, k in enumerate(order):
                 st = self._cands[k].stats
-                size, fixed = self._units(st.sac_memory_bytes), self._units(_fixed_discard(st))
+                size, fixed = self._units(st.sac_memory_bytes), self._units(fixed_discard_bytes(st))
                 # cum_i = cum_{i-1} + r_k S_k + (F_k - R_k) y_k: discards, the forced ones
                 # included, net of the inputs a checkpoint holds.
                 terms = [(cum[i], 1.0), (self._r[k], -size)] + ([(cum[i - 1], -1.0)] if i else [])
@@ -439,7 +294,7 @@ class SACMilp:
         self._extra: dict[int, Any] = {}
         for k, c in enumerate(self._cands):
             st = c.stats
-            growth = _growth(st)
+            growth = growth_table(st)
             if not growth:
                 continue
             size = st.sac_memory_bytes
@@ -457,7 +312,7 @@ class SACMilp:
         """Minus the memory change at candidate k's recompute point, as (variable, coef) terms."""
         st = self._cands[k].stats
         if k in self._extra:
-            fixed = self._units(_fixed_discard(st))
+            fixed = self._units(fixed_discard_bytes(st))
             return [(self._extra[k], -1.0)] + ([(self._y[k], fixed)] if fixed else [])
         t = self._units(st.recompute_transient_bytes)
         return [(self._y[k], -t)] if t else []

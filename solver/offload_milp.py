@@ -8,7 +8,7 @@
     res.offloaded_bytes      # {"GPT.blocks.0": 7890123, ...}    saved outputs sent to host
     res.timeline.step_ms, res.timeline.exposed_copy_ms
 
-The maths, on top of ``solver/milp.py``'s memory model (read that first)::
+The maths, on top of the memory model of ``solver/milp.py`` / ``solver/plan_cost.py`` (read that first)::
 
     c_k in {0,1}, 0 <= r_k <= c_k      candidate k is checkpointed, discarding r_k S_k (+ F_k c_k)
     0 <= o_b <= 1                      block b offloads o_b H_b bytes (H_b: its offloadable bytes)
@@ -51,17 +51,14 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from estimators.module_info import lower_hull_segments
 from solver.errors import InfeasibleBudgetError, SolverTimeoutError
 from solver.graph import Graph
-from solver.milp import (
-    _candidates,
-    _check_budget,
-    _check_units,
-    _check_world_size,
-    _fixed_discard,
-    _growth,
-    _MemoryModel,
-    _safe,
-    _solver_unit,
+from solver.milp import _candidates, _check_budget, _check_units, _safe, _solver_unit
+from solver.plan_cost import (
+    MemoryModel,
+    check_world_size,
+    fixed_discard_bytes,
+    growth_table,
     module_recompute_ms,
+    prefix_sums,
 )
 from solver.options import SolverOptions, SolveStatus, run_backend
 
@@ -173,26 +170,18 @@ def predict_offload_peak_bytes(
     """Peak of the memory model with checkpoints ``discarded_bytes`` and offloads
     ``{fqn: (bytes, fw_post_op, back_op)}``: the bytes are gone from ``fw_post_op`` (inclusive)
     to ``back_op`` (exclusive)."""
-    return max(_point_bytes(_MemoryModel(info, world_size), discarded_bytes, offloaded), default=0)
+    return max(_point_bytes(MemoryModel(info, world_size), discarded_bytes, offloaded), default=0)
 
 
-def _point_bytes(model: _MemoryModel, discarded: Mapping[str, int],
+def _point_bytes(model: MemoryModel, discarded: Mapping[str, int],
                  offloaded: Mapping[str, tuple[int, int, int]]) -> list[int]:
     mem = model.point_bytes(discarded)
     starts = sorted((a, nb) for nb, a, _ in offloaded.values())
     ends = sorted((b, nb) for nb, _, b in offloaded.values())
-    sk, sc = _prefix(starts)
-    ek, ec = _prefix(ends)
+    sk, sc = prefix_sums(starts)
+    ek, ec = prefix_sums(ends)
     return [m - sc[bisect.bisect_right(sk, p.op_index)] + ec[bisect.bisect_right(ek, p.op_index)]
             for m, p in zip(mem, model.points)]
-
-
-def _prefix(pairs):
-    keys, cum = [], [0]
-    for k, v in pairs:
-        keys.append(k)
-        cum.append(cum[-1] + v)
-    return keys, cum
 
 
 class OffloadMilp:
@@ -216,7 +205,7 @@ class OffloadMilp:
         options: SolverOptions | None = None,
     ) -> None:
         t0 = time.perf_counter()
-        _check_world_size(world_size)
+        check_world_size(world_size)
         if offload and not copy_bytes_per_s > 0:
             raise ValueError("offload needs a host link: the device's host_link_bytes_per_s is 0; "
                              "pass a DeviceSpec with one, or plan with offload=False")
@@ -230,7 +219,7 @@ class OffloadMilp:
         self.graph = Graph.from_module_info(info)
         allowed = _check_units(ac_units, self.graph, "ac_units")
         fsdp = _check_units(fsdp_units, self.graph, "fsdp_units")
-        self._memory = _MemoryModel(info, self.world_size)
+        self._memory = MemoryModel(info, self.world_size)
         self.no_ac_peak_bytes = self._memory.peak({})
         self._unit, _ = _solver_unit(self.no_ac_peak_bytes)
         self._cands = _candidates(self.graph, allowed, fsdp)
@@ -280,7 +269,7 @@ class OffloadMilp:
             self._add([(r, 1.0), (c, -1.0)], pulp.LpConstraintLE, 0.0, f"discard_if_ckpt_{k}")
             for s, (a, b) in enumerate(cand.segments):
                 self._add([(rct, 1.0), (r, -a), (c, -b)], pulp.LpConstraintGE, 0.0, f"rct_seg{s}_{k}")
-            growth = _growth(cand.stats)
+            growth = growth_table(cand.stats)
             if growth:
                 size = cand.stats.sac_memory_bytes
                 pts = [(x / size, self._u(g - x)) for x, g in zip(cand.stats.tradeoff.discarded_bytes, growth)]
@@ -328,7 +317,7 @@ class OffloadMilp:
         for k, cand in enumerate(self._cands):
             st = cand.stats
             terms = [(self._r[k], self._u(st.sac_memory_bytes))]
-            fixed = self._u(_fixed_discard(st))
+            fixed = self._u(fixed_discard_bytes(st))
             if fixed:
                 terms.append((self._c[k], fixed))
             leave.append((st.fw_post_op, terms))
@@ -375,7 +364,7 @@ class OffloadMilp:
             if k >= 0:
                 st = self._cands[k].stats
                 if k in self._extra:
-                    fixed = self._u(_fixed_discard(st))
+                    fixed = self._u(fixed_discard_bytes(st))
                     terms += [(self._extra[k], -1.0)] + ([(self._c[k], fixed)] if fixed else [])
                 elif st.recompute_transient_bytes:
                     terms.append((self._c[k], -self._u(st.recompute_transient_bytes)))

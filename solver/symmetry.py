@@ -122,12 +122,12 @@ class _Terms:
 
 
 def _terms(s: ModStats, extra_fn) -> _Terms:
-    from solver.milp import _fixed_discard, _growth
+    from solver.plan_cost import fixed_discard_bytes, growth_table
 
-    f = _fixed_discard(s)
+    f = fixed_discard_bytes(s)
     xs = s.tradeoff.discarded_bytes
-    if _growth(s):
-        g = list(_growth(s))
+    if growth_table(s):
+        g = list(growth_table(s))
         xvals = [extra_fn(s, x) for x in xs]  # X(d) = g(d) - d - f at each breakpoint
     else:  # legacy: X = T, g = D + T
         g = [x + f + s.recompute_transient_bytes for x in xs]
@@ -152,7 +152,7 @@ def symmetry_pairs(
     ``stats[k]`` is candidate k (in forward pre-order), ``ancestors[k]`` the candidate indices
     nested with k (ancestors and descendants), ``points_t`` / ``points_base`` the op index and
     base bytes of every memory point, ``recompute_points[k]`` the points where k recomputes."""
-    from solver.milp import recompute_extra_bytes
+    from solver.plan_cost import recompute_extra_bytes
 
     n = len(stats)
     fw = np.array([s.fw_post_op for s in stats], dtype=np.int64)

@@ -11,7 +11,7 @@ from typing import Iterable
 
 from estimators.module_info import ModStats, ModuleInfo
 from solver.graph import close_names, is_submodule
-from solver.milp import _check_world_size
+from solver.plan_cost import check_world_size as _check_world_size
 
 __all__ = ["FSDPUnitError", "Unit", "check_world_size", "unit_table"]
 

@@ -230,7 +230,7 @@ def test_real_dict_plans_match_or_beat_torch(real_dict) -> None:
     from torch.distributed._tools.ilp_utils import parse_module_info
     from torch.distributed._tools.sac_ilp import sac_milp
 
-    from solver.milp import module_recompute_ms
+    from solver.plan_cost import module_recompute_ms
 
     info = module_info_from_torch_dict(real_dict)
     acm = {s["fqn"]: max(s["sac_memory"], s["act_fw_per_module"]) for s in real_dict["mod_stats"]}

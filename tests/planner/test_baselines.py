@@ -25,7 +25,7 @@ from planner.report import tradeoff_table_text
 from planner.solve import _traced_peak, module_plan, plan_for_budget
 from planner.tradeoff import tradeoff_curve
 from solver import SolverOptions, predict_peak_bytes
-from solver.milp import module_recompute_ms
+from solver.plan_cost import module_recompute_ms
 
 EXACT = SolverOptions(rel_gap=0.0)
 """Proven optimal: the comparison must not depend on where the backend stopped."""

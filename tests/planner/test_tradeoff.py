@@ -22,7 +22,7 @@ from planner.tradeoff import (
     tradeoff_curve,
 )
 from solver import SACMilp, predict_peak_bytes
-from solver.milp import module_recompute_ms
+from solver.plan_cost import module_recompute_ms
 
 MiB = 2**20
 
