@@ -47,7 +47,7 @@ import torch  # noqa: E402
 from torch.utils._pytree import tree_map  # noqa: E402
 
 from estimators.device import get_device_spec  # noqa: E402
-from estimators.estimate import EstimateOptions, estimate  # noqa: E402
+from estimators.estimation import EstimateOptions, estimate  # noqa: E402
 from estimators.runtime import RuntimeKind  # noqa: E402
 from estimators.step import run_step  # noqa: E402
 from examples import EXAMPLES  # noqa: E402

@@ -48,7 +48,7 @@ TARGET_S = 5.0
 def load_info(args) -> ModuleInfo:
     if args.module_info:
         return ModuleInfo.from_json(args.module_info)
-    from estimators.estimate import estimate
+    from estimators.estimation import estimate
     from examples.llama import llama3_70b
 
     t0 = time.perf_counter()

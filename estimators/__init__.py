@@ -13,11 +13,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "estimate": "estimators.estimate",
-    "Estimate": "estimators.estimate",
-    "EstimateOptions": "estimators.estimate",
-    "TraceMode": "estimators.estimate",
-    "TraceError": "estimators.estimate",
+    "estimate": "estimators.estimation",
+    "Estimate": "estimators.estimation",
+    "EstimateOptions": "estimators.estimation",
+    "TraceMode": "estimators.estimation",
+    "TraceError": "estimators.estimation",
     "TrainStep": "estimators.step",
     "ZeroGrad": "estimators.step",
     "DEVICE_SPECS": "estimators.device",

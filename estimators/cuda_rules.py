@@ -6,7 +6,7 @@ differs; each rule below makes the trace follow CUDA and is tested on its own
 (tests/estimators/test_cuda_rules.py):
 
 1. Allocator rounding: the CUDA caching allocator hands out blocks in multiples of 512 bytes.
-   Applied to every storage through ``DeviceSpec.round_bytes`` (estimators/estimate.py).
+   Applied to every storage through ``DeviceSpec.round_bytes`` (estimators/estimation.py).
 2. Dropout: on CUDA ``aten::dropout`` (``F.dropout``, ``nn.Dropout``, ``torch.dropout(x, p,
    train)``) runs the fused ``native_dropout`` when training with ``0 < p < 1`` on a non-empty
    tensor and keeps a 1-byte bool mask; the CPU path keeps a full-width scaled noise tensor.

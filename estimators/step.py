@@ -64,7 +64,7 @@ class TrainStep:
 
     The plan is made for the steady state (step 2 on: optimizer state alive from the start,
     gradients as the loop keeps them) and checked against the first step; see
-    ``estimators.estimate``.
+    ``estimators.estimation``.
     """
 
     inputs: Any = None

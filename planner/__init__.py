@@ -8,7 +8,7 @@
     apply_plan(model, plan)          # or: with apply_plan(model, plan): ...
     plan.save("plan.json")
 
-    est = estimate(model, batch, optimizer="adamw", device="h100")    # estimators.estimate
+    est = estimate(model, batch, optimizer="adamw", device="h100")    # estimators.estimation
     table = tradeoff_curve(est)                      # least recompute at 20 budgets
     fig = plot_tradeoff(table, hand_made_baselines(est.module_info))  # needs sac-planner[plot]
 """

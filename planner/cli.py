@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from estimators.device import DEVICE_SPECS, get_device_spec
-from estimators.estimate import EstimateOptions, TraceMode, estimate, resolve_optimizer
+from estimators.estimation import EstimateOptions, TraceMode, estimate, resolve_optimizer
 from estimators.step import StepError, TrainStep
 from planner.checkpointing import AlreadyCheckpointedError, PlanMismatchError, apply_plan, hf_cache_off
 from planner.gradcheck import GradientCheck, check_gradients

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from estimators.collectives import AnalyticCollectiveModel
 from estimators.device import DeviceSpec, get_device_spec
-from estimators.estimate import DEFAULT_DEVICE, EstimateOptions, TraceMode, as_train_step, estimate
+from estimators.estimation import DEFAULT_DEVICE, EstimateOptions, TraceMode, as_train_step, estimate
 from estimators.kernel_bench import BenchmarkRuntime
 from estimators.op_signatures import SignatureRecorder
 from estimators.runtime import RuntimeKind, benchmark_runtime_override, make_runtime_model

@@ -5,7 +5,7 @@ min-peak plan applied, the breakdown says which memory no checkpointing plan can
 (parameters, gradients, optimizer state, the logits and loss of a full-vocabulary LM head...),
 and :func:`lowering_hints` says what would lower it.
 
-    breakdown = peak_breakdown(est)                  # est: an estimators.estimate.Estimate
+    breakdown = peak_breakdown(est)                  # est: an estimators.estimation.Estimate
     print(floor_text(breakdown))                     # planner.report
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from estimators.estimate import Estimate
+from estimators.estimation import Estimate
 from estimators.module_info import Phase
 from estimators.trace import StorageKind
 

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from estimators.device import DeviceSpec
-from estimators.estimate import Estimate, first_step_module_info
+from estimators.estimation import Estimate, first_step_module_info
 from estimators.module_info import ModStats, ModuleInfo
 from estimators.timeline import StepLayout, StepTimeline, UnitComm, step_layout
 from planner.plan import GiB, ModulePlan, Plan, model_fingerprint, op_key

@@ -5,7 +5,7 @@
                                                           micro_batches=4), device="h100")
     apply_plan(model, plan)
 
-Plans are made for the steady-state step (``estimators.estimate``): the memory points the MILP
+Plans are made for the steady-state step (``estimators.estimation``): the memory points the MILP
 sees hold the optimizer state and the gradients the loop keeps; the first step's peak (no
 optimizer state before its optimizer phase) is computed beside it, and the prediction is the
 larger of the two (``Plan.binding_step`` says which).
@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import torch
 
 from estimators.device import DeviceSpec, get_device_spec
-from estimators.estimate import (
+from estimators.estimation import (
     DEFAULT_DEVICE,
     Estimate,
     EstimateOptions,
@@ -209,7 +209,7 @@ def solve_sac(
     ``step`` is the loop (``estimators.step.TrainStep``); the shorthand ``inputs`` / ``loss_fn``
     / ``optimizer`` builds one (``inputs`` default ``model.example_inputs()``, ``loss_fn``
     default ``output.sum()``, ``optimizer`` a name or an instance, so its state is counted).
-    ``device`` defaults to :data:`estimators.estimate.DEFAULT_DEVICE`. ``fsdp_units`` names the
+    ``device`` defaults to :data:`estimators.estimation.DEFAULT_DEVICE`. ``fsdp_units`` names the
     modules you will ``fully_shard`` (root included): with ``world_size`` ranks FSDP2's gathered
     parameters and buffers are counted per rank (``planner.fsdp``), as in
     :func:`planner.solve_sac_distributed`. ``reserve_gib`` defaults to

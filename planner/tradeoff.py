@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
-from estimators.estimate import DEFAULT_DEVICE
+from estimators.estimation import DEFAULT_DEVICE
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions
 from solver.errors import SolverTimeoutError
 
@@ -225,7 +225,7 @@ def _check_budgets(budgets: Sequence[float]) -> list[int]:
 # ----------------------------------------------------------------------------- the sweep
 def _module_info(model_or_info: Any, inputs, loss_fn, optimizer, device, step=None) -> ModuleInfo:
     """A ModuleInfo as is, an Estimate's, or one traced from a model (once)."""
-    from estimators.estimate import Estimate
+    from estimators.estimation import Estimate
     from estimators.module_info import ModuleInfo
 
     if isinstance(model_or_info, ModuleInfo):
@@ -235,7 +235,7 @@ def _module_info(model_or_info: Any, inputs, loss_fn, optimizer, device, step=No
     import torch
 
     if isinstance(model_or_info, torch.nn.Module):
-        from estimators.estimate import estimate
+        from estimators.estimation import estimate
         from planner.checkpointing import hf_cache_off
 
         with hf_cache_off(model_or_info):  # trace the step as it runs once a plan is applied

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from estimators.estimate import estimate
+from estimators.estimation import estimate
 from estimators.module_info import ModOrder
 
 

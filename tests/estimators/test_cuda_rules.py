@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
 from estimators.cuda_rules import CudaSemanticsMode, SdpaKernel, select_sdpa_kernel
-from estimators.estimate import EstimateOptions, estimate
+from estimators.estimation import EstimateOptions, estimate
 
 
 class Scale(nn.Module):

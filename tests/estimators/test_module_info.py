@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from estimators.estimate import estimate
+from estimators.estimation import estimate
 from estimators.module_info import MemoryPoint, ModuleInfo, ModuleInfoFormatError, Phase, TradeoffCurve
 from examples import EXAMPLES
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +83,22 @@ def test_memory_point_phase_is_one_enum_and_json_keeps_the_string(info):
     assert {p["phase"] for p in d["memory_points"]} <= {"fw", "bw", "optim"}
     with pytest.raises(ValueError, match="MemoryPoint.phase must be one of"):
         MemoryPoint(op_index=0, phase="forward")
+
+
+def test_package_names_stay_the_functions_after_their_modules_are_imported():
+    # The import system binds a submodule as an attribute of its package once it is imported, so a
+    # lazily exported name equal to a submodule's name would become that module (it did: the
+    # function ``estimate`` lived in ``estimators/estimate.py``). A fresh interpreter, planner first.
+    code = (
+        "import planner, estimators.estimation, estimators.step, estimators.device; "
+        "from estimators import estimate, TrainStep, get_device_spec; import inspect; "
+        "assert all(inspect.isfunction(f) or inspect.isclass(f) for f in (estimate, TrainStep, get_device_spec))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    import estimators
+
+    assert not {n for n in estimators.__all__ if n in _submodule_names()}
+
+
+def _submodule_names() -> set[str]:
+    return {p.stem for p in (ROOT / "estimators").glob("*.py")}

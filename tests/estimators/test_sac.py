@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from estimators.estimate import EstimateOptions, TraceMode, estimate
+from estimators.estimation import EstimateOptions, TraceMode, estimate
 from estimators.module_info import SACOp
 from estimators.sac import cumulative_curve, greedy_units
 

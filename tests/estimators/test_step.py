@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from estimators.device import get_device_spec
-from estimators.estimate import estimate
+from estimators.estimation import estimate
 from estimators.step import Phase, StepError, TrainStep, ZeroGrad, run_step, split_inputs, zero_grads
 from examples import EXAMPLES
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from estimators.estimate import EstimateOptions, TraceMode, estimate
+from estimators.estimation import EstimateOptions, TraceMode, estimate
 
 REAL = EstimateOptions(mode=TraceMode.REAL)
 

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from estimators.estimate import estimate
+from estimators.estimation import estimate
 from examples import EXAMPLES
 from planner.solve import plan_for_budget
 from solver import SACMilp

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from estimators.estimate import estimate
+from estimators.estimation import estimate
 from estimators.module_info import ModOrder, ModStats, ModuleInfo, SACOp
 from estimators.sac import cumulative_curve, fixed_recompute_ms, greedy_units
 from examples import EXAMPLES

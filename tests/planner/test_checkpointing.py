@@ -113,7 +113,7 @@ import warnings
 
 from torch import nn
 
-from estimators.estimate import estimate
+from estimators.estimation import estimate
 from planner import ModulePlan, PlanningError, solve_sac
 from planner.checkpointing import apply_module_plans, unwrap_compiled
 from planner.planned_forward import CheckpointDivergenceWarning

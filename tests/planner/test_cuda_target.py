@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from estimators.estimate import estimate
+from estimators.estimation import estimate
 from examples import EXAMPLES
 from planner.checkpointing import apply_plan
 from planner.solve import plan_for_budget

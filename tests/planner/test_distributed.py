@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from estimators.estimate import estimate
+from estimators.estimation import estimate
 from examples.gpt import GPTConfig, build_gpt
 from planner.fsdp.memory import fsdp_module_info
 from planner.plan import GiB

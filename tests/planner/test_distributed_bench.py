@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from estimators.collectives import AnalyticCollectiveModel
 from estimators.device import get_device_spec
-from estimators.estimate import EstimateOptions, estimate
+from estimators.estimation import EstimateOptions, estimate
 from estimators.runtime import RuntimeKind, benchmark_runtime_override
 from examples.gpt import GPTConfig, build_gpt
 from planner.fsdp.comm import fsdp_comm_ms

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from estimators.estimate import estimate
+from estimators.estimation import estimate
 from examples import EXAMPLES
 from examples.gpt import GPTConfig, build_gpt
 from planner import PlanningError, solve_sac

@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from estimators.estimate import estimate  # noqa: E402
+from estimators.estimation import estimate  # noqa: E402
 from planner import AlreadyCheckpointedError, apply_plan, solve_sac  # noqa: E402
 from planner.checkpointing import hf_cache_off  # noqa: E402
 from planner.measure import measure_step  # noqa: E402

@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from estimators.estimate import estimate
+from estimators.estimation import estimate
 from estimators.step import TrainStep, run_step
 from examples import EXAMPLES
 from planner import PlanFormatError, remove_plan

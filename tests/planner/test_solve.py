@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from estimators.estimate import EstimateOptions, TraceError, TraceMode, estimate
+from estimators.estimation import EstimateOptions, TraceError, TraceMode, estimate
 from estimators.step import TrainStep
 from examples import EXAMPLES
 from examples.gpt import GPTConfig, build_gpt
@@ -117,7 +117,7 @@ def test_module_plan_ratios_stay_in_0_1(name):
 def test_one_default_target_everywhere():
     import inspect
 
-    from estimators.estimate import DEFAULT_DEVICE
+    from estimators.estimation import DEFAULT_DEVICE
     from planner.cli import build_parser
     from planner.distributed import solve_sac_distributed
     from planner.tradeoff import tradeoff_curve

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from estimators.estimate import estimate
+from estimators.estimation import estimate
 from estimators.step import TrainStep, ZeroGrad
 from examples import EXAMPLES
 from planner import apply_plan

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from estimators.estimate import estimate
+from estimators.estimation import estimate
 from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
 from examples import EXAMPLES
 from planner.report import tradeoff_table_text
@@ -161,8 +161,8 @@ def test_infeasible_budgets_are_reported_and_the_sweep_goes_on():
 
 
 def test_model_input_is_traced_once_and_matches_the_estimate(monkeypatch):
-    # `estimators.estimate` the attribute is the function; the module is in sys.modules.
-    est_mod = importlib.import_module("estimators.estimate")
+    # `estimators.estimation` the attribute is the function; the module is in sys.modules.
+    est_mod = importlib.import_module("estimators.estimation")
     calls = []
     real = est_mod.estimate
     monkeypatch.setattr(est_mod, "estimate", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from estimators.estimate import EstimateOptions, estimate
+from estimators.estimation import EstimateOptions, estimate
 from examples import EXAMPLES
 from planner.baselines import find_blocks
 from planner.solve import _traced_peak, module_plan

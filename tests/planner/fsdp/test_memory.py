@@ -218,7 +218,7 @@ def test_solve_sac_counts_fsdp_like_solve_sac_distributed(tmp_path):
 
     import torch.multiprocessing as mp
 
-    from estimators.estimate import estimate
+    from estimators.estimation import estimate
     from examples import EXAMPLES
     from planner import solve_sac
     from planner.plan import GiB

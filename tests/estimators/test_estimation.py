@@ -1,4 +1,4 @@
-"""estimators/estimate.py: predictions against autograd's own view and an independent tracker."""
+"""estimators/estimation.py: predictions against autograd's own view and an independent tracker."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from estimators.device import UnknownDeviceError
-from estimators.estimate import EstimateOptions, TraceError, TraceMode, estimate
+from estimators.estimation import EstimateOptions, TraceError, TraceMode, estimate
 from estimators.step import TrainStep, ZeroGrad
 from estimators.trace import StorageKind
 from planner.measure import measure_steps
