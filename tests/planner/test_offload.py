@@ -2,8 +2,8 @@
 
 Each case checks the apply contract (loss and gradients bitwise equal, dropout on; buffers as
 after one unplanned step), the memory (three real AdamW steps measured by torch's MemTracker,
-within 3 % of the fake-mode trace of the applied plan and below the unplanned peak) and the host
-bytes (the plan's counter against :func:`planner.offload.predicted_host_bytes` of the unplanned
+equal to the fake-mode trace of the applied plan -- one attention mask apart for HF Llama with
+SAC -- and below the unplanned peak) and the host bytes (the plan's counter against :func:`planner.offload.predicted_host_bytes` of the unplanned
 trace). The figures are printed (``pytest -s``).
 """
 
@@ -40,6 +40,10 @@ _CASES = {
     "hf_llama": (("LlamaForCausalLM.model.layers.0",), 1024),
     "convnet_demo": (("ConvNet.stem", "ConvNet.stages.0", "ConvNet.stages.1"), MIN_OFFLOAD_BYTES),
 }
+
+
+_HF_MASK_BYTES = 4 * 1 * 16 * 16
+"""A bool attention mask of _hf_llama's batch (4 x 16 tokens)."""
 
 
 def _hf_llama():
@@ -162,8 +166,12 @@ def test_offload_plans_are_exact_and_predicted(name, mode, monkeypatch):
           f"{sum(c.prefetched for c in counters.values())} on demand "
           f"{sum(c.loaded_on_demand for c in counters.values())} ambiguous "
           f"{sum(c.ambiguous for c in counters.values())}")
-    assert abs(measured - want) <= 0.03 * want
-    assert abs(first.peak_bytes - predicted.first_step_peak_bytes) <= 0.03 * predicted.first_step_peak_bytes
+    # Measured = predicted to the byte, but for HF Llama with SAC: 1,024 B over-predicted, in the
+    # first and the steady step, the size of one bool [4, 1, 16, 16] attention mask (the same
+    # excess tests/planner/test_hf_models.py measures for HF decoders under a checkpoint).
+    over = _HF_MASK_BYTES if (name, mode) == ("hf_llama", "with_sac") else 0
+    assert want - measured == over
+    assert predicted.first_step_peak_bytes - first.peak_bytes == over
     assert measured < unplanned_peak
     assert host_predicted > 0 and handle.host_bytes_offloaded == 4 * host_predicted
     # Every offloading module here has a module after it (planned, or unplanned beside it).
@@ -308,7 +316,7 @@ def test_micro_batches_offload_each_micro_batch():
     predicted = _traced_estimate(model, plans, est)
     with apply_module_plans(model, plans) as handle:
         _, steady = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=2)
-        assert abs(steady.peak_bytes - predicted.steady_peak_bytes) <= 0.03 * predicted.steady_peak_bytes
+        assert steady.peak_bytes == predicted.steady_peak_bytes  # measured error 0 B
         assert handle.host_bytes_offloaded == 2 * sum(predicted_host_bytes(est.trace, plans, micro_batches=est.step.micro_batches).values())
 
 
@@ -327,7 +335,7 @@ def test_offload_around_a_checkpointed_submodule(mode):
         _assert_same(_loss_grads_buffers(model, inputs), ref)
         step = _step(model, inputs)
         _, steady = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=2)
-        assert abs(steady.peak_bytes - predicted.steady_peak_bytes) <= 0.03 * predicted.steady_peak_bytes
+        assert steady.peak_bytes == predicted.steady_peak_bytes  # measured error 0 B
         per_module = predicted_host_bytes(est.trace, plans, micro_batches=est.step.micro_batches)
         got = {fqn: c.host_bytes for fqn, c in handle.offload_counters().items()}
         assert got == {fqn: 3 * b for fqn, b in per_module.items()}  # 1 + 2 measured steps

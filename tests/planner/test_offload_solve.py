@@ -44,7 +44,7 @@ def test_offload_plan_applies_exactly_and_measures_as_predicted():
         steps = measure_steps(fresh, step, torch.optim.AdamW(fresh.parameters()), n_steps=2)
         host_per_step = handle.host_bytes_offloaded // 2
     measured = max(s.peak_bytes for s in steps)
-    assert abs(measured - plan.predicted_peak_bytes) <= 0.03 * plan.predicted_peak_bytes
+    assert measured == plan.predicted_peak_bytes  # measured error 0 B (gpt_demo)
     assert measured <= plan.usable_budget_bytes
     assert host_per_step == plan.host_peak_bytes > 0
 

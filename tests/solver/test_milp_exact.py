@@ -25,6 +25,15 @@ from solver.graph import Graph
 
 N_RANDOM = 20
 TOL = 0.01
+"""Issue 11's bound for random plans. Measured worst |predicted - traced| / traced over the 20
+plans: gpt_tiny +0.82 %, hf_llama +0.68 %, gpt_small_math +0.60 %, hf_gpt2 +0.43 %, gpt_small
++0.14 %, convnet_demo -0.010 %, convnet_tiny -0.025 %, llama_tiny 0. The larger errors are
+over-predictions of plans that checkpoint part of a block (a sub-module whose recompute growth is
+interpolated between the breakpoints of its curve, rounded up); not attributed further."""
+FULL_AC_TOL = 3e-4
+"""Full checkpointing of every block, measured: convnet_tiny -0.023 %, gpt_tiny +0.011 %,
+convnet_demo -0.005 %, gpt_small(_math) +0.003 %, llama_tiny / hf_llama / hf_gpt2 0 (by the issue-11
+helper's run; the residue is not attributed)."""
 
 
 def _hf(family: str):
@@ -107,7 +116,7 @@ def test_full_ac_every_block_is_exact_and_reachable(name):
     blocks = find_blocks(info)
     assert blocks, f"{name}: no repeated blocks found"
     predicted, traced = _check(name, {b: info.stats(b).sac_memory_bytes for b in blocks})
-    assert abs(predicted - traced) <= TOL * traced, (predicted, traced)
+    assert abs(predicted - traced) <= FULL_AC_TOL * traced, (predicted, traced)
     assert SACMilp(info).min_reachable_peak_bytes() <= traced
 
 
