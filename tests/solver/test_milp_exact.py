@@ -32,8 +32,8 @@ over-predictions of plans that checkpoint part of a block (a sub-module whose re
 interpolated between the breakpoints of its curve, rounded up); not attributed further."""
 FULL_AC_TOL = 3e-4
 """Full checkpointing of every block, measured: convnet_tiny -0.023 %, gpt_tiny +0.011 %,
-convnet_demo -0.005 %, gpt_small(_math) +0.003 %, llama_tiny / hf_llama / hf_gpt2 0 (by the issue-11
-helper's run; the residue is not attributed)."""
+convnet_demo -0.005 %, gpt_small(_math) +0.003 %, llama_tiny / hf_llama / hf_gpt2 0; the
+residue is not attributed."""
 
 
 def _hf(family: str):
