@@ -15,7 +15,7 @@ from planner.plan import GiB
 from planner.report import fmt_bytes
 from planner.solve import module_plan, plan_for_budget
 from solver import SACMilp, predict_peak_bytes
-from tests.estimators.test_estimate import _assert_same, _snapshot
+from tests.estimators.test_estimation import _assert_same, _snapshot
 from tests.planner.conftest import EXAMPLE_NAMES, budgets, plan_at
 
 REAL = EstimateOptions(mode=TraceMode.REAL)
