@@ -15,7 +15,7 @@ from planner.plan import GiB
 from planner.report import fmt_bytes
 from planner.solve import module_plan, plan_for_budget
 from solver import SACMilp, predict_peak_bytes
-from tests.estimators.test_estimate import _assert_same, _snapshot
+from tests.estimators.test_estimation import _assert_same, _snapshot
 from tests.planner.conftest import EXAMPLE_NAMES, budgets, plan_at
 
 REAL = EstimateOptions(mode=TraceMode.REAL)
@@ -89,6 +89,19 @@ def test_bad_budget(bad):
     model, inputs = EXAMPLES["gpt_tiny"]()
     with pytest.raises(PlanningError, match="budget_gib must be"):
         solve_sac(model, bad, inputs)
+
+
+@pytest.mark.parametrize("bad", [-1, 0, float("nan"), "1"])
+def test_bad_host_budget_names_host_budget_and_fails_before_tracing(bad, monkeypatch):
+    import planner.solve
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced before the host budget was checked")
+
+    monkeypatch.setattr(planner.solve, "estimate", no_trace)
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    with pytest.raises(PlanningError, match=r"^host_budget_gib must be .*offload=False"):
+        solve_sac(model, 40, inputs, offload=True, host_budget_gib=bad)
 
 
 def test_cuda_reserve_is_stated():
