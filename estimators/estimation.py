@@ -424,6 +424,14 @@ def first_step_module_info(info: ModuleInfo) -> ModuleInfo:
 
 def _param_groups(model: torch.nn.Module, optimizer: Any, mapping: dict) -> list[dict]:
     if isinstance(optimizer, torch.optim.Optimizer):
-        return [{"params": [mapping[id(p)] for p in g["params"] if id(p) in mapping]} for g in optimizer.param_groups]
+        held = [p for g in optimizer.param_groups for p in g["params"]]
+        foreign = sum(id(p) not in mapping for p in held)
+        if foreign:  # their state would silently go uncounted (an optimizer built over another copy)
+            raise ValueError(
+                f"the optimizer instance holds {foreign} of its {len(held)} parameters that are not "
+                f"this {type(model).__name__}'s parameters; build it over model.parameters() (of "
+                "the model you plan), or pass its name (\"adamw\") or class"
+            )
+        return [{"params": [mapping[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
     params = [mapping[id(p)] for p in model.parameters() if p.requires_grad]
     return [{"params": params}]

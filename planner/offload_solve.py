@@ -29,7 +29,12 @@ from estimators.module_info import ModStats, ModuleInfo
 from estimators.timeline import StepLayout, StepTimeline, UnitComm, step_layout
 from planner.plan import GiB, ModulePlan, Plan, model_fingerprint, op_key
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions
-from solver.offload_milp import DEFAULT_MIN_OFFLOAD_BYTES, OffloadMilp, predict_offload_peak_bytes
+from solver.offload_milp import (
+    DEFAULT_MIN_OFFLOAD_BYTES,
+    OffloadMilp,
+    offloadable_bytes,
+    predict_offload_peak_bytes,
+)
 
 __all__ = ["plan_offload", "offload_module_plan", "plan_timeline", "min_offload_bytes", "step_layout_of"]
 
@@ -162,6 +167,12 @@ def plan_offload(
     if len(layout.blocks) < 2:
         notes.append("no repeated blocks (<prefix>.<int>) found: nothing is offloaded")
     min_bytes = min_offload_bytes()
+    if len(layout.blocks) >= 2 and not any(offloadable_bytes(info.stats(b), min_bytes) > 0
+                                           for b in list(layout.blocks)[:-1]):
+        # Without this, a plan of small blocks offloads nothing and does not say why.
+        notes.append(f"no saved activation of the repeated blocks reaches {min_bytes:,} bytes "
+                     "(planner.offload.MIN_OFFLOAD_BYTES; the last block never offloads): "
+                     "nothing is offloadable")
     milp = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s, world_size=world_size,
                        host_budget_bytes=host_budget_bytes, min_offload_bytes=min_bytes,
                        ac_units=allowed, fsdp_units=fsdp_units, options=solver_options)

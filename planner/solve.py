@@ -99,12 +99,13 @@ def recompute_ms_with_saved(stats: ModStats, saved: frozenset) -> float:
     return replay_ms(stats.ops, lambda _, o: (op_key(o.func), o.occurrence) not in saved)
 
 
-def check_budget_gib(budget_gib: Any) -> float:
-    """A positive, finite number of GiB, or a PlanningError that says what to pass."""
+def check_budget_gib(budget_gib: Any, name: str = "budget_gib", hint: str = "") -> float:
+    """A positive, finite number of GiB, or a PlanningError that names the argument (``name``)
+    and says what to pass (``hint`` appended)."""
     if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)):
-        raise PlanningError(f"budget_gib must be a number of GiB, got {budget_gib!r}")
+        raise PlanningError(f"{name} must be a number of GiB, got {budget_gib!r}{hint}")
     if not math.isfinite(budget_gib) or budget_gib <= 0:
-        raise PlanningError(f"budget_gib must be a positive finite number of GiB, got {budget_gib}")
+        raise PlanningError(f"{name} must be a positive finite number of GiB, got {budget_gib}{hint}")
     return float(budget_gib)
 
 
@@ -223,6 +224,9 @@ def solve_sac(
     model = unwrap_compiled(model)  # plan what torch.compile wraps; the compiled module is untouched
     check_plannable(model)  # before anything touches the model
     budget = int(check_budget_gib(budget_gib) * GiB)
+    host_budget = None if host_budget_gib is None else int(check_budget_gib(  # before the trace
+        host_budget_gib, "host_budget_gib",
+        "; pass None for no host limit, or offload=False to keep everything on the device") * GiB)
     spec = get_device_spec(device)
     step = as_train_step(model, inputs, step, loss_fn=loss_fn, optimizer=optimizer)
     with hf_cache_off(model):  # trace the step as it runs once the plan is applied
@@ -239,7 +243,7 @@ def solve_sac(
         solver_options=solver_options,
         verify=verify,
         offload=offload,
-        host_budget_bytes=None if host_budget_gib is None else int(check_budget_gib(host_budget_gib) * GiB),
+        host_budget_bytes=host_budget,
     )
 
 

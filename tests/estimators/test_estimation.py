@@ -146,6 +146,18 @@ def test_optimizer_state_counted():
 
 
 # ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("mode", [TraceMode.FAKE, TraceMode.REAL])
+def test_optimizer_over_another_models_parameters_is_refused(mode):
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    other, _ = EXAMPLES["gpt_tiny"]()
+    sgd = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)  # momentum state went uncounted
+    with pytest.raises(ValueError, match=r"not this GPT's parameters; build it over model.parameters\(\)"):
+        estimate(model, inputs, loss_fn=model.loss_fn, optimizer=sgd, options=EstimateOptions(mode=mode))
+    ok = estimate(model, inputs, loss_fn=model.loss_fn,
+                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert ok.timeline.live_by_kind[-1][StorageKind.OPTIMIZER] >= params  # one momentum buffer each
+
 class _Raises(torch.nn.Module):
     def __init__(self):
         super().__init__()

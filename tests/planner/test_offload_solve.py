@@ -98,3 +98,29 @@ def test_step_time_curves_side_by_side():
             assert r.three_way_step_ms is not None
             assert r.three_way_step_ms <= r.recompute_only_step_ms + 1e-9
     assert curves.rows[-1].three_way_step_ms == pytest.approx(curves.no_ac_step_ms)
+
+
+def test_blocks_too_small_to_offload_say_so():
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+                for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    from planner import solve_sac
+
+    model = Tiny()
+    step = TrainStep(inputs=(torch.randn(8, 16),), optimizer="adamw")
+    plan = solve_sac(model, 1.0, step=step, offload=True)
+    assert not plan.offloading
+    assert any("nothing is offloadable" in n and "MIN_OFFLOAD_BYTES" in n for n in plan.notes), plan.notes
+    # blocks that do reach the threshold get no such note
+    gpt, inputs = EXAMPLES["gpt_demo"]()
+    big = solve_sac(gpt, 1.0, inputs, loss_fn=gpt.loss_fn, offload=True)
+    assert not any("nothing is offloadable" in n for n in big.notes)

@@ -91,6 +91,19 @@ def test_bad_budget(bad):
         solve_sac(model, bad, inputs)
 
 
+@pytest.mark.parametrize("bad", [-1, 0, float("nan"), "1"])
+def test_bad_host_budget_names_host_budget_and_fails_before_tracing(bad, monkeypatch):
+    import planner.solve
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced before the host budget was checked")
+
+    monkeypatch.setattr(planner.solve, "estimate", no_trace)
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    with pytest.raises(PlanningError, match=r"^host_budget_gib must be .*offload=False"):
+        solve_sac(model, 40, inputs, offload=True, host_budget_gib=bad)
+
+
 def test_cuda_reserve_is_stated():
     model, inputs = EXAMPLES["gpt_tiny"]()
     plan = solve_sac(model, 40, inputs, loss_fn=model.loss_fn, device="h100")
