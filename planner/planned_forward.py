@@ -71,6 +71,11 @@ _HF_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 class CheckpointDivergenceWarning(UserWarning):
     """A planned module's recompute ran other ops than its forward; it now checkpoints fully."""
 
+    def __init__(self, message: str, fqn: str | None = None) -> None:
+        super().__init__(message)
+        self.fqn = fqn
+        """The module (plan fqn) whose recompute diverged."""
+
 
 _bookkeeping = threading.local()  # ops of our own state handling: not part of the module's ops
 
@@ -338,14 +343,14 @@ class PlannedForward:
             return
         what = f"forward ran {expected.func}" if expected is not None else "the forward had ended"
         self.fallback = f"op #{index}: recompute ran {func}, {what}"
-        warnings.warn(
+        warning = CheckpointDivergenceWarning(
             f"SAC Planner: the recompute of {self.mp.fqn} diverged from its forward at {self.fallback}. "
             "This step's gradients are those of full checkpointing from that op on; the module is "
             "fully checkpointed from now on. Usual causes: state the forward writes and reads "
             "(a cache, a counter), or a mode changed between forward and backward.",
-            CheckpointDivergenceWarning,
-            stacklevel=2,
+            self.mp.fqn,
         )
+        warnings.warn(warning, stacklevel=2)
 
 
 def _rebuild(module, mp, original, fallback) -> PlannedForward:

@@ -17,9 +17,11 @@ import dataclasses
 import logging
 import math
 import time
+import warnings
 from typing import Any, Iterable
 
 import torch
+import torch.utils.checkpoint
 
 from estimators.device import DeviceSpec, get_device_spec
 from estimators.estimation import (
@@ -306,7 +308,7 @@ def plan_for_budget(
     def peaks_of(res, modules) -> tuple[int, int]:
         """(first-step, steady-state) peak of a plan: traced, or the MILP's per-rank figures."""
         if verify and world_size == 1:
-            planned = _traced_estimate(model, modules, est)
+            planned = _traced_estimate_or_diverged(model, modules, est)
             culprit = _peak_in_backward_of(planned, modules)
             if culprit is not None and max(planned.first_step_peak_bytes, planned.steady_peak_bytes) > usable:
                 mispriced.setdefault(culprit, f"its recompute set a traced peak of "
@@ -328,7 +330,18 @@ def plan_for_budget(
             break  # tightened past the floor: the min-peak plan is the last candidate (below)
         modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
         n_mispriced = len(mispriced)
-        peaks = peaks_of(res, modules)
+        try:
+            peaks = peaks_of(res, modules)
+        except RecomputeDivergedError as e:
+            # The recompute of these modules runs other ops than their forward (e.g. a module that
+            # branches on `query is key`): they are not checkpointed; plan again without them.
+            notes += [f"{f} not checkpointed: its recompute ran other ops than its forward" for f in e.fqns]
+            excluded.update({f: "its recompute ran other ops than its forward" for f in e.fqns})
+            names = allowed if allowed is not None else [s.fqn for s in info.mod_stats]
+            allowed = [f for f in names if f not in excluded and f not in mispriced]
+            milp = full_milp = SACMilp(info, world_size=world_size, ac_units=allowed, fsdp_units=units,
+                                       options=solver_options)
+            continue
         traced = max(peaks)
         if traced <= usable:
             break
@@ -437,6 +450,39 @@ def _traced_peak(model, modules, est: Estimate) -> tuple[int, int]:
     and runtime as the estimate's (real mode applies the plan to the model and removes it)."""
     planned = _traced_estimate(model, modules, est)
     return planned.first_step_peak_bytes, planned.steady_peak_bytes
+
+
+class RecomputeDivergedError(RuntimeError):
+    """The verification trace found planned modules whose recompute diverged from their forward."""
+
+    def __init__(self, fqns: list[str]) -> None:
+        super().__init__(f"the recompute of {', '.join(fqns)} ran other ops than the forward")
+        self.fqns = fqns
+
+
+def _traced_estimate_or_diverged(model, modules, est: Estimate) -> Estimate:
+    """``_traced_estimate``, raising ``RecomputeDivergedError`` where a planned module's
+    recompute diverged from its forward (the trace would then measure a fallback, or torch's
+    checkpoint would refuse the recompute's metadata); other warnings pass through."""
+    from planner.planned_forward import CheckpointDivergenceWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            planned = _traced_estimate(model, modules, est)
+            error = None
+        except torch.utils.checkpoint.CheckpointError as e:
+            planned, error = None, e
+    diverged = list(dict.fromkeys(w.message.fqn for w in caught
+                                  if isinstance(w.message, CheckpointDivergenceWarning) and w.message.fqn))
+    for w in caught:
+        if not isinstance(w.message, CheckpointDivergenceWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if diverged:
+        raise RecomputeDivergedError(diverged) from error
+    if error is not None:
+        raise error
+    return planned
 
 
 def _traced_estimate(model, modules, est: Estimate) -> Estimate:

@@ -209,3 +209,42 @@ def test_planning_in_real_mode_never_changes_the_model():
     torch.manual_seed(0)
     out = model(*inputs)
     assert out.grad_fn is not None and "Checkpoint" not in type(out.grad_fn).__name__
+
+
+def test_modules_whose_recompute_diverges_are_left_out_not_crashed_on():
+    """nn.MultiheadAttention called as self_attn(x, x, x) takes its packed in-projection path when
+    query is key; a checkpoint of self_attn alone recomputes from separate saved inputs and runs
+    other ops (torch's checkpoint refuses that in the verification trace). The planner leaves such
+    modules out, says so, and the plan it returns trains bitwise equal without a divergence."""
+    import copy
+    import warnings
+
+    from planner.gradcheck import check_gradients
+    from planner.planned_forward import CheckpointDivergenceWarning
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(
+                [torch.nn.TransformerEncoderLayer(128, 4, 512, dropout=0.1, batch_first=True) for _ in range(3)])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    torch.manual_seed(0)
+    model, x = Encoder().train(), torch.randn(2, 128, 128)
+    before = copy.deepcopy(model.state_dict())
+    plan = solve_sac(model, 0.0138, step=TrainStep(inputs=(x,), optimizer="adamw"))
+    left_out = [n for n in plan.notes if "its recompute ran other ops than its forward" in n]
+    assert left_out and all(".self_attn not checkpointed" in n for n in left_out), plan.notes
+    diverged = {n.split(" not checkpointed")[0] for n in left_out}
+    assert not diverged & {m.fqn for m in plan.modules}
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointDivergenceWarning)
+        assert check_gradients(model, plan, (x,)).equal
+        with apply_plan(copy.deepcopy(model), plan) as handle:
+            handle.model(x).sum().backward()
