@@ -227,9 +227,10 @@ def test_poll_sleeps_instead_of_spinning_and_returns_soon_after_completion():
     cpu0, wall0 = time.process_time(), time.monotonic()
     _poll(work, timeout_s=5.0)
     cpu_s, late_s = time.process_time() - cpu0, time.monotonic() - work.done_at
-    # A busy wait burns ~wait_s of CPU and checks ~1e6 times; this one spins 5 ms, then sleeps
-    # 1/64 of the time waited (the bound on how late it notices, plus the OS's wake-up delay).
-    assert cpu_s < 0.1 * wait_s and work.checks < 20_000
+    # A busy wait burns ~wait_s of CPU; this one spins 5 ms, then sleeps 1/64 of the time waited
+    # (the bound on how late it notices, plus the OS's wake-up delay). The CPU time is the check:
+    # how many times the 5 ms spin polls depends on the machine (21,785 once on a loaded one).
+    assert cpu_s < 0.1 * wait_s
     assert 0 <= late_s < wait_s / 64 + 0.05
     assert time.monotonic() - wall0 >= wait_s
 
