@@ -42,6 +42,7 @@ timeline with each module's exact ``module_recompute_ms``.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import math
 import time
@@ -495,10 +496,13 @@ class OffloadMilp:
         t0 = time.perf_counter()
         budget = _check_budget(budget_bytes)
         target = budget
+        limit = self.options.time_limit_s
         for _ in range(4):  # tighter targets where the backend's rounding overshoots
             self._set_budget(self._u(target))
             self._prob.setObjective(self._objective)
-            out = run_backend(self._prob, self.options)
+            # time_limit_s bounds the whole solve: a re-solve gets what the first left over.
+            left = None if limit is None else max(0.1 * limit, limit - (time.perf_counter() - t0))
+            out = run_backend(self._prob, dataclasses.replace(self.options, time_limit_s=left))
             if not out.has_solution:
                 # At the floor the backend may call the budget infeasible within its
                 # tolerances where the incumbent, evaluated exactly, fits.
