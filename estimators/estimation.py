@@ -59,6 +59,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from estimators.aggregate import build_module_info
 from estimators.cuda_rules import CudaSemanticsMode
+from estimators.hf_paths import hf_real_paths
 from estimators.device import DeviceSpec, get_device_spec
 from estimators.memory import MemoryTimeline, build_timeline
 from estimators.runtime import RuntimeKind, make_runtime_model
@@ -321,6 +322,7 @@ def estimate(
         try:
             with contextlib.ExitStack() as modes:
                 if fake_mode is not None:
+                    modes.enter_context(hf_real_paths(step.inputs))  # HF's real-run code path
                     modes.enter_context(fake_mode)
                 modes.enter_context(tracer)
                 if cuda_rules:
