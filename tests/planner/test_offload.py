@@ -42,19 +42,24 @@ _CASES = {
 }
 
 
-def _hf_llama():
+def _hf_causal_lm(family: str, batch: int, seq: int, **config):
+    """A seeded HF causal LM from a small config, in train mode, with token ids as inputs and labels."""
     import transformers as T
 
     torch.manual_seed(0)
-    cfg = T.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
-                        attention_dropout=0.1)
+    cfg = getattr(T, f"{family}Config")(vocab_size=128, **config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = T.LlamaForCausalLM(cfg)
+        model = getattr(T, f"{family}ForCausalLM")(cfg)
     model.train()
-    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(0))
     return model, {"input_ids": ids, "labels": ids}
+
+
+def _hf_llama():
+    return _hf_causal_lm("Llama", 4, 16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                         attention_dropout=0.1)
 
 
 def _build(name):
@@ -341,19 +346,12 @@ def test_hf_mistral_bf16_autocast_micro_batches_host_bytes_are_predicted(monkeyp
     """Grouped-query attention under bf16 autocast, 2 micro-batches: the fake-mode trace must take
     the real run's attention path (no materialized mask, SDPA's enable_gqa), or the ops the plan
     names are other tensors in the real run (1,048,576 B moved vs 1,245,184 B predicted, before)."""
-    T = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     monkeypatch.setattr(offload, "MIN_OFFLOAD_BYTES", 1024)
 
     def build():
-        torch.manual_seed(0)
-        cfg = T.MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = T.MistralForCausalLM(cfg)
-        model.train()
-        ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
-        return model, {"input_ids": ids, "labels": ids}
+        return _hf_causal_lm("Mistral", 2, 32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2)
 
     model, inputs = build()
     step = TrainStep(inputs=inputs, optimizer="adamw", micro_batches=2, autocast_dtype=torch.bfloat16)
