@@ -17,6 +17,7 @@ in Python on every solve, which on 1,000-module graphs cost as much as a warm so
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import time
@@ -40,17 +41,14 @@ _INT_TOL = 1e-8
 _DEFAULT_TOL = 1e-6
 
 
-_AT_EXIT_REGISTERED = False
+@functools.cache
+def _stop_highs_threads_at_exit() -> None:
+    """Join HiGHS' global worker threads when the interpreter exits (registered once): left
+    running, their destructors call std::terminate ("terminate called without an active
+    exception", SIGABRT), seen in a spawned planning rank of tests/planner/test_distributed_bench.py."""
+    import highspy
 
-
-def _stop_highs_threads_at_exit(highspy: Any) -> None:
-    """Join HiGHS' global worker threads when the interpreter exits: left running, their
-    destructors call std::terminate ("terminate called without an active exception", SIGABRT),
-    seen in a spawned planning rank of tests/planner/test_distributed_bench.py."""
-    global _AT_EXIT_REGISTERED
-    if not _AT_EXIT_REGISTERED:
-        atexit.register(highspy.Highs.resetGlobalScheduler, True)
-        _AT_EXIT_REGISTERED = True
+    atexit.register(highspy.Highs.resetGlobalScheduler, True)
 
 
 @dataclass(frozen=True)
@@ -152,7 +150,7 @@ class LinearModel:
     def _solve_highs(self, options: SolverOptions, rel_gap: float, tol: float | None = None) -> LpSolution:
         import highspy
 
-        _stop_highs_threads_at_exit(highspy)
+        _stop_highs_threads_at_exit()
         tol = _INT_TOL if tol is None else tol
         h = highspy.Highs()
         h.setOptionValue("output_flag", bool(options.verbose))
