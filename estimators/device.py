@@ -160,6 +160,18 @@ class DeviceSpec:
     """Fraction of ``host_link_bytes_per_s`` a pinned-memory ``cudaMemcpyAsync`` reaches: about
     50-55 GB/s of the 63 GB/s on PCIe 5.0 x16 (NVIDIA's bandwidthTest on H100 SXM hosts)."""
 
+    host_copy_latency_s: float = 5e-6
+    """Fixed time of one offload copy on the copy stream, beside its bytes / bandwidth: what
+    makes many small copies cost more than one large one, so the planner prices tiny tensors
+    out instead of excluding them by a size rule. CUDA hosts: about 5 us -- the
+    ``cudaMemcpyAsync`` call and its DMA setup (2-3 us on the launching thread, as a kernel
+    launch: ``kernel_launch_ms``) plus the PCIe round trip (about 1-2 us for a small pinned
+    transfer; NVIDIA's bandwidthTest / nvbandwidth latency figures on PCIe 4/5 hosts). An
+    approximate, not a measured, figure for any one machine. CPU target: the planner's CPU host
+    store per storage (numpy allocation and a memcpy call, wrapped in the pack hook), measured
+    on this project's machine at 5.7-6.1 us for 256 B to 32 KiB storages (a bare numpy
+    ``empty`` + ``copyto`` of 256 B: 0.55 us)."""
+
     @property
     def host_copy_bytes_per_s(self) -> float:
         """Bytes per second an offload copy moves in one direction (0: no host link)."""
@@ -171,6 +183,10 @@ class DeviceSpec:
         if not (math.isfinite(self.host_link_bytes_per_s) and self.host_link_bytes_per_s >= 0):
             raise ValueError(
                 f"DeviceSpec.host_link_bytes_per_s must be finite and >= 0, got {self.host_link_bytes_per_s}"
+            )
+        if not (math.isfinite(self.host_copy_latency_s) and self.host_copy_latency_s >= 0):
+            raise ValueError(
+                f"DeviceSpec.host_copy_latency_s must be finite and >= 0, got {self.host_copy_latency_s}"
             )
         if not 0 < self.host_link_efficiency <= 1:
             raise ValueError(

@@ -31,6 +31,9 @@ What is modelled, and what not (each rule is tested against hand-computed cases 
   root's all-gather at the step start, exposed); a reduce-scatter is issued when the unit's
   backward ends and the optimizer waits for all of them. All collectives share one stream (one
   link). Compute does not slow down while a collective or a copy runs (no contention).
+* A block's offload is one transfer per direction whose duration is its bytes over the link's
+  bandwidth plus a fixed latency per copy (per saved tensor: ``DeviceSpec.host_copy_latency_s``),
+  so many small copies cost more than one large one of the same bytes.
 * An offloaded block's D2H copy is issued when its forward ends; its H2D copy is issued when the
   backward of the block that runs just before it in backward order starts (prefetch one block
   ahead) and not before its D2H ended; the block's backward waits for it.
@@ -211,14 +214,23 @@ def simulate(segments: Sequence[Segment], transfers: Iterable[Transfer] = ()) ->
     )
 
 
-def copy_ms(nbytes: float, copy_bytes_per_s: float) -> float:
-    """Time of one offload copy of ``nbytes`` at ``copy_bytes_per_s`` (see
-    ``DeviceSpec.host_copy_bytes_per_s``), in ms."""
+def copy_ms(nbytes: float, copy_bytes_per_s: float, *, copies: int = 1,
+            copy_latency_s: float = 0.0) -> float:
+    """Time of ``copies`` offload copies moving ``nbytes`` in all at ``copy_bytes_per_s`` (see
+    ``DeviceSpec.host_copy_bytes_per_s``), each with a fixed ``copy_latency_s``
+    (``DeviceSpec.host_copy_latency_s``), in ms.
+
+    >>> copy_ms(1e6, 1e9, copies=4, copy_latency_s=5e-6)   # 1 ms of bytes + 4 x 5 us
+    1.02
+    """
     if nbytes <= 0:
         return 0.0
     if not copy_bytes_per_s > 0:
         raise ValueError("offload needs a host link: the DeviceSpec's host_link_bytes_per_s is 0")
-    return 1e3 * nbytes / copy_bytes_per_s
+    if copies < 1 or copy_latency_s < 0:
+        raise ValueError(f"copies must be >= 1 and copy_latency_s >= 0 for {nbytes} bytes, got "
+                         f"{copies} and {copy_latency_s}")
+    return 1e3 * (nbytes / copy_bytes_per_s + copies * copy_latency_s)
 
 
 # ----------------------------------------------------------------------------- a traced step
@@ -265,13 +277,17 @@ class StepLayout:
 
     _first_block_bw_op: int = 0
 
-    def copy_transfers(self, nbytes: Mapping[str, float], copy_bytes_per_s: float) -> list[Transfer]:
-        """D2H and H2D transfers of each block offloading ``nbytes[block]`` bytes."""
+    def copy_transfers(self, nbytes: Mapping[str, float], copy_bytes_per_s: float, *,
+                       copies: Mapping[str, int] | None = None,
+                       copy_latency_s: float = 0.0) -> list[Transfer]:
+        """D2H and H2D transfers of each block offloading ``nbytes[block]`` bytes in
+        ``copies[block]`` copies (1 where not given), each way."""
         out = []
         for b, nb in nbytes.items():
             if nb <= 0:
                 continue
-            ms = copy_ms(nb, copy_bytes_per_s)
+            ms = copy_ms(nb, copy_bytes_per_s, copies=(copies or {}).get(b, 1),
+                         copy_latency_s=copy_latency_s)
             out.append(Transfer(name=f"d2h:{b}", stream=Stream.D2H, duration_ms=ms,
                                 release=self.fw_segment[b] + 1))
             out.append(Transfer(name=f"h2d:{b}", stream=Stream.H2D, duration_ms=ms,
@@ -285,12 +301,16 @@ class StepLayout:
         recompute_ms_by_segment: Mapping[int, float] | None = None,
         offload_bytes: Mapping[str, float] | None = None,
         copy_bytes_per_s: float = 0.0,
+        offload_copies: Mapping[str, int] | None = None,
+        copy_latency_s: float = 0.0,
     ) -> StepTimeline:
-        """The step with this recomputation and these blocks' offloaded bytes."""
+        """The step with this recomputation and these blocks' offloaded bytes (moved in
+        ``offload_copies[block]`` copies of ``copy_latency_s`` fixed time each)."""
         rec = recompute_ms_by_segment or {}
         segs = [Segment(name=s.name, compute_ms=s.compute_ms, recompute_ms=rec.get(i, 0.0))
                 for i, s in enumerate(self.segments)]
-        copies = self.copy_transfers(offload_bytes or {}, copy_bytes_per_s)
+        copies = self.copy_transfers(offload_bytes or {}, copy_bytes_per_s, copies=offload_copies,
+                                     copy_latency_s=copy_latency_s)
         return simulate(segs, [*self.comm, *copies])
 
 

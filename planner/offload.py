@@ -72,8 +72,10 @@ __all__ = ["MIN_OFFLOAD_BYTES", "OffloadCounter", "OffloadError", "is_checkpoint
 
 logger = logging.getLogger(__name__)
 
-MIN_OFFLOAD_BYTES = 64 * 1024
-"""Storages smaller than this stay on the device: a copy costs a launch and a sync for little."""
+MIN_OFFLOAD_BYTES = 1
+"""Empty storages stay on the device (nothing to free). No size rule beyond that: the planner
+prices each copy's fixed cost (``DeviceSpec.host_copy_latency_s``) and offloads small outputs
+only where that pays; a hand-written plan that names an op offloads it, however small."""
 
 
 class OffloadError(ValueError):

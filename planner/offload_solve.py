@@ -32,6 +32,7 @@ from solver import InfeasibleBudgetError, SACMilp, SolverOptions
 from solver.offload_milp import (
     DEFAULT_MIN_OFFLOAD_BYTES,
     OffloadMilp,
+    offload_ops,
     offloadable_bytes,
     predict_offload_peak_bytes,
 )
@@ -62,21 +63,24 @@ def _apply_side_offloads() -> bool:
 
 def offload_module_plan(stats: ModStats, offload_bytes: int, min_bytes: int,
                         cap_bytes: int | None = None) -> tuple[ModulePlan, int]:
-    """The ops of ``stats`` whose saved outputs go to host, in forward order until at least
-    ``offload_bytes`` (over all calls) are covered, skipping any that would pass ``cap_bytes``
-    (what is left of the host budget); and the bytes they really offload."""
+    """The ops of ``stats`` whose saved outputs go to host, in the MILP's order
+    (``solver.offload_milp.offload_ops``: largest first, the cheapest bytes per ms of copy
+    stream) until at least ``offload_bytes`` (over all calls) are covered, skipping any that
+    would pass ``cap_bytes`` (what is left of the host budget); and the bytes they really
+    offload. ``offloaded_ops`` lists them in forward order."""
     calls = max(1, stats.n_calls)
     chosen, total = [], 0
-    for op in stats.ops:
+    for op in offload_ops(stats, min_bytes):
         if total * calls >= offload_bytes:
             break
-        if not (op.is_saved and not op.is_view and not op.cache_cost_bytes and op.memory_bytes >= min_bytes):
-            continue
         if cap_bytes is not None and (total + op.memory_bytes) * calls > cap_bytes:
             continue
         chosen.append((op_key(op.func), op.occurrence))
         total += op.memory_bytes
-    plan = ModulePlan(fqn=stats.fqn, discard_ratio=0.0, full=False, offloaded_ops=tuple(chosen))
+    rank = {(op_key(op.func), op.occurrence): i for i, op in enumerate(stats.ops)}
+    plan = ModulePlan(fqn=stats.fqn, discard_ratio=0.0, full=False,
+                      offloaded_ops=tuple(sorted(chosen, key=rank.__getitem__)),
+                      offloaded_bytes=total * calls)
     return plan, total * calls
 
 
@@ -117,11 +121,13 @@ def step_layout_of(info: ModuleInfo, spec: DeviceSpec, *, fsdp_units: Sequence[s
 
 
 def plan_timeline(layout: StepLayout, info: ModuleInfo, modules: Iterable[ModulePlan],
-                  copy_bytes_per_s: float) -> StepTimeline:
+                  copy_bytes_per_s: float, copy_latency_s: float = 0.0) -> StepTimeline:
     """The step of a plan on the timeline: each module's recompute (its op-level
-    ``recompute_ms``) in the segment its backward starts in, each block's offloaded bytes."""
+    ``recompute_ms``) in the segment its backward starts in, each block's offloaded bytes in
+    one copy per offloaded op and call, of ``copy_latency_s`` fixed time each."""
     rec: dict[int, float] = {}
     off: dict[str, int] = {}
+    copies: dict[str, int] = {}
     for m in modules:
         s = info.stats(m.fqn)
         if m.recompute_ms:
@@ -129,8 +135,10 @@ def plan_timeline(layout: StepLayout, info: ModuleInfo, modules: Iterable[Module
             rec[seg] = rec.get(seg, 0.0) + m.recompute_ms
         if m.offloaded_ops:
             off[m.fqn] = _offloaded_bytes(s, m)
+            copies[m.fqn] = len(m.offloaded_ops) * max(1, s.n_calls)
     return layout.timeline(recompute_ms_by_segment=rec, offload_bytes=off,
-                           copy_bytes_per_s=copy_bytes_per_s)
+                           copy_bytes_per_s=copy_bytes_per_s, offload_copies=copies,
+                           copy_latency_s=copy_latency_s)
 
 
 def timeline_fields(tl: StepTimeline) -> dict[str, float]:
@@ -173,7 +181,8 @@ def plan_offload(
         notes.append(f"no saved activation of the repeated blocks reaches {min_bytes:,} bytes "
                      "(planner.offload.MIN_OFFLOAD_BYTES; the last block never offloads): "
                      "nothing is offloadable")
-    milp = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s, world_size=world_size,
+    milp = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s,
+                       copy_latency_s=spec.host_copy_latency_s, world_size=world_size,
                        host_budget_bytes=host_budget_bytes, min_offload_bytes=min_bytes,
                        ac_units=allowed, fsdp_units=fsdp_units, options=solver_options)
     sac = SACMilp(info, world_size=world_size, ac_units=allowed, fsdp_units=fsdp_units, options=solver_options)
@@ -226,7 +235,8 @@ def plan_offload(
         from planner.offload import predicted_host_bytes
 
         host = sum(predicted_host_bytes(est.trace, modules).values())
-    tl = plan_timeline(layout, info, modules, spec.host_copy_bytes_per_s)
+    micro_batches = est.step.micro_batches if est.step is not None else 1
+    tl = plan_timeline(layout, info, modules, spec.host_copy_bytes_per_s, spec.host_copy_latency_s)
     return Plan(
         modules=modules, model_name=type(model).__name__, model_fingerprint=model_fingerprint(model),
         device=spec.name, world_size=world_size, budget_bytes=budget_bytes, reserve_bytes=reserve_bytes,
@@ -236,6 +246,7 @@ def plan_offload(
         baseline_step_ms=est.module_info.step_runtime_ms,
         solver_status=res.status.value, solve_time_s=time.perf_counter() - t0, notes=tuple(notes),
         first_step_peak_bytes=first, steady_peak_bytes=steady, host_peak_bytes=host,
+        host_bytes_per_step=host * micro_batches,
         **timeline_fields(tl),
     )
 

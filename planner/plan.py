@@ -133,6 +133,10 @@ class ModulePlan:
     offloaded_ops: tuple[OpKey, ...] = ()
     """Ops of the module whose outputs, where autograd saves them for backward, are copied to host
     memory in forward and brought back in backward (prefetched one module ahead)."""
+    offloaded_bytes: int = 0
+    """Bytes the planner predicts ``offloaded_ops`` send to host per micro-batch (one forward),
+    over all calls of the module, in its memory model (``ModStats`` op bytes); 0: none, or a
+    hand-written plan that does not say."""
 
     def __post_init__(self) -> None:
         w = f"module {self.fqn!r}" if isinstance(self.fqn, str) else "module"
@@ -152,6 +156,7 @@ class ModulePlan:
         if both:
             raise PlanFormatError(f"{w}: op {list(min(both))} is both saved and recomputed")
         set_("offloaded_ops", _op_keys(f"{w}: offloaded_ops", self.offloaded_ops))
+        set_("offloaded_bytes", _int(f"{w}: offloaded_bytes", self.offloaded_bytes))
         if self.full and self.offloaded_ops:
             raise PlanFormatError(
                 f"{w}: full checkpointing keeps no op output to offload, but offloaded_ops lists "
@@ -195,7 +200,13 @@ class Plan:
     steady_peak_bytes: int | None = None
     """Peak of the steady-state step (step 2 on); ``predicted_peak_bytes`` is the larger one."""
     host_peak_bytes: int = 0
-    """Bytes of offloaded activations on host memory at their peak (the end of the forward)."""
+    """Bytes of offloaded activations resident in host memory at once: one micro-batch's (they
+    leave the device in its forward and are back before the next micro-batch's forward), the
+    host memory a run needs. Compare with ``host_bytes_per_step`` for what a step moves."""
+    host_bytes_per_step: int = 0
+    """Bytes copied device -> host per optimizer step: ``host_peak_bytes`` times the step's
+    micro-batches. What ``AppliedPlan.host_bytes_offloaded`` counts over one step (0: no
+    offload, or a plan file written before this field existed)."""
     compute_ms: float = 0.0
     """Step timeline (``estimators/timeline.py``): forward + backward + optimizer compute."""
     exposed_comm_ms: float = 0.0
@@ -238,6 +249,7 @@ class Plan:
                      "exposed_copy_ms", "step_ms"):
             set_(name, _float(name, getattr(self, name)))
         set_("host_peak_bytes", _int("host_peak_bytes", self.host_peak_bytes))
+        set_("host_bytes_per_step", _int("host_bytes_per_step", self.host_bytes_per_step))
         notes = self.notes
         if isinstance(notes, (str, bytes)) or not isinstance(notes, (list, tuple)):
             raise PlanFormatError(f"notes must be a list of strings, got {notes!r}")

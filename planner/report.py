@@ -72,10 +72,12 @@ def plan_summary(plan: "Plan") -> str:
         for m in plan.modules:
             policy = "full" if m.full else f"SAC: save {len(m.saved_ops)} ops, recompute {len(m.recomputed_ops)}"
             if m.offloaded_ops:
-                policy = f"offload {len(m.offloaded_ops)} ops to host" + (
+                host = f" ({fmt_bytes(m.offloaded_bytes)})" if m.offloaded_bytes else ""
+                policy = f"offload {len(m.offloaded_ops)} ops{host} to host" + (
                     f"; recompute {len(m.recomputed_ops)}" if m.recomputed_ops else "")
+            # Freed on the device: what the recompute discards plus what goes to host.
             lines.append(
-                f"  {m.fqn:<{w}}  {m.discard_ratio:>7.1%}  {fmt_bytes(m.discarded_bytes):>10}  "
+                f"  {m.fqn:<{w}}  {m.discard_ratio:>7.1%}  {fmt_bytes(m.discarded_bytes + m.offloaded_bytes):>10}  "
                 f"{m.recompute_ms:>7.3f} ms  {policy}"
             )
     for n in plan.notes:
@@ -87,8 +89,10 @@ def _timeline_lines(plan: "Plan") -> list[str]:
     """The step on the timeline (absent from plans made before it existed: step_ms == 0)."""
     lines = []
     if plan.host_peak_bytes:
+        per_step = (f", {fmt_bytes(plan.host_bytes_per_step)} copied per step"
+                    if plan.host_bytes_per_step else "")
         lines.append(f"  host memory      {fmt_bytes(plan.host_peak_bytes)} of offloaded activations "
-                     f"({len(plan.offloading)} modules)")
+                     f"at once ({len(plan.offloading)} modules, one micro-batch{per_step})")
     if plan.step_ms:
         lines.append(
             f"  step timeline    {plan.step_ms:.3f} ms = compute {plan.compute_ms:.3f} + recompute "

@@ -2,7 +2,8 @@
 
     from estimators.timeline import step_layout
     layout = step_layout(info, blocks, comm=unit_comm)        # planner.solve builds this
-    m = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s)
+    m = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s,
+                    copy_latency_s=spec.host_copy_latency_s)
     res = m.solve(budget_bytes)
     res.discarded_bytes      # {"GPT.blocks.3.mlp": 123456, ...}  recomputed, as SACMilp's
     res.offloaded_bytes      # {"GPT.blocks.0": 7890123, ...}    saved outputs sent to host
@@ -23,7 +24,10 @@ The maths, on top of the memory model of ``solver/milp.py`` / ``solver/plan_cost
         E_i >= E_{i-1} + compute_i + sum_{k recomputed in i} rct_k      (segment ends)
         E_i >= X_t + compute_i + ...                 for each transfer t segment i waits for
         X_t >= E_{release_t - 1} + dur_t,  X_t >= X_{previous on its stream} + dur_t,
-        X_t >= X_{t.after} + dur_t                   dur of a copy of block b: o_b H_b / copy B/s
+        X_t >= X_{t.after} + dur_t
+        dur_b >= a_s o_b + b_s  for each segment s of the convex copy curve of block b
+            (offload_curve: per op, largest first, bytes / copy B/s + copy latency; exact at
+            whole ops, below them in between)
         T >= E_last,  T >= X_t (transfers the step end waits for)
     minimise  T  (+ tie-breaks below 1e-6 of the step: fewer planned modules, less offload)
 
@@ -31,9 +35,11 @@ The maths, on top of the memory model of ``solver/milp.py`` / ``solver/plan_cost
 H2D copy is issued there; for the first block in backward order, its own). The minimal T of a
 max-plus system is its longest path, so the objective is exactly the step time of
 ``estimators.timeline.simulate`` for the same decisions (rct on the convex envelope of each
-curve, as in SACMilp). Practice rules: only saved, non-view outputs of at least
-``min_offload_bytes`` are offloadable; the last block in forward order never offloads (its
-backward starts right after the forward: no window to hide a copy).
+curve, as in SACMilp; each copy's time on the convex envelope of its curve). Practice rules:
+only saved, non-view, non-empty outputs are offloadable, and small ones are priced out, not
+ruled out: each copy pays the device's fixed ``host_copy_latency_s``, so where the copy stream
+is the bottleneck many small copies lose to recompute; the last block in forward order never
+offloads (its backward starts right after the forward: no window to hide a copy).
 
 The plan is re-evaluated exactly: the peak with ``predict_offload_peak_bytes``, the step on the
 timeline with each module's exact ``module_recompute_ms``.
@@ -64,11 +70,11 @@ from solver.plan_cost import (
 from solver.options import SolverOptions, SolveStatus, run_backend
 
 if TYPE_CHECKING:  # only types
-    from estimators.module_info import ModStats, ModuleInfo
+    from estimators.module_info import ModStats, ModuleInfo, SACOp
     from estimators.timeline import StepLayout, StepTimeline
 
-__all__ = ["OffloadMilp", "OffloadResult", "offloadable_bytes", "predict_offload_peak_bytes",
-           "DEFAULT_MIN_OFFLOAD_BYTES"]
+__all__ = ["OffloadMilp", "OffloadResult", "offloadable_bytes", "offload_ops", "offload_take",
+           "offload_curve", "predict_offload_peak_bytes", "DEFAULT_MIN_OFFLOAD_BYTES"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,20 +88,53 @@ def _new_var(prob: Any, name: str, low: float | None, up: float | None = None,
 
     return pulp.LpVariable(name, low, up, cat)
 
-DEFAULT_MIN_OFFLOAD_BYTES = 64 * 2**10
-"""Saved outputs smaller than this stay on the device: a copy's fixed cost (launch, event, host
-buffer) outweighs what it frees (planner.offload.MIN_OFFLOAD_BYTES on the apply side)."""
+DEFAULT_MIN_OFFLOAD_BYTES = 1
+"""Empty outputs are never offloaded (nothing to free). Small ones are not excluded by a size
+rule: each copy pays ``DeviceSpec.host_copy_latency_s`` on the copy stream, so the MILP takes
+them only where the copy window hides that cost, and last (``offload_ops``'s order)."""
 
 _TIE = 1e-6
 
 
+def offload_ops(s: ModStats, min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES) -> list[SACOp]:
+    """Ops of ``s`` whose saved outputs may go to host (saved, not views, not cached-only, at
+    least ``min_offload_bytes``), largest first (forward order among equals): with a fixed
+    latency per copy, the order that moves the most bytes per ms of copy stream, so the copy
+    time of the first x bytes is a convex function of x (``offload_curve``)."""
+    ops = [op for op in s.ops if op.is_saved and not op.is_view and not op.cache_cost_bytes
+           and op.memory_bytes >= min_offload_bytes]
+    return sorted(ops, key=lambda op: -op.memory_bytes)  # stable: forward order among equals
+
+
 def offloadable_bytes(s: ModStats, min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES) -> int:
-    """Bytes of ``s``'s saved outputs that may go to host: saved, not views, not cached-only,
-    at least ``min_offload_bytes`` each; over all its calls."""
-    one = sum(op.memory_bytes for op in s.ops
-              if op.is_saved and not op.is_view and not op.cache_cost_bytes
-              and op.memory_bytes >= min_offload_bytes)
-    return one * max(1, s.n_calls)
+    """Bytes of ``s``'s saved outputs that may go to host (``offload_ops``), over all its calls."""
+    return sum(op.memory_bytes for op in offload_ops(s, min_offload_bytes)) * max(1, s.n_calls)
+
+
+def offload_take(s: ModStats, nbytes: int, min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
+                 ) -> tuple[list[SACOp], int]:
+    """The ops ``offload_ops`` takes first to offload at least ``nbytes`` (over all calls), and
+    the bytes they really offload."""
+    calls, out, total = max(1, s.n_calls), [], 0
+    for op in offload_ops(s, min_offload_bytes):
+        if total >= nbytes:
+            break
+        out.append(op)
+        total += op.memory_bytes * calls
+    return out, total
+
+
+def offload_curve(s: ModStats, copy_bytes_per_s: float, copy_latency_s: float,
+                  min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES) -> list[tuple[int, float]]:
+    """Breakpoints (bytes, ms) of one direction's copy time as ``s`` offloads more bytes in
+    ``offload_ops`` order, over all calls (one copy per op and call); starts at (0, 0), convex."""
+    calls = max(1, s.n_calls)
+    pts, x, t = [(0, 0.0)], 0, 0.0
+    for op in offload_ops(s, min_offload_bytes):
+        x += op.memory_bytes * calls
+        t += calls * 1e3 * (op.memory_bytes / copy_bytes_per_s + copy_latency_s)
+        pts.append((x, t))
+    return pts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,6 +236,7 @@ class OffloadMilp:
         layout: StepLayout,
         *,
         copy_bytes_per_s: float,
+        copy_latency_s: float = 0.0,
         world_size: int = 1,
         host_budget_bytes: int | None = None,
         min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
@@ -215,6 +255,10 @@ class OffloadMilp:
         self.info, self.layout = info, layout
         self.world_size = int(world_size)
         self.copy_bytes_per_s = float(copy_bytes_per_s)
+        if not (math.isfinite(copy_latency_s) and copy_latency_s >= 0):
+            raise ValueError(f"copy_latency_s must be finite and >= 0, got {copy_latency_s}")
+        self.copy_latency_s = float(copy_latency_s)
+        self.min_offload_bytes = int(min_offload_bytes)
         self.host_budget_bytes = host_budget_bytes
         self.options = options if options is not None else SolverOptions()
         self.graph = Graph.from_module_info(info)
@@ -279,9 +323,18 @@ class OffloadMilp:
                 for s, (a, b) in enumerate(segs):
                     self._add([(self._extra[k], 1.0), (r, -a), (c, -b)], pulp.LpConstraintGE, 0.0,
                               f"rgrowth_seg{s}_{k}")
-        self._o = []
+        # o_j: fraction of block j's offloadable bytes sent to host; dur_j: one direction's copy
+        # time, on the convex envelope of offload_curve (exact at whole ops).
+        self._o, self._dur = [], []
         for j, blk in enumerate(self._blocks):
-            self._o.append(_new_var(p, f"o{j}_{_safe(blk.fqn)}", 0, 1))
+            o = _new_var(p, f"o{j}_{_safe(blk.fqn)}", 0, 1)
+            dur = _new_var(p, f"copy_ms{j}_{_safe(blk.fqn)}", 0)
+            self._o.append(o), self._dur.append(dur)
+            pts = offload_curve(blk.stats, self.copy_bytes_per_s, self.copy_latency_s,
+                                self.min_offload_bytes)
+            h = pts[-1][0]
+            for s, (a, b) in enumerate(lower_hull_segments([(x / h, t) for x, t in pts])):
+                self._add([(dur, 1.0), (o, -a)], pulp.LpConstraintGE, b, f"copy_seg{s}_{j}")
         self._peak = _new_var(p, "peak", 0)
 
     def _add_nesting_constraints(self) -> None:
@@ -396,8 +449,7 @@ class OffloadMilp:
         for t in lay.comm:
             transfers.append((t.name, t.stream.value, t.release, t.needed_by, t.after, t.duration_ms, []))
         for j, blk in enumerate(self._blocks):
-            ms_per_o = 1e3 * blk.offload_bytes / self.copy_bytes_per_s
-            dur = [(self._o[j], ms_per_o)]
+            dur = [(self._dur[j], 1.0)]
             transfers.append((f"d2h:{blk.fqn}", "d2h", lay.fw_segment[blk.fqn] + 1, None, None, 0.0, dur))
             transfers.append((f"h2d:{blk.fqn}", "h2d", lay.prefetch_segment[blk.fqn],
                               lay.bw_segment[blk.fqn], f"d2h:{blk.fqn}", 0.0, dur))
@@ -484,8 +536,12 @@ class OffloadMilp:
             st = self.graph.node(f).stats
             seg = self.layout.segment_of_backward(st)
             rec[seg] = rec.get(seg, 0.0) + module_recompute_ms(st, d)
+        stats = {b.fqn: b.stats for b in self._blocks}
+        copies = {f: len(offload_take(stats[f], h, self.min_offload_bytes)[0]) * max(1, stats[f].n_calls)
+                  for f, h in offloaded.items()}
         return self.layout.timeline(recompute_ms_by_segment=rec, offload_bytes=offloaded,
-                                    copy_bytes_per_s=self.copy_bytes_per_s)
+                                    copy_bytes_per_s=self.copy_bytes_per_s, offload_copies=copies,
+                                    copy_latency_s=self.copy_latency_s)
 
     def solve(self, budget_bytes: int, *, incumbent: Mapping[str, int] | None = None) -> OffloadResult:
         """Least step time plan whose exact peak is <= ``budget_bytes`` (per rank).

@@ -114,3 +114,14 @@ def test_host_link_figures():
     assert get_device_spec("h100").host_copy_bytes_per_s == pytest.approx(0.8 * pcie5)
     with pytest.raises(ValueError, match="host_link"):
         get_device_spec("h100").replace(host_link_bytes_per_s=-1.0)
+
+
+def test_host_copy_latency():
+    from estimators.device import get_device_spec
+
+    for name in ("h100", "gh200", "cpu"):
+        assert get_device_spec(name).host_copy_latency_s == 5e-6
+    assert get_device_spec("h100").replace(host_copy_latency_s=0.0).host_copy_latency_s == 0.0
+    for bad in (-1e-6, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="host_copy_latency_s"):
+            get_device_spec("h100").replace(host_copy_latency_s=bad)

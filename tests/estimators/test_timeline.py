@@ -135,6 +135,13 @@ def test_layout_segments_and_prefetch():
     # 10 ms each way: D2H 5..15, H2D 16..26: bw:b.0 waits 2 ms.
     tl = lay.timeline(offload_bytes={"M.b.0": 10e6}, copy_bytes_per_s=1e9)
     assert (tl.step_ms, tl.exposed_copy_ms) == (41, 2)
+    # The same 6 MB in 1,000 copies of 5 us each: 6 + 5 = 11 ms each way: D2H 5..16, H2D 16..27,
+    # bw:b.0 waits 27 - 24 = 3 ms. In one copy the latency is 5 us: hidden.
+    tl = lay.timeline(offload_bytes={"M.b.0": 6e6}, copy_bytes_per_s=1e9,
+                      offload_copies={"M.b.0": 1000}, copy_latency_s=5e-6)
+    assert (tl.step_ms, tl.exposed_copy_ms) == pytest.approx((42, 3))
+    tl = lay.timeline(offload_bytes={"M.b.0": 6e6}, copy_bytes_per_s=1e9, copy_latency_s=5e-6)
+    assert (tl.step_ms, tl.exposed_copy_ms) == (39, 0)
 
 
 def test_layout_fsdp_collectives():

@@ -17,7 +17,14 @@ import pytest
 from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, SACOp, TradeoffCurve
 from estimators.timeline import step_layout
 from solver import InfeasibleBudgetError
-from solver.offload_milp import OffloadMilp, offloadable_bytes, predict_offload_peak_bytes
+from solver.offload_milp import (
+    OffloadMilp,
+    offload_curve,
+    offload_ops,
+    offload_take,
+    offloadable_bytes,
+    predict_offload_peak_bytes,
+)
 
 MiB = 2**20
 RATE = MiB * 1000.0  # 1 MiB per ms
@@ -98,12 +105,43 @@ def test_exposed_copy_is_paid_when_it_is_cheapest():
     assert host_only.solve(250 * MiB).step_ms == pytest.approx(60 + 10 * x, abs=1e-2)
 
 
-def test_last_block_and_tiny_tensors_stay():
+def test_last_block_stays_and_offload_order_is_largest_first():
     i = info(small_op_bytes=1000)
-    assert offloadable_bytes(i.stats("M.b.0")) == 100 * MiB  # the 1000-byte output is skipped
-    assert offloadable_bytes(i.stats("M.b.0"), min_offload_bytes=0) == 100 * MiB + 1000
+    b0 = i.stats("M.b.0")
+    # No size rule: the 1000-byte output is offloadable, taken after the 100 MiB one.
+    assert offloadable_bytes(b0) == 100 * MiB + 1000
+    assert [op.memory_bytes for op in offload_ops(b0)] == [100 * MiB, 1000]
+    assert offload_take(b0, 1) == ([b0.ops[0]], 100 * MiB)
+    assert offload_take(b0, 100 * MiB + 1)[1] == 100 * MiB + 1000
+    # Copy time per op: bytes / rate + 5 us latency, cumulative.
+    assert offload_curve(b0, RATE, 5e-6) == [(0, 0.0), (100 * MiB, pytest.approx(100.005)),
+                                             (100 * MiB + 1000, pytest.approx(100.005 + 1000 / MiB + 0.005))]
     m = milp(i)
     assert [b.fqn for b in m._blocks] == ["M.b.0"]  # the last block in forward order keeps its own
+
+
+def _small_ops_info(n_ops: int):
+    """b0 saves n_ops outputs of 1 MiB each (100 MiB in all), b1 as before."""
+    i = info()
+    ops = tuple(SACOp(func="aten.mm.default", occurrence=k, runtime_ms=10.0 / n_ops,
+                      memory_bytes=100 * MiB // n_ops, is_saved=True) for k in range(n_ops))
+    stats = tuple(ModStats(**{**s.__dict__, "ops": ops}) if s.fqn == "M.b.0" else s for s in i.mod_stats)
+    return ModuleInfo(**{**i.__dict__, "mod_stats": stats})
+
+
+@pytest.mark.parametrize("latency_ms", [0.0, 1.0])
+def test_copy_latency_prices_many_small_copies(latency_ms):
+    """b0's 100 MiB in 100 copies of 1 MiB, each with latency L: one direction takes (1 + L) ms
+    per MiB. As in the first test, hidden while 10 + 2 (1 + L) o <= 40 + 0.1 (50 - o):
+    o = 35 / (2.1 + 2 L) MiB -- 16.667 MiB with no latency, 8.537 MiB at L = 1 ms; b1 recomputes
+    the rest, and the step is 60 + 0.1 (50 - o). (The MILP's o is on the envelope; the copy
+    time is exact at whole ops.)"""
+    i = _small_ops_info(100)
+    res = milp(i, copy_latency_s=latency_ms / 1e3).solve(250 * MiB)
+    o = 35 / (2.1 + 2 * latency_ms)
+    assert res.offloaded_bytes["M.b.0"] == pytest.approx(o * MiB, abs=4096)
+    assert res.milp_step_ms == pytest.approx(60 + 0.1 * (50 - o), abs=1e-3)
+    assert res.predicted_peak_bytes <= 250 * MiB
 
 
 def test_peak_model_window_and_errors():
