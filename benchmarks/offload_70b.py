@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     rec = SACMilp(info, world_size=ws, fsdp_units=fsdp, options=opts)
     t_rec = time.perf_counter() - t0
     t0 = time.perf_counter()
-    three = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s, world_size=ws,
+    three = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s,
+                        copy_latency_s=spec.host_copy_latency_s, world_size=ws,
                         host_budget_bytes=int(args.host_budget_gib * GiB), fsdp_units=fsdp,
                         options=SolverOptions(time_limit_s=args.three_way_time_limit_s))
     t_three = time.perf_counter() - t0

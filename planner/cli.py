@@ -11,6 +11,8 @@ gradients, run one real training step and print the predicted peak beside the me
     python -m planner.apply --model examples:llama3_70b --device h100 --budget-gib 80 \\
         --world-size 64 --no-verify --plan-out llama70b.json
     python -m planner.apply --model mypkg.models:make --plan-in plan.json   # re-check a saved plan
+    python -m planner.apply --model examples:llama_tiny --offload --host-budget-gib 1 \\
+        --optimizer adamw --budget-gib 0.00193       # keep, recompute or offload to host memory
 
 ``--model MODULE:FACTORY`` names a zero-argument callable returning ``(model, inputs)`` or
 ``(model, inputs, loss_fn)`` (see examples/__init__.py); the loss is ``--loss-fn MODULE:FN`` if
@@ -19,8 +21,8 @@ given, else the factory's, else ``model.loss_fn(output, inputs)``, else the plan
 ``planner/apply.py`` runs :func:`main` so that ``python -m planner.apply`` keeps working; this
 module is the command line itself.
 
-Exit status: 0 done (and every check passed), 1 a check failed (gradients differ, or the measured
-peak is above the usable budget), 2 bad input or a request that cannot be planned: one
+Exit status: 0 done (and every check passed), 1 a check failed (gradients differ, the measured
+peak is above the usable budget, or an offloading plan copied other bytes to host than predicted), 2 bad input or a request that cannot be planned: one
 ``error: ...`` line on stderr (``--debug`` shows the traceback instead).
 """
 
@@ -172,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-in", help="skip solving: load this plan and apply/verify it")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True, help="check the plan on real tensors: the planned step's loss and gradients against the unplanned step's (bitwise), then one real training step with its measured peak (default on)")
     p.add_argument("--json", action="store_true", help="print one JSON object (plan, gradient check, measurement) instead of tables")
+    p.add_argument("--offload", action="store_true", help="plan keep / recompute / offload to host memory (least step time on the step timeline), not recompute alone; --verify then also compares the bytes copied to host per step with the prediction")
+    p.add_argument("--host-budget-gib", type=_positive_gib("--host-budget-gib"), help="with --offload: host memory per rank for offloaded activations, in GiB (default: not limited)")
     p.add_argument("--time-limit-s", type=_positive_seconds, default=60.0, help="MILP time limit in seconds (default 60)")
     p.add_argument("--seed", type=int, default=0, help="torch seed of the verification steps (dropout masks) (default 0)")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")
@@ -186,6 +190,10 @@ def _optimizer_arg(name: str) -> str | None:
 def _check_args(args) -> None:
     if args.plan_in and args.budget_gib is not None:
         raise CLIError("--budget-gib has no effect with --plan-in (the plan is already made); drop one")
+    if args.host_budget_gib is not None and not args.offload:
+        raise CLIError("--host-budget-gib only applies with --offload; add --offload or drop it")
+    if args.plan_in and args.offload:
+        raise CLIError("--offload has no effect with --plan-in (the plan is already made); drop one")
     if args.optimizer.lower() not in ("adam", "adamw", "sgd", "none"):
         raise CLIError(f"--optimizer must be adam, adamw, sgd or none, got {args.optimizer!r}")
 
@@ -237,14 +245,17 @@ def _solve(args, model, inputs, loss_fn) -> Plan:
         )
     return plan_for_budget(
         model, est, budget, world_size=args.world_size, reserve_bytes=reserve,
-        solver_options=solver_options, verify=True,
+        solver_options=solver_options, verify=True, offload=args.offload,
+        host_budget_bytes=int(args.host_budget_gib * GiB) if args.host_budget_gib is not None else None,
     )
 
 
 def _verify(args, plan: Plan, model, inputs, loss_fn
-            ) -> tuple[GradientCheck | None, list[MeasuredStep] | None, str | None]:
+            ) -> tuple[GradientCheck | None, list[MeasuredStep] | None, str | None, int | None]:
+    """Gradient check, measured steps, a note, and the bytes copied to host per step (None when
+    the plan offloads nothing)."""
     if any(p.device.type == "meta" for p in model.parameters()):
-        return None, None, "the model is on the meta device: nothing to run (use --no-verify)"
+        return None, None, "the model is on the meta device: nothing to run (use --no-verify)", None
     spec = get_device_spec(args.device)
     note = None
     if spec.name != "cpu" and next(model.parameters()).device.type == "cpu":
@@ -256,9 +267,10 @@ def _verify(args, plan: Plan, model, inputs, loss_fn
     optimizer = resolve_optimizer(_optimizer_arg(args.optimizer), params, spec, fake=False)
     torch.manual_seed(args.seed)
     # Three steps: the first of a fresh run, then the steady state the plan is made for.
-    with apply_plan(model, plan):
+    with apply_plan(model, plan) as handle:
         measured = measure_steps(model, _step(args, inputs, loss_fn), optimizer, n_steps=VERIFY_STEPS)
-    return check, measured, note
+        host = handle.host_bytes_offloaded // VERIFY_STEPS if plan.offloading else None
+    return check, measured, note, host
 
 
 def _json_number(x: float) -> float | str:
@@ -266,7 +278,7 @@ def _json_number(x: float) -> float | str:
 
 
 def _report(args, plan: Plan, check: GradientCheck | None, measured: list[MeasuredStep] | None,
-            note: str | None) -> None:
+            note: str | None, host: int | None = None) -> None:
     if args.json:
         out: dict[str, Any] = {"plan": plan.to_dict()}
         if check is not None:
@@ -277,6 +289,8 @@ def _report(args, plan: Plan, check: GradientCheck | None, measured: list[Measur
                       "step_time_ms": m.step_time_ms, "tracker": m.tracker} for i, m in enumerate(measured)]
             out["measured"] = max(steps, key=lambda s: s["peak_bytes"])  # the binding step
             out["measured_steps"] = steps
+        if host is not None:
+            out["host_bytes_per_step"] = {"predicted": plan.host_bytes_per_step, "measured": host}
         if note:
             out["note"] = note
         print(json.dumps(out, indent=1))
@@ -290,6 +304,10 @@ def _report(args, plan: Plan, check: GradientCheck | None, measured: list[Measur
     if measured is not None:
         print(f"\n{len(measured)} real training steps with the plan applied:")
         print(steps_vs_prediction(plan, measured))
+    if host is not None:
+        same = "as predicted" if host == plan.host_bytes_per_step else "DIFFERS from the prediction"
+        print(f"  host copies      {fmt_bytes(host)} ({host:,} B) per step to host memory, predicted "
+              f"{plan.host_bytes_per_step:,} B: {same}")
     if note:
         print(f"  note: {note}")
 
@@ -309,8 +327,9 @@ def _run(args) -> int:
             plan.save(args.plan_out)
         except OSError as e:
             raise CLIError(f"--plan-out {args.plan_out}: cannot write it ({e.strerror or e})") from e
-    check, measured, note = _verify(args, plan, model, inputs, loss_fn) if args.verify else (None, None, None)
-    _report(args, plan, check, measured, note)
+    check, measured, note, host = (_verify(args, plan, model, inputs, loss_fn) if args.verify
+                                   else (None, None, None, None))
+    _report(args, plan, check, measured, note, host)
     failed = []
     if check is not None and not check.equal:
         failed.append(f"the planned step's loss or gradients differ from the unplanned step's "
@@ -319,6 +338,9 @@ def _run(args) -> int:
     if measured is not None and note is None and peak > plan.usable_budget_bytes:
         failed.append(f"the measured peak {fmt_bytes(peak)} is above the usable budget "
                       f"{fmt_bytes(plan.usable_budget_bytes)}")
+    if host is not None and host != plan.host_bytes_per_step:
+        failed.append(f"{host:,} B per step went to host memory where the plan predicted "
+                      f"{plan.host_bytes_per_step:,} B")
     for f in failed:
         print(f"check failed: {f}", file=sys.stderr)
     return 1 if failed else 0

@@ -225,3 +225,47 @@ def test_python_m_planner_apply_runs_the_cli():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == ["error: --optimizer must be adam, adamw, sgd or none, got 'lion'"]
+
+
+def test_offload_plans_applies_and_checks_host_bytes():
+    """``--offload``: a keep / recompute / offload plan for llama_tiny (2 micro-batches), applied
+    and verified in a subprocess: bitwise gradients, measured peak, host bytes per step (two
+    micro-batches: twice what is on host at once), the step timeline printed."""
+    import subprocess
+    from pathlib import Path
+
+    from estimators import estimate
+    from estimators.step import TrainStep
+    from examples import EXAMPLES
+    from solver import SACMilp
+
+    model, inputs = EXAMPLES["llama_tiny"]()
+    info = estimate(model, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw",
+                                          micro_batches=2), device="cpu").module_info
+    low = SACMilp(info).min_reachable_peak_bytes()
+    budget_gib = (low + 0.9 * (info.peak_bytes - low)) / 2**30
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "planner.apply", "--model", "examples:llama_tiny", "--offload",
+           "--host-budget-gib", "0.5", "--optimizer", "adamw", "--micro-batches", "2",
+           "--budget-gib", f"{budget_gib:.9f}", "-q"]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr  # 1 if gradients, peak or host bytes were off
+    out = proc.stdout
+    assert "bitwise EQUAL" in out
+    assert re.search(r"offload \d+ ops \([\d.]+ KiB\) to host", out), out
+    assert "step timeline" in out and "exposed copies" in out
+    at_once, per_step = re.search(r"host memory +([\d.]+) KiB of offloaded activations at once "
+                                  r".*one micro-batch, ([\d.]+) KiB copied per step", out).groups()
+    assert float(per_step) == 2 * float(at_once) > 0
+    measured, predicted = re.search(r"host copies .*\(([\d,]+) B\) per step to host memory, "
+                                    r"predicted ([\d,]+) B: as predicted", out).groups()
+    assert measured == predicted
+    errs = [float(e) for e in re.findall(r"^ +[23] .*?([+-]\d+\.\d+)%", out, flags=re.M)]
+    assert len(errs) == 2 and all(abs(e) <= 3 for e in errs), out  # steady steps vs predicted
+
+
+def test_offload_flags_refused_where_they_do_nothing(capsys):
+    assert main(["--host-budget-gib", "1", "--no-verify"]) == 2
+    assert "--host-budget-gib only applies with --offload" in capsys.readouterr().err
+    assert main(["--offload", "--host-budget-gib", "-1"]) == 2
+    assert "--host-budget-gib: must be a positive" in capsys.readouterr().err
