@@ -79,6 +79,9 @@ def main(argv=None) -> int:
     p.add_argument("--three-way-time-limit-s", type=float, default=4.0,
                    help="three-way solver limit per budget (default 4: the 5 s target with the "
                         "exact re-evaluation); the best plan found by then is used, its gap printed")
+    p.add_argument("--compare-cold", action="store_true",
+                   help="also solve each budget without the warm start (the recompute-only plan "
+                        "handed to HiGHS as its first incumbent), side by side, same limit")
     p.add_argument("--no-incumbent", dest="incumbent", action="store_false",
                    help="do not give the three-way solve the recompute-only plan as its fallback "
                         "(the planner always does)")
@@ -123,6 +126,7 @@ def main(argv=None) -> int:
     print(f"{'GiB':>9} | {'step ms':>9} {'recomp':>8} {'exp.comm':>8} {'solve s':>8}    | "
           f"{'step ms':>9} {'recomp':>8} {'exp.copy':>8} {'exp.comm':>8} {'host GiB':>8} {'solve s':>8} {'gap':>7}")
     ok_time, ok_step, worst, n_fallback = True, True, 0.0, 0
+    cold = []
     for b in budgets:
         try:
             r = rec.solve(b)
@@ -130,6 +134,12 @@ def main(argv=None) -> int:
             print(f"{b / GiB:9.2f} | infeasible")
             continue
         tl = three.timeline(r.discarded_bytes, {})
+        if args.compare_cold:
+            c = three.solve(b, incumbent=r.discarded_bytes if args.incumbent else None, warm_start=False)
+            cold.append(c)
+            print(f"{b / GiB:9.2f} | cold start: step {c.step_ms:9.1f} host {c.host_peak_bytes / GiB:6.2f} GiB "
+                  f"solve {c.solve_time_s:5.2f} s " + (f"gap {100 * c.gap:.2f}%" if c.gap is not None else "gap n/a")
+                  + (" (incumbent)" if c.from_incumbent else "") + f" {c.status.value}")
         t = three.solve(b, incumbent=r.discarded_bytes if args.incumbent else None)
         n_fallback += t.from_incumbent
         t3 = t.timeline
@@ -140,7 +150,7 @@ def main(argv=None) -> int:
               f"{r.solve_time_s:8.2f}    | {t3.step_ms:9.1f} {t3.recompute_ms:8.1f} {t3.exposed_copy_ms:8.2f} "
               f"{t3.exposed_comm_ms:8.2f} {t.host_peak_bytes / GiB:8.2f} {t.solve_time_s:8.2f} "
               + (f"{100 * t.gap:6.2f}%" if t.gap is not None else "   n/a ")
-              + (" (incumbent)" if t.from_incumbent else ""))
+              + (" (incumbent)" if t.from_incumbent else "") + f" {t.status.value}")
     print()
     if args.incumbent:
         print(f"budgets where the recompute-only incumbent was returned: {n_fallback}")

@@ -543,12 +543,14 @@ class OffloadMilp:
                                     copy_bytes_per_s=self.copy_bytes_per_s, offload_copies=copies,
                                     copy_latency_s=self.copy_latency_s)
 
-    def solve(self, budget_bytes: int, *, incumbent: Mapping[str, int] | None = None) -> OffloadResult:
+    def solve(self, budget_bytes: int, *, incumbent: Mapping[str, int] | None = None,
+              warm_start: bool = True) -> OffloadResult:
         """Least step time plan whose exact peak is <= ``budget_bytes`` (per rank).
 
         ``incumbent``: a recompute-only plan (``SolveResult.discarded_bytes`` of ``SACMilp``),
         returned instead when it is faster on the timeline than what the backend found within
-        its time limit (it is a plan of this MILP too: no offload)."""
+        its time limit (it is a plan of this MILP too: no offload); with ``warm_start`` (HiGHS)
+        the backend also starts its search from it."""
         t0 = time.perf_counter()
         budget = _check_budget(budget_bytes)
         target = budget
@@ -558,7 +560,8 @@ class OffloadMilp:
             self._prob.setObjective(self._objective)
             # time_limit_s bounds the whole solve: a re-solve gets what the first left over.
             left = None if limit is None else max(0.1 * limit, limit - (time.perf_counter() - t0))
-            out = run_backend(self._prob, dataclasses.replace(self.options, time_limit_s=left))
+            out = run_backend(self._prob, dataclasses.replace(self.options, time_limit_s=left),
+                              start=self._start(incumbent) if incumbent is not None and warm_start else None)
             if not out.has_solution:
                 # At the floor the backend may call the budget infeasible within its
                 # tolerances where the incumbent, evaluated exactly, fits.
@@ -583,6 +586,20 @@ class OffloadMilp:
         if incumbent is not None:
             return self._incumbent(incumbent, budget, t0)
         raise InfeasibleBudgetError(budget, self.min_reachable_peak_bytes(), self.world_size)
+
+    def _start(self, disc: Mapping[str, int]) -> dict[str, float]:
+        """The recompute-only plan ``disc`` as a start for the backend (its decisions; HiGHS
+        solves for the rest): the search begins from a plan at least that fast, which prunes
+        it and, at a time limit, leaves no worse a plan than the incumbent (measured on the
+        70B step: at the smallest budget 4577 ms found in 4 s where the cold start had 4614)."""
+        start: dict[str, float] = {}
+        for k, cand in enumerate(self._cands):
+            d, size = disc.get(cand.node.fqn, 0), cand.stats.sac_memory_bytes
+            start[self._c[k].name] = 1.0 if cand.node.fqn in disc else 0.0
+            start[self._r[k].name] = min(1.0, d / size) if size else 0.0
+        for o, m in zip(self._o, self._m):
+            start[o.name], start[m.name] = 0.0, 1.0
+        return start
 
     def _incumbent(self, disc: Mapping[str, int], budget: int, t0: float) -> OffloadResult:
         peak = self.peak_bytes(disc, {})

@@ -225,7 +225,7 @@ _TIGHT_TOL = 1e-9
 
 
 def _make_pulp_solver(options: SolverOptions, rel_gap: float, log_path: str | None,
-                      tight: bool) -> Any:
+                      tight: bool, start: Mapping[str, float] | None = None) -> Any:
     import pulp
 
     limit = options.time_limit_s
@@ -239,9 +239,32 @@ def _make_pulp_solver(options: SolverOptions, rel_gap: float, log_path: str | No
         )
     params = ({"mip_feasibility_tolerance": _TIGHT_TOL, "primal_feasibility_tolerance": _TIGHT_TOL}
               if tight else {})
+    if start:
+        return _highs_from_start(start)(
+            msg=options.verbose, timeLimit=limit, gapRel=rel_gap, threads=options.threads, **params
+        )
     return pulp.HiGHS(
         msg=options.verbose, timeLimit=limit, gapRel=rel_gap, threads=options.threads, **params
     )
+
+
+def _highs_from_start(start: Mapping[str, float]) -> type:
+    """PuLP's HiGHS, handed a (partial) start before it runs: ``{variable name: value}``. HiGHS
+    completes it (the other columns solved with these fixed) and keeps it as its first incumbent
+    where it is feasible; it only prunes the search, never changes the optimum."""
+    import numpy as np
+    import pulp
+
+    class _HighsFromStart(pulp.HiGHS):
+        def callSolver(self, lp):
+            cols = [(v.index, start[v.name]) for v in lp.variables() if v.name in start]
+            if cols:
+                idx, val = zip(*cols)
+                lp.solverModel.setSolution(len(idx), np.array(idx, dtype=np.int32),
+                                           np.array(val, dtype=np.float64))
+            lp.solverModel.run()
+
+    return _HighsFromStart
 
 
 _BOUND_RE = re.compile(r"^(?:Lower|Upper) bound:\s*(\S+)", re.M)
@@ -259,10 +282,11 @@ def _cbc_gap(log_text: str) -> float | None:
 
 
 def run_backend(prob: "pulp.LpProblem", options: SolverOptions, *, rel_gap: float | None = None,
-                tight: bool = False) -> _BackendOutcome:
+                tight: bool = False, start: Mapping[str, float] | None = None) -> _BackendOutcome:
     """Solve ``prob`` with the configured backend and classify the outcome.
 
-    ``tight``: byte-exact rows (tight tolerances, no CBC preprocessing); for small models."""
+    ``tight``: byte-exact rows (tight tolerances, no CBC preprocessing); for small models.
+    ``start``: a known plan as ``{variable name: value}`` (HiGHS only; CBC ignores it)."""
     import pulp
 
     if options.write_lp_path is not None:
@@ -270,7 +294,7 @@ def run_backend(prob: "pulp.LpProblem", options: SolverOptions, *, rel_gap: floa
     gap_req = options.rel_gap if rel_gap is None else rel_gap
     with tempfile.TemporaryDirectory(prefix="sac_milp_") as tmp:
         log_path = os.path.join(tmp, "cbc.log")
-        solver = _make_pulp_solver(options, gap_req, log_path, tight)
+        solver = _make_pulp_solver(options, gap_req, log_path, tight, start)
         t0 = time.perf_counter()
         prob.solve(solver)
         seconds = time.perf_counter() - t0
