@@ -80,8 +80,9 @@ def main(argv=None) -> int:
                    help="three-way solver limit per budget (default 4: the 5 s target with the "
                         "exact re-evaluation); the best plan found by then is used, its gap printed")
     p.add_argument("--compare-cold", action="store_true",
-                   help="also solve each budget without the warm start (the recompute-only plan "
-                        "handed to HiGHS as its first incumbent), side by side, same limit")
+                   help="also solve each budget as before the warm start (the recompute-only plan "
+                        "handed to HiGHS as its first incumbent) and the repair of an overshooting "
+                        "plan (its binaries fixed, fractions re-solved) existed: side by side, same limit")
     p.add_argument("--no-incumbent", dest="incumbent", action="store_false",
                    help="do not give the three-way solve the recompute-only plan as its fallback "
                         "(the planner always does)")
@@ -135,9 +136,10 @@ def main(argv=None) -> int:
             continue
         tl = three.timeline(r.discarded_bytes, {})
         if args.compare_cold:
-            c = three.solve(b, incumbent=r.discarded_bytes if args.incumbent else None, warm_start=False)
+            c = three.solve(b, incumbent=r.discarded_bytes if args.incumbent else None,
+                            warm_start=False, repair=False)
             cold.append(c)
-            print(f"{b / GiB:9.2f} | cold start: step {c.step_ms:9.1f} host {c.host_peak_bytes / GiB:6.2f} GiB "
+            print(f"{b / GiB:9.2f} | before: step {c.step_ms:9.1f} host {c.host_peak_bytes / GiB:6.2f} GiB "
                   f"solve {c.solve_time_s:5.2f} s " + (f"gap {100 * c.gap:.2f}%" if c.gap is not None else "gap n/a")
                   + (" (incumbent)" if c.from_incumbent else "") + f" {c.status.value}")
         t = three.solve(b, incumbent=r.discarded_bytes if args.incumbent else None)

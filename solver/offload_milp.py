@@ -544,45 +544,71 @@ class OffloadMilp:
                                     copy_latency_s=self.copy_latency_s)
 
     def solve(self, budget_bytes: int, *, incumbent: Mapping[str, int] | None = None,
-              warm_start: bool = True) -> OffloadResult:
+              warm_start: bool = True, repair: bool = True) -> OffloadResult:
         """Least step time plan whose exact peak is <= ``budget_bytes`` (per rank).
 
         ``incumbent``: a recompute-only plan (``SolveResult.discarded_bytes`` of ``SACMilp``),
         returned instead when it is faster on the timeline than what the backend found within
         its time limit (it is a plan of this MILP too: no offload); with ``warm_start`` (HiGHS)
-        the backend also starts its search from it."""
+        the backend also starts its search from it. Where the backend's plan overshoots the
+        budget once evaluated exactly, ``repair`` re-solves its fractions with its binary
+        choices fixed (an LP); without it the whole MILP is re-solved for a tighter target.
+        ``warm_start=False, repair=False`` is the solve as it was before either existed."""
         t0 = time.perf_counter()
         budget = _check_budget(budget_bytes)
         target = budget
         limit = self.options.time_limit_s
-        for _ in range(4):  # tighter targets where the backend's rounding overshoots
-            self._set_budget(self._u(target))
-            self._prob.setObjective(self._objective)
-            # time_limit_s bounds the whole solve: a re-solve gets what the first left over.
-            left = None if limit is None else max(0.1 * limit, limit - (time.perf_counter() - t0))
-            out = run_backend(self._prob, dataclasses.replace(self.options, time_limit_s=left),
-                              start=self._start(incumbent) if incumbent is not None and warm_start else None)
-            if not out.has_solution:
-                # At the floor the backend may call the budget infeasible within its
-                # tolerances where the incumbent, evaluated exactly, fits.
-                if incumbent is not None and self.peak_bytes(incumbent, {}) <= budget:
-                    return self._incumbent(incumbent, budget, t0)
-                if out.infeasible:
-                    raise InfeasibleBudgetError(budget, self.min_reachable_peak_bytes(), self.world_size)
-                raise SolverTimeoutError(
-                    f"no plan found within time_limit_s={self.options.time_limit_s}; raise "
-                    "SolverOptions.time_limit_s or rel_gap")
-            disc, off = self._read()
-            peak = self.peak_bytes(disc, off)
-            if peak <= budget:
-                status = SolveStatus.OPTIMAL if out.proven else SolveStatus.FEASIBLE
-                res = self._result(disc, off, peak, budget, status, out.gap, t0, self._step.varValue)
-                if incumbent is not None:
-                    alt = self._incumbent(incumbent, budget, t0)
-                    if alt.step_ms < res.step_ms:
-                        return alt
-                return res
-            target -= peak - budget + 1024
+        fixed: list[tuple[Any, Any, Any]] = []  # (variable, low, up) to restore
+        bound = None  # the first solve's dual bound (ms): a lower bound for the exact problem
+        try:
+            for _ in range(4):  # tighter targets where the backend's rounding overshoots
+                self._set_budget(self._u(target))
+                self._prob.setObjective(self._objective)
+                # time_limit_s bounds the whole solve: a re-solve gets what the first left over.
+                left = None if limit is None else max(0.1 * limit, limit - (time.perf_counter() - t0))
+                start = self._start(incumbent) if incumbent is not None and warm_start and not fixed else None
+                out = run_backend(self._prob, dataclasses.replace(self.options, time_limit_s=left),
+                                  start=start)
+                if not out.has_solution:
+                    # At the floor the backend may call the budget infeasible within its
+                    # tolerances where the incumbent, evaluated exactly, fits.
+                    if incumbent is not None and self.peak_bytes(incumbent, {}) <= budget:
+                        return self._incumbent(incumbent, budget, t0)
+                    if out.infeasible and not fixed:
+                        raise InfeasibleBudgetError(budget, self.min_reachable_peak_bytes(), self.world_size)
+                    if fixed:
+                        break
+                    raise SolverTimeoutError(
+                        f"no plan found within time_limit_s={self.options.time_limit_s}; raise "
+                        "SolverOptions.time_limit_s or rel_gap")
+                if bound is None and out.gap is not None and self._step.varValue is not None:
+                    bound = self._step.varValue * (1.0 - out.gap)
+                disc, off = self._read()
+                peak = self.peak_bytes(disc, off)
+                if peak <= budget:
+                    gap, status = out.gap, SolveStatus.OPTIMAL if out.proven else SolveStatus.FEASIBLE
+                    res = self._result(disc, off, peak, budget, status, gap, t0, self._step.varValue)
+                    if fixed:  # repaired: proven only against the first solve's bound
+                        gap = None if bound is None else max(0.0, 1.0 - bound / res.step_ms)
+                        res = dataclasses.replace(res, status=SolveStatus.FEASIBLE, gap=gap)
+                    if incumbent is not None:
+                        alt = self._incumbent(incumbent, budget, t0)
+                        if alt.step_ms < res.step_ms:
+                            return alt
+                    return res
+                # The exact peak is above the budget (the recompute growth between breakpoints
+                # of a curve lies above its envelope). Keep the backend's binary choices and
+                # re-solve the fractions alone for a tighter target: an LP, fast, where a full
+                # re-solve had only what the first left of the time limit.
+                if repair and not fixed:
+                    for v in self._c + self._m:
+                        fixed.append((v, v.lowBound, v.upBound))
+                        val = float(round(v.varValue or 0.0))
+                        v.bounds(val, val)
+                target -= peak - budget + 1024
+        finally:
+            for v, lo, up in fixed:
+                v.bounds(lo, up)
         if incumbent is not None:
             return self._incumbent(incumbent, budget, t0)
         raise InfeasibleBudgetError(budget, self.min_reachable_peak_bytes(), self.world_size)
