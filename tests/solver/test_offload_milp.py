@@ -152,3 +152,25 @@ def test_peak_model_window_and_errors():
         milp().solve(50 * MiB)
     with pytest.raises(ValueError, match="host link"):
         OffloadMilp(i, step_layout(i, ["M.b.0", "M.b.1"]), copy_bytes_per_s=0.0)
+
+
+def test_an_overshooting_plan_is_repaired_with_its_binaries_fixed(monkeypatch):
+    """Where the exact peak of the backend's plan is above the budget (on real graphs: recompute
+    growth between curve breakpoints above its envelope), the fractions are re-solved for a
+    tighter target with the binaries kept. Here the exact model is made to report 5 MiB more
+    than the MILP's for the first plan: the repaired plan frees 5 MiB more (b1 recomputes
+    50 - o + 5 MiB) and keeps b0 offloading."""
+    m = milp()
+    calls = []
+    exact = OffloadMilp.peak_bytes
+
+    def peak(self, disc, off):
+        calls.append(1)
+        return exact(self, disc, off) + (5 * MiB if len(calls) == 1 else 0)
+
+    monkeypatch.setattr(OffloadMilp, "peak_bytes", peak)
+    res = m.solve(250 * MiB)
+    assert len(calls) >= 2 and res.status.value == "feasible"
+    assert "M.b.0" in res.offloaded_bytes and "M.b.1" in res.discarded_bytes
+    assert res.predicted_peak_bytes <= 250 * MiB - 5 * MiB
+    assert all(v.lowBound == 0 and v.upBound == 1 for v in m._c + m._m)  # bounds restored
