@@ -11,8 +11,10 @@ side by side:
   the step timeline (``estimators/timeline.py``: compute, FSDP2 collectives, copies);
 * keep / recompute / offload (``solver/offload_milp.py``: least step time on that timeline,
   within ``--three-way-time-limit-s``, with the recompute-only plan as its incumbent as
-  ``planner.offload_solve`` does: where the backend's best plan is slower, or none was found in
-  time, the incumbent is returned and marked);
+  ``planner.offload_solve`` does: HiGHS starts from it, an overshooting plan is repaired with
+  its binaries fixed; where the backend's best plan is slower, or none was found in time, the
+  incumbent is returned and marked); ``--compare-cold`` also solves each budget as before
+  the warm start and the repair existed, printed above it;
 
 with each plan's predicted step time, recompute, exposed copy and exposed comm time, bytes on
 host, and solve time per budget (the model build, shared by all budgets, printed once). PASS

@@ -178,9 +178,8 @@ def plan_offload(
     if len(layout.blocks) >= 2 and not any(offloadable_bytes(info.stats(b), min_bytes) > 0
                                            for b in list(layout.blocks)[:-1]):
         # Without this, a plan of small blocks offloads nothing and does not say why.
-        notes.append(f"no saved activation of the repeated blocks reaches {min_bytes:,} bytes "
-                     "(planner.offload.MIN_OFFLOAD_BYTES; the last block never offloads): "
-                     "nothing is offloadable")
+        notes.append("the repeated blocks save no activation that can go to host (saved, not a "
+                     "view, not empty; the last block never offloads): nothing is offloadable")
     milp = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s,
                        copy_latency_s=spec.host_copy_latency_s, world_size=world_size,
                        host_budget_bytes=host_budget_bytes, min_offload_bytes=min_bytes,
