@@ -226,7 +226,8 @@ def plan_offload(
     if max(first, steady) > usable:
         raise PlanningError(f"no offload plan verified under {usable / GiB:.3f} GiB usable (last "
                             f"traced peak {max(first, steady) / GiB:.3f} GiB); raise the budget")
-    if res.from_incumbent:
+    if res.from_incumbent or (res.discarded_bytes and not res.offloaded_bytes and milp.n_offload_blocks):
+        # The backend may reach the recompute-only plan itself (it starts from it): say so too.
         notes.append("the recompute-only plan is at least as fast on the timeline: nothing offloaded")
     if host_budget_bytes is not None:
         notes.append(f"host budget {host_budget_bytes / GiB:.2f} GiB per rank")

@@ -493,6 +493,11 @@ class OffloadMilp:
 
     # ------------------------------------------------------------------ solve
     @property
+    def n_offload_blocks(self) -> int:
+        """Blocks that may offload (offloadable bytes, not the last, not under an FSDP unit)."""
+        return len(self._blocks)
+
+    @property
     def n_variables(self) -> int:
         return self._prob.numVariables()
 
