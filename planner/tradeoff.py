@@ -413,7 +413,8 @@ def step_time_curves(
         info = fsdp_module_info(info, units, world_size)
     layout = step_layout_of(info, spec, fsdp_units=units, world_size=world_size)
     sac = SACMilp(info, world_size=world_size, fsdp_units=units, options=solver_options)
-    three = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s, world_size=world_size,
+    three = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s,
+                        copy_latency_s=spec.host_copy_latency_s, world_size=world_size,
                         host_budget_bytes=host_budget_bytes, fsdp_units=units, options=solver_options,
                         offload=spec.host_copy_bytes_per_s > 0)
     if budgets is None:
