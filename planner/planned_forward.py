@@ -164,10 +164,11 @@ class _ReplayMode(_CachedTorchDispatchMode):
         if func in SAC_IGNORED_OPS or _in_bookkeeping():
             return func(*args, **kwargs)
         if not self.diverged:
-            i = self.pos
-            self.pos += 1
+            meta = _meta(args, kwargs)
+            i = self._skip_forward_only_views(self.pos, func, meta)
+            self.pos = i + 1
             e = self.log[i] if i < len(self.log) else None
-            if e is None or e.func is not func or e.meta != _meta(args, kwargs):
+            if e is None or e.func is not func or e.meta != meta:
                 self.diverged = True
                 self.on_diverge(func, i, e)
             elif e.value is not None:
@@ -178,6 +179,21 @@ class _ReplayMode(_CachedTorchDispatchMode):
                 with _Bookkeeping():
                     return tree_map(lambda x: offload.materialize(x.get_val(True)), value)
         return func(*args, **kwargs)
+
+
+    def _skip_forward_only_views(self, i: int, func, meta: tuple) -> int:
+        """Where the forward's log resumes for this op: past views the forward ran and the
+        recompute does not, when no output of theirs was saved. Hooks make them: torch's
+        ModTracker (so MemTracker) calls ``t.view_as(t)`` on a submodule's grad-requiring inputs
+        in the forward only, e.g. a spectral-norm weight's parameter; a view allocates nothing."""
+        j = i
+        while j < len(self.log) and self.log[j].value is None and getattr(self.log[j].func, "is_view", False):
+            if self.log[j].func is func and self.log[j].meta == meta:
+                return j
+            j += 1
+        if j < len(self.log) and j > i and self.log[j].func is func and self.log[j].meta == meta:
+            return j
+        return i
 
 
 class _StateKeeper:
