@@ -54,3 +54,28 @@ def test_a_view_only_the_forward_runs_under_memtracker_is_not_a_divergence():
     assert planned[1].peak_bytes == plan.predicted_peak_bytes
     for k, v in ref.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_a_full_checkpoint_recomputes_from_the_buffers_the_forward_started_from():
+    # Spectral norm's forward runs a power-iteration step on its buffers _u, _v and reads them.
+    # The recompute started from the updated vectors: another weight, gradients 8.5e-4 off.
+    from planner.checkpointing import apply_module_plans
+    from planner.plan import ModulePlan
+
+    torch.manual_seed(0)
+    ref, x = _SpectralBlocks(), torch.randn(4, 3, 8, 8)
+    planned = copy.deepcopy(ref)
+    apply_module_plans(planned, [ModulePlan(fqn="_SpectralBlocks.blocks", discard_ratio=1.0, full=True)])
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, planned)]
+    for step in range(3):
+        grads = []
+        for m, opt in zip((ref, planned), opts):
+            torch.manual_seed(step)
+            m(x).sum().backward()
+            grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for n, g in grads[0].items():
+            assert torch.equal(grads[1][n], g), (step, n)
+    for n, b in ref.state_dict().items():
+        assert torch.equal(planned.state_dict()[n], b), n
