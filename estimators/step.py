@@ -177,20 +177,23 @@ def run_step(
                 out = model(*args, **kwargs)
             except Exception as e:
                 raise StepError(_forward_hint(model, e)) from e
-            loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
+            with _values_read_in("the loss function"):
+                loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
             _check_loss(loss)
             del out
             if micro_batches > 1:
                 loss = loss / micro_batches
         if on_phase:
             on_phase(Phase.BW)
-        loss.backward()
+        with _values_read_in("the backward (a backward hook or a custom autograd Function)"):
+            loss.backward()
         value = _value(loss)
         del loss
     if optimizer is not None:
         if on_phase:
             on_phase(Phase.OPTIM)
-        optimizer.step()
+        with _values_read_in("the optimizer step"):
+            optimizer.step()
     return value
 
 
@@ -241,9 +244,32 @@ def _default_loss(out: Any) -> torch.Tensor:
     )
 
 
+_REAL_MODE = ("trace in real mode: solve_sac(..., estimate_options=EstimateOptions(mode=TraceMode.REAL)) "
+              "(estimators.estimation), --mode real on the command line")
+
+
+def _reads_values(e: Exception) -> bool:
+    """A fake-mode trace met code that needs a tensor's value (``.item()``, ``nonzero``)."""
+    name = type(e).__name__
+    return "DataDependent" in name or "DynamicOutputShape" in name or "data-dependent" in str(e).lower()
+
+
+@contextlib.contextmanager
+def _values_read_in(where: str):
+    """Only the forward's errors were explained; a ``.item()`` in a backward hook (gradient-norm
+    logging), the loss or the optimizer surfaced as torch's bare DataDependentOutputException."""
+    try:
+        yield
+    except Exception as e:
+        if not _reads_values(e):
+            raise
+        raise StepError(f"{where} raised {type(e).__name__}: {e} — it reads tensor values (.item(), "
+                        f"data-dependent shapes), which fake tensors do not have; {_REAL_MODE}") from e
+
+
 def _forward_hint(model: torch.nn.Module, e: Exception) -> str:
     name = type(e).__name__
     hint = "check that inputs match the model's forward signature"
-    if "DataDependent" in name or "data-dependent" in str(e).lower():
-        hint = "the forward reads tensor values (.item(), data-dependent shapes); trace in real mode"
+    if _reads_values(e):
+        hint = f"the forward reads tensor values (.item(), data-dependent shapes); {_REAL_MODE}"
     return f"{type(model).__name__}.forward raised {name}: {e} — {hint}"

@@ -71,6 +71,23 @@ def measure_steps(
     return out
 
 
+class _NoHandle:
+    """Stands in for the gradient-hook handles MemTracker keeps per parameter (it removes them on exit)."""
+
+    def remove(self) -> None:
+        pass
+
+
+def _skip_grad_hooks_of_frozen_params(mt: Any, model: torch.nn.Module) -> None:
+    """MemTracker (torch 2.13) registers a gradient hook on every parameter of each module it
+    enters, and ``register_hook`` raises on one that does not require grad: any model with frozen
+    parameters (fine-tuning, LoRA) could not be measured. It skips a parameter it already holds
+    handles for, so frozen ones get inert handles; they never get a gradient to track."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            mt._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
+
+
 def _measure(model: torch.nn.Module, inputs: Any, optimizer, run) -> MeasuredStep:
     """``run(on_phase)`` runs the step; its peak on the model's device."""
     device = next(model.parameters()).device
@@ -85,6 +102,7 @@ def _measure(model: torch.nn.Module, inputs: Any, optimizer, run) -> MeasuredSte
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mt = MemTracker()
+    _skip_grad_hooks_of_frozen_params(mt, model)
     # The batch is in device memory too (as on a GPU, where max_memory_allocated counts it);
     # MemTracker only sees tensors made inside its context unless told about them.
     batch = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]

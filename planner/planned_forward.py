@@ -164,10 +164,11 @@ class _ReplayMode(_CachedTorchDispatchMode):
         if func in SAC_IGNORED_OPS or _in_bookkeeping():
             return func(*args, **kwargs)
         if not self.diverged:
-            i = self.pos
-            self.pos += 1
+            meta = _meta(args, kwargs)
+            i = self._skip_forward_only_views(self.pos, func, meta)
+            self.pos = i + 1
             e = self.log[i] if i < len(self.log) else None
-            if e is None or e.func is not func or e.meta != _meta(args, kwargs):
+            if e is None or e.func is not func or e.meta != meta:
                 self.diverged = True
                 self.on_diverge(func, i, e)
             elif e.value is not None:
@@ -180,20 +181,38 @@ class _ReplayMode(_CachedTorchDispatchMode):
         return func(*args, **kwargs)
 
 
+    def _skip_forward_only_views(self, i: int, func, meta: tuple) -> int:
+        """Where the forward's log resumes for this op: past views the forward ran and the
+        recompute does not, when no output of theirs was saved. Hooks make them: torch's
+        ModTracker (so MemTracker) calls ``t.view_as(t)`` on a submodule's grad-requiring inputs
+        in the forward only, e.g. a spectral-norm weight's parameter; a view allocates nothing."""
+        j = i
+        while j < len(self.log) and self.log[j].value is None and getattr(self.log[j].func, "is_view", False):
+            if self.log[j].func is func and self.log[j].meta == meta:
+                return j
+            j += 1
+        if j < len(self.log) and j > i and self.log[j].func is func and self.log[j].meta == meta:
+            return j
+        return i
+
+
 class _StateKeeper:
     """The function handed to ``checkpoint``: first call is the forward, later ones recomputes.
 
     The forward notes which buffers it mutates in place (by version counter, plus BatchNorm's
-    running statistics, see :func:`_silently_mutated`); a recompute copies those at its entry and
-    puts them back at its exit. So BatchNorm statistics change once per step, as without a plan,
-    and a module nested in a planned one (re-run by the outer recompute) is restored the same way.
-    Nothing is held between forward and backward."""
+    running statistics, see :func:`_silently_mutated`); a recompute copies those at its entry,
+    starts from the values the forward started from and puts the copies back at its exit. So
+    BatchNorm statistics change once per step, as without a plan, the recompute computes the
+    forward's output, and a module nested in a planned one (re-run by the outer recompute) is
+    restored the same way. Held between forward and backward: the start values of the buffers
+    the forward mutated, BatchNorm's statistics excepted."""
 
     def __init__(self, module: torch.nn.Module, forward: Callable) -> None:
         self.module = module
         self.forward = forward
         self.calls = 0
         self.mutated: list[torch.Tensor] = []
+        self.at_forward: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
@@ -202,12 +221,24 @@ class _StateKeeper:
         if self.calls == 1:
             bufs = list(self.module.buffers())
             versions = [b._version for b in bufs]
-            out = self.forward(*args, **kwargs)
             quiet = _silently_mutated(self.module)
+            # A buffer the forward mutates and reads (spectral norm's power-iteration vectors)
+            # must be what it was at the forward's start when the recompute reads it, or the
+            # recompute computes another output (a full checkpoint of a spectral-norm conv gave
+            # gradients 8.5e-4 off). Copies are kept only of buffers that were mutated; BatchNorm's
+            # running statistics do not feed its training-mode output.
+            unread = _batchnorm_statistics(self.module)
+            with _Bookkeeping(), torch.no_grad():
+                start = [None if id(b) in unread else b.detach().clone() for b in bufs]
+            out = self.forward(*args, **kwargs)
             self.mutated = [b for b, v in zip(bufs, versions) if b._version != v or id(b) in quiet]
+            self.at_forward = [(b, c) for b, v, c in zip(bufs, versions, start)
+                               if c is not None and b._version != v]
             return out
         with _Bookkeeping(), torch.no_grad():
             before = [(b, b.detach().clone()) for b in self.mutated]
+            for b, value in self.at_forward:
+                b.data.copy_(value)
         try:
             with offload.recompute_scope():
                 return self.forward(*args, **kwargs)
@@ -216,6 +247,19 @@ class _StateKeeper:
                 for b, value in before:
                     # Through .data: no version bump, so tensors the recompute saved stay valid.
                     b.data.copy_(value)
+
+
+def _batchnorm_statistics(module: torch.nn.Module) -> set[int]:
+    """Buffers of training-mode batch norms: updated by the forward, never read for its output."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return {
+        id(b)
+        for m in module.modules()
+        if isinstance(m, _NormBase) and m.training and m.track_running_stats
+        for b in (m.running_mean, m.running_var, m.num_batches_tracked)
+        if b is not None
+    }
 
 
 def _silently_mutated(module: torch.nn.Module) -> set[int]:

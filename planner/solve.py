@@ -317,6 +317,7 @@ def plan_for_budget(
         first = predict_peak_bytes(first_info, res.discarded_bytes, world_size=world_size)
         return first, res.predicted_peak_bytes
 
+    traced = None  # every attempt may end in leaving out modules whose recompute diverged
     for attempt in range(_MAX_TIGHTENINGS + 1):
         try:
             res = milp.solve(target)
@@ -364,7 +365,7 @@ def plan_for_budget(
         # The MILP misjudged this plan by `over`; a neighbouring plan may err the same way, so
         # step past it (twice the miss) plus a small margin so the loop does not creep.
         target -= 2 * over + usable // 1000
-    if traced > usable:
+    if traced is None or traced > usable:
         # The min-peak plan: the refusal states its traced peak as the smallest budget, so
         # asking for that figure must give this plan.
         res = full_milp.solve(full_milp.min_reachable_peak_bytes())
@@ -398,9 +399,12 @@ def plan_for_budget(
     )
     if traced > usable:
         need = _min_budget_bytes(floor().usable_bytes, budget_bytes, reserve_bytes, est.spec)
+        left_out = ("; left out as unsafe to checkpoint: " + "; ".join(f"{f} ({why})" for f, why in excluded.items())
+                    if excluded else "")
         raise PlanningError(
             f"no plan verified under {usable / GiB:.3f} GiB usable (last traced peak "
             f"{traced / GiB:.3f} GiB); the smallest budget that verifies is {_gib_up(need):.6f} GiB"
+            + left_out
         )
     return plan
 

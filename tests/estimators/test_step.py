@@ -183,3 +183,31 @@ def test_describe_names_the_loop():
     assert TrainStep(optimizer=torch.optim.AdamW, micro_batches=2, zero_grad="zero",
                      autocast_dtype=torch.bfloat16).describe() == (
         "step: optimizer AdamW, 2 micro-batch(es), zero_grad zero, autocast bfloat16")
+
+
+def _logs_grad_norms():
+    """A backward hook that logs a gradient norm, as training scripts do."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    norms = []
+    model[0].register_full_backward_hook(lambda mod, gin, gout: norms.append(gout[0].norm().item()))
+    return model, torch.randn(3, 4), norms
+
+
+def test_values_read_in_a_backward_hook_say_to_trace_in_real_mode():
+    # Was torch's bare DataDependentOutputException from inside the fake-mode backward.
+    from estimators.estimation import EstimateOptions, TraceError, TraceMode
+
+    model, x, norms = _logs_grad_norms()
+    with pytest.raises(TraceError, match=r"the backward .* reads tensor values.*TraceMode.REAL"):
+        estimate(model, (x,))
+    est = estimate(model, (x,), options=EstimateOptions(mode=TraceMode.REAL))
+    assert est.steady_peak_bytes > 0 and len(norms) >= 1
+
+
+def test_values_read_in_the_loss_say_to_trace_in_real_mode():
+    from estimators.estimation import TraceError
+
+    model, x, _ = _logs_grad_norms()
+    with pytest.raises(TraceError, match=r"the loss function .* reads tensor values.*--mode real"):
+        estimate(model, (x,), loss_fn=lambda out, inp: out.sum() * (1.0 if out.max().item() > 0 else 2.0))

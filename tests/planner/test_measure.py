@@ -77,3 +77,18 @@ def test_n_steps_must_be_a_positive_int(bad):
     model, x = _net()
     with pytest.raises(ValueError, match="n_steps must be an int >= 1"):
         measure_steps(model, TrainStep(inputs=(x,)), n_steps=bad)
+
+
+def test_a_model_with_frozen_parameters_is_measured():
+    # MemTracker registers a gradient hook on every parameter it meets and raised "cannot register
+    # a hook on a tensor that doesn't require gradient" for a frozen one. The peak is the trace's.
+    from estimators.estimation import estimate
+
+    model, x = _net()
+    model.a.requires_grad_(False)
+    step = TrainStep(inputs=(x,), optimizer="adamw")
+    predicted = estimate(copy.deepcopy(model), step=step).steady_peak_bytes
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    steps = measure_steps(model, step, opt, n_steps=3)
+    assert [s.peak_bytes for s in steps[1:]] == [predicted, predicted]
+    assert model.a.weight.grad is None and model.b.weight.grad is not None  # it trained

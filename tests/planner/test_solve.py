@@ -248,3 +248,27 @@ def test_modules_whose_recompute_diverges_are_left_out_not_crashed_on():
         assert check_gradients(model, plan, (x,)).equal
         with apply_plan(copy.deepcopy(model), plan) as handle:
             handle.model(x).sum().backward()
+
+
+def test_every_candidate_left_out_for_divergence_is_a_planning_error():
+    # ac_units naming only modules whose recompute diverges (nn.MultiheadAttention called as
+    # self_attn(x, x, x), selectively checkpointed): once both were left out no attempt had traced
+    # a plan, and solve_sac raised UnboundLocalError ('traced') instead of saying what it could do.
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(100, 64)
+            layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True, norm_first=True)
+            self.enc = torch.nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+            self.head = torch.nn.Linear(64, 100)
+
+        def forward(self, x):
+            return self.head(self.enc(self.emb(x)))
+
+    torch.manual_seed(0)
+    model, x = Encoder(), torch.randint(0, 100, (8, 32))
+    step = TrainStep(inputs=(x,), optimizer="adamw")
+    attn = ["Encoder.enc.layers.1.self_attn", "Encoder.enc.layers.0.self_attn"]
+    with pytest.raises(PlanningError, match=r"smallest budget that verifies.*left out as unsafe to checkpoint: "
+                                            r"Encoder\.enc\.layers\.\d\.self_attn \(its recompute ran other ops"):
+        solve_sac(model, 6_000_000 / GiB, step=step, ac_units=attn)
