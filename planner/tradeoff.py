@@ -311,6 +311,12 @@ def tradeoff_curve(
     milp = SACMilp(info, world_size=world_size, options=solver_options)
     min_peak = milp.min_reachable_peak_bytes()
     build_s = time.perf_counter() - t0
+    if checked is not None and max(checked) * 2**20 <= min_peak:
+        raise ValueError(
+            f"every budget is over a million times below the smallest reachable peak "
+            f"({min_peak:,} bytes): budgets are bytes per rank, not GiB; pass "
+            f"[int(g * 2**30) for g in budgets] (got {list(budgets)[:6]})"
+        )
     if checked is None:
         checked = default_budgets(min_peak, milp.no_ac_peak_bytes, n_points)
     checked = sorted(set(checked) | set(extra))

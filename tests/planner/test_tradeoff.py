@@ -261,3 +261,10 @@ def test_sweep_reuse_matches_independent_solves() -> None:
         alone = solve_milp(info, row.budget_bytes)
         assert row.recompute_ms == pytest.approx(alone.recompute_ms, rel=1e-4, abs=1e-9)
         assert row.predicted_peak_bytes <= row.budget_bytes
+
+
+def test_budgets_given_in_gib_are_refused_with_the_conversion():
+    """A user passing GiB ([4.0, 5.0]) to the byte-valued sweep got all-infeasible rows."""
+    est = demo_estimate()
+    with pytest.raises(ValueError, match=r"bytes per rank, not GiB"):
+        tradeoff_curve(est, [4.0, 5.0])
