@@ -331,6 +331,7 @@ def estimate(
                     run_step(
                         traced, step_inputs, step.loss_fn, opt, on_phase=tracer.set_phase,
                         micro_batches=step.micro_batches, passes=1, autocast_dtype=step.autocast_dtype,
+                        keep_output=step.keep_output,
                     )
         except StepError as e:
             raise TraceError(str(e)) from e.__cause__

@@ -6,10 +6,14 @@
         with torch.autocast(device_type, dtype=autocast_dtype):     # when autocast_dtype is set
             out = model(*args, **kwargs)
             loss = loss_fn(out, inputs) / micro_batches         # default loss: out.sum()
-        del out                                                 # a loop that keeps only the loss
+        del out                                                 # unless keep_output: see below
         loss.backward()                                         # grads accumulate across micro-batches
     optimizer.step()                                            # when given
     optimizer.zero_grad(set_to_none=...)                        # ZeroGrad.SET_TO_NONE: torch's default
+
+With ``keep_output=True`` the loop holds the model's output through backward, as
+``out = model(**batch); out.loss.backward(); optimizer.step()`` does: each micro-batch's output
+lives until the next micro-batch's forward starts (the last one's through the optimizer step).
 
 ``run_step`` runs it (or, for a trace, one micro-batch of it and the optimizer step).
 """
@@ -83,6 +87,12 @@ class TrainStep:
     autocast_dtype: torch.dtype | None = None
     """Forward and loss under ``torch.autocast`` with this dtype (``torch.bfloat16`` or
     ``torch.float16``); backward and the optimizer step are not. None: no autocast."""
+    keep_output: bool = False
+    """The loop holds the model output through backward, e.g. ``out = model(**batch);
+    out.loss.backward(); optimizer.step()``: every tensor of the output (a causal LM's
+    full-vocabulary logits) stays alive through that micro-batch's backward and, for the last
+    micro-batch, the optimizer step. False: the output is dropped once the loss is computed
+    (``loss = model(**batch).loss``, HF's ``Trainer``)."""
 
     def __post_init__(self) -> None:
         mb = self.micro_batches
@@ -106,6 +116,9 @@ class TrainStep:
             )
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, inputs), got {type(self.loss_fn).__name__}")
+        if not isinstance(self.keep_output, bool):
+            raise TypeError(f"keep_output must be True or False (does the loop hold the model output "
+                            f"through backward?), got {self.keep_output!r}")
 
     @property
     def grads_alive_at_start(self) -> bool:
@@ -132,7 +145,7 @@ class TrainStep:
         amp = str(self.autocast_dtype).replace("torch.", "") if self.autocast_dtype else "off"
         return (
             f"step: optimizer {name}, {self.micro_batches} micro-batch(es), zero_grad "
-            f"{self.zero_grad.value}, autocast {amp}"
+            f"{self.zero_grad.value}, autocast {amp}" + (", output kept through backward" if self.keep_output else "")
         )
 
 
@@ -163,12 +176,14 @@ def run_step(
     micro_batches: int = 1,
     passes: int | None = None,
     autocast_dtype: torch.dtype | None = None,
+    keep_output: bool = False,
 ) -> float | None:
     """Run one optimizer step (``passes`` forward/backward passes, default ``micro_batches``; a
     trace runs one), each loss divided by ``micro_batches``; returns the last loss value when it
-    can be read (None under fake tensors)."""
+    can be read (None under fake tensors). ``keep_output``: see ``TrainStep.keep_output``."""
     args, kwargs = split_inputs(inputs)
     value = None
+    held = None  # the output a keep_output loop still references
     for _ in range(micro_batches if passes is None else passes):
         if on_phase:
             on_phase(Phase.FW)
@@ -177,6 +192,7 @@ def run_step(
                 out = model(*args, **kwargs)
             except Exception as e:
                 raise StepError(_forward_hint(model, e)) from e
+            held = out if keep_output else None  # `out = model(...)` lets go of the previous output
             with _values_read_in("the loss function"):
                 loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
             _check_loss(loss)
@@ -194,6 +210,7 @@ def run_step(
             on_phase(Phase.OPTIM)
         with _values_read_in("the optimizer step"):
             optimizer.step()
+    del held  # the loop lets go of the last output only after the optimizer step
     return value
 
 

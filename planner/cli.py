@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, or none (its state is counted) (default adam)")
     p.add_argument("--micro-batches", type=_positive_int, default=1, help="forward/backward passes per optimizer step (gradient accumulation) (default 1)")
     p.add_argument("--autocast", choices=sorted(_AUTOCAST), default="none", help="forward and loss under torch.autocast with this dtype (default none)")
+    p.add_argument("--keep-output", action="store_true", help="the training loop holds the model output through backward and the optimizer step (out = model(**batch); out.loss.backward()): count it, e.g. a causal LM's logits (default: the output is dropped once the loss is computed)")
     p.add_argument("--world-size", type=_positive_int, default=1, help="ranks sharing parameters, gradients and optimizer state (FSDP) (default 1)")
     p.add_argument("--reserve-gib", type=_reserve_gib, help="held back from the budget for CUDA context and fragmentation (default: 1 GiB + 5%% of the budget on CUDA targets, 0 on cpu)")
     p.add_argument("--mode", choices=[m.value for m in TraceMode], default="fake", help="trace with fake tensors (default) or real ones")
@@ -203,7 +204,8 @@ _AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _step(args, inputs, loss_fn) -> TrainStep:
     step = TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer=_optimizer_arg(args.optimizer),
-                     micro_batches=args.micro_batches, autocast_dtype=_AUTOCAST[args.autocast])
+                     micro_batches=args.micro_batches, autocast_dtype=_AUTOCAST[args.autocast],
+                     keep_output=args.keep_output)
     try:
         step.check_target(get_device_spec(args.device))
     except ValueError as e:
@@ -262,7 +264,7 @@ def _verify(args, plan: Plan, model, inputs, loss_fn
         note = f"plan made for {spec.name} but verified on this CPU: peaks are not comparable"
     # First the same forward + backward with and without the plan, from the same state and seed
     # (the model is left as it was), then real training steps with the plan.
-    check = check_gradients(model, plan, inputs, loss_fn=loss_fn, seed=args.seed)
+    check = check_gradients(model, plan, inputs, loss_fn=loss_fn, seed=args.seed, keep_output=args.keep_output)
     params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     optimizer = resolve_optimizer(_optimizer_arg(args.optimizer), params, spec, fake=False)
     torch.manual_seed(args.seed)

@@ -42,18 +42,22 @@ class GradientCheck:
 
 
 def check_gradients(
-    model: torch.nn.Module, plan: Plan, inputs: Any, *, loss_fn: Any = None, seed: int = 0
+    model: torch.nn.Module, plan: Plan, inputs: Any, *, loss_fn: Any = None, seed: int = 0,
+    keep_output: bool = False,
 ) -> GradientCheck:
-    """Run one forward + backward without and then with ``plan`` and compare them bitwise."""
+    """Run one forward + backward without and then with ``plan`` and compare them bitwise.
+
+    ``keep_output``: the output is held through backward as in that loop (``TrainStep.keep_output``),
+    so the planned backward runs beside it as it will in training."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # Parameters and every buffer (non-persistent ones too): BatchNorm statistics move in a step.
     state = {k: v.detach().clone() for k, v in _tensors(model).items()}
     grads = {n: p.grad for n, p in params}
     try:
-        ref_loss, ref = _run(model, inputs, loss_fn, seed, params)
+        ref_loss, ref = _run(model, inputs, loss_fn, seed, params, keep_output)
         with apply_plan(model, plan):
             _restore(model, state)
-            loss, got = _run(model, inputs, loss_fn, seed, params)
+            loss, got = _run(model, inputs, loss_fn, seed, params, keep_output)
     finally:
         _restore(model, state)
         for n, p in params:
@@ -76,11 +80,11 @@ def check_gradients(
     )
 
 
-def _run(model, inputs, loss_fn, seed, params) -> tuple[float, dict[str, torch.Tensor | None]]:
+def _run(model, inputs, loss_fn, seed, params, keep_output) -> tuple[float, dict[str, torch.Tensor | None]]:
     for _, p in params:
         p.grad = None
     torch.manual_seed(seed)
-    loss = run_step(model, inputs, loss_fn, None)
+    loss = run_step(model, inputs, loss_fn, None, keep_output=keep_output)
     if loss is None:
         raise ValueError("the gradient check needs real tensors (the model is fake or on meta)")
     return loss, {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in params}
