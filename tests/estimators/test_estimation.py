@@ -45,6 +45,40 @@ def test_step_peaks_match_mem_tracker_over_three_steps(name):
     assert est.binding_step == "steady state"
 
 
+def _own_loop_peaks(model, x, n_steps=3):
+    """A user's loop that keeps the output (``out = model(x); out.sum().backward()``), measured by
+    MemTracker step by step; the previous step's output, alive into the next forward, is tracked."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    opt = torch.optim.AdamW(model.parameters())
+    peaks, out = [], None
+    for _ in range(n_steps):
+        mt = MemTracker()
+        mt.track_external(model, opt, x, *([out] if out is not None else []))
+        with mt:
+            out = model(x)
+            out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+        peaks.append(int(mt.get_tracker_snapshot("peak")[x.device]["Total"]))
+    return peaks
+
+
+def test_keep_output_predicts_a_loop_that_holds_the_output():
+    # Net (tests/estimators/test_aggregate.py) + AdamW: the step peaks in the optimizer step; the
+    # loop's output [3, 2] float32 (24 B) is alive there. Dropped (the default), the prediction
+    # is 24 B under the loop's measured peak; kept, it is that peak to the byte, first step and steady.
+    from tests.estimators.test_aggregate import Net
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(3, 4)
+    peaks = _own_loop_peaks(model, x)
+    dropped, kept = (estimate(model, step=TrainStep(inputs=(x,), optimizer="adamw", keep_output=k))
+                     for k in (False, True))
+    assert peaks == [kept.module_info.peak_bytes] * 3 == [kept.first_step_peak_bytes] * 3
+    assert kept.module_info.peak_bytes - dropped.module_info.peak_bytes == 3 * 2 * 4
+
+
 def test_optimizer_state_is_alive_from_the_start_of_the_traced_step():
     model, inputs = EXAMPLES["gpt_tiny"]()
     est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adamw")

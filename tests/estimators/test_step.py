@@ -211,3 +211,36 @@ def test_values_read_in_the_loss_say_to_trace_in_real_mode():
     model, x, _ = _logs_grad_norms()
     with pytest.raises(TraceError, match=r"the loss function .* reads tensor values.*--mode real"):
         estimate(model, (x,), loss_fn=lambda out, inp: out.sum() * (1.0 if out.max().item() > 0 else 2.0))
+
+
+def test_keep_output_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"keep_output must be True or False"):
+        TrainStep(keep_output="yes")
+    assert TrainStep(keep_output=True).describe().endswith("autocast off, output kept through backward")
+
+
+def _output_lifetimes(keep_output: bool, micro_batches: int) -> list[tuple[str, list[bool]]]:
+    """Which outputs of the earlier forwards are still alive as each phase starts."""
+    import weakref
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    outs, seen = [], []
+    lin.register_forward_hook(lambda mod, args, out: outs.append(weakref.ref(out)))
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    run_step(lin, (x,), None, opt, lambda ph: seen.append((ph.name, [o() is not None for o in outs])),
+             micro_batches=micro_batches, keep_output=keep_output)
+    return seen + [("END", [o() is not None for o in outs])]
+
+
+def test_keep_output_holds_the_output_through_backward_and_the_optimizer_step():
+    # The loop `out = model(x); out.sum().backward(); opt.step()`: the output lives through
+    # backward and the optimizer step; without keep_output it is gone before backward starts.
+    assert _output_lifetimes(True, 1) == [("FW", []), ("BW", [True]), ("OPTIM", [True]), ("END", [False])]
+    assert _output_lifetimes(False, 1) == [("FW", []), ("BW", [False]), ("OPTIM", [False]), ("END", [False])]
+    # Accumulation: micro-batch 1's output is let go when micro-batch 2's forward returns (the
+    # loop rebinds `out`), so it is alive in that forward but not in its backward.
+    assert _output_lifetimes(True, 2) == [
+        ("FW", []), ("BW", [True]), ("FW", [True]), ("BW", [False, True]), ("OPTIM", [False, True]),
+        ("END", [False, False])]

@@ -8,6 +8,8 @@ families, at most one attention mask below it, and under the budget.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import warnings
 
@@ -155,4 +157,59 @@ def test_use_cache_passed_explicitly_is_dropped_inside_planned_modules():
     with apply_plan(model, plan):
         measured, grads = _loss_and_grads(model, {**inputs, "use_cache": True})
     assert measured.loss == ref.loss
+    assert all(torch.equal(grads[n], g) for n, g in ref_grads.items())
+
+
+def _own_loop(model, inputs, n_steps=3, seed=1):
+    """The usual HF loop, ``out = model(**batch); out.loss.backward()`` with AdamW, written out here
+    (not the planner's step) and measured by MemTracker step by step; the previous step's output,
+    alive until the next forward returns, is tracked. Returns the peaks and step 1's gradients."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils._pytree import tree_flatten
+
+    opt = torch.optim.AdamW(model.parameters())
+    torch.manual_seed(seed)
+    peaks, grads, out = [], None, None
+    for _ in range(n_steps):
+        held = [t for t in tree_flatten(dict(out or {}))[0] if isinstance(t, torch.Tensor)]
+        mt = MemTracker()
+        mt.track_external(model, opt, *inputs.values(), *held)
+        del held
+        with mt:
+            out = model(**inputs)
+            out.loss.backward()
+            grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+        peaks.append(int(mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]))
+    return peaks, grads
+
+
+def test_keep_output_predicts_the_loop_that_holds_the_output():
+    # Qwen2, vocabulary 128, batch 4 x 16: logits 32 KiB, and with HF's use_cache on (the
+    # unplanned model) a K/V cache of 2 layers x 2 x [4, 1, 16, 16] float32 = 16 KiB in the output.
+    from estimators.step import TrainStep
+
+    model, inputs = _build("qwen2")
+    step = TrainStep(inputs=inputs, optimizer="adamw", keep_output=True)
+    plain, planned = copy.deepcopy(model), copy.deepcopy(model)
+    peaks, ref_grads = _own_loop(plain, inputs, n_steps=2)  # step 2 on: the steady state
+    kept = estimate(model, step=step, device="cpu")  # use_cache on, as the unplanned loop runs
+    dropped = estimate(model, step=dataclasses.replace(step, keep_output=False), device="cpu")
+    assert peaks[1] == kept.module_info.peak_bytes
+    logits = BATCH * SEQ * VOCAB * 4
+    assert peaks[1] - dropped.module_info.peak_bytes == logits + LAYERS * 2 * BATCH * SEQ * 16 * 4
+
+    with hf_cache_off(model):
+        est = estimate(model, step=step, device="cpu")
+    milp = SACMilp(est.module_info)
+    low, high = milp.min_reachable_peak_bytes(), est.module_info.peak_bytes
+    plan = plan_for_budget(model, est, int(low + 0.35 * (high - low)), milp=milp)
+    assert plan.modules
+    with apply_plan(planned, plan):
+        planned_peaks, grads = _own_loop(planned, inputs, n_steps=2)
+    print(f"qwen2 keep_output: unplanned measured {peaks} predicted {kept.module_info.peak_bytes} "
+          f"(dropped: {dropped.module_info.peak_bytes}); planned measured {planned_peaks} predicted "
+          f"{plan.predicted_peak_bytes}")
+    assert planned_peaks[1] == plan.predicted_peak_bytes
     assert all(torch.equal(grads[n], g) for n, g in ref_grads.items())
