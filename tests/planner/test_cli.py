@@ -214,6 +214,16 @@ def test_cli_plans_the_loop_it_is_told(capsys):
     assert max(s["peak_bytes"] for s in steps) <= out["plan"]["budget_bytes"] - out["plan"]["reserve_bytes"]
 
 
+def test_cli_keep_output_reaches_the_trace_the_check_and_the_measured_steps(capsys):
+    # --keep-output: the loop holds the output through backward; the plan says so and the
+    # measured steps (which hold it too) meet the prediction to the byte.
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--json", "--keep-output"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["notes"][0].endswith("output kept through backward")
+    assert out["gradient_check"]["equal"] is True
+    assert out["measured"]["peak_bytes"] == out["plan"]["predicted_peak_bytes"]
+
+
 def test_python_m_planner_apply_runs_the_cli():
     """planner/apply.py is only the entry point: ``python -m planner.apply`` must reach cli.main
     (a bad flag is answered by cli's parser: its prog name and exit status 2)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -22,13 +23,14 @@ def _same(a, b):
         for x, y in zip(a.values(), (b[k] for k in a)))
 
 
-def test_a_real_plan_is_bitwise_equal_and_the_model_is_left_as_found():
+@pytest.mark.parametrize("keep_output", [False, True])  # True: the output held through backward
+def test_a_real_plan_is_bitwise_equal_and_the_model_is_left_as_found(keep_output):
     name = "convnet_demo"  # BatchNorm statistics and dropout-free: state must be put back
     plan = plan_at(name, budgets(name, 3)[1])
     model, inputs = EXAMPLES[name]()
     model(*inputs).sum().backward()  # gradients already there must survive the check
     before = _snapshot(model)
-    check = check_gradients(model, plan, inputs, loss_fn=model.loss_fn)
+    check = check_gradients(model, plan, inputs, loss_fn=model.loss_fn, keep_output=keep_output)
     assert check.equal and check.max_abs_diff == 0.0 and check.differing == ()
     assert check.n_params_compared == sum(1 for p in model.parameters() if p.requires_grad)
     assert check.loss_planned == check.loss_reference

@@ -72,6 +72,13 @@ def test_micro_batches_report_the_last_scaled_loss():
     assert m.loss == ref_loss / 2  # each micro-batch's loss is divided by their number (exact: / 2)
 
 
+def test_steps_that_keep_the_output_hold_it_through_backward():
+    # The output [3, 2] float32 (24 B) is alive at the peak in threshold_backward when the loop keeps it.
+    model, x = _net()
+    steps = measure_steps(model, TrainStep(inputs=(x,), keep_output=True), n_steps=2)
+    assert [s.peak_bytes for s in steps] == [PEAK + 24, PEAK + 24]
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_n_steps_must_be_a_positive_int(bad):
     model, x = _net()
