@@ -11,6 +11,7 @@ gradients, run one real training step and print the predicted peak beside the me
     python -m planner.apply --model examples:llama3_70b --device h100 --budget-gib 80 \\
         --world-size 64 --no-verify --plan-out llama70b.json
     python -m planner.apply --model mypkg.models:make --plan-in plan.json   # re-check a saved plan
+    python -m planner.apply --model mypkg.models:make --keep-output   # out = model(**b); out.loss.backward()
     python -m planner.apply --model examples:llama_tiny --offload --host-budget-gib 1 \\
         --optimizer adamw --budget-gib 0.00193       # keep, recompute or offload to host memory
 
