@@ -91,6 +91,10 @@ def _solver_unit(peak_bytes: int) -> tuple[int, str]:
     peak is under 1 GiB, so coefficients stay near 1 and well above the backend's tolerances."""
     return next(((u, name) for u, name in _UNITS if peak_bytes >= u), _UNITS[-1])
 
+_LOUD_VARIABLES = 1000
+"""Models at least this big log the start and end of each solve at INFO (they may take seconds
+to the whole time limit; the CLI shows INFO as progress)."""
+
 _TIE_Y = 1e-6
 _TIE_R = 1e-7
 """Tie-break weights: all the y (r) terms together weigh at most this much (twice, with the
@@ -415,6 +419,12 @@ class SACMilp:
         if self._prob is None:
             raise InfeasibleBudgetError(budget, self.no_ac_peak_bytes, self.world_size)
         target = budget
+        loud = self.n_variables >= _LOUD_VARIABLES
+        if loud:  # big graphs can take the whole time limit: say so before, and how it ended
+            logger.info("solving the SAC MILP for a %.2f GiB budget: %d variables, %d constraints, "
+                        "%s, gap %g, time limit %s s", budget / 2**30, self.n_variables,
+                        self.n_constraints, self.options.backend.value, self.options.rel_gap,
+                        self.options.time_limit_s)
         for _ in range(3):  # re-solve with a tighter target if rounding cannot be repaired
             self._set_budget(self._units(target))
             self._prob.set_cost(self._recompute_objective)
@@ -426,6 +436,11 @@ class SACMilp:
             if short == 0:
                 status = SolveStatus.OPTIMAL if out.proven else SolveStatus.FEASIBLE
                 res = self._result(plan, budget, status, out.gap, t0)
+                if loud:
+                    logger.info("SAC MILP: %s in %.2f s, recompute %.3f ms%s", status.value,
+                                res.solve_time_s, res.recompute_ms,
+                                "" if out.proven else f" (within {100 * (out.gap or 0):.2f} % of "
+                                "optimal: raise SolverOptions.time_limit_s to prove it)")
                 return dataclasses.replace(res, milp_objective=sol.objective)
             target -= short + 1024
         return self._fallback(budget, t0, timed_out=False)

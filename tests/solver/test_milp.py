@@ -408,3 +408,24 @@ def test_cbc_through_pulp_finds_the_highs_plan() -> None:
         assert b.recompute_ms == pytest.approx(a.recompute_ms, rel=1e-6)
         assert b.predicted_peak_bytes <= mib * MiB
     assert min_reachable_peak_bytes(chain(), options=cbc) == 250 * MiB
+
+
+def test_big_models_log_the_start_and_end_of_a_solve(monkeypatch, caplog) -> None:
+    """A 70B graph can take the whole time limit: the start and how it ended are logged at INFO
+    (the CLI's progress); small models stay quiet."""
+    import logging
+
+    import solver.milp as milp_module
+
+    monkeypatch.setattr(milp_module, "_LOUD_VARIABLES", 0)
+    with caplog.at_level(logging.INFO, logger="solver.milp"):
+        solve_milp(chain(), 400 * MiB)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("solving the SAC MILP for a 0.39 GiB budget") for m in msgs), msgs
+    assert any(m.startswith("SAC MILP: optimal in") and m.endswith("recompute 5.000 ms")
+               for m in msgs), msgs
+    monkeypatch.setattr(milp_module, "_LOUD_VARIABLES", 10**9)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="solver.milp"):
+        solve_milp(chain(), 400 * MiB)
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]
