@@ -161,28 +161,11 @@ def test_use_cache_passed_explicitly_is_dropped_inside_planned_modules():
 
 
 def _own_loop(model, inputs, n_steps=3, seed=1):
-    """The usual HF loop, ``out = model(**batch); out.loss.backward()`` with AdamW, written out here
-    (not the planner's step) and measured by MemTracker step by step; the previous step's output,
-    alive until the next forward returns, is tracked. Returns the peaks and step 1's gradients."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils._pytree import tree_flatten
+    """The usual HF loop, ``out = model(**batch); out.loss.backward()`` with AdamW, written out
+    (not the planner's step) and measured by MemTracker step by step: the benchmark's loop."""
+    from benchmarks.keep_output_hf import own_loop
 
-    opt = torch.optim.AdamW(model.parameters())
-    torch.manual_seed(seed)
-    peaks, grads, out = [], None, None
-    for _ in range(n_steps):
-        held = [t for t in tree_flatten(dict(out or {}))[0] if isinstance(t, torch.Tensor)]
-        mt = MemTracker()
-        mt.track_external(model, opt, *inputs.values(), *held)
-        del held
-        with mt:
-            out = model(**inputs)
-            out.loss.backward()
-            grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
-            opt.step()
-            opt.zero_grad()
-        peaks.append(int(mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]))
-    return peaks, grads
+    return own_loop(model, inputs, n_steps=n_steps, seed=seed)
 
 
 def test_keep_output_predicts_the_loop_that_holds_the_output():
