@@ -32,7 +32,7 @@ from solver import InfeasibleBudgetError, SACMilp, SolverOptions
 from solver.offload_milp import (
     DEFAULT_MIN_OFFLOAD_BYTES,
     OffloadMilp,
-    offload_ops,
+    offload_take,
     offloadable_bytes,
     predict_offload_peak_bytes,
 )
@@ -64,24 +64,16 @@ def _apply_side_offloads() -> bool:
 def offload_module_plan(stats: ModStats, offload_bytes: int, min_bytes: int,
                         cap_bytes: int | None = None) -> tuple[ModulePlan, int]:
     """The ops of ``stats`` whose saved outputs go to host, in the MILP's order
-    (``solver.offload_milp.offload_ops``: largest first, the cheapest bytes per ms of copy
+    (``solver.offload_milp.offload_take``: largest first, the cheapest bytes per ms of copy
     stream) until at least ``offload_bytes`` (over all calls) are covered, skipping any that
     would pass ``cap_bytes`` (what is left of the host budget); and the bytes they really
     offload. ``offloaded_ops`` lists them in forward order."""
-    calls = max(1, stats.n_calls)
-    chosen, total = [], 0
-    for op in offload_ops(stats, min_bytes):
-        if total * calls >= offload_bytes:
-            break
-        if cap_bytes is not None and (total + op.memory_bytes) * calls > cap_bytes:
-            continue
-        chosen.append((op_key(op.func), op.occurrence))
-        total += op.memory_bytes
+    ops, total = offload_take(stats, offload_bytes, min_bytes, cap_bytes)
     rank = {(op_key(op.func), op.occurrence): i for i, op in enumerate(stats.ops)}
-    plan = ModulePlan(fqn=stats.fqn, discard_ratio=0.0, full=False,
-                      offloaded_ops=tuple(sorted(chosen, key=rank.__getitem__)),
-                      offloaded_bytes=total * calls)
-    return plan, total * calls
+    chosen = sorted(((op_key(op.func), op.occurrence) for op in ops), key=rank.__getitem__)
+    plan = ModulePlan(fqn=stats.fqn, discard_ratio=0.0, full=False, offloaded_ops=tuple(chosen),
+                      offloaded_bytes=total)
+    return plan, total
 
 
 def _offloaded_bytes(stats: ModStats, plan: ModulePlan) -> int:

@@ -111,14 +111,17 @@ def offloadable_bytes(s: ModStats, min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_
     return sum(op.memory_bytes for op in offload_ops(s, min_offload_bytes)) * max(1, s.n_calls)
 
 
-def offload_take(s: ModStats, nbytes: int, min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
-                 ) -> tuple[list[SACOp], int]:
-    """The ops ``offload_ops`` takes first to offload at least ``nbytes`` (over all calls), and
-    the bytes they really offload."""
+def offload_take(s: ModStats, nbytes: int, min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+                 cap_bytes: int | None = None) -> tuple[list[SACOp], int]:
+    """The ops ``offload_ops`` takes first to offload at least ``nbytes`` (over all calls),
+    skipping any that would pass ``cap_bytes`` (what is left of a host budget), and the bytes
+    they really offload."""
     calls, out, total = max(1, s.n_calls), [], 0
     for op in offload_ops(s, min_offload_bytes):
         if total >= nbytes:
             break
+        if cap_bytes is not None and total + op.memory_bytes * calls > cap_bytes:
+            continue
         out.append(op)
         total += op.memory_bytes * calls
     return out, total

@@ -239,13 +239,8 @@ def _make_pulp_solver(options: SolverOptions, rel_gap: float, log_path: str | No
         )
     params = ({"mip_feasibility_tolerance": _TIGHT_TOL, "primal_feasibility_tolerance": _TIGHT_TOL}
               if tight else {})
-    if start:
-        return _highs_from_start(start)(
-            msg=options.verbose, timeLimit=limit, gapRel=rel_gap, threads=options.threads, **params
-        )
-    return pulp.HiGHS(
-        msg=options.verbose, timeLimit=limit, gapRel=rel_gap, threads=options.threads, **params
-    )
+    highs = _highs_from_start(start) if start else pulp.HiGHS
+    return highs(msg=options.verbose, timeLimit=limit, gapRel=rel_gap, threads=options.threads, **params)
 
 
 def _highs_from_start(start: Mapping[str, float]) -> type:
