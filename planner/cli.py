@@ -42,11 +42,11 @@ import torch
 
 from estimators.device import DEVICE_SPECS, get_device_spec
 from estimators.estimation import EstimateOptions, TraceMode, estimate, resolve_optimizer
-from estimators.step import StepError, TrainStep
+from estimators.step import StepError, TrainStep, ZeroGrad
 from planner.checkpointing import AlreadyCheckpointedError, PlanMismatchError, apply_plan, hf_cache_off
 from planner.gradcheck import GradientCheck, check_gradients
 from planner.measure import MeasuredStep, measure_steps
-from planner.plan import GiB, Plan, PlanFormatError
+from planner.plan import GiB, Plan, PlanFormatError, StepMismatchError
 from planner.report import fmt_bytes, gradient_check_text, steps_vs_prediction
 from planner.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget
 from solver import SolverOptions, min_reachable_peak_bytes
@@ -66,7 +66,7 @@ class CLIError(Exception):
 
 # Errors a user can cause and fix: one line, exit status 2 (a traceback only with --debug).
 _EXPECTED = (CLIError, PlanningError, PlanFormatError, PlanMismatchError, AlreadyCheckpointedError,
-             StepError, SolverError, OSError)
+             StepError, StepMismatchError, SolverError, OSError)
 
 
 def load_callable(spec: str, flag: str, example: str) -> Callable:
@@ -165,10 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-fn", metavar="MODULE:FN", help="loss_fn(output, inputs) -> scalar tensor (default: the factory's, else model.loss_fn, else the planner's default)")
     p.add_argument("--budget-gib", type=_positive_gib("--budget-gib"), help="memory budget per GPU in GiB (default: halfway between the smallest reachable peak and the no-AC peak)")
     p.add_argument("--device", default="cpu", choices=sorted(DEVICE_SPECS), help="target device the step is planned for (default cpu: this machine, so --verify compares like with like)")
-    p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, or none (its state is counted) (default adam)")
-    p.add_argument("--micro-batches", type=_positive_int, default=1, help="forward/backward passes per optimizer step (gradient accumulation) (default 1)")
-    p.add_argument("--autocast", choices=sorted(_AUTOCAST), default="none", help="forward and loss under torch.autocast with this dtype (default none)")
-    p.add_argument("--keep-output", action="store_true", help="the training loop holds the model output through backward and the optimizer step (out = model(**batch); out.loss.backward()): count it, e.g. a causal LM's logits (default: the output is dropped once the loss is computed)")
+    p.add_argument("--optimizer", help="adam, adamw, sgd, or none (its state is counted) (default adam; with --plan-in, the plan's)")
+    p.add_argument("--micro-batches", type=_positive_int, help="forward/backward passes per optimizer step (gradient accumulation) (default 1; with --plan-in, the plan's)")
+    p.add_argument("--autocast", choices=sorted(_AUTOCAST), help="forward and loss under torch.autocast with this dtype (default none; with --plan-in, the plan's)")
+    p.add_argument("--keep-output", action=argparse.BooleanOptionalAction, help="the training loop holds the model output through backward and the optimizer step (out = model(**batch); out.loss.backward()): count it, e.g. a causal LM's logits (default: the output is dropped once the loss is computed; with --plan-in, the plan's)")
     p.add_argument("--world-size", type=_positive_int, default=1, help="ranks sharing parameters, gradients and optimizer state (FSDP) (default 1)")
     p.add_argument("--reserve-gib", type=_reserve_gib, help="held back from the budget for CUDA context and fragmentation (default: 1 GiB + 5%% of the budget on CUDA targets, 0 on cpu)")
     p.add_argument("--mode", choices=[m.value for m in TraceMode], default="fake", help="trace with fake tensors (default) or real ones")
@@ -196,17 +196,61 @@ def _check_args(args) -> None:
         raise CLIError("--host-budget-gib only applies with --offload; add --offload or drop it")
     if args.plan_in and args.offload:
         raise CLIError("--offload has no effect with --plan-in (the plan is already made); drop one")
-    if args.optimizer.lower() not in ("adam", "adamw", "sgd", "none"):
+    if args.optimizer is not None and args.optimizer.lower() not in _OPTIMIZER_NAMES:
         raise CLIError(f"--optimizer must be adam, adamw, sgd or none, got {args.optimizer!r}")
 
 
 _AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "none")
+# The step flags, their defaults, and how a plan's StepRecord spells each value as the flag takes it.
+_STEP_FLAGS = {
+    "optimizer": ("--optimizer", "adam", lambda r: r.optimizer),
+    "micro_batches": ("--micro-batches", 1, lambda r: r.micro_batches),
+    "autocast": ("--autocast", "none", lambda r: {"bfloat16": "bf16", "float16": "fp16"}.get(r.autocast, r.autocast)),
+    "keep_output": ("--keep-output", False, lambda r: r.keep_output),
+}
+
+
+def _flag_text(flag: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {value}"
+
+
+def _settle_step(args, plan: Plan | None) -> None:
+    """Fill the step flags left out: from the step a --plan-in plan was made for (its peaks hold
+    only for that loop), else the defaults. A flag given against the plan's step is refused."""
+    args.zero_grad = ZeroGrad.SET_TO_NONE  # no flag: the loop calls optimizer.zero_grad()
+    record = plan.step if plan is not None else None
+    if plan is not None and record is None:
+        logger.warning("--plan-in %s does not record the training step it was made for (an older plan "
+                       "file): it is run with the step of the flags; its peaks hold only if that is the "
+                       "step it was made for (re-plan to record it)", args.plan_in)
+    for name, (flag, default, of_plan) in _STEP_FLAGS.items():
+        given = getattr(args, name)
+        if name == "optimizer" and given is not None:
+            given = given.lower()
+        planned = of_plan(record) if record is not None else None
+        if planned is not None and given is not None and given != planned:
+            raise CLIError(
+                f"{_flag_text(flag, given)}: the plan in {args.plan_in} was made for a step with "
+                f"{_flag_text(flag, planned)}, so its peaks do not hold for this one; drop "
+                f"{_flag_text(flag, given).split()[0]} to run "
+                "the plan's step, or re-plan for this step (leave out --plan-in)"
+            )
+        setattr(args, name, given if given is not None else planned if planned is not None else default)
+    if record is not None:
+        if args.optimizer not in _OPTIMIZER_NAMES:
+            raise CLIError(f"--plan-in {args.plan_in}: the plan was made for the optimizer {args.optimizer!r}, "
+                           f"which this command line cannot build ({', '.join(_OPTIMIZER_NAMES)}); "
+                           "check it from Python with that optimizer (measure_steps), or re-plan")
+        args.zero_grad = ZeroGrad(record.zero_grad)
 
 
 def _step(args, inputs, loss_fn) -> TrainStep:
     step = TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer=_optimizer_arg(args.optimizer),
                      micro_batches=args.micro_batches, autocast_dtype=_AUTOCAST[args.autocast],
-                     keep_output=args.keep_output)
+                     keep_output=args.keep_output, zero_grad=args.zero_grad)
     try:
         step.check_target(get_device_spec(args.device))
     except ValueError as e:
@@ -323,7 +367,10 @@ def _run(args) -> int:
             plan = Plan.load(args.plan_in)
         except OSError as e:
             raise CLIError(f"--plan-in {args.plan_in}: cannot read it ({e.strerror or e})") from e
+        _settle_step(args, plan)
+        plan.check_step(_step(args, inputs, loss_fn))  # the flags above make them agree
     else:
+        _settle_step(args, None)
         plan = _solve(args, model, inputs, loss_fn)
     if args.plan_out:
         try:

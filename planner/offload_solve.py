@@ -27,7 +27,7 @@ from estimators.device import DeviceSpec
 from estimators.estimation import Estimate, first_step_module_info
 from estimators.module_info import ModStats, ModuleInfo
 from estimators.timeline import StepLayout, StepTimeline, UnitComm, step_layout
-from planner.plan import GiB, ModulePlan, Plan, model_fingerprint, op_key
+from planner.plan import GiB, ModulePlan, Plan, StepRecord, model_fingerprint, op_key
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions
 from solver.offload_milp import (
     DEFAULT_MIN_OFFLOAD_BYTES,
@@ -239,6 +239,7 @@ def plan_offload(
         solver_status=res.status.value, solve_time_s=time.perf_counter() - t0, notes=tuple(notes),
         first_step_peak_bytes=first, steady_peak_bytes=steady, host_peak_bytes=host,
         host_bytes_per_step=host * micro_batches,
+        step=StepRecord.of(est.step) if est.step is not None else None,
         **timeline_fields(tl),
     )
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["OpKey", "ModulePlan", "Plan", "PlanFormatError", "model_fingerprint", "op_key"]
+__all__ = ["OpKey", "ModulePlan", "Plan", "PlanFormatError", "StepMismatchError", "StepRecord",
+           "model_fingerprint", "op_key"]
 
 PLAN_VERSION = 1
 _KIND = "sac_planner.Plan"
@@ -46,6 +47,10 @@ OpKey = tuple[str, int]
 
 class PlanFormatError(ValueError):
     """A plan file that is corrupt, from a newer version, or not a plan; or plan fields out of range."""
+
+
+class StepMismatchError(ValueError):
+    """A plan checked against a training step other than the one it was made for."""
 
 
 # ------------------------------------------------------------------ field checks
@@ -170,6 +175,62 @@ class ModulePlan:
             )
 
 
+_ZERO_GRADS = ("set_to_none", "zero")
+_AUTOCASTS = ("none", "bfloat16", "float16")
+
+
+def optimizer_name(optimizer: Any) -> str:
+    """The name a step's optimizer is recorded under: ``"adamw"`` for the string, the class or
+    an instance alike; a factory function's ``__name__``; ``"none"`` for no optimizer."""
+    if optimizer is None:
+        return "none"
+    if isinstance(optimizer, str):
+        return optimizer.lower()
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    if issubclass(cls, torch.optim.Optimizer):
+        return cls.__name__.lower()
+    return getattr(optimizer, "__name__", type(optimizer).__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """The training step a plan was made for (``estimators.step.TrainStep`` as plain data): the
+    plan's peaks hold only for this loop, so a loaded plan is checked against the step it is run
+    with (``Plan.check_step``)."""
+
+    optimizer: str
+    """``optimizer_name`` of the step's optimizer (``"adamw"``; ``"none"``: no optimizer step)."""
+    micro_batches: int
+    """Forward/backward passes per optimizer step."""
+    zero_grad: str
+    """``"set_to_none"`` or ``"zero"`` (``ZeroGrad`` values)."""
+    autocast: str
+    """``"none"``, ``"bfloat16"`` or ``"float16"``: the forward's autocast dtype."""
+    keep_output: bool
+    """The loop holds the model output through backward (``TrainStep.keep_output``)."""
+
+    def __post_init__(self) -> None:
+        _str("step: optimizer", self.optimizer, nonempty=True)
+        object.__setattr__(self, "micro_batches", _int("step: micro_batches", self.micro_batches, low=1))
+        for name, known in (("zero_grad", _ZERO_GRADS), ("autocast", _AUTOCASTS)):
+            if getattr(self, name) not in known:
+                raise PlanFormatError(f"step: {name} must be one of {', '.join(known)}, got {getattr(self, name)!r}")
+        _bool("step: keep_output", self.keep_output)
+
+    @classmethod
+    def of(cls, step: Any) -> "StepRecord":
+        """The record of a ``TrainStep``."""
+        dt = step.autocast_dtype
+        return cls(optimizer=optimizer_name(step.optimizer), micro_batches=step.micro_batches,
+                   zero_grad=step.zero_grad.value, keep_output=step.keep_output,
+                   autocast="none" if dt is None else str(dt).replace("torch.", ""))
+
+    def differences(self, other: "StepRecord") -> tuple[tuple[str, Any, Any], ...]:
+        """``(field, this value, other value)`` for every field where the two steps differ."""
+        return tuple((f.name, getattr(self, f.name), getattr(other, f.name)) for f in dataclasses.fields(self)
+                     if getattr(self, f.name) != getattr(other, f.name))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """A selective-activation-checkpointing plan for one model, step and device."""
@@ -216,6 +277,9 @@ class Plan:
     step_ms: float = 0.0
     """Predicted step time: compute + recompute + exposed comm + exposed copies (0: not costed,
     e.g. a plan file written before the timeline existed)."""
+    step: StepRecord | None = None
+    """The training step the plan was made for (optimizer, micro-batches, zero_grad, autocast,
+    keep_output); None: a plan file written before plans recorded it."""
     solve_time_s: float = field(default=0.0, compare=False, repr=False)
     """Wall time of the solve. A timing, not part of the plan: left out of equality, of the JSON
     (so of ``plan_hash``), so identical solves give identical plans; 0 for a loaded plan."""
@@ -258,6 +322,8 @@ class Plan:
         for name in ("first_step_peak_bytes", "steady_peak_bytes"):
             if getattr(self, name) is not None:
                 set_(name, _int(name, getattr(self, name)))
+        if self.step is not None and not isinstance(self.step, StepRecord):
+            raise PlanFormatError(f"step must be a StepRecord or None, got {type(self.step).__name__}")
 
     def validate(self) -> None:
         """Re-run every check (PlanFormatError): ``apply_plan`` calls it, since a frozen
@@ -273,6 +339,22 @@ class Plan:
         if self.first_step_peak_bytes is None or self.steady_peak_bytes is None:
             return ""
         return "first step" if self.first_step_peak_bytes > self.steady_peak_bytes else "steady state"
+
+    def check_step(self, step: Any) -> None:
+        """Raise ``StepMismatchError`` if ``step`` (a ``TrainStep`` or ``StepRecord``) is not the
+        step this plan was made for: its peaks would not hold (a loop that keeps the output, more
+        micro-batches, another optimizer or autocast each change the memory). A plan that does
+        not record its step (``step`` None, an older file) cannot be checked and passes."""
+        if self.step is None:
+            return
+        given = step if isinstance(step, StepRecord) else StepRecord.of(step)
+        diff = self.step.differences(given)
+        if diff:
+            raise StepMismatchError(
+                "the plan was made for another training step: "
+                + "; ".join(f"{name} {planned!r} in the plan, {got!r} in this step" for name, planned, got in diff)
+                + "; run the step the plan was made for, or re-plan for this one"
+            )
 
     @property
     def usable_budget_bytes(self) -> int:
@@ -324,6 +406,8 @@ class Plan:
             )
             if "notes" in body and isinstance(body["notes"], list):
                 body["notes"] = tuple(body["notes"])
+            if body.get("step") is not None:
+                body["step"] = StepRecord(**_fields("step", body["step"], StepRecord))
             return cls(**body)
         except PlanFormatError as e:
             raise PlanFormatError(f"corrupt plan: {e}") from None

@@ -37,7 +37,7 @@ from estimators.sac import replay_ms
 from estimators.step import TrainStep
 from planner.floor import PeakBreakdown, lowering_hints, peak_breakdown
 from planner.fsdp import fsdp_module_info
-from planner.plan import GiB, ModulePlan, Plan, model_fingerprint, op_key
+from planner.plan import GiB, ModulePlan, Plan, StepRecord, model_fingerprint, op_key
 from planner.report import floor_text, fmt_bytes
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes, solve_op_milp
 from solver.op_milp import OpDecision
@@ -395,6 +395,7 @@ def plan_for_budget(
         notes=tuple(notes),
         first_step_peak_bytes=first,
         steady_peak_bytes=steady,
+        step=StepRecord.of(est.step),
         **_timeline_fields(info, modules, est.spec, units, world_size),
     )
     if traced > usable:

@@ -279,3 +279,35 @@ def test_offload_flags_refused_where_they_do_nothing(capsys):
     assert "--host-budget-gib only applies with --offload" in capsys.readouterr().err
     assert main(["--offload", "--host-budget-gib", "-1"]) == 2
     assert "--host-budget-gib: must be a positive" in capsys.readouterr().err
+
+
+def test_plan_in_runs_the_step_the_plan_was_made_for_and_refuses_another(tmp_path, capsys, caplog):
+    # A plan made for a loop that keeps the output: --plan-in without --keep-output runs that loop
+    # (the measured peak meets the prediction to the byte; run with the output dropped it measured
+    # 1,280 B under it), and a flag that asks for another step is refused, naming both.
+    out = tmp_path / "kept.json"
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--keep-output", "--no-verify",
+                 "--plan-out", str(out)]) == 0
+    capsys.readouterr()
+    assert Plan.load(out).step.keep_output is True
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--plan-in", str(out), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["gradient_check"]["equal"] is True
+    assert d["measured"]["peak_bytes"] == d["plan"]["predicted_peak_bytes"]
+    for flags, message in [(["--no-keep-output"], "--no-keep-output: the plan in .* was made for a step with "
+                                                   "--keep-output, so its peaks do not hold for this one; drop --no-keep-output"),
+                           (["--micro-batches", "2"], "--micro-batches 2: .* step with --micro-batches 1"),
+                           (["--optimizer", "SGD"], "--optimizer sgd: .* step with --optimizer adam"),
+                           (["--autocast", "bf16"], "--autocast bf16: .* step with --autocast none")]:
+        assert main(["--model", "examples:convnet_demo", "--quiet", "--plan-in", str(out), *flags]) == 2
+        assert re.search(message, _error_line(capsys)), flags
+    # The same flags as the plan's are fine; a file that does not record its step is run with the
+    # flags, with a warning that says so.
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--plan-in", str(out), "--keep-output",
+                 "--optimizer", "adam", "--no-verify"]) == 0
+    d = json.loads(out.read_text())
+    del d["step"]
+    out.write_text(json.dumps(d))
+    capsys.readouterr()
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--plan-in", str(out), "--no-verify"]) == 0
+    assert "does not record the training step it was made for" in caplog.text

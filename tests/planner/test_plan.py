@@ -11,7 +11,8 @@ import pytest
 
 from examples import EXAMPLES
 from planner import PlanFormatError, apply_plan, plan_hash, remove_plan
-from planner.plan import ModulePlan, Plan, model_fingerprint
+from estimators.step import TrainStep, ZeroGrad
+from planner.plan import ModulePlan, Plan, StepMismatchError, StepRecord, model_fingerprint
 from planner.report import fmt_bytes
 from planner.solve import plan_for_budget
 from tests.planner.conftest import budgets, plan_at, planning
@@ -118,6 +119,11 @@ def _set_module(**kw):
         (lambda d: d.update(notes=[3]), r"notes\[0\] must be a string"),
         (lambda d: d.update(modules={"a": 1}), "modules must be a list"),
         (lambda d: d["modules"].append(d["modules"][0]), "lists module.*more than once"),
+        (lambda d: d["step"].update(micro_batches=0), "step: micro_batches must be >= 1"),
+        (lambda d: d["step"].update(keep_output="yes"), "step: keep_output must be true or false"),
+        (lambda d: d["step"].update(autocast="fp8"), "step: autocast must be one of none, bfloat16, float16"),
+        (lambda d: d["step"].update(colour="red"), "step has unknown field.*'colour'"),
+        (lambda d: d["step"].pop("optimizer"), "step is missing field.*'optimizer'"),
     ],
 )
 def test_bad_fields_are_refused_with_one_line_naming_them(plan, tmp_path, change, message):
@@ -215,3 +221,33 @@ def test_bad_offloaded_ops_are_refused(kw, message):
     base = dict(fqn="GPT.blocks.0", discard_ratio=0.0, full=False)
     with pytest.raises(PlanFormatError, match=message):
         ModulePlan(**{**base, **kw})
+
+
+# ------------------------------------------------------------------ the step a plan was made for
+def test_a_plan_records_its_step_and_refuses_another(plan, tmp_path):
+    # The peaks hold only for the loop the plan was traced with: it is saved with the plan and a
+    # step that differs in any recorded field is refused, naming each field.
+    made_for = TrainStep(optimizer="adam")  # what tests.planner.conftest plans with
+    assert plan.step == StepRecord.of(made_for) == StepRecord(
+        optimizer="adam", micro_batches=1, zero_grad="set_to_none", autocast="none", keep_output=False)
+    p = tmp_path / "p.json"
+    plan.save(p)
+    loaded = Plan.load(p)
+    assert loaded.step == plan.step
+    loaded.check_step(made_for)
+    import torch
+
+    loaded.check_step(TrainStep(optimizer=torch.optim.Adam))  # the class is the same optimizer as "adam"
+    for other, field in [(TrainStep(optimizer="adam", keep_output=True), "keep_output False in the plan, True"),
+                         (TrainStep(optimizer="adam", micro_batches=4), "micro_batches 1 in the plan, 4"),
+                         (TrainStep(optimizer="adamw"), "optimizer 'adam' in the plan, 'adamw'"),
+                         (TrainStep(optimizer="adam", zero_grad=ZeroGrad.ZERO), "zero_grad 'set_to_none'"),
+                         (TrainStep(optimizer="adam", autocast_dtype=torch.bfloat16), "autocast 'none' in the plan, 'bfloat16'")]:
+        with pytest.raises(StepMismatchError, match=field):
+            loaded.check_step(other)
+    d = plan.to_dict()
+    del d["step"]  # a file written before plans recorded their step: loads, cannot be checked
+    p.write_text(json.dumps(d))
+    old = Plan.load(p)
+    assert old.step is None
+    old.check_step(TrainStep(keep_output=True))
