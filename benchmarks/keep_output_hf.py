@@ -24,10 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from torch.utils._pytree import tree_flatten  # noqa: E402
 
 from estimators.estimation import estimate  # noqa: E402
 from estimators.step import TrainStep  # noqa: E402
+from estimators.trace import held_tensors  # noqa: E402
 from planner.checkpointing import apply_plan, hf_cache_off  # noqa: E402
 from planner.solve import plan_for_budget  # noqa: E402
 from solver import SACMilp  # noqa: E402
@@ -57,7 +57,7 @@ def own_loop(model, batch, n_steps=3, seed=1):
     torch.manual_seed(seed)
     peaks, grads, out = [], None, None
     for _ in range(n_steps):
-        held = [t for t in tree_flatten(dict(out or {}))[0] if isinstance(t, torch.Tensor)]
+        held = held_tensors(out)  # logits, loss and the K/V cache (pytree does not open HF's DynamicCache)
         mt = MemTracker()
         mt.track_external(model, opt, *batch.values(), *held)
         del held

@@ -316,6 +316,7 @@ def estimate(
             inputs=step_inputs, optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
             round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
             progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
+            previous_output=step.keep_output,
         )
         applied = prepare(traced) if prepare is not None else None
         tracer.attach()
@@ -432,6 +433,11 @@ def _first_step_peak(trace: StepTrace, timeline: MemoryTimeline, step: TrainStep
         # The only micro-batch of step 1 starts with no gradient: none in its forward.
         bw = next((op.index for op in trace.ops if op.phase is Phase.BW), len(total))
         total[:bw] -= grads
+    if step.micro_batches == 1:
+        # ... and with no previous output held (a later micro-batch has its predecessor's).
+        for sid in trace.previous_output_sids:
+            s = trace.storages[sid]
+            total[: s.free_op + 1] -= s.nbytes
     return int(total.max())
 
 

@@ -177,13 +177,20 @@ def run_step(
     passes: int | None = None,
     autocast_dtype: torch.dtype | None = None,
     keep_output: bool = False,
+    held_output: list | None = None,
 ) -> float | None:
     """Run one optimizer step (``passes`` forward/backward passes, default ``micro_batches``; a
     trace runs one), each loss divided by ``micro_batches``; returns the last loss value when it
-    can be read (None under fake tensors). ``keep_output``: see ``TrainStep.keep_output``."""
+    can be read (None under fake tensors). ``keep_output``: see ``TrainStep.keep_output``.
+
+    ``held_output``: a one-element list standing for the loop's ``out`` variable across steps
+    (with ``keep_output``): the previous step's output in it is held until this step's first
+    forward returns, and this step's last output is left in it."""
     args, kwargs = split_inputs(inputs)
     value = None
-    held = None  # the output a keep_output loop still references
+    held = held_output[0] if held_output else None  # the output a keep_output loop still references
+    if held_output:
+        held_output[0] = None
     for _ in range(micro_batches if passes is None else passes):
         if on_phase:
             on_phase(Phase.FW)
@@ -210,6 +217,8 @@ def run_step(
             on_phase(Phase.OPTIM)
         with _values_read_in("the optimizer step"):
             optimizer.step()
+    if held_output is not None and keep_output:
+        held_output[0] = held  # the loop's `out` outlives the step, into the next one's forward
     del held  # the loop lets go of the last output only after the optimizer step
     return value
 

@@ -36,7 +36,7 @@ from estimators.op_facts import op_facts, written_args
 if TYPE_CHECKING:
     from estimators.runtime import RuntimeModel
 
-__all__ = ["OpRecord", "StorageRecord", "ModuleCall", "StepTrace", "StepTracer"]
+__all__ = ["OpRecord", "StorageRecord", "ModuleCall", "StepTrace", "StepTracer", "held_tensors"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,9 @@ class StepTrace:
     param_bytes_by_module: dict[str, int]
     grad_bytes_by_module: dict[str, int]
     device: str
+    previous_output_sids: tuple[int, ...] = ()
+    """Records standing for the previous micro-batch's (or step's) output, which a loop that keeps
+    the output holds until this forward returns (``StepTracer(previous_output=True)``)."""
 
 
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -139,6 +142,7 @@ class StepTracer(TorchDispatchMode):
         device: str = "",
         round_bytes: Callable[[int], int] = lambda n: n,
         progress: Callable[[str], None] | None = None,
+        previous_output: bool = False,
     ) -> None:
         """
         Args:
@@ -150,6 +154,11 @@ class StepTracer(TorchDispatchMode):
             device: name of the DeviceSpec the trace stands for (``StepTrace.device``).
             round_bytes: storage size as the target's allocator counts it.
             progress: called with a short message now and then.
+            previous_output: the loop holds the previous micro-batch's (or step's) output until
+                this forward returns (``out = model(**batch)`` rebinds ``out`` only then;
+                ``TrainStep.keep_output``): the trace runs one micro-batch, so the storages of
+                this one's output stand in for it, counted from the step's start to the root
+                forward's last op.
         """
         super().__init__()
         self.model, self.root_name, self.optimizer, self.device = model, root_name, optimizer, device
@@ -169,6 +178,8 @@ class StepTracer(TorchDispatchMode):
         self._calls_done = 0
         self._last_progress = time.monotonic()
         self._sealed = False  # after finish(): later frees (the caller dropping tensors) are not the step's
+        self._previous_output = previous_output
+        self._output_sids: tuple[int, ...] = ()  # the root call's output, with what pytree does not open
         self._register_state(inputs)
 
     def set_phase(self, phase: Phase) -> None:
@@ -371,6 +382,9 @@ class StepTracer(TorchDispatchMode):
             call.output_sids = self._tensor_sids(output)
             call.post_rank = self._calls_done
             self._calls_done += 1
+            if call.parent < 0 and self._previous_output and not self._output_sids:
+                sids = (self._sid(st) for st in map(_storage_of, held_tensors(output)) if st is not None)
+                self._output_sids = tuple(dict.fromkeys(s for s in sids if s is not None))
             if self.progress is not None and (call.depth <= 1 or self._progress_due()):
                 self.progress(f"forward: {call.fqn} done ({len(self.ops)} ops)")
             return None
@@ -441,13 +455,26 @@ class StepTracer(TorchDispatchMode):
             s if s.alloc_op < 0 else dataclasses.replace(s, kind=_final_kind(s, grads, state))
             for s in self.storages
         ]
+        held = self._previous_output_records(storages)
         leaves, param_bytes, grad_bytes = self._module_tree()
         trace = StepTrace(
-            ops=self.ops, storages=storages, calls=self.calls, leaf_fqns=leaves,
+            ops=self.ops, storages=storages + held, calls=self.calls, leaf_fqns=leaves,
             param_bytes_by_module=param_bytes, grad_bytes_by_module=grad_bytes, device=self.device,
+            previous_output_sids=tuple(r.sid for r in held),
         )
         self.model = self.optimizer = None  # the trace holds numbers only
         return trace
+
+    def _previous_output_records(self, storages: list[StorageRecord]) -> list[StorageRecord]:
+        """One record per storage of the root's output made in the step (not a parameter or an
+        input it returns), alive from the step's start through the root forward's last op, as
+        the previous output is; counted with the inputs, which the loop holds too."""
+        root = next((c for c in self.calls if c.parent < 0), None)
+        made = [storages[s] for s in self._output_sids if storages[s].alloc_op >= 0]
+        if root is None or not made:
+            return []
+        return [StorageRecord(len(storages) + i, s.nbytes, -1, free_op=root.fw_last_op, kind=StorageKind.INPUT)
+                for i, s in enumerate(made)]
 
     def _close_backward(self) -> None:
         """First/last backward op of every call and its ancestors."""
@@ -483,6 +510,35 @@ class StepTracer(TorchDispatchMode):
                 gbytes += nb if p.requires_grad else 0
             param_bytes[fqn], grad_bytes[fqn] = pbytes, gbytes
         return leaves, param_bytes, grad_bytes
+
+
+def held_tensors(obj: Any, max_depth: int = 6) -> list[torch.Tensor]:
+    """The tensors a model output holds: its pytree leaves and the tensors of objects pytree does
+    not open (HF's ``DynamicCache`` keeps the K/V cache in ``cache.layers[i].keys / .values``);
+    none for None."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    todo = [(obj, 0)]
+    while todo:
+        o, depth = todo.pop()
+        if o is None or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+            continue
+        if depth >= max_depth or isinstance(o, (type, torch.nn.Module)):
+            continue
+        if isinstance(o, dict):
+            inner = list(o.values())
+        elif isinstance(o, (list, tuple)):
+            inner = list(o)
+        elif hasattr(o, "__dict__"):
+            inner = list(vars(o).values())
+        else:
+            continue
+        todo.extend((x, depth + 1) for x in inner)
+    return found
 
 
 def _final_kind(s: StorageRecord, grad_sids: set[int | None], optimizer_sids: set[int | None]) -> StorageKind:

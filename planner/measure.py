@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from estimators.module_info import Phase
 from estimators.step import TrainStep, run_step, zero_grads
+from estimators.trace import held_tensors
 
 __all__ = ["MeasuredStep", "measure_step", "measure_steps"]
 
@@ -61,14 +62,16 @@ def measure_steps(
     if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
         raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
     out = []
+    # A loop that keeps the output holds each step's last one into the next step's forward.
+    held: list = [None]
     for i in range(n_steps):
         if i:
             zero_grads(model, optimizer, step.zero_grad)
         out.append(_measure(model, step.inputs, optimizer, lambda on_phase: run_step(
             model, step.inputs, step.loss_fn, optimizer, on_phase,
             micro_batches=step.micro_batches, autocast_dtype=step.autocast_dtype,
-            keep_output=step.keep_output,
-        )))
+            keep_output=step.keep_output, held_output=held,
+        ), held=held_tensors(held[0])))
     return out
 
 
@@ -89,8 +92,9 @@ def _skip_grad_hooks_of_frozen_params(mt: Any, model: torch.nn.Module) -> None:
             mt._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
 
 
-def _measure(model: torch.nn.Module, inputs: Any, optimizer, run) -> MeasuredStep:
-    """``run(on_phase)`` runs the step; its peak on the model's device."""
+def _measure(model: torch.nn.Module, inputs: Any, optimizer, run, held: list | None = None) -> MeasuredStep:
+    """``run(on_phase)`` runs the step; its peak on the model's device. ``held``: tensors made
+    before the step that it holds (the previous step's output), for MemTracker to count."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -107,7 +111,8 @@ def _measure(model: torch.nn.Module, inputs: Any, optimizer, run) -> MeasuredSte
     # The batch is in device memory too (as on a GPU, where max_memory_allocated counts it);
     # MemTracker only sees tensors made inside its context unless told about them.
     batch = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
-    mt.track_external(model, *([optimizer] if optimizer is not None else []), *batch)
+    mt.track_external(model, *([optimizer] if optimizer is not None else []), *batch, *(held or ()))
+    held = None  # MemTracker holds them weakly: the step lets go of them when the loop does
     t0 = time.perf_counter()
     forwards = 0
 

@@ -89,3 +89,24 @@ def test_backward_ops_attributed_to_modules_in_fake_mode_too():
     assert fake.mod_order == real.mod_order
     for a, b in zip(fake.mod_stats, real.mod_stats):
         assert (a.bw_pre_op, a.bw_post_op) == (b.bw_pre_op, b.bw_post_op), a.fqn
+
+
+def test_held_tensors_opens_what_pytree_does_not():
+    # HF's DynamicCache keeps the K/V cache in cache.layers[i].keys / .values, an object pytree
+    # leaves closed: a loop holding the output holds those tensors too.
+    from estimators.trace import held_tensors
+
+    class Layer:
+        def __init__(self):
+            self.keys, self.values, self.is_initialized = torch.ones(2), torch.ones(3), True
+
+    class Cache:
+        def __init__(self):
+            self.layers = [Layer(), Layer()]
+            self.model = nn.Linear(2, 2)  # a module is not opened: its parameters are not the output's
+
+    logits = torch.zeros(4)
+    out = {"logits": logits, "past_key_values": Cache(), "again": logits}
+    found = held_tensors(out)
+    assert sorted(t.numel() for t in found) == [2, 2, 3, 3, 4]
+    assert held_tensors(None) == []
