@@ -13,7 +13,8 @@
 
 With ``keep_output=True`` the loop holds the model's output through backward, as
 ``out = model(**batch); out.loss.backward(); optimizer.step()`` does: each micro-batch's output
-lives until the next micro-batch's forward starts (the last one's through the optimizer step).
+lives until the next micro-batch's forward returns (the last one's through the optimizer step and,
+in a loop, into the next step's first forward).
 
 ``run_step`` runs it (or, for a trace, one micro-batch of it and the optimizer step).
 """
