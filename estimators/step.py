@@ -199,7 +199,7 @@ def run_step(
             try:
                 out = model(*args, **kwargs)
             except Exception as e:
-                raise StepError(_forward_hint(model, e)) from e
+                raise StepError(_forward_hint(model, e, kwargs)) from e
             held = out if keep_output else None  # `out = model(...)` lets go of the previous output
             with _values_read_in("the loss function"):
                 loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
@@ -294,9 +294,40 @@ def _values_read_in(where: str):
                         f"data-dependent shapes), which fake tensors do not have; {_REAL_MODE}") from e
 
 
-def _forward_hint(model: torch.nn.Module, e: Exception) -> str:
+def _forward_hint(model: torch.nn.Module, e: Exception, kwargs: dict | None = None) -> str:
     name = type(e).__name__
     hint = "check that inputs match the model's forward signature"
     if _reads_values(e):
         hint = f"the forward reads tensor values (.item(), data-dependent shapes); {_REAL_MODE}"
+    hint = _encoder_decoder_hint(model, kwargs or {}) or hint
     return f"{type(model).__name__}.forward raised {name}: {e} — {hint}"
+
+
+def _encoder_decoder_hint(model: torch.nn.Module, kwargs: dict) -> str:
+    """What an HF encoder-decoder (T5, BART, ...) lacks to run its decoder; "" if nothing.
+
+    Without ``decoder_input_ids`` it builds them from ``labels``, shifted right behind
+    ``config.decoder_start_token_id``; a config built without that token (``T5Config()`` in
+    transformers 5 has no such attribute) failed with T5's AttributeError or BART's "can't
+    assign a NoneType to a torch.LongTensor", and the hint said to check the inputs' signature."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "is_encoder_decoder", False) or {"decoder_input_ids", "decoder_inputs_embeds"} & set(kwargs):
+        return ""
+    if "labels" not in kwargs:
+        return ("an encoder-decoder model needs inputs for its decoder: pass labels (it builds its "
+                "decoder inputs from them; the output then has a loss) or decoder_input_ids")
+    if getattr(config, "decoder_start_token_id", None) is not None:
+        return ""
+    # The token differs by family: T5's decoder starts from its pad token, BART's from its eos.
+    pad, eos = getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
+    if "t5" in str(getattr(config, "model_type", "")) and pad is not None:
+        start = f"model.config.decoder_start_token_id = {pad} (its pad_token_id, as T5 starts)"
+    elif eos is not None:
+        start = (f"model.config.decoder_start_token_id to the token its decoder starts from (BART's is "
+                 f"its eos_token_id, {eos}; T5's its pad_token_id)")
+    else:
+        start = "model.config.decoder_start_token_id to the token its decoder starts from"
+    return (f"{type(model).__name__} builds its decoder inputs by shifting labels right behind "
+            f"config.decoder_start_token_id, which its config does not set ({type(config).__name__}"
+            f"(..., decoder_start_token_id=...) was not given one): set {start}, or pass "
+            "decoder_input_ids with the inputs")

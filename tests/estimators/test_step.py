@@ -244,3 +244,40 @@ def test_keep_output_holds_the_output_through_backward_and_the_optimizer_step():
     assert _output_lifetimes(True, 2) == [
         ("FW", []), ("BW", [True]), ("FW", [True]), ("BW", [False, True]), ("OPTIM", [False, True]),
         ("END", [False, False])]
+
+
+def _t5(**config):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, **config))
+
+
+def test_an_encoder_decoder_without_decoder_start_token_says_what_to_set():
+    # T5Config() (transformers 5) has no decoder_start_token_id: with labels and no
+    # decoder_input_ids, T5 raised AttributeError ('T5Config' object has no attribute ...) and the
+    # hint said to check the forward's signature. The hint now names the token and the fix.
+    ids = torch.randint(0, 64, (2, 8))
+    model = _t5()
+    with pytest.raises(StepError, match=r"T5ForConditionalGeneration builds its decoder inputs by shifting labels "
+                       r"right behind config.decoder_start_token_id, which its config does not set .*: set "
+                       r"model.config.decoder_start_token_id = 0 \(its pad_token_id, as T5 starts\), or pass "
+                       r"decoder_input_ids") as e:
+        run_step(model, {"input_ids": ids, "labels": ids}, None, None)
+    assert "forward signature" not in str(e.value)
+    model.config.decoder_start_token_id = 0  # what the hint says
+    assert run_step(model, {"input_ids": ids, "labels": ids}, None, None) > 0
+    run_step(_t5(), {"input_ids": ids, "decoder_input_ids": ids}, lambda out, inp: out.logits.sum(), None)
+    with pytest.raises(StepError, match="an encoder-decoder model needs inputs for its decoder: pass labels"):
+        run_step(_t5(), {"input_ids": ids}, None, None)
+
+
+def test_bart_without_decoder_start_token_is_told_its_own_token():
+    transformers = pytest.importorskip("transformers")
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=16,
+        decoder_start_token_id=None))
+    ids = torch.randint(3, 64, (2, 8))
+    with pytest.raises(StepError, match=r"raised TypeError: can't assign a NoneType .*BART's is its eos_token_id, 2"):
+        run_step(model, {"input_ids": ids, "labels": ids}, None, None)
