@@ -48,7 +48,7 @@ from planner.gradcheck import GradientCheck, check_gradients
 from planner.measure import MeasuredStep, measure_steps
 from planner.plan import GiB, Plan, PlanFormatError, StepMismatchError
 from planner.report import fmt_bytes, gradient_check_text, steps_vs_prediction
-from planner.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget
+from planner.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget, unplanned_peak_bytes
 from solver import SolverOptions, min_reachable_peak_bytes
 from solver.errors import SolverError
 
@@ -294,6 +294,7 @@ def _solve(args, model, inputs, loss_fn) -> Plan:
         model, est, budget, world_size=args.world_size, reserve_bytes=reserve,
         solver_options=solver_options, verify=True, offload=args.offload,
         host_budget_bytes=int(args.host_budget_gib * GiB) if args.host_budget_gib is not None else None,
+        unplanned_peak_bytes=unplanned_peak_bytes(model, est),
     )
 
 

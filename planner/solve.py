@@ -238,6 +238,7 @@ def solve_sac(
         model,
         est,
         budget,
+        unplanned_peak_bytes=unplanned_peak_bytes(model, est),
         world_size=world_size,
         reserve_bytes=reserve,
         ac_units=ac_units,
@@ -263,11 +264,52 @@ def plan_for_budget(
     milp: SACMilp | None = None,
     offload: bool = False,
     host_budget_bytes: int | None = None,
+    unplanned_peak_bytes: int | None = None,
 ) -> Plan:
     """The Plan for one budget, from an existing estimate (see :func:`solve_sac`); the estimate
     carries the step and trace options its verification trace reuses. With ``fsdp_units`` the
     memory points get FSDP2's per-rank additions (``planner.fsdp.fsdp_module_info``) here, the
-    one place every entry point goes through; a ``milp`` passed in must be built on those."""
+    one place every entry point goes through; a ``milp`` passed in must be built on those.
+    ``unplanned_peak_bytes``: the peak of the model as it runs without the plan where that is
+    not ``est``'s (see :func:`unplanned_peak_bytes`); the plan's ``baseline_peak_bytes``."""
+    plan = _plan_for_budget(model, est, budget_bytes, world_size=world_size, reserve_bytes=reserve_bytes,
+                            ac_units=ac_units, fsdp_units=fsdp_units, solver_options=solver_options,
+                            verify=verify, milp=milp, offload=offload, host_budget_bytes=host_budget_bytes)
+    if unplanned_peak_bytes is None or unplanned_peak_bytes == plan.baseline_peak_bytes or world_size > 1:
+        return plan  # per rank the no-AC figure is the MILP's (sharded state); the trace is not
+    return dataclasses.replace(plan, baseline_peak_bytes=unplanned_peak_bytes, notes=(*plan.notes, (
+        f"peak, no AC is the model as it runs unplanned, with HF use_cache on ({unplanned_peak_bytes:,} B); "
+        f"the plan runs it with use_cache off, whose no-AC peak is {plan.baseline_peak_bytes:,} B")))
+
+
+def unplanned_peak_bytes(model: torch.nn.Module, est: Estimate) -> int | None:
+    """The steady-state peak of ``model`` trained without a plan, where ``est`` (traced the way
+    the plan runs it) differs: an HF model with ``use_cache`` on keeps its K/V cache alive until
+    the output is dropped, which the plan turns off (its K/V are not all saved for backward:
+    with a padding mask HF repeats grouped K/V heads). One more trace; None for other models."""
+    from planner.checkpointing import hf_cache_note
+
+    if hf_cache_note(model) is None:
+        return None
+    opts = dataclasses.replace(est.options, progress=False)
+    return estimate(model, step=est.step, device=est.spec, options=opts).module_info.peak_bytes
+
+
+def _plan_for_budget(
+    model: torch.nn.Module,
+    est: Estimate,
+    budget_bytes: int,
+    *,
+    world_size: int,
+    reserve_bytes: int,
+    ac_units: Iterable[str] | None,
+    fsdp_units: Iterable[str] | None,
+    solver_options: SolverOptions | None,
+    verify: bool,
+    milp: SACMilp | None,
+    offload: bool,
+    host_budget_bytes: int | None,
+) -> Plan:
     if reserve_bytes < 0 or reserve_bytes >= budget_bytes:
         raise PlanningError(
             f"the reserve ({reserve_bytes / GiB:.2f} GiB) must be >= 0 and below the budget "

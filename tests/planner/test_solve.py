@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -272,3 +274,52 @@ def test_every_candidate_left_out_for_divergence_is_a_planning_error():
     with pytest.raises(PlanningError, match=r"smallest budget that verifies.*left out as unsafe to checkpoint: "
                                             r"Encoder\.enc\.layers\.\d\.self_attn \(its recompute ran other ops"):
         solve_sac(model, 6_000_000 / GiB, step=step, ac_units=attn)
+
+
+def _hf_loop_peaks(model, batch, n_steps=3):
+    """The plain HF loop ``loss = model(**batch).loss; loss.backward()`` under bf16 autocast,
+    AdamW, MemTracker per step."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    opt = torch.optim.AdamW(model.parameters())
+    peaks = []
+    for _ in range(n_steps):
+        mt = MemTracker()
+        mt.track_external(model, opt, *batch.values())
+        with mt:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        peaks.append(int(mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]))
+    return peaks
+
+
+def test_peak_no_ac_is_the_model_as_it_runs_unplanned_with_hf_use_cache_on():
+    # A Llama left at use_cache=True keeps its K/V cache until the output is dropped; with a
+    # padding mask HF repeats the grouped K/V heads, so the cache is not the tensors attention
+    # saves. Its step peaks in the loss (forward), cache alive. Planning traces the model as the
+    # plan runs it (use_cache off): "peak, no AC" was that, 3,539,900 B, 131,072 B (the cache,
+    # -3.6 %) under the unplanned model's measured 3,670,972 B. It is now the model as it runs.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+    model.train()
+    ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[:, -8:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    plan = solve_sac(model, budget_gib=3.45e6 / 2**30,
+                     step=TrainStep(inputs=batch, optimizer="adamw", autocast_dtype=torch.bfloat16))
+    assert model.config.use_cache is True  # planning left it as it was
+    unplanned = _hf_loop_peaks(copy.deepcopy(model), batch)
+    assert unplanned[1:] == [plan.baseline_peak_bytes] * 2
+    cache = 2 * 2 * 4 * 2 * 64 * 16 * 4  # layers x (K, V) x batch x kv heads x seq x head dim x float32 (as HF keeps them here)
+    assert f"use_cache on ({plan.baseline_peak_bytes:,} B)" in plan.notes[-1]
+    assert f"no-AC peak is {plan.baseline_peak_bytes - cache:,} B" in plan.notes[-1]
+    planned = copy.deepcopy(model)
+    with apply_plan(planned, plan):
+        assert _hf_loop_peaks(planned, batch)[1:] == [plan.predicted_peak_bytes] * 2
