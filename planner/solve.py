@@ -326,6 +326,9 @@ def _plan_for_budget(
     notes: list[str] = [est.step.describe()] + [n for n in (hf_cache_note(model),) if n]
     allowed, excluded = _allowed_units(info, ac_units)
     notes += [f"{fqn} not checkpointed: {why}" for fqn, why in excluded.items()]
+    shared_fqns = _shared_modules(info, allowed, excluded)
+    shared = _shared_note(info, shared_fqns)
+    notes += [shared] if shared else []
     if offload:
         from planner.offload_solve import plan_offload
 
@@ -365,10 +368,26 @@ def _plan_for_budget(
             res = milp.solve(target)
         except InfeasibleBudgetError as e:
             if attempt == 0:
-                err = _infeasible(budget_bytes, reserve_bytes, floor=floor(), spec=est.spec)
+                found = (_shared_full_plan(model, est, info, full_milp, shared_fqns, solver_options)
+                         if shared_fqns and verify and world_size == 1 else None)
+                if found is not None and max(found[2].first_step_peak_bytes, found[2].steady_peak_bytes) <= usable:
+                    res, modules, planned = found
+                    peaks = planned.first_step_peak_bytes, planned.steady_peak_bytes
+                    traced = max(peaks)
+                    notes.append("below the MILP's smallest reachable peak: the min-peak plan with "
+                                 f"{', '.join(shared_fqns)} fully checkpointed, traced at {fmt_bytes(traced)}")
+                    break
+                low = floor()
+                if found is not None:  # the smallest budget that verifies is the lower of the two
+                    alt = max(found[2].first_step_peak_bytes, found[2].steady_peak_bytes)
+                    if alt < low.usable_bytes:
+                        low = _Floor(alt, peak_breakdown(found[2], world_size=world_size))
+                err = _infeasible(budget_bytes, reserve_bytes, floor=low, spec=est.spec)
                 if excluded:  # say what the floor would be without the safety exclusions
                     err.args = (err.args[0] + " Left out as unsafe to checkpoint: "
                                 + "; ".join(f"{f} ({why})" for f, why in excluded.items()) + ".",)
+                if shared:
+                    err.args = (err.args[0] + f" Note: {shared}.",)
                 raise err from e
             break  # tightened past the floor: the min-peak plan is the last candidate (below)
         modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
@@ -458,6 +477,63 @@ def _timeline_fields(info, modules, spec: DeviceSpec, units, world_size: int) ->
 
     layout = step_layout_of(info, spec, fsdp_units=units, world_size=world_size)
     return timeline_fields(plan_timeline(layout, info, modules, spec.host_copy_bytes_per_s))
+
+
+def _shared_modules(info, allowed: list[str] | None, excluded: dict[str, str]) -> list[str]:
+    """Outermost candidates that run more than once per step (weight sharing: AlbertModel's one
+    layer applied N times, a block reused)."""
+    ok = set(allowed) if allowed is not None else None
+    multi = [s.fqn for s in info.mod_stats if s.n_calls > 1 and not s.is_leaf and s.sac_memory_bytes > 0
+             and s.fqn not in excluded and (ok is None or s.fqn in ok)]
+    return [f for f in multi if not any(f.startswith(o + ".") for o in multi)]
+
+
+def _shared_full_plan(model, est: Estimate, info, milp: SACMilp, shared: list[str], options):
+    """The MILP's min-peak plan with the ``shared`` modules fully checkpointed instead (their
+    descendants and ancestors dropped), traced: (result, module plans, estimate), or None when
+    it cannot be traced. The memory model under-rates a module called more than once (one
+    window, see :func:`_shared_note`); the trace does not."""
+    res = milp.solve(milp.min_reachable_peak_bytes())
+
+    def related(f: str) -> bool:
+        return any(f == s or f.startswith(s + ".") or s.startswith(f + ".") for s in shared)
+
+    discarded = {f: res.discarded_bytes[f] for f in res.checkpointed if not related(f)}
+    discarded.update({f: info.stats(f).sac_memory_bytes for f in shared})
+    order = tuple(s.fqn for s in info.mod_stats if s.fqn in discarded)  # forward pre-order
+    modules = tuple(module_plan(info.stats(f), discarded[f], options) for f in order)
+    try:
+        planned = _traced_estimate_or_diverged(model, modules, est)
+    except RecomputeDivergedError:
+        return None
+    res = dataclasses.replace(
+        res, decisions={f: 1.0 if f in shared else res.decisions[f] for f in order},
+        discarded_bytes={f: discarded[f] for f in order}, checkpointed=order,
+        predicted_peak_bytes=predict_peak_bytes(info, discarded),
+        recompute_ms=sum(m.recompute_ms for m in modules))
+    return res, modules, planned
+
+
+def _shared_note(info, shared: list[str]) -> str:
+    """What the planner says of candidates that run more than once per step, "" if none.
+
+    The memory model gives a module one window, from its last call's forward end to its first
+    call's backward start (``ModStats.fw_post_op`` / ``bw_pre_op``); the activations of its other
+    calls, which a checkpoint discards too, count as kept before and after it. Plans with such a
+    module are traced, so their prediction holds, but its checkpoint is under-rated: a tiny
+    AlbertForMaskedLM (4 calls of its layer) was given a smallest reachable peak of 4,897,912 B
+    while a full checkpoint of the shared layer traces and measures 2,339,192 B."""
+    outer = [info.stats(f) for f in shared]
+    if not outer:
+        return ""
+    names = ", ".join(f"{s.fqn} ({s.n_calls} calls)" for s in outer)
+    return (f"{names} {'runs' if len(outer) == 1 else 'run'} more than once per step (shared weights): "
+            "the memory model credits a checkpoint of such a module only from its last call's forward "
+            "end to its first call's backward start, not the activations its other calls discard, so "
+            "it is planned where that pays (the plan is traced: its prediction holds) but under-rated; "
+            "below the MILP's smallest reachable peak the planner traces its min-peak plan with "
+            f"{'it' if len(outer) == 1 else 'them'} fully checkpointed instead (not optimal: a "
+            "per-call window in the MILP is not built)")
 
 
 def _allowed_units(info, ac_units) -> tuple[list[str] | None, dict[str, str]]:
