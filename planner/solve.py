@@ -370,18 +370,18 @@ def _plan_for_budget(
             if attempt == 0:
                 found = (_shared_full_plan(model, est, info, full_milp, shared_fqns, solver_options)
                          if shared_fqns and verify and world_size == 1 else None)
-                if found is not None and max(found[2].first_step_peak_bytes, found[2].steady_peak_bytes) <= usable:
+                found_peak = (max(found[2].first_step_peak_bytes, found[2].steady_peak_bytes)
+                              if found is not None else None)
+                if found_peak is not None and found_peak <= usable:
                     res, modules, planned = found
                     peaks = planned.first_step_peak_bytes, planned.steady_peak_bytes
-                    traced = max(peaks)
+                    traced = found_peak
                     notes.append("below the MILP's smallest reachable peak: the min-peak plan with "
                                  f"{', '.join(shared_fqns)} fully checkpointed, traced at {fmt_bytes(traced)}")
                     break
                 low = floor()
-                if found is not None:  # the smallest budget that verifies is the lower of the two
-                    alt = max(found[2].first_step_peak_bytes, found[2].steady_peak_bytes)
-                    if alt < low.usable_bytes:
-                        low = _Floor(alt, peak_breakdown(found[2], world_size=world_size))
+                if found_peak is not None and found_peak < low.usable_bytes:  # the lower floor verifies
+                    low = _Floor(found_peak, peak_breakdown(found[2], world_size=world_size))
                 err = _infeasible(budget_bytes, reserve_bytes, floor=low, spec=est.spec)
                 if excluded:  # say what the floor would be without the safety exclusions
                     err.args = (err.args[0] + " Left out as unsafe to checkpoint: "
