@@ -172,6 +172,13 @@ class LinearModel:
         h.setOptionValue("mip_feasibility_tolerance", tol)
         if options.time_limit_s is not None:
             h.setOptionValue("time_limit", float(options.time_limit_s))
+        import os as _os
+        for kv in filter(None, _os.environ.get("HIGHS_EXTRA", "").split(",")):
+            k_, v_ = kv.split("=")
+            v_ = {"true": True, "false": False}.get(v_, v_)
+            if isinstance(v_, str):
+                v_ = float(v_) if "." in v_ or "e" in v_ else int(v_)
+            h.setOptionValue(k_, v_)
         h.passModel(self._highs_lp())
         if options.write_lp_path is not None:
             h.writeModel(str(options.write_lp_path))

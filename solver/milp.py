@@ -406,7 +406,9 @@ class SACMilp:
                 continue
             r = min(1.0, max(0.0, float(values[self._r[k]])))
             d = round(r * c.stats.sac_memory_bytes)
-            if d > 0:  # checkpointing without discarding only costs time and transients
+            # Checkpointing that discards nothing only costs time and transients; at ratio 0 a
+            # checkpoint still discards its forced bytes, which the budget may need.
+            if d > 0 or fixed_discard_bytes(c.stats) > 0:
                 plan[c.node.fqn] = d
         return plan
 

@@ -146,11 +146,15 @@ def predict_peak_bytes(
 
 # ----------------------------------------------------------------------------- cost curves
 def module_recompute_ms(s: ModStats, discarded_bytes: int) -> float:
-    """Recompute time of checkpointing ``s`` with ``discarded_bytes`` discarded (0: not
-    checkpointed): its fixed cost plus the exact curve, linear between breakpoints."""
+    """Recompute time of checkpointing ``s`` with ``discarded_bytes`` discarded: its fixed cost
+    plus the exact curve, linear between breakpoints. At 0 the checkpoint still discards its
+    forced bytes and recomputes the curve's zero-byte steps (the envelope's cost at 0+); a
+    module that is not checkpointed is simply not in the plan."""
+    curve = s.tradeoff
     if discarded_bytes <= 0:
-        return 0.0
-    return getattr(s, "recompute_fixed_ms", 0.0) + s.tradeoff.recompute_ms_at(discarded_bytes)
+        at_zero = [ms for b, ms in zip(curve.discarded_bytes, curve.recompute_ms) if b == 0]
+        return getattr(s, "recompute_fixed_ms", 0.0) + (at_zero[-1] if at_zero else 0.0)
+    return getattr(s, "recompute_fixed_ms", 0.0) + curve.recompute_ms_at(discarded_bytes)
 
 
 def cost_envelope(s: ModStats) -> tuple[list[tuple[float, float]], bool]:
@@ -159,11 +163,7 @@ def cost_envelope(s: ModStats) -> tuple[list[tuple[float, float]], bool]:
     cost plus any zero-byte step at the start of the curve."""
     size, curve = s.sac_memory_bytes, s.tradeoff
     fixed = getattr(s, "recompute_fixed_ms", 0.0)
-    jump = 0.0
-    for b, ms in zip(curve.discarded_bytes, curve.recompute_ms):
-        if b == 0:
-            jump = ms  # recompute_ms_at(0+) starts from the last zero-byte breakpoint
-    pts = [(0.0, fixed + jump)]
+    pts = [(0.0, module_recompute_ms(s, 0))]  # recompute_ms_at(0+): the last zero-byte step
     pts += [(b / size, fixed + ms) for b, ms in zip(curve.discarded_bytes, curve.recompute_ms)
             if 0 < b < size]
     pts.append((1.0, module_recompute_ms(s, size)))

@@ -6,6 +6,7 @@ shows the arithmetic behind the expected plan (MiB = 2**20 bytes).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -429,3 +430,20 @@ def test_big_models_log_the_start_and_end_of_a_solve(monkeypatch, caplog) -> Non
     with caplog.at_level(logging.INFO, logger="solver.milp"):
         solve_milp(chain(), 400 * MiB)
     assert not [r for r in caplog.records if r.levelno >= logging.INFO]
+
+
+def test_checkpoint_whose_forced_discards_alone_fit_is_kept() -> None:
+    """b0 always discards 40 MiB when checkpointed (forced; 1 ms fixed) and 100 MiB more along its
+    curve at 10 ms; b1 discards 100 MiB at 50 ms. Drop 30 MiB: checkpointing b0 at ratio 0 (1 ms)
+    is optimal. A plan that dropped the ratio-0 checkpoint (it discards nothing on its curve)
+    ended over the budget and fell back to another plan."""
+    b0 = dataclasses.replace(mod("M.b0", size_mib=100, ms=10, fixed_ms=1.0, fw_post=10, bw_pre=40),
+                             forced_discard_bytes=40 * MiB)
+    stats = [mod("M"), b0, mod("M.b1", size_mib=100, ms=50, fw_post=20, bw_pre=30)]
+    info = make_info(stats, [pt(25, 300)])
+    res = solve_milp(info, 270 * MiB)
+    assert res.checkpointed == ("M.b0",)
+    assert res.discarded_bytes == {"M.b0": 0}
+    assert res.predicted_peak_bytes == 260 * MiB == predict_peak_bytes(info, {"M.b0": 0})
+    assert res.recompute_ms == pytest.approx(1.0)
+    assert min_reachable_peak_bytes(info) == 300 * MiB - 140 * MiB - 100 * MiB

@@ -38,7 +38,7 @@ def test_a_discard_does_not_help_from_its_own_backward_on() -> None:
 def test_recompute_time_on_the_exact_curve_with_its_fixed_cost() -> None:
     """Curve (0,0) (50 MiB, 1 ms) (100 MiB, 11 ms) plus 5 ms fixed: 60 MiB cost 5 + 1 + 10*10/50."""
     s = mod("M.b", size_mib=100, fixed_ms=5.0, curve=((0, 0.0), (50, 1.0), (100, 11.0)))
-    assert module_recompute_ms(s, 0) == 0.0
+    assert module_recompute_ms(s, 0) == 5.0  # a checkpoint that discards only its forced bytes
     assert module_recompute_ms(s, 60 * MiB) == 8.0
     assert module_recompute_ms(s, 100 * MiB) == 16.0
 
