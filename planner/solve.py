@@ -496,7 +496,8 @@ def _shared_full_plan(model, est: Estimate, info, milp: SACMilp, shared: list[st
     res = milp.solve(milp.min_reachable_peak_bytes())
 
     def related(f: str) -> bool:
-        return any(f == s or f.startswith(s + ".") or s.startswith(f + ".") for s in shared)
+        g = milp.graph
+        return any(f == s or g.is_ancestor(s, f) or g.is_ancestor(f, s) for s in shared)
 
     discarded = {f: res.discarded_bytes[f] for f in res.checkpointed if not related(f)}
     discarded.update({f: info.stats(f).sac_memory_bytes for f in shared})
