@@ -117,8 +117,9 @@ class SolverOptions:
     1e-4 by default: plans are proven optimal, not approximately so. The symmetric choices among
     identical blocks that made closing the gap expensive are broken by the solver (see
     ``solver.symmetry``). Measured on a loaded 2-core CPU: 100-module graphs prove 1e-4 in
-    < 0.3 s, 1000-module ones in 1.6-60 s; the traced Llama-3-70B graph in 0.2-21 s at 16 of
-    20 sweep budgets, the other 4 stop at the 60 s limit 0.4-1.3 % from the bound. At
+    < 0.3 s, 1000-module ones in 1.7-60 s (random trees 11-18 s); the traced Llama-3-70B graph
+    in 0.1-18 s at 16 of 20 sweep budgets, the other 4 stop at the 60 s limit 0.13-0.55 % from
+    the bound (README, Limits: why). At
     ``time_limit_s`` the best plan found is returned with status FEASIBLE
     (benchmarks/solver_scaling.py, benchmarks/tradeoff_sweep.py)."""
     break_symmetry: bool = True
