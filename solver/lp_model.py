@@ -105,6 +105,13 @@ class LinearModel:
             self._lp.row_upper_ = np.array(self.row_upper)
         self._pulp = None
 
+    def set_row_bounds(self, row: int, low: float, up: float) -> None:
+        self.row_lower[row], self.row_upper[row] = float(low), float(up)
+        if self._lp is not None:
+            self._lp.row_lower_ = np.array(self.row_lower)
+            self._lp.row_upper_ = np.array(self.row_upper)
+        self._pulp = None
+
     def set_cost(self, cost: Sequence[tuple[int, float]]) -> None:
         c = np.zeros(len(self.col_names))
         for j, v in cost:
@@ -147,7 +154,8 @@ class LinearModel:
             self._lp = lp
         return self._lp
 
-    def _solve_highs(self, options: SolverOptions, rel_gap: float, tol: float | None = None) -> LpSolution:
+    def _solve_highs(self, options: SolverOptions, rel_gap: float, tol: float | None = None, *,
+                     relax: bool = False, max_nodes: int | None = None) -> LpSolution:
         import highspy
 
         _stop_highs_threads_at_exit()
@@ -172,14 +180,15 @@ class LinearModel:
         h.setOptionValue("mip_feasibility_tolerance", tol)
         if options.time_limit_s is not None:
             h.setOptionValue("time_limit", float(options.time_limit_s))
-        import os as _os
-        for kv in filter(None, _os.environ.get("HIGHS_EXTRA", "").split(",")):
-            k_, v_ = kv.split("=")
-            v_ = {"true": True, "false": False}.get(v_, v_)
-            if isinstance(v_, str):
-                v_ = float(v_) if "." in v_ or "e" in v_ else int(v_)
-            h.setOptionValue(k_, v_)
-        h.passModel(self._highs_lp())
+        if max_nodes is not None:
+            h.setOptionValue("mip_max_nodes", int(max_nodes))
+        lp = self._highs_lp()
+        if relax:  # the LP relaxation: same arrays, no integrality (passModel copies them)
+            integrality, lp.integrality_ = lp.integrality_, []
+            h.passModel(lp)
+            lp.integrality_ = integrality
+        else:
+            h.passModel(lp)
         if options.write_lp_path is not None:
             h.writeModel(str(options.write_lp_path))
         t0 = time.perf_counter()
@@ -200,13 +209,15 @@ class LinearModel:
         logger.debug("backend highs: status=%s gap=%s nodes=%d lp_iterations=%d in %.3fs",
                      h.modelStatusToString(status), gap, int(info.mip_node_count),
                      int(info.simplex_iteration_count), seconds)
+        if relax and status == ms.kOptimal:
+            has, proven, gap = True, True, 0.0
         stopped = status in (ms.kTimeLimit, ms.kInterrupt, ms.kSolutionLimit, ms.kIterationLimit)
         if not has and not infeasible and not stopped and tol < _DEFAULT_TOL:
             # Numerical trouble at the tight tolerances (seen once on a random graph): solve
             # again at HiGHS' defaults rather than report a timeout that did not happen.
             logger.info("HiGHS: %s at tolerance %g; solving again at %g",
                         h.modelStatusToString(status), tol, _DEFAULT_TOL)
-            return self._solve_highs(options, rel_gap, _DEFAULT_TOL)
+            return self._solve_highs(options, rel_gap, _DEFAULT_TOL, relax=relax, max_nodes=max_nodes)
         values = np.array(h.getSolution().col_value) if has else None
         obj = float(info.objective_function_value) if has else None
         return LpSolution(_BackendOutcome(has, proven, infeasible and not has, gap, seconds),
@@ -252,8 +263,14 @@ class LinearModel:
         return LpSolution(out, values, float(self.cost @ values))
 
     # ------------------------------------------------------------------ solve
-    def solve(self, options: SolverOptions, *, rel_gap: float | None = None) -> LpSolution:
+    def solve(self, options: SolverOptions, *, rel_gap: float | None = None,
+              max_nodes: int | None = None) -> LpSolution:
+        """Solve the MILP; ``max_nodes`` caps HiGHS' branch and bound (a probe)."""
         gap = options.rel_gap if rel_gap is None else rel_gap
         if options.backend is Backend.HIGHS:
-            return self._solve_highs(options, gap)
+            return self._solve_highs(options, gap, max_nodes=max_nodes)
         return self._solve_pulp(options, gap)
+
+    def solve_relaxation(self, options: SolverOptions) -> LpSolution:
+        """The LP relaxation (HiGHS): integrality dropped, everything else as in ``solve``."""
+        return self._solve_highs(options, 0.0, relax=True)

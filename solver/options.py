@@ -125,6 +125,10 @@ class SolverOptions:
     break_symmetry: bool = True
     """Order identical candidates (repeated blocks) with constraints that keep every optimal
     value (proof in ``solver/symmetry.py``); False solves the plain MILP."""
+    count_branching: bool = True
+    """Branch on how many modules of each kind are checkpointed (``solver/count_branch.py``)
+    where a short HiGHS probe does not prove the plan: exact, and the fast way to prove stacks of
+    nearly identical blocks. HiGHS only; False solves with HiGHS' own branch and bound alone."""
     threads: int = 1
     """Backend threads. 1 keeps results reproducible run to run."""
     verbose: bool = False
@@ -158,8 +162,9 @@ class SolverOptions:
             raise ValueError(f"rel_gap must be in [0, 1), got {self.rel_gap!r}")
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {self.threads!r}")
-        if not isinstance(self.break_symmetry, bool):
-            raise TypeError(f"break_symmetry must be a bool, got {self.break_symmetry!r}")
+        for name in ("break_symmetry", "count_branching"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.verbose, bool):
             raise TypeError(f"verbose must be a bool, got {self.verbose!r}")
 
