@@ -59,6 +59,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from estimators.aggregate import build_module_info
 from estimators.cuda_rules import CudaSemanticsMode
+from estimators.fake_kernels import FakeKernelError, RealKernelsMode
 from estimators.hf_paths import hf_real_paths
 from estimators.device import DeviceSpec, get_device_spec
 from estimators.memory import MemoryTimeline, build_timeline
@@ -325,6 +326,8 @@ def estimate(
                 if fake_mode is not None:
                     modes.enter_context(hf_real_paths(step.inputs))  # HF's real-run code path
                     modes.enter_context(fake_mode)
+                    # Below the tracer: it records outputs as the real kernels make them.
+                    modes.enter_context(RealKernelsMode(cuda=bool(cuda_rules)))
                 modes.enter_context(tracer)
                 if cuda_rules:
                     modes.enter_context(CudaSemanticsMode())
@@ -336,6 +339,8 @@ def estimate(
                     )
         except StepError as e:
             raise TraceError(str(e)) from e.__cause__
+        except FakeKernelError as e:
+            raise TraceError(str(e)) from e
         finally:
             tracer.detach()
             _undo(applied)
