@@ -101,15 +101,17 @@ def _families() -> dict[str, Family]:
             projection_dim=16)
         model = T.CLIPModel(cfg)
         model.logit_scale.requires_grad_(False)  # a fixed temperature: a frozen parameter
-        batch = {"input_ids": _ids()["input_ids"], "pixel_values": _pixels()["pixel_values"], "return_loss": True}
+        batch = {"input_ids": _ids(batch=8)["input_ids"], "pixel_values": _pixels(batch=8)["pixel_values"],
+                 "return_loss": True}
         return model, batch
 
     fams = [
         Family("mixtral", lambda: (T.MixtralForCausalLM(T.MixtralConfig(
-            **dec, num_local_experts=4, num_experts_per_tok=2)), _ids()), bf16),
+            **{**dec, "max_position_embeddings": 64}, num_local_experts=4, num_experts_per_tok=2)),
+            _ids(batch=8, seq=64)), bf16),
         Family("qwen2_moe", lambda: (T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
             **dec, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=HIDDEN,
-            shared_expert_intermediate_size=HIDDEN)), _ids()), bf16),
+            shared_expert_intermediate_size=HIDDEN)), _ids(batch=4, seq=SEQ)), bf16),
         Family("falcon", lambda: (T.FalconForCausalLM(T.FalconConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2,
             max_position_embeddings=SEQ, attention_dropout=0.1, hidden_dropout=0.1)), _ids()), bf16),

@@ -295,6 +295,33 @@ def estimate(
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
     t0 = time.perf_counter()
+    trace, without_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, frozenset())
+    if without_grad and (step.optimizer is not None or step.grads_alive_at_start):
+        # torch's optimizers create no state for (and do not step) a parameter whose .grad is
+        # None, and a parameter the loss never reaches never gets one (an unused pooler, a frozen
+        # part the optimizer was still given): trace again with those parameters as the loop
+        # has them from step 2 on, without gradient or state.
+        logger.info("%d parameter(s) get no gradient in the step (%s); traced again without their "
+                    "optimizer state", len(without_grad), ", ".join(sorted(without_grad)[:3]))
+        trace, _ = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad)
+    timeline = build_timeline(trace)
+    info = build_module_info(trace, timeline)
+    dt = time.perf_counter() - t0
+    logger.info("traced %d ops, %d module calls in %.2f s", len(trace.ops), len(trace.calls), dt)
+    return Estimate(
+        trace=trace, timeline=timeline, module_info=info, spec=spec, trace_time_s=dt, step=step,
+        options=options, first_step_peak_bytes=_first_step_peak(trace, timeline, step),
+    )
+
+
+def _trace_step(
+    model: torch.nn.Module, step: TrainStep, spec: DeviceSpec, options: EstimateOptions,
+    prepare: Callable[[torch.nn.Module], Any] | None, cuda_rules: bool, without_grad: frozenset[str],
+) -> tuple[StepTrace, frozenset[str]]:
+    """One traced step of the steady state, and the names of the trainable parameters that got
+    no gradient in it. ``without_grad``: parameters that start the step with neither
+    gradient nor optimizer state (they got none in a previous trace)."""
+    fake = options.mode is TraceMode.FAKE
     if fake:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         traced, mapping = _fake_copy(model, fake_mode)
@@ -311,7 +338,7 @@ def estimate(
         groups = _param_groups(model, step.optimizer, mapping)
         opt = resolve_optimizer(step.optimizer, groups, spec, fake)
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            _steady_state(traced, opt, step)
+            _steady_state(traced, opt, step, without_grad)
         tracer = StepTracer(
             traced, type(model).__name__, make_runtime_model(options.runtime, spec),
             inputs=step_inputs, optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
@@ -320,6 +347,9 @@ def estimate(
             previous_output=step.keep_output,
         )
         applied = prepare(traced) if prepare is not None else None
+        graded: set[str] = set()
+        trainable = {n: p for n, p in traced.named_parameters() if p.requires_grad}
+        grad_hooks = [p.register_post_accumulate_grad_hook(lambda _, n=n: graded.add(n)) for n, p in trainable.items()]
         tracer.attach()
         try:
             with contextlib.ExitStack() as modes:
@@ -343,19 +373,15 @@ def estimate(
             raise TraceError(str(e)) from e
         finally:
             tracer.detach()
+            for h in grad_hooks:
+                h.remove()
             _undo(applied)
         trace = tracer.finish()
+        got_no_grad = frozenset(n for n in trainable if n not in graded)
         del opt, tracer
         if fake:
             _refuse_unsized_workspaces(trace)
-    timeline = build_timeline(trace)
-    info = build_module_info(trace, timeline)
-    dt = time.perf_counter() - t0
-    logger.info("traced %d ops, %d module calls in %.2f s", len(trace.ops), len(trace.calls), dt)
-    return Estimate(
-        trace=trace, timeline=timeline, module_info=info, spec=spec, trace_time_s=dt, step=step,
-        options=options, first_step_peak_bytes=_first_step_peak(trace, timeline, step),
-    )
+    return trace, got_no_grad
 
 
 # Backward ops whose forward keeps a workspace that torch's fake (meta) kernel returns empty: the
@@ -385,10 +411,13 @@ def _undo(applied: Any) -> None:
         remove()
 
 
-def _steady_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None, step: TrainStep) -> None:
+def _steady_state(
+    model: torch.nn.Module, opt: torch.optim.Optimizer | None, step: TrainStep, without_grad: frozenset[str] = frozenset(),
+) -> None:
     """Give the traced model the state the loop's binding micro-batch starts with: optimizer
-    state created (one step on zero gradients), gradients allocated or not (see TrainStep)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    state created (one step on zero gradients), gradients allocated or not (see TrainStep).
+    Parameters named in ``without_grad`` never get a gradient, so neither gradient nor state."""
+    params = [p for n, p in model.named_parameters() if p.requires_grad and n not in without_grad]
     with torch.no_grad():
         for p in params:
             p.grad = torch.zeros_like(p)

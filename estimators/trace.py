@@ -179,6 +179,7 @@ class StepTracer(TorchDispatchMode):
         self._last_progress = time.monotonic()
         self._sealed = False  # after finish(): later frees (the caller dropping tensors) are not the step's
         self._previous_output = previous_output
+        self._packing = False  # inside pack_hook: its own alias is not an op of the step
         self._output_sids: tuple[int, ...] = ()  # the root call's output, with what pytree does not open
         self._register_state(inputs)
 
@@ -245,7 +246,7 @@ class StepTracer(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         facts = op_facts(func)
-        if facts.is_query:
+        if facts.is_query or self._packing:
             return out
         index = len(self.ops)
         flat_in, _ = tree_flatten((args, kwargs))
@@ -323,7 +324,16 @@ class StepTracer(TorchDispatchMode):
                 rec = self.storages[sid]
                 rec.saved = True
                 rec.saved_by_calls.add(self._stack[-1] if self._stack else -1)
-        return t
+        # Not ``t`` itself: an op that saves its own output (tanh, sigmoid, softmax...) would then
+        # hold output -> grad_fn -> saved output, a reference cycle that only the garbage
+        # collector frees, so an output the loss never reads (an unused pooler) outlived its
+        # last reference; autograd saves outputs without their grad_fn, and so does this alias
+        # (same storage, no grad_fn). The detach is the hook's, not a step op: not recorded.
+        self._packing = True
+        try:
+            return t.detach()
+        finally:
+            self._packing = False
 
     @staticmethod
     def unpack_hook(t: torch.Tensor) -> torch.Tensor:
