@@ -231,9 +231,9 @@ def trial(fam: Family) -> Row:
             warnings.simplefilter("ignore")
             model, inputs = fam.build()
         model.train()
-        step = TrainStep(inputs=inputs, loss_fn=fam.loss_fn, optimizer="adamw",
-                         micro_batches=fam.micro_batches, autocast_dtype=fam.autocast_dtype)
         ema = copy.deepcopy(model).requires_grad_(False) if fam.ema else None
+        step = TrainStep(inputs=inputs, loss_fn=fam.loss_fn, optimizer="adamw", micro_batches=fam.micro_batches,
+                         autocast_dtype=fam.autocast_dtype, held=(ema,) if fam.ema else ())
         before = _snapshot(model)
         with hf_cache_off(model):
             est = estimate(model, step=step, device="cpu")
@@ -245,10 +245,11 @@ def trial(fam: Family) -> Row:
         row.planned_pred, row.unplanned_pred = plan.predicted_peak_bytes, plan.baseline_peak_bytes
         plain, planned = copy.deepcopy(model), copy.deepcopy(model)
         ema_plain, ema_planned = copy.deepcopy(ema), copy.deepcopy(ema)
-        del ema
-        ref, ref_state = run_loop(plain, step, ema_plain)
+        del ema  # each run's loop holds its own EMA copy
+        held = lambda e: dataclasses.replace(step, held=(e,) if e is not None else ())  # noqa: E731
+        ref, ref_state = run_loop(plain, held(ema_plain), ema_plain)
         with apply_plan(planned, plan):
-            got, got_state = run_loop(planned, step, ema_planned)
+            got, got_state = run_loop(planned, held(ema_planned), ema_planned)
         row.unplanned_meas = max(m.peak_bytes for m in ref[1:])
         row.planned_meas = max(m.peak_bytes for m in got[1:])
         params = {n for n, _ in plain.named_parameters()}

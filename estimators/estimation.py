@@ -292,6 +292,7 @@ def estimate(
     spec = get_device_spec(device)
     step = as_train_step(model, inputs, step, loss_fn=loss_fn, optimizer=optimizer)
     step.check_target(spec)
+    _check_held_is_not_the_model(model, step)
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
     t0 = time.perf_counter()
@@ -312,6 +313,24 @@ def estimate(
         trace=trace, timeline=timeline, module_info=info, spec=spec, trace_time_s=dt, step=step,
         options=options, first_step_peak_bytes=_first_step_peak(trace, timeline, step),
     )
+
+
+def _check_held_is_not_the_model(model: torch.nn.Module, step: TrainStep) -> None:
+    """``TrainStep.held`` is what the loop holds besides the model: a tensor of the model there
+    would be counted twice in fake mode (the trace's model is a copy) and once in real mode."""
+    if not step.held:
+        return
+    own = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        own[id(t.untyped_storage())] = name
+    for t in step.held_tensors():
+        name = own.get(id(t.untyped_storage()))
+        if name is not None:
+            raise ValueError(
+                f"TrainStep.held holds the model's own {name!r} (or a view of it): the model's "
+                "parameters and buffers are counted already; hold only what the loop keeps besides "
+                "the model, e.g. an EMA copy made with copy.deepcopy(model)"
+            )
 
 
 def _trace_step(
@@ -344,7 +363,7 @@ def _trace_step(
             inputs=step_inputs, optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
             round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
             progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
-            previous_output=step.keep_output,
+            previous_output=step.keep_output, held=step.held_tensors(),
         )
         applied = prepare(traced) if prepare is not None else None
         graded: set[str] = set()

@@ -14,7 +14,11 @@ one rule per op, each measured against the real CPU kernel (tests/estimators/tes
 2. ``native_group_norm``: the same mixed-type rule on every device.
 3. ``native_group_norm_backward``: ``grad_input`` has the input's dtype; the meta kernel takes
    the dtype of ``mean`` (float32 after rule 2: twice the bytes of a bf16 gradient).
-4. ``_grouped_mm`` (MoE experts in transformers 5): the meta kernel checks CUDA's limits (bf16
+4. ``native_layer_norm_backward``: ``grad_input`` is contiguous (the kernels write it over the
+   contiguous input); the meta kernel copies the incoming gradient's strides, so behind a
+   transpose (Swin's patch merging) the next linear's backward copied it to reshape: 2,048 B
+   over-predicted on a tiny Swin.
+5. ``_grouped_mm`` (MoE experts in transformers 5): the meta kernel checks CUDA's limits (bf16
    only, 16-byte aligned strides) and refuses what the CPU kernel runs, e.g. float32 experts fed
    by autocast's float32 activations; the output is computed here as the CPU kernel makes it:
    ``out_dtype`` or the inputs' dtype, contiguous, shape from the 2-D / 3-D operand rules.
@@ -67,6 +71,14 @@ def _group_norm(out, args, kwargs, cuda: bool):
     return out
 
 
+def _layer_norm_backward(out, args, kwargs, cuda: bool):
+    x = args[1]
+    g = out[0]
+    if g is not None and (g.dtype != x.dtype or not g.is_contiguous()):
+        return (torch.empty(g.shape, dtype=x.dtype, device=g.device), *out[1:])
+    return out
+
+
 def _group_norm_backward(out, args, kwargs, cuda: bool):
     x = args[1]
     if out[0] is not None and out[0].dtype != x.dtype:
@@ -78,6 +90,7 @@ _OUTPUT_RULES = {
     aten.native_layer_norm.default: _layer_norm,
     aten.native_group_norm.default: _group_norm,
     aten.native_group_norm_backward.default: _group_norm_backward,
+    aten.native_layer_norm_backward.default: _layer_norm_backward,
 }
 
 

@@ -143,6 +143,7 @@ class StepTracer(TorchDispatchMode):
         round_bytes: Callable[[int], int] = lambda n: n,
         progress: Callable[[str], None] | None = None,
         previous_output: bool = False,
+        held: Any = (),
     ) -> None:
         """
         Args:
@@ -159,6 +160,9 @@ class StepTracer(TorchDispatchMode):
                 ``TrainStep.keep_output``): the trace runs one micro-batch, so the storages of
                 this one's output stand in for it, counted from the step's start to the root
                 forward's last op.
+            held: tensors the loop holds through the step besides the model, the batch and the
+                optimizer (``TrainStep.held``: an EMA copy), resident for the whole step, counted
+                with the inputs.
         """
         super().__init__()
         self.model, self.root_name, self.optimizer, self.device = model, root_name, optimizer, device
@@ -181,7 +185,7 @@ class StepTracer(TorchDispatchMode):
         self._previous_output = previous_output
         self._packing = False  # inside pack_hook: its own alias is not an op of the step
         self._output_sids: tuple[int, ...] = ()  # the root call's output, with what pytree does not open
-        self._register_state(inputs)
+        self._register_state(inputs, held)
 
     def set_phase(self, phase: Phase) -> None:
         if phase is not self.phase and self.progress is not None and phase is not Phase.FW:
@@ -192,7 +196,7 @@ class StepTracer(TorchDispatchMode):
     def _sid(self, st: torch.UntypedStorage) -> int | None:
         return self._live.get(id(st))
 
-    def _register_state(self, inputs: Any) -> None:
+    def _register_state(self, inputs: Any, held: Any = ()) -> None:
         for p in self.model.parameters():
             self._register(p, StorageKind.PARAM)
             if p.grad is not None:
@@ -204,6 +208,8 @@ class StepTracer(TorchDispatchMode):
                 self._register(t, StorageKind.INPUT)
         for t in self._optimizer_tensors():
             self._register(t, StorageKind.OPTIMIZER)
+        for t in held:
+            self._register(t, StorageKind.INPUT)
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         if self.optimizer is None:
