@@ -167,6 +167,7 @@ class TrainStep:
         return (
             f"step: optimizer {name}, {self.micro_batches} micro-batch(es), zero_grad "
             f"{self.zero_grad.value}, autocast {amp}" + (", output kept through backward" if self.keep_output else "")
+            + (f", {len(self.held)} held object(s) ({_held_bytes(self):,} B) resident" if self.held else "")
         )
 
 
