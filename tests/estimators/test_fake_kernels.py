@@ -76,12 +76,22 @@ def test_layer_norm_statistics_are_float32_on_a_cuda_target():
     assert mean.dtype == rstd.dtype == torch.float32
 
 
-def test_grouped_mm_in_float32_runs_as_on_the_cpu():
-    a, b = torch.randn(6, 16), torch.randn(3, 16, 8)
-    offs = torch.tensor([2, 4, 6], dtype=torch.int32)
-    real = aten._grouped_mm(a, b, offs)
-    assert real.dtype == torch.float32  # the meta kernel refuses float32 (CUDA's bf16-only check)
-    assert _layout(_fake_run(aten._grouped_mm, a, b, offs)) == _layout(real)
+_OFFS = torch.tensor([8, 16, 24], dtype=torch.int32)
+GROUPED = {  # (mat_a, mat_b, offs) of each operand form the CPU kernel takes
+    "2d x 3d": lambda: (torch.randn(24, 16), torch.randn(3, 16, 8), _OFFS),  # MoE experts
+    "3d x 2d": lambda: (torch.randn(3, 24, 16), torch.randn(16, 24), _OFFS),
+    "2d x 2d": lambda: (torch.randn(16, 24), torch.randn(24, 8), _OFFS),
+    "3d x 3d": lambda: (torch.randn(3, 8, 16), torch.randn(3, 16, 8), None),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, bf16])
+@pytest.mark.parametrize("form", GROUPED)
+def test_grouped_mm_runs_as_on_the_cpu(form, dtype):
+    a, b, offs = GROUPED[form]()
+    real = aten._grouped_mm(a.to(dtype), b.to(dtype), offs)
+    # the meta kernel refuses float32 (CUDA's bf16-only check) and 16-byte-unaligned strides
+    assert _layout(_fake_run(aten._grouped_mm, a.to(dtype), b.to(dtype), offs)) == _layout(real)
 
 
 class _LayerNormNet(torch.nn.Module):
