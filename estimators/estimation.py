@@ -59,6 +59,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from estimators.aggregate import build_module_info
 from estimators.cuda_rules import CudaSemanticsMode
+from estimators.fake_kernels import FakeKernelError, RealKernelsMode
 from estimators.hf_paths import hf_real_paths
 from estimators.device import DeviceSpec, get_device_spec
 from estimators.memory import MemoryTimeline, build_timeline
@@ -291,9 +292,55 @@ def estimate(
     spec = get_device_spec(device)
     step = as_train_step(model, inputs, step, loss_fn=loss_fn, optimizer=optimizer)
     step.check_target(spec)
+    _check_held_is_not_the_model(model, step)
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
     t0 = time.perf_counter()
+    trace, without_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, frozenset())
+    if without_grad and (step.optimizer is not None or step.grads_alive_at_start):
+        # torch's optimizers create no state for (and do not step) a parameter whose .grad is
+        # None, and a parameter the loss never reaches never gets one (an unused pooler, a frozen
+        # part the optimizer was still given): trace again with those parameters as the loop
+        # has them from step 2 on, without gradient or state.
+        logger.info("%d parameter(s) get no gradient in the step (%s); traced again without their "
+                    "optimizer state", len(without_grad), ", ".join(sorted(without_grad)[:3]))
+        trace, _ = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad)
+    timeline = build_timeline(trace)
+    info = build_module_info(trace, timeline)
+    dt = time.perf_counter() - t0
+    logger.info("traced %d ops, %d module calls in %.2f s", len(trace.ops), len(trace.calls), dt)
+    return Estimate(
+        trace=trace, timeline=timeline, module_info=info, spec=spec, trace_time_s=dt, step=step,
+        options=options, first_step_peak_bytes=_first_step_peak(trace, timeline, step),
+    )
+
+
+def _check_held_is_not_the_model(model: torch.nn.Module, step: TrainStep) -> None:
+    """``TrainStep.held`` is what the loop holds besides the model: a tensor of the model there
+    would be counted twice in fake mode (the trace's model is a copy) and once in real mode."""
+    if not step.held:
+        return
+    own = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        own[id(t.untyped_storage())] = name
+    for t in step.held_tensors():
+        name = own.get(id(t.untyped_storage()))
+        if name is not None:
+            raise ValueError(
+                f"TrainStep.held holds the model's own {name!r} (or a view of it): the model's "
+                "parameters and buffers are counted already; hold only what the loop keeps besides "
+                "the model, e.g. an EMA copy made with copy.deepcopy(model)"
+            )
+
+
+def _trace_step(
+    model: torch.nn.Module, step: TrainStep, spec: DeviceSpec, options: EstimateOptions,
+    prepare: Callable[[torch.nn.Module], Any] | None, cuda_rules: bool, without_grad: frozenset[str],
+) -> tuple[StepTrace, frozenset[str]]:
+    """One traced step of the steady state, and the names of the trainable parameters that got
+    no gradient in it. ``without_grad``: parameters that start the step with neither
+    gradient nor optimizer state (they got none in a previous trace)."""
+    fake = options.mode is TraceMode.FAKE
     if fake:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         traced, mapping = _fake_copy(model, fake_mode)
@@ -310,21 +357,26 @@ def estimate(
         groups = _param_groups(model, step.optimizer, mapping)
         opt = resolve_optimizer(step.optimizer, groups, spec, fake)
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            _steady_state(traced, opt, step)
+            _steady_state(traced, opt, step, without_grad)
         tracer = StepTracer(
             traced, type(model).__name__, make_runtime_model(options.runtime, spec),
             inputs=step_inputs, optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
             round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
             progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
-            previous_output=step.keep_output,
+            previous_output=step.keep_output, held=step.held_tensors(),
         )
         applied = prepare(traced) if prepare is not None else None
+        graded: set[str] = set()
+        trainable = {n: p for n, p in traced.named_parameters() if p.requires_grad}
+        grad_hooks = [p.register_post_accumulate_grad_hook(lambda _, n=n: graded.add(n)) for n, p in trainable.items()]
         tracer.attach()
         try:
             with contextlib.ExitStack() as modes:
                 if fake_mode is not None:
                     modes.enter_context(hf_real_paths(step.inputs))  # HF's real-run code path
                     modes.enter_context(fake_mode)
+                    # Below the tracer: it records outputs as the real kernels make them.
+                    modes.enter_context(RealKernelsMode(cuda=bool(cuda_rules)))
                 modes.enter_context(tracer)
                 if cuda_rules:
                     modes.enter_context(CudaSemanticsMode())
@@ -336,21 +388,19 @@ def estimate(
                     )
         except StepError as e:
             raise TraceError(str(e)) from e.__cause__
+        except FakeKernelError as e:
+            raise TraceError(str(e)) from e
         finally:
             tracer.detach()
+            for h in grad_hooks:
+                h.remove()
             _undo(applied)
         trace = tracer.finish()
+        got_no_grad = frozenset(n for n in trainable if n not in graded)
         del opt, tracer
         if fake:
             _refuse_unsized_workspaces(trace)
-    timeline = build_timeline(trace)
-    info = build_module_info(trace, timeline)
-    dt = time.perf_counter() - t0
-    logger.info("traced %d ops, %d module calls in %.2f s", len(trace.ops), len(trace.calls), dt)
-    return Estimate(
-        trace=trace, timeline=timeline, module_info=info, spec=spec, trace_time_s=dt, step=step,
-        options=options, first_step_peak_bytes=_first_step_peak(trace, timeline, step),
-    )
+    return trace, got_no_grad
 
 
 # Backward ops whose forward keeps a workspace that torch's fake (meta) kernel returns empty: the
@@ -380,10 +430,13 @@ def _undo(applied: Any) -> None:
         remove()
 
 
-def _steady_state(model: torch.nn.Module, opt: torch.optim.Optimizer | None, step: TrainStep) -> None:
+def _steady_state(
+    model: torch.nn.Module, opt: torch.optim.Optimizer | None, step: TrainStep, without_grad: frozenset[str] = frozenset(),
+) -> None:
     """Give the traced model the state the loop's binding micro-batch starts with: optimizer
-    state created (one step on zero gradients), gradients allocated or not (see TrainStep)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    state created (one step on zero gradients), gradients allocated or not (see TrainStep).
+    Parameters named in ``without_grad`` never get a gradient, so neither gradient nor state."""
+    params = [p for n, p in model.named_parameters() if p.requires_grad and n not in without_grad]
     with torch.no_grad():
         for p in params:
             p.grad = torch.zeros_like(p)

@@ -95,7 +95,15 @@ class TrainStep:
     micro-batch, the optimizer step. False: the output is dropped once the loss is computed
     (``loss = model(**batch).loss``, HF's ``Trainer``)."""
 
+    held: Any = ()
+    """Tensors and modules the loop holds through the step besides the model, its gradients,
+    optimizer state and the batch: an EMA copy of the model (``ema = copy.deepcopy(model)``),
+    a frozen teacher, a replay buffer. Counted as resident for the whole step by every trace and
+    measurement (a module: its parameters, buffers and gradients). A tensor or a module, or a
+    list / tuple of them; never the planned model itself or one of its tensors (already counted)."""
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "held", _check_held(self.held))
         mb = self.micro_batches
         if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
             raise ValueError(
@@ -120,6 +128,18 @@ class TrainStep:
         if not isinstance(self.keep_output, bool):
             raise TypeError(f"keep_output must be True or False (does the loop hold the model output "
                             f"through backward?), got {self.keep_output!r}")
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors of ``held``: tensors as given, modules' parameters, gradients and buffers."""
+        found: list[torch.Tensor] = []
+        for h in self.held:
+            if isinstance(h, torch.nn.Module):
+                for p in h.parameters():
+                    found += [p] + ([p.grad] if p.grad is not None else [])
+                found += list(h.buffers())
+            else:
+                found.append(h)
+        return found
 
     @property
     def grads_alive_at_start(self) -> bool:
@@ -147,7 +167,32 @@ class TrainStep:
         return (
             f"step: optimizer {name}, {self.micro_batches} micro-batch(es), zero_grad "
             f"{self.zero_grad.value}, autocast {amp}" + (", output kept through backward" if self.keep_output else "")
+            + (f", {len(self.held)} held object(s) ({_held_bytes(self):,} B) resident" if self.held else "")
         )
+
+
+def _check_held(held: Any) -> tuple:
+    if held is None:
+        return ()
+    items = tuple(held) if isinstance(held, (list, tuple)) else (held,)
+    for i, h in enumerate(items):
+        if not isinstance(h, (torch.Tensor, torch.nn.Module)):
+            raise TypeError(
+                f"held[{i}] must be a tensor or an nn.Module the loop keeps alive through the step "
+                f"(e.g. an EMA copy of the model), got {type(h).__name__}"
+            )
+    return items
+
+
+def _held_bytes(step: TrainStep) -> int:
+    seen: dict[int, int] = {}
+    for t in step.held_tensors():
+        try:
+            st = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            continue
+        seen[id(st)] = st.nbytes()
+    return sum(seen.values())
 
 
 def split_inputs(inputs: Any) -> tuple[tuple, dict]:
@@ -199,6 +244,8 @@ def run_step(
             try:
                 out = model(*args, **kwargs)
             except Exception as e:
+                if type(e).__name__ == "FakeKernelError":
+                    raise  # says itself which op failed and what to do
                 raise StepError(_forward_hint(model, e, kwargs)) from e
             held = out if keep_output else None  # `out = model(...)` lets go of the previous output
             with _values_read_in("the loss function"):

@@ -143,6 +143,7 @@ class StepTracer(TorchDispatchMode):
         round_bytes: Callable[[int], int] = lambda n: n,
         progress: Callable[[str], None] | None = None,
         previous_output: bool = False,
+        held: Any = (),
     ) -> None:
         """
         Args:
@@ -159,6 +160,9 @@ class StepTracer(TorchDispatchMode):
                 ``TrainStep.keep_output``): the trace runs one micro-batch, so the storages of
                 this one's output stand in for it, counted from the step's start to the root
                 forward's last op.
+            held: tensors the loop holds through the step besides the model, the batch and the
+                optimizer (``TrainStep.held``: an EMA copy), resident for the whole step, counted
+                with the inputs.
         """
         super().__init__()
         self.model, self.root_name, self.optimizer, self.device = model, root_name, optimizer, device
@@ -179,8 +183,9 @@ class StepTracer(TorchDispatchMode):
         self._last_progress = time.monotonic()
         self._sealed = False  # after finish(): later frees (the caller dropping tensors) are not the step's
         self._previous_output = previous_output
+        self._packing = False  # inside pack_hook: its own alias is not an op of the step
         self._output_sids: tuple[int, ...] = ()  # the root call's output, with what pytree does not open
-        self._register_state(inputs)
+        self._register_state(inputs, held)
 
     def set_phase(self, phase: Phase) -> None:
         if phase is not self.phase and self.progress is not None and phase is not Phase.FW:
@@ -191,7 +196,7 @@ class StepTracer(TorchDispatchMode):
     def _sid(self, st: torch.UntypedStorage) -> int | None:
         return self._live.get(id(st))
 
-    def _register_state(self, inputs: Any) -> None:
+    def _register_state(self, inputs: Any, held: Any = ()) -> None:
         for p in self.model.parameters():
             self._register(p, StorageKind.PARAM)
             if p.grad is not None:
@@ -203,6 +208,8 @@ class StepTracer(TorchDispatchMode):
                 self._register(t, StorageKind.INPUT)
         for t in self._optimizer_tensors():
             self._register(t, StorageKind.OPTIMIZER)
+        for t in held:
+            self._register(t, StorageKind.INPUT)
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         if self.optimizer is None:
@@ -245,7 +252,7 @@ class StepTracer(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         facts = op_facts(func)
-        if facts.is_query:
+        if facts.is_query or self._packing:
             return out
         index = len(self.ops)
         flat_in, _ = tree_flatten((args, kwargs))
@@ -323,7 +330,16 @@ class StepTracer(TorchDispatchMode):
                 rec = self.storages[sid]
                 rec.saved = True
                 rec.saved_by_calls.add(self._stack[-1] if self._stack else -1)
-        return t
+        # Not ``t`` itself: an op that saves its own output (tanh, sigmoid, softmax...) would then
+        # hold output -> grad_fn -> saved output, a reference cycle that only the garbage
+        # collector frees, so an output the loss never reads (an unused pooler) outlived its
+        # last reference; autograd saves outputs without their grad_fn, and so does this alias
+        # (same storage, no grad_fn). The detach is the hook's, not a step op: not recorded.
+        self._packing = True
+        try:
+            return t.detach()
+        finally:
+            self._packing = False
 
     @staticmethod
     def unpack_hook(t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Measure real training steps: the peak memory an independent tracker sees, and the loss.
 
 On CUDA the peak is ``torch.cuda.max_memory_allocated``; on CPU it is torch's own MemTracker
-(torch.distributed._tools), which follows every tensor's storage. Neither shares code with the
+(torch.distributed._tools), which follows every tensor's storage. Only its allocator-level
+tracking is used: no module hooks (its ModTracker is replaced, see ``_NoModuleHooks``), so the
+step measured runs as it does untracked. Neither shares code with the
 estimators, so a prediction checked against it is checked against an independent measurement.
 
     steps = measure_steps(model, TrainStep(inputs=batch, optimizer="adamw"), n_steps=3)
@@ -17,7 +19,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from estimators.module_info import Phase
 from estimators.step import TrainStep, run_step, zero_grads
 from estimators.trace import held_tensors
 
@@ -71,25 +72,48 @@ def measure_steps(
             model, step.inputs, step.loss_fn, optimizer, on_phase,
             micro_batches=step.micro_batches, autocast_dtype=step.autocast_dtype,
             keep_output=step.keep_output, held_output=held,
-        ), held=held_tensors(held[0])))
+        ), held=held_tensors(held[0]) + step.held_tensors()))
     return out
 
 
-class _NoHandle:
-    """Stands in for the gradient-hook handles MemTracker keeps per parameter (it removes them on exit)."""
+class _NoModuleHooks:
+    """Stands in for MemTracker's ModTracker, which installs global module forward hooks and, on
+    every module's inputs and outputs, multi-grad hooks that keep them referenced into the
+    backward: they changed what is alive when (and HF families warned "Module is None"). The
+    peak needs only the allocator-level tracking (MemTracker's dispatch mode and storage weak
+    references), so nothing is hooked on modules: no module is ever "in backward" or a parent."""
 
-    def remove(self) -> None:
+    parents = frozenset({"Global"})
+    is_bw = False
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoModuleHooks":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
         pass
 
 
-def _skip_grad_hooks_of_frozen_params(mt: Any, model: torch.nn.Module) -> None:
-    """MemTracker (torch 2.13) registers a gradient hook on every parameter of each module it
-    enters, and ``register_hook`` raises on one that does not require grad: any model with frozen
-    parameters (fine-tuning, LoRA) could not be measured. It skips a parameter it already holds
-    handles for, so frozen ones get inert handles; they never get a gradient to track."""
-    for p in model.parameters():
-        if not p.requires_grad:
-            mt._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
+def _memory_tracker(model: torch.nn.Module) -> tuple[Any, list]:
+    """torch's MemTracker measuring storages only, and the gradient hooks that file a parameter's
+    ``.grad`` as GRAD once accumulated (the handles, for removal): a post-accumulate hook reads
+    ``p.grad`` and holds nothing."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    mt = MemTracker()
+    mt._mod_tracker = _NoModuleHooks()
+
+    def as_grad(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            mt._update_and_maybe_create_winfos(p.grad, _MemRefType.GRAD)
+
+    handles = [p.register_post_accumulate_grad_hook(as_grad) for p in model.parameters() if p.requires_grad]
+    return mt, handles
 
 
 def _measure(model: torch.nn.Module, inputs: Any, optimizer, run, held: list | None = None) -> MeasuredStep:
@@ -104,29 +128,19 @@ def _measure(model: torch.nn.Module, inputs: Any, optimizer, run, held: list | N
         torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         return MeasuredStep(torch.cuda.max_memory_allocated(device), loss, dt * 1e3, "torch.cuda.max_memory_allocated")
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    mt = MemTracker()
-    _skip_grad_hooks_of_frozen_params(mt, model)
+    mt, grad_hooks = _memory_tracker(model)
     # The batch is in device memory too (as on a GPU, where max_memory_allocated counts it);
     # MemTracker only sees tensors made inside its context unless told about them.
     batch = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
     mt.track_external(model, *([optimizer] if optimizer is not None else []), *batch, *(held or ()))
     held = None  # MemTracker holds them weakly: the step lets go of them when the loop does
     t0 = time.perf_counter()
-    forwards = 0
-
-    def on_phase(phase: Phase) -> None:
-        # MemTracker refuses a module's second forward in one session; micro-batches run the
-        # modules again. Its per-module stats go, its peak snapshot stays.
-        nonlocal forwards
-        if phase is Phase.FW:
-            if forwards:
-                mt.reset_mod_stats()
-            forwards += 1
-
-    with mt:
-        loss = run(on_phase)
+    try:
+        with mt:
+            loss = run(None)  # no module hooks, so no per-module stats to reset per micro-batch
+    finally:
+        for h in grad_hooks:
+            h.remove()
     dt = time.perf_counter() - t0
     snap = mt.get_tracker_snapshot("peak")[device]
     state = sum(v for k, v in snap.items() if getattr(k, "name", "") in ("PARAM", "BUFFER", "GRAD", "OPT"))

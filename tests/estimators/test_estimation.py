@@ -299,3 +299,60 @@ def test_an_lstm_is_refused_in_fake_mode_and_exact_in_real_mode():
     est = estimate(model, step=step, options=EstimateOptions(mode=TraceMode.REAL))
     opt = torch.optim.AdamW(model.parameters())
     assert [s.peak_bytes for s in measure_steps(model, step, opt, n_steps=2)][1] == est.steady_peak_bytes
+
+
+class _WithUnused(torch.nn.Module):
+    """A pooler the loss never reaches (BigBird's in its masked-LM head) and a frozen layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen, self.body, self.pooler = (torch.nn.Linear(32, 32) for _ in range(3))
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.body(self.frozen(x))
+        return h, self.pooler(h[:, 0])
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("as_instance", [False, True])
+def test_no_optimizer_state_for_parameters_that_get_no_gradient(micro_batches, as_instance):
+    # torch's AdamW creates no state for a parameter whose .grad is None: the pooler (never in
+    # the loss) and the frozen layer (given to the optimizer anyway). Before: the pooler got a
+    # zero gradient and AdamW state in the traced steady state, 8,448 B + its 4 B step counters
+    # over the measured peak (with accumulation its gradient too).
+    model, x = _WithUnused(), torch.randn(16, 8, 32)
+    opt = torch.optim.AdamW(model.parameters())  # every parameter, frozen ones included
+    step = TrainStep(inputs=(x,), loss_fn=lambda out, inputs: out[0].sum(), micro_batches=micro_batches,
+                     optimizer=opt if as_instance else "adamw")
+    est = estimate(model, step=step)
+    measured = [m.peak_bytes for m in measure_steps(model, step, opt, n_steps=3)]
+    assert model.pooler.weight.grad is None and not opt.state.get(model.pooler.weight)
+    assert est.module_info.peak_bytes == measured[1] == measured[2]
+    assert est.first_step_peak_bytes == measured[0]
+    state = sum(s.nbytes for s in est.trace.storages if s.kind is StorageKind.OPTIMIZER and s.alloc_op < 0)
+    assert state == 2 * (32 * 32 + 32) * 4 + 2 * 4  # the body's exp_avg, exp_avg_sq and step counters
+
+
+def test_held_tensors_are_resident_for_the_whole_step():
+    # TrainStep(held=...): an EMA copy of the model the loop keeps; before, the trace had no way
+    # to count it and the loop's measured peak was above the prediction by all of its bytes.
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    ema = copy.deepcopy(model).requires_grad_(False)
+    ema_bytes = sum(p.numel() * p.element_size() for p in ema.parameters()) + sum(
+        b.numel() * b.element_size() for b in ema.buffers())
+    step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw")
+    held = dataclasses.replace(step, held=ema)
+    plain, with_ema = estimate(model, step=step), estimate(model, step=held)
+    assert with_ema.module_info.peak_bytes == plain.module_info.peak_bytes + ema_bytes
+    assert with_ema.first_step_peak_bytes == plain.first_step_peak_bytes + ema_bytes
+    opt = torch.optim.AdamW(model.parameters())
+    measured = [m.peak_bytes for m in measure_steps(model, held, opt, n_steps=2)]
+    assert measured == [with_ema.first_step_peak_bytes, with_ema.module_info.peak_bytes]
+
+
+def test_held_refuses_the_models_own_tensors():
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    for bad in (model, next(model.parameters())[0]):
+        with pytest.raises(ValueError, match="held holds the model's own .* EMA copy"):
+            estimate(model, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn, held=bad))

@@ -281,3 +281,14 @@ def test_bart_without_decoder_start_token_is_told_its_own_token():
     ids = torch.randint(3, 64, (2, 8))
     with pytest.raises(StepError, match=r"raised TypeError: can't assign a NoneType .*BART's is its eos_token_id, 2"):
         run_step(model, {"input_ids": ids, "labels": ids}, None, None)
+
+
+def test_held_takes_tensors_and_modules():
+    t, m = torch.zeros(3), torch.nn.Linear(2, 2)
+    assert TrainStep(held=t).held == (t,)
+    assert TrainStep(held=[t, m]).held == (t, m)
+    assert TrainStep(held=None).held == TrainStep().held == ()
+    assert TrainStep(held=m).held_tensors() == [m.weight, m.bias]
+    with pytest.raises(TypeError, match=r"held\[1\] must be a tensor or an nn.Module .* EMA"):
+        TrainStep(held=[t, "ema"])
+    assert "1 held object(s) (24 B) resident" in TrainStep(held=m).describe()

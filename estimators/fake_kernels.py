@@ -1,0 +1,186 @@
+"""Fake (meta) kernels that disagree with the real ones, corrected for a fake-mode trace.
+
+A fake-mode trace takes every output's dtype, shape and bytes from torch's meta kernels. Where
+those differ from what the real kernel allocates, the trace counts the wrong bytes; where a meta
+kernel refuses arguments the real kernel takes, the trace fails. :class:`RealKernelsMode` sits
+between the tracer and the ``FakeTensorMode`` (the tracer records what it returns) and applies
+one rule per op, each measured against the real CPU kernel (tests/estimators/test_fake_kernels.py):
+
+1. ``native_layer_norm``: the saved ``mean`` / ``rstd`` are float32 when a low-precision input
+   (bf16 / fp16, e.g. under autocast, which lets ``layer_norm`` follow a bf16 input on CPU) has
+   float32 weight or bias (ATen's "mixed type"); the meta kernel gives them the input's dtype.
+   On a CUDA target they are float32 for every low-precision input (CUDA's kernel accumulates
+   and saves in float32).
+2. ``native_group_norm``: the same mixed-type rule on every device.
+3. ``native_group_norm_backward``: ``grad_input`` has the input's dtype; the meta kernel takes
+   the dtype of ``mean`` (float32 after rule 2: twice the bytes of a bf16 gradient).
+4. ``native_layer_norm_backward``: ``grad_input`` is contiguous (the kernels write it over the
+   contiguous input); the meta kernel copies the incoming gradient's strides, so behind a
+   transpose (Swin's patch merging) the next linear's backward copied it to reshape: 2,048 B
+   over-predicted on a tiny Swin.
+5. ``_grouped_mm`` (MoE experts in transformers 5): the meta kernel checks CUDA's limits (bf16
+   only, 16-byte aligned strides) and refuses what the CPU kernel runs, e.g. float32 experts fed
+   by autocast's float32 activations; the output is computed here as the CPU kernel makes it:
+   ``out_dtype`` or the inputs' dtype, contiguous, shape from the 2-D / 3-D operand rules.
+
+Any other meta kernel that raises is reported by :class:`FakeKernelError`, naming the op and its
+arguments and saying what the real kernel does with the same arguments (run on zeros where they
+are small), with the way out: trace in real mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+__all__ = ["FakeKernelError", "RealKernelsMode"]
+
+aten = torch.ops.aten
+_LOW = (torch.bfloat16, torch.float16)
+_PROBE_BYTES = 16 * 2**20  # inputs up to this size are run for real to say what the kernel does
+
+
+class FakeKernelError(RuntimeError):
+    """torch's fake (meta) kernel for an op raised where the real kernel may not."""
+
+
+def _like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor with ``t``'s shape and strides in ``dtype`` (fake under fake mode)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=t.device)
+
+
+def _mixed(x: torch.Tensor, *params: Any) -> bool:
+    """ATen's ``is_mixed_type``: a low-precision input with float32 parameters."""
+    return x.dtype in _LOW and any(isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in params)
+
+
+def _layer_norm(out, args, kwargs, cuda: bool):
+    x, weight, bias = args[0], _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias")
+    if x.dtype in _LOW and (cuda or _mixed(x, weight, bias)) and out[1].dtype != torch.float32:
+        return out[0], _like(out[1], torch.float32), _like(out[2], torch.float32)
+    return out
+
+
+def _group_norm(out, args, kwargs, cuda: bool):
+    x, weight, bias = args[0], _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
+    if _mixed(x, weight, bias) and out[1].dtype != torch.float32:
+        return out[0], _like(out[1], torch.float32), _like(out[2], torch.float32)
+    return out
+
+
+def _layer_norm_backward(out, args, kwargs, cuda: bool):
+    x = args[1]
+    g = out[0]
+    if g is not None and (g.dtype != x.dtype or not g.is_contiguous()):
+        return (torch.empty(g.shape, dtype=x.dtype, device=g.device), *out[1:])
+    return out
+
+
+def _group_norm_backward(out, args, kwargs, cuda: bool):
+    x = args[1]
+    if out[0] is not None and out[0].dtype != x.dtype:
+        return (_like(out[0], x.dtype), *out[1:])
+    return out
+
+
+_OUTPUT_RULES = {
+    aten.native_layer_norm.default: _layer_norm,
+    aten.native_group_norm.default: _group_norm,
+    aten.native_group_norm_backward.default: _group_norm_backward,
+    aten.native_layer_norm_backward.default: _layer_norm_backward,
+}
+
+
+def _arg(args, kwargs, pos: int, name: str) -> Any:
+    return args[pos] if len(args) > pos else kwargs.get(name)
+
+
+def _grouped_mm(args, kwargs) -> torch.Tensor:
+    """The CPU kernel's output of ``_grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None)``."""
+    a, b = args[0], args[1]
+    offs = _arg(args, kwargs, 2, "offs")
+    out_dtype = _arg(args, kwargs, 4, "out_dtype") or a.dtype
+    if a.dim() == 2 and b.dim() == 3:  # tokens sorted by group x per-group weights: [M, N]
+        shape = (a.shape[0], b.shape[-1])
+    elif a.dim() == 3 and b.dim() == 2:  # [G, M, K] x [K, N] split along N by offs
+        shape = (a.shape[0] if offs is None else a.shape[1], b.shape[-1])
+    elif a.dim() == 2 and b.dim() == 2:  # one K split into groups: [G, M, N]
+        shape = (offs.shape[0], a.shape[0], b.shape[-1])
+    else:  # batched: [G, M, K] x [G, K, N]
+        shape = (a.shape[0], a.shape[1], b.shape[-1])
+    return torch.empty(shape, dtype=out_dtype, device=a.device)
+
+
+_REPLACED = {aten._grouped_mm.default: _grouped_mm}
+
+
+class RealKernelsMode(TorchDispatchMode):
+    """``with RealKernelsMode(cuda=...):`` inside a ``FakeTensorMode``, below the tracer: fake
+    outputs as the real kernels make them (see the module docstring). ``cuda``: the trace stands
+    for a CUDA target (CUDA's layer-norm statistics)."""
+
+    def __init__(self, *, cuda: bool = False) -> None:
+        super().__init__()
+        self.cuda = cuda
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        replace = _REPLACED.get(func)
+        if replace is not None:
+            # Not the meta kernel first: its CUDA-only checks fail (and torch logs every failure)
+            # on what the CPU kernel runs.
+            return replace(args, kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:
+            if _is_data_dependent(e):
+                raise
+            raise FakeKernelError(_explain(func, args, kwargs, e)) from e
+        rule = _OUTPUT_RULES.get(func)
+        return rule(out, args, kwargs, self.cuda) if rule is not None else out
+
+
+def _is_data_dependent(e: Exception) -> bool:
+    name = type(e).__name__
+    return "DataDependent" in name or "DynamicOutputShape" in name or "data-dependent" in str(e).lower()
+
+
+def _describe(args: Any, kwargs: Any) -> str:
+    def one(x):
+        if isinstance(x, torch.Tensor):
+            return f"{str(x.dtype).replace('torch.', '')}{list(x.shape)}"
+        return repr(x) if not isinstance(x, (list, tuple)) else type(x)([one(y) for y in x])
+    parts = [str(one(a)) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
+    return ", ".join(parts)
+
+
+def _real_behaviour(func, args, kwargs) -> str:
+    """What the real CPU kernel does with zero-filled arguments of the same shapes and dtypes."""
+    tensors = [t for t in torch.utils._pytree.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    if sum(t.numel() * t.element_size() for t in tensors) > _PROBE_BYTES:
+        return "the real kernel was not run (arguments too large to try here)"
+
+    def real(x):
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu").zero_()
+        return x
+
+    with torch._C._DisableTorchDispatch():
+        try:
+            r_args, r_kwargs = tree_map(real, args), tree_map(real, kwargs)
+            out = func(*r_args, **r_kwargs)
+        except Exception as e:  # noqa: BLE001 - reported as the real kernel's answer
+            return f"the real CPU kernel raises too on zeros of those shapes ({type(e).__name__}: {str(e).splitlines()[0]})"
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    got = ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in outs if isinstance(t, torch.Tensor))
+    return f"the real CPU kernel runs them and returns {got or 'no tensor'}"
+
+
+def _explain(func, args, kwargs, e: Exception) -> str:
+    return (f"torch's fake (meta) kernel for {func} raised {type(e).__name__}: {str(e).splitlines()[0]} "
+            f"(arguments: {_describe(args, kwargs)}); {_real_behaviour(func, args, kwargs)}. A fake-mode trace "
+            "cannot size this op: trace in real mode (solve_sac(..., estimate_options=EstimateOptions("
+            "mode=TraceMode.REAL)), --mode real on the command line)")

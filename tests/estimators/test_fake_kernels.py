@@ -1,0 +1,168 @@
+"""estimators/fake_kernels.py: fake outputs as the real CPU kernels make them, and named failures."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from estimators.estimation import EstimateOptions, TraceError, TraceMode, estimate
+from estimators.fake_kernels import FakeKernelError, RealKernelsMode
+from estimators.step import TrainStep
+from planner.measure import measure_steps
+
+aten = torch.ops.aten
+bf16 = torch.bfloat16
+
+
+def _layout(out):
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return [None if t is None else (t.dtype, tuple(t.shape), t.stride()) for t in outs]
+
+
+def _fake_run(func, *args, cuda=False):
+    """``func`` on fake copies of ``args`` under RealKernelsMode (as the trace runs it)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+    with mode, RealKernelsMode(cuda=cuda):
+        return func(*fake)
+
+
+def _stats(x, weight):
+    return aten.native_layer_norm(x, [x.shape[-1]], weight, weight, 1e-5)
+
+
+CASES = {
+    # bf16 input (autocast lets layer_norm follow it on CPU) with float32 weights: float32 mean/rstd.
+    "layer_norm mixed": (aten.native_layer_norm, lambda: (torch.randn(4, 8, dtype=bf16), [8], torch.randn(8), torch.randn(8), 1e-5)),
+    "layer_norm bf16": (aten.native_layer_norm, lambda: (torch.randn(4, 8, dtype=bf16), [8], torch.randn(8, dtype=bf16), None, 1e-5)),
+    "group_norm mixed": (aten.native_group_norm, lambda: (torch.randn(2, 8, 4, 4, dtype=bf16), torch.randn(8), torch.randn(8), 2, 8, 16, 2, 1e-5)),
+    "group_norm no affine": (aten.native_group_norm, lambda: (torch.randn(2, 8, 4, 4, dtype=bf16), None, None, 2, 8, 16, 2, 1e-5)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_norm_statistics_have_the_real_kernels_dtype(case):
+    func, make = CASES[case]
+    args = make()
+    assert _layout(_fake_run(func, *args)) == _layout(func(*args))
+
+
+def test_group_norm_backward_gives_grad_input_the_input_dtype():
+    x, w = torch.randn(2, 8, 4, 4, dtype=bf16), torch.randn(8)
+    _, mean, rstd = aten.native_group_norm(x, w, w, 2, 8, 16, 2, 1e-5)
+    args = (torch.randn_like(x), x, mean, rstd, w, 2, 8, 16, 2, [True, True, True])
+    real = aten.native_group_norm_backward(*args)
+    assert real[0].dtype == bf16 and mean.dtype == torch.float32
+    # torch's meta kernel made it float32 (the statistics' dtype): twice the bytes
+    assert _layout(_fake_run(aten.native_group_norm_backward, *args)) == _layout(real)
+
+
+def test_layer_norm_backward_gives_a_contiguous_grad_input():
+    x, w = torch.randn(2, 16, 16), torch.randn(16)
+    _, mean, rstd = aten.native_layer_norm(x, [16], w, w, 1e-5)
+    grad = torch.randn(2, 16, 16).transpose(1, 2)  # behind a transpose, as in Swin's patch merging
+    args = (grad, x, [16], mean, rstd, w, w, [True, True, True])
+    real = aten.native_layer_norm_backward(*args)
+    assert real[0].is_contiguous()
+    assert _layout(_fake_run(aten.native_layer_norm_backward, *args)) == _layout(real)
+
+
+def test_layer_norm_statistics_are_float32_on_a_cuda_target():
+    x, w = torch.randn(4, 8, dtype=bf16), torch.randn(8, dtype=bf16)
+    _, mean, rstd = _fake_run(aten.native_layer_norm, x, [8], w, w, 1e-5, cuda=True)
+    assert mean.dtype == rstd.dtype == torch.float32
+
+
+_OFFS = torch.tensor([8, 16, 24], dtype=torch.int32)
+GROUPED = {  # (mat_a, mat_b, offs) of each operand form the CPU kernel takes
+    "2d x 3d": lambda: (torch.randn(24, 16), torch.randn(3, 16, 8), _OFFS),  # MoE experts
+    "3d x 2d": lambda: (torch.randn(3, 24, 16), torch.randn(16, 24), _OFFS),
+    "2d x 2d": lambda: (torch.randn(16, 24), torch.randn(24, 8), _OFFS),
+    "3d x 3d": lambda: (torch.randn(3, 8, 16), torch.randn(3, 16, 8), None),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, bf16])
+@pytest.mark.parametrize("form", GROUPED)
+def test_grouped_mm_runs_as_on_the_cpu(form, dtype):
+    a, b, offs = GROUPED[form]()
+    real = aten._grouped_mm(a.to(dtype), b.to(dtype), offs)
+    # the meta kernel refuses float32 (CUDA's bf16-only check) and 16-byte-unaligned strides
+    assert _layout(_fake_run(aten._grouped_mm, a.to(dtype), b.to(dtype), offs)) == _layout(real)
+
+
+class _LayerNormNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm, self.head = torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.head(self.norm(self.fc(x)))
+
+
+class _GroupNormNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.conv2 = torch.nn.Conv2d(3, 16, 3), torch.nn.GroupNorm(4, 16), torch.nn.Conv2d(16, 4, 3)
+
+    def forward(self, x):
+        return self.conv2(self.norm(self.conv(x)))
+
+
+@pytest.mark.parametrize("net, shape", [(_LayerNormNet, (64, 32)), (_GroupNormNet, (4, 3, 16, 16))])
+def test_bf16_autocast_norm_nets_are_predicted_to_the_byte(net, shape):
+    # Before: the LayerNorm net's statistics counted in bf16 (mean and rstd, 64 x 1 each) and the
+    # GroupNorm net's grad_input in float32, so fake and real traces and MemTracker disagreed.
+    model = net()
+    step = TrainStep(inputs=(torch.randn(*shape),), optimizer="adamw", autocast_dtype=bf16)
+    fake = estimate(model, step=step).module_info.peak_bytes
+    real = estimate(model, step=step, options=EstimateOptions(mode=TraceMode.REAL)).module_info.peak_bytes
+    measured = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=2)[1].peak_bytes
+    assert fake == real == measured
+
+
+def test_tiny_mixtral_traces_under_bf16_autocast_to_the_byte():
+    transformers = pytest.importorskip("transformers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16))
+    ids = torch.randint(0, 64, (2, 16))
+    step = TrainStep(inputs={"input_ids": ids, "labels": ids}, optimizer="adamw", autocast_dtype=bf16)
+    # Before: TraceError "Expected inputs of BF16 type" from aten._grouped_mm's meta kernel.
+    fake = estimate(model, step=step).module_info.peak_bytes
+    real = estimate(model, step=step, options=EstimateOptions(mode=TraceMode.REAL)).module_info.peak_bytes
+    assert fake == real
+
+
+@torch.library.custom_op("sac_test::doubled", mutates_args=())
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_doubled.register_fake
+def _(x):
+    raise RuntimeError("no fake kernel for this shape")
+
+
+def test_a_failing_fake_kernel_is_named_with_the_real_kernels_answer():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.ops.sac_test.doubled(self.fc(x))
+
+    with pytest.raises(TraceError) as err:
+        estimate(Net(), (torch.randn(3, 4),))
+    msg = str(err.value)
+    assert "sac_test.doubled" in msg and "no fake kernel for this shape" in msg
+    assert "float32[3, 4]" in msg  # the argument, and what the real kernel returns
+    assert "real CPU kernel runs them and returns float32[3, 4]" in msg
+    assert "TraceMode.REAL" in msg
+    assert isinstance(err.value.__cause__, FakeKernelError)
