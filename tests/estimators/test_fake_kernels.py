@@ -40,6 +40,8 @@ CASES = {
     "layer_norm bf16": (aten.native_layer_norm, lambda: (torch.randn(4, 8, dtype=bf16), [8], torch.randn(8, dtype=bf16), None, 1e-5)),
     "group_norm mixed": (aten.native_group_norm, lambda: (torch.randn(2, 8, 4, 4, dtype=bf16), torch.randn(8), torch.randn(8), 2, 8, 16, 2, 1e-5)),
     "group_norm no affine": (aten.native_group_norm, lambda: (torch.randn(2, 8, 4, 4, dtype=bf16), None, None, 2, 8, 16, 2, 1e-5)),
+    # BatchNorm2d under bf16 autocast on CPU: bf16 activations, float32 weight and running stats.
+    "batch_norm mixed": (aten.native_batch_norm, lambda: (torch.randn(2, 8, 4, 4, dtype=bf16), torch.randn(8), torch.randn(8), torch.zeros(8), torch.ones(8), True, 0.1, 1e-5)),
 }
 
 
@@ -112,7 +114,17 @@ class _GroupNormNet(torch.nn.Module):
         return self.conv2(self.norm(self.conv(x)))
 
 
-@pytest.mark.parametrize("net, shape", [(_LayerNormNet, (64, 32)), (_GroupNormNet, (4, 3, 16, 16))])
+class _BatchNormNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.conv2 = torch.nn.Conv2d(3, 16, 3), torch.nn.BatchNorm2d(16), torch.nn.Conv2d(16, 4, 3)
+
+    def forward(self, x):
+        return self.conv2(torch.relu(self.norm(self.conv(x))))
+
+
+@pytest.mark.parametrize("net, shape", [(_LayerNormNet, (64, 32)), (_GroupNormNet, (4, 3, 16, 16)),
+                                        (_BatchNormNet, (4, 3, 16, 16))])
 def test_bf16_autocast_norm_nets_are_predicted_to_the_byte(net, shape):
     # Before: the LayerNorm net's statistics counted in bf16 (mean and rstd, 64 x 1 each) and the
     # GroupNorm net's grad_input in float32, so fake and real traces and MemTracker disagreed.
