@@ -116,10 +116,9 @@ class SolverOptions:
 
     1e-4 by default: plans are proven optimal, not approximately so. The symmetric choices among
     identical blocks that made closing the gap expensive are broken by the solver (see
-    ``solver.symmetry``). Measured on a loaded 2-core CPU: 100-module graphs prove 1e-4 in
-    < 0.3 s, 1000-module ones in 1.7-60 s (random trees 11-18 s); the traced Llama-3-70B graph
-    in 0.1-18 s at 16 of 20 sweep budgets, the other 4 stop at the 60 s limit 0.13-0.55 % from
-    the bound (README, Limits: why). At
+    ``solver.symmetry``) and searched by count (``count_branching``). Measured on a loaded 2-core
+    CPU: the traced Llama-3-70B graph proves each of 20 sweep budgets in <= 1.06 s, 1000-module
+    synthetic decoders in 0.25-0.66 s; random 1000-module trees (no repeated blocks) 11-18 s. At
     ``time_limit_s`` the best plan found is returned with status FEASIBLE
     (benchmarks/solver_scaling.py, benchmarks/tradeoff_sweep.py)."""
     break_symmetry: bool = True
