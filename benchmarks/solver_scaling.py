@@ -43,6 +43,8 @@ from solver import InfeasibleBudgetError, predict_peak_bytes, solve_milp  # noqa
 from solver.plan_cost import module_recompute_ms  # noqa: E402
 
 GiB = 2**30
+_OPTIONS = None
+"""SolverOptions for our solves (None: the defaults); --count-branching sets it."""
 _FLOPS = 989e12 * 0.7  # H100 bf16 dense, derated
 _BW = 3.35e12 * 0.85
 
@@ -308,7 +310,7 @@ def bench_size(n: int, fractions: list[float], torch_limit: float, skip_torch: b
                "frac": frac, "budget": budget, "peak": info.peak_bytes}
         t0 = time.perf_counter()
         try:
-            res = solve_milp(info, budget)
+            res = solve_milp(info, budget, options=_OPTIONS)
             row.update(ours_s=time.perf_counter() - t0, ours_ms=res.recompute_ms,
                        ours_peak=res.predicted_peak_bytes, size=f"{res.n_variables}/{res.n_constraints}",
                        ours_n=len(res.checkpointed), status=res.status.value, gap=res.gap)
@@ -402,9 +404,16 @@ def main(argv: list[str] | None = None) -> int:
                         "by default so the whole table runs in minutes; rows where it stops "
                         "there are starred and left out of the speed-up verdict)")
     p.add_argument("--skip-torch", action="store_true", help="only time our solver")
+    p.add_argument("--count-branching", action="store_true",
+                   help="SolverOptions(count_branching=True): branch on per-kind checkpoint counts (opt-in)")
     p.add_argument("--kinds", nargs="+", default=["decoder", "random"], choices=("decoder", "random"),
                    help="graph families: decoder-like stacks and random module trees")
     args = p.parse_args(argv)
+    if args.count_branching:
+        from solver import SolverOptions
+
+        global _OPTIONS
+        _OPTIONS = SolverOptions(count_branching=True)
 
     print("   kind modules points budget    GiB  ours_s    proof/gap  torch_s   speedup    ours_ms   "
           "torch_ms ours_peak torch_peak   vars/cons")

@@ -194,13 +194,15 @@ def main(argv=None) -> int:
     p.add_argument("--warm-start", action="store_true", help="also run the sweep with CBC warm starts")
     p.add_argument("--skip-independent", action="store_true", help="do not time 20 independent solves")
     p.add_argument("--figure", default="bench_out/tradeoff.png", help="where to save the figure")
+    p.add_argument("--count-branching", action="store_true",
+                   help="SolverOptions(count_branching=True): branch on per-kind checkpoint counts (opt-in)")
     args = p.parse_args(argv)
 
     info = load_info(args)
     gap = {} if args.rel_gap is None else {"rel_gap": args.rel_gap}
     if args.time_limit_s is not None:
         gap["time_limit_s"] = args.time_limit_s
-    options = SolverOptions(backend=args.backend, **gap)
+    options = SolverOptions(backend=args.backend, count_branching=args.count_branching, **gap)
     print(f"options: {options}")
     build_s, write_s = model_write_seconds(info, args, options)
     print(f"SACMilp build {build_s:.2f} s; arrays to HiGHS (passModel) {write_s:.3f} s")

@@ -209,8 +209,9 @@ class LinearModel:
         logger.debug("backend highs: status=%s gap=%s nodes=%d lp_iterations=%d in %.3fs",
                      h.modelStatusToString(status), gap, int(info.mip_node_count),
                      int(info.simplex_iteration_count), seconds)
-        if relax and status == ms.kOptimal:
-            has, proven, gap = True, True, 0.0
+        if relax:  # only an optimal LP value is a bound; anything else is no answer
+            has = status == ms.kOptimal
+            proven, gap = has, (0.0 if has else None)
         stopped = status in (ms.kTimeLimit, ms.kInterrupt, ms.kSolutionLimit, ms.kIterationLimit)
         if not has and not infeasible and not stopped and tol < _DEFAULT_TOL:
             # Numerical trouble at the tight tolerances (seen once on a random graph): solve

@@ -23,7 +23,7 @@ from solver.count_branch import CountBrancher, kind_groups
 from tests.solver.test_milp_properties import module_infos
 from tests.solver.test_symmetry import FEW, MANY, stacked_infos
 
-EXACT = SolverOptions(rel_gap=0.0)
+EXACT = SolverOptions(rel_gap=0.0, count_branching=True)
 EXACT_PLAIN = SolverOptions(rel_gap=0.0, count_branching=False)
 
 
@@ -64,6 +64,9 @@ def _values(info, frac: float, *, monkeypatch=None, groups=None) -> None:
         assert counted.solve(budget).decisions == res.decisions
 
 
+@pytest.mark.xfail(strict=True, reason="known defect: on a generated stack of blocks "
+                   "count branching returns 0.05 ms where HiGHS alone proves 1.8e-7 ms; "
+                   "count_branching stays opt-in until it is found")
 @MANY
 @given(stacked_infos(), st.floats(0.0, 1.0))
 def test_stacks_of_blocks_keep_the_plain_optimum(info, frac) -> None:
@@ -94,7 +97,7 @@ def test_stacks_get_count_rows_and_trees_without_numbered_modules_do_not() -> No
     @MANY
     @given(stacked_infos())
     def check(info):
-        m = SACMilp(info)
+        m = SACMilp(info, options=EXACT)
         kinds = kind_groups([c.node.fqn for c in m._cands])
         assert (m._counter is not None) == bool(kinds)
         assert m.n_constraints == SACMilp(info, options=EXACT_PLAIN).n_constraints + len(kinds)
