@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from estimators.module_info import lower_hull_segments
-from solver.count_branch import CountBrancher, kind_groups
+from solver.count_branch import CountBrancher, kind_groups, options_until
 from solver.errors import InfeasibleBudgetError, SolverTimeoutError
 from solver.graph import Graph, Node
 from solver.lp_model import EQ, GE, LE, LinearModel
@@ -469,9 +469,7 @@ class SACMilp:
 
     def _remaining(self, t0: float) -> SolverOptions:
         limit = self.options.time_limit_s
-        if limit is None:
-            return self.options
-        return dataclasses.replace(self.options, time_limit_s=max(0.05, limit - (time.perf_counter() - t0)))
+        return options_until(self.options, None if limit is None else t0 + limit)
 
     def _fallback(self, budget: int, t0: float, *, timed_out: bool) -> SolveResult:
         """No usable plan from the backend: the min-peak plan if it fits, else a clear error."""
