@@ -194,8 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--warm-start", action="store_true", help="also run the sweep with CBC warm starts")
     p.add_argument("--skip-independent", action="store_true", help="do not time 20 independent solves")
     p.add_argument("--figure", default="bench_out/tradeoff.png", help="where to save the figure")
-    p.add_argument("--count-branching", action="store_true",
-                   help="SolverOptions(count_branching=True): branch on per-kind checkpoint counts (opt-in)")
+    p.add_argument("--no-count-branching", dest="count_branching", action="store_false",
+                   help="SolverOptions(count_branching=False): HiGHS' own branch and bound only")
     args = p.parse_args(argv)
 
     info = load_info(args)

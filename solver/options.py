@@ -116,7 +116,7 @@ class SolverOptions:
 
     1e-4 by default: plans are proven optimal, not approximately so. The symmetric choices among
     identical blocks that made closing the gap expensive are broken by the solver (see
-    ``solver.symmetry``) and, opt-in, searched by count (``count_branching``). Measured on a loaded
+    ``solver.symmetry``) and searched by count (``count_branching``). Measured on a loaded
     2-core CPU with it: the traced Llama-3-70B graph proves each of 20 sweep budgets in <= 1.06 s, 1000-module
     synthetic decoders in 0.25-0.66 s; random 1000-module trees (no repeated blocks) 11-18 s. At
     ``time_limit_s`` the best plan found is returned with status FEASIBLE
@@ -124,11 +124,12 @@ class SolverOptions:
     break_symmetry: bool = True
     """Order identical candidates (repeated blocks) with constraints that keep every optimal
     value (proof in ``solver/symmetry.py``); False solves the plain MILP."""
-    count_branching: bool = False
+    count_branching: bool = True
     """Branch on how many modules of each kind are checkpointed (``solver/count_branch.py``):
     the fast way to prove stacks of nearly identical blocks (Llama-3-70B: every budget in about
-    a second). HiGHS only. Opt-in for now: on a generated stack of blocks it returned a plan of 0.05 ms where HiGHS alone proves 1.8e-7 ms
-    (tests/solver/test_count_branch.py, marked as a known failure)."""
+    a second). HiGHS only; graphs with no two modules of a kind are solved by HiGHS alone.
+    False solves every graph with HiGHS' own branch and bound (same optimum within rel_gap,
+    tests/solver/test_count_branch.py)."""
     threads: int = 1
     """Backend threads. 1 keeps results reproducible run to run."""
     verbose: bool = False

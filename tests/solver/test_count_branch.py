@@ -35,7 +35,13 @@ def test_kind_groups_strip_numeric_path_components() -> None:
 
 def _values(info, frac: float, *, monkeypatch=None, groups=None) -> None:
     """Same optimal value from count branching and from HiGHS alone (both exact); the plan
-    fits and solving again gives the same plan."""
+    fits and solving again gives the same plan.
+
+    At a budget within 1e-6 of the smallest reachable peak the MILP's feasible set is a sliver
+    the backend's primal tolerance (1e-7 of a unit) decides, so two exact searches may return
+    objectives that differ there (seen: 78.373 vs 78.339 ms at the min-peak budget); the plan
+    the user gets is then the same exact-repaired or min-peak plan, so there the planner's
+    results are compared instead of the raw objectives."""
     if groups is not None:
         monkeypatch.setattr(milp_module, "kind_groups", groups)
     counted, plain = SACMilp(info, options=EXACT), SACMilp(info, options=EXACT_PLAIN)
@@ -43,6 +49,7 @@ def _values(info, frac: float, *, monkeypatch=None, groups=None) -> None:
     budget = lo + int(frac * (hi - lo))
     if plain._prob is None:
         return
+    inside = budget - lo > 1e-6 * hi
     values = []
     for m in (counted, plain):
         m._set_budget(m._units(budget))
@@ -51,22 +58,22 @@ def _values(info, frac: float, *, monkeypatch=None, groups=None) -> None:
         assert sol.outcome.proven or not sol.outcome.has_solution
         values.append(sol.objective if sol.outcome.has_solution else None)
     za, zb = values
-    assert (za is None) == (zb is None), (za, zb)
-    if za is not None:
+    if inside:
+        assert za is not None and zb is not None, (za, zb)
         # 1e-6 relative; near 0 ms, 1e-6 ms absolute: plans that recompute nothing differ
         # there only by the tie-break (1e-7 ms seen: 0 vs 8.3e-8), which rel_gap = 0 cannot split.
         assert abs(za - zb) <= 1e-6 * max(abs(za), 1.0), (za, zb)
-    if counted._counter is not None and budget - lo > 1e-6 * hi:
-        res = counted.solve(budget)
-        assert res.status is SolveStatus.OPTIMAL
+    ra, rb = counted.solve(budget), plain.solve(budget)
+    for res in (ra, rb):
         assert res.predicted_peak_bytes <= budget
         assert predict_peak_bytes(info, res.discarded_bytes) == res.predicted_peak_bytes
-        assert counted.solve(budget).decisions == res.decisions
+    if not inside:
+        assert abs(ra.recompute_ms - rb.recompute_ms) <= 1e-6 * max(rb.recompute_ms, 1.0), (ra, rb)
+    elif counted._counter is not None:
+        assert ra.status is SolveStatus.OPTIMAL
+        assert counted.solve(budget).decisions == ra.decisions
 
 
-@pytest.mark.xfail(strict=True, reason="known defect: on a generated stack of blocks "
-                   "count branching returns 0.05 ms where HiGHS alone proves 1.8e-7 ms; "
-                   "count_branching stays opt-in until it is found")
 @MANY
 @given(stacked_infos(), st.floats(0.0, 1.0))
 def test_stacks_of_blocks_keep_the_plain_optimum(info, frac) -> None:
@@ -127,3 +134,46 @@ def test_out_of_time_keeps_the_incumbent_without_a_proof() -> None:
 def test_count_branching_option_is_validated() -> None:
     with pytest.raises(TypeError, match="count_branching"):
         SolverOptions(count_branching=1)
+
+
+def test_warm_relaxation_matches_a_cold_one_after_bound_and_cost_changes() -> None:
+    """solve_relaxation re-uses one HiGHS instance across calls: after count rows, the budget
+    and the objective change, its value equals a relaxation solved from scratch."""
+    from tests.solver.test_milp import chain
+
+    m = SACMilp(chain(), options=SolverOptions(count_branching=False))
+    prob = m._prob
+    brancher = CountBrancher(prob, m._y, [list(range(len(m._cands)))])
+    n = len(m._cands)
+    steps = [(400, (0, n), True), (300, (1, n), True), (300, (0, 1), True), (500, (0, n), False),
+             (250, (1, 1), True)]
+    for mib, (lo, hi), recompute in steps:
+        m._set_budget(m._units(mib * 2**20))
+        prob.set_row_bounds(brancher.rows[0], lo, hi)
+        prob.set_cost(m._recompute_objective if recompute else [(m._peak, 1.0)])
+        warm = prob.solve_relaxation(m.options)
+        cold = prob._solve_highs(m.options, 0.0, relax=True)
+        assert warm.outcome.infeasible == cold.outcome.infeasible
+        assert (warm.objective is None) == (cold.objective is None)
+        if warm.objective is not None:
+            assert math.isclose(warm.objective, cold.objective, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_a_sweep_from_tight_to_loose_budgets_gives_the_independent_plans() -> None:
+    """Earlier solves' plans are incumbents for looser budgets: no worse than a fresh model."""
+    @FEW
+    @given(stacked_infos())
+    def check(info):
+        m = SACMilp(info, options=EXACT)
+        if m._counter is None:
+            return
+        lo, hi = m.min_reachable_peak_bytes(), m.no_ac_peak_bytes
+        for f in (0.2, 0.5, 0.8):
+            budget = lo + int(f * (hi - lo))
+            swept, fresh = m.solve(budget), SACMilp(info, options=EXACT).solve(budget)
+            assert swept.predicted_peak_bytes <= budget
+            # Never worse; it may be better by HiGHS' tolerances (seen: 0.2833324 against
+            # 0.2833334 ms, both proven at rel_gap 0), as two exact searches may be.
+            assert swept.recompute_ms <= fresh.recompute_ms + 1e-6 * max(fresh.recompute_ms, 1.0)
+
+    check()
