@@ -56,6 +56,11 @@ _INT_EPS = 1e-6
 """A count within this of an integer is integral (y columns are proven to 1e-8 by HiGHS)."""
 
 
+_LP_INTEGRAL = 1e-8
+"""An LP relaxation whose integer columns are this close to integers is a plan (the tolerance
+the fixed-count MILP would be solved to)."""
+
+
 _PROOF_SLACK = 1e-8
 """Gap left by HiGHS' own tolerances in a solve asked for rel_gap = 0 (seen: 1.4e-9) that still
 counts as a proof."""
@@ -94,6 +99,12 @@ class CountBrancher:
         for row, lo, hi in zip(self.rows, box.lo, box.hi):
             self.prob.set_row_bounds(row, lo, hi)
 
+    def _integral(self, values: np.ndarray) -> bool:
+        """Every integer column of ``values`` within 1e-8 of an integer and every row within
+        1e-9: the LP's own primal tolerance (1e-7) let through plans the MILP refuses (a
+        model checkpointing nothing 1e-7 of a unit over the budget)."""
+        return self.prob.exact_enough(values, _LP_INTEGRAL)
+
     def _counts(self, values: np.ndarray) -> list[float]:
         return [float(values[ys].sum()) for ys in self._y]
 
@@ -108,7 +119,7 @@ class CountBrancher:
         lower = math.inf  # lowest bound of any part of the search dropped or left open
         root = _Box(tuple(0 for _ in self.groups), self.sizes)
         heap: list[tuple[float, int, _Box]] = [(-math.inf, 0, root)]
-        seq, n_lp, n_milp, stopped = 1, 0, 0, False
+        seq, n_lp, n_milp, n_free, stopped = 1, 0, 0, 0, False
         unsettled = False  # a box's MILP stopped without a proof or an infeasibility verdict
 
         def beaten(bound: float) -> bool:
@@ -154,8 +165,12 @@ class CountBrancher:
                 else:
                     n = tuple(int(round(c)) for c in counts)
                     self._set(_Box(n, n))
-                    sol = self.prob.solve(options_until(options, deadline), rel_gap=rel_gap)
-                    n_milp += 1
+                    if self._integral(lp.values):
+                        # The relaxation's optimum is a plan: optimal in the box, no MILP needed.
+                        sol, n_free = lp, n_free + 1
+                    else:
+                        sol = self.prob.solve(options_until(options, deadline), rel_gap=rel_gap)
+                        n_milp += 1
                     best, best_obj, lower = _take(sol, best, best_obj, lower, lp.objective)
                     unsettled |= not (sol.outcome.proven or sol.outcome.infeasible)
                     fixed = box
@@ -172,7 +187,8 @@ class CountBrancher:
         finally:
             self._set(root)
         seconds = time.perf_counter() - t0
-        logger.debug("count branching: %d LPs, %d fixed-count MILPs, %.2f s", n_lp, n_milp, seconds)
+        logger.debug("count branching: %d LPs (%d of them integral), %d fixed-count MILPs, %.2f s",
+                     n_lp, n_free, n_milp, seconds)
         if best is None:
             return LpSolution(_BackendOutcome(False, False, not stopped, None, seconds), None, None)
         if lower == -math.inf:  # stopped before the root's bound: nothing is known

@@ -227,7 +227,7 @@ class LinearModel:
             # buys 1e-6 of a module's bytes is the slack the tight tolerance exists to refuse.
             logger.debug("HiGHS: infeasible at tolerance %g; checking at %g", tol, _DEFAULT_TOL)
             loose = self._solve_highs(options, rel_gap, _DEFAULT_TOL, max_nodes=max_nodes)
-            if loose.outcome.infeasible or (loose.values is not None and self._exact_enough(loose.values, tol)):
+            if loose.outcome.infeasible or (loose.values is not None and self.exact_enough(loose.values, tol)):
                 return loose
         if not has and not infeasible and not stopped and tol < _DEFAULT_TOL:
             # Numerical trouble at the tight tolerances (seen once on a random graph): solve
@@ -240,7 +240,7 @@ class LinearModel:
         return LpSolution(_BackendOutcome(has, proven, infeasible and not has, gap, seconds),
                           values, obj)
 
-    def _exact_enough(self, values: np.ndarray, tol: float) -> bool:
+    def exact_enough(self, values: np.ndarray, tol: float) -> bool:
         """Integer columns integral within ``tol`` and every row within ``_ROW_TOL``."""
         ints = np.flatnonzero(np.asarray(self.col_integer, dtype=bool))
         if np.any(np.abs(values[ints] - np.round(values[ints])) > tol):

@@ -196,8 +196,6 @@ class SACMilp:
         self._min_peak: tuple[int, dict[str, int]] | None = None
         self._prob: Any = None
         self._counter: CountBrancher | None = None
-        self._solved: list[tuple[float, Any]] = []
-        """(budget row bound, count-search solution) of earlier solves, for incumbents."""
         self.n_symmetry_pairs = 0
         """Pairs of identical candidates ordered by symmetry-breaking constraints."""
         if self._cands:
@@ -461,15 +459,8 @@ class SACMilp:
         if self._counter is None:
             return self._prob.solve(self.options)
         limit = self.options.time_limit_s
-        budget = self._prob.row_upper[self._budget]
-        # A plan found at a tighter budget fits this one: the bar the boxes must beat from the
-        # start (a sweep from tight to loose budgets; measured on the Llama-3-70B sweep below).
-        known = [sol for b, sol in self._solved if b <= budget]
-        incumbent = min(known, key=lambda sol: sol.objective, default=None)
-        sol = self._counter.solve(self.options, incumbent, None if limit is None else t0 + limit,
+        sol = self._counter.solve(self.options, None, None if limit is None else t0 + limit,
                                   self.options.rel_gap)
-        if sol.values is not None:
-            self._solved.append((budget, sol))
         if sol.outcome.infeasible:
             # Every box refused: at a budget on the smallest reachable peak a fixed-count MILP
             # may refuse what HiGHS' tolerances accept on the whole model; let the whole model say.
