@@ -114,6 +114,8 @@ class CountBrancher:
         must beat. Stops at ``deadline`` (perf_counter) with the best so far and
         its gap from the lowest bound left open."""
         t0 = time.perf_counter()
+        # Warm LPs within this search only: the same budget gives the same plan every time.
+        self.prob.reset_relaxation()
         best = incumbent if incumbent is not None and incumbent.values is not None else None
         best_obj = best.objective if best is not None else math.inf
         lower = math.inf  # lowest bound of any part of the search dropped or left open

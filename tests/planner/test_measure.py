@@ -64,6 +64,26 @@ def test_steps_train_the_model():
         assert steps[1].loss == float(ref(x).sum())
 
 
+def test_steps_without_an_optimizer_use_the_one_the_step_names():
+    """optimizer=None: the step's "adamw" is built over the model and stepped (it was ignored,
+    so the steady state had no AdamW state and the model did not train), and the step's own
+    instance is stepped as it is."""
+    model, x = _net()
+    ref = copy.deepcopy(model)
+    named = measure_steps(model, TrainStep(inputs=(x,), optimizer="adamw"), n_steps=2)
+    given = measure_steps(ref, TrainStep(inputs=(x,)), torch.optim.AdamW(ref.parameters()), n_steps=2)
+    assert [s.peak_bytes for s in named] == [s.peak_bytes for s in given]
+    assert [s.loss for s in named] == [s.loss for s in given]
+    assert named[1].loss != named[0].loss
+    assert named[1].peak_bytes >= PEAK + 2 * 224  # AdamW's exp_avg and exp_avg_sq are alive (632 B without)
+    model, x = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = copy.deepcopy(model.state_dict())
+    measure_steps(model, TrainStep(inputs=(x,), optimizer=opt), n_steps=1)
+    assert len(opt.state) == 3  # momentum buffers of the instance itself
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_micro_batches_report_the_last_scaled_loss():
     model, x = _net()
     with torch.no_grad():

@@ -39,9 +39,8 @@ def _values(info, frac: float, *, monkeypatch=None, groups=None) -> None:
 
     At a budget within 1e-6 of the smallest reachable peak the MILP's feasible set is a sliver
     the backend's primal tolerance (1e-7 of a unit) decides, so two exact searches may return
-    objectives that differ there (seen: 78.373 vs 78.339 ms at the min-peak budget); the plan
-    the user gets is then the same exact-repaired or min-peak plan, so there the planner's
-    results are compared instead of the raw objectives."""
+    objectives that differ there (seen: 78.373 vs 78.339 ms at the min-peak budget), so there
+    the planner's results are compared instead of the raw objectives."""
     if groups is not None:
         monkeypatch.setattr(milp_module, "kind_groups", groups)
     counted, plain = SACMilp(info, options=EXACT), SACMilp(info, options=EXACT_PLAIN)
@@ -68,7 +67,10 @@ def _values(info, frac: float, *, monkeypatch=None, groups=None) -> None:
         assert res.predicted_peak_bytes <= budget
         assert predict_peak_bytes(info, res.discarded_bytes) == res.predicted_peak_bytes
     if not inside:
-        assert abs(ra.recompute_ms - rb.recompute_ms) <= 1e-6 * max(rb.recompute_ms, 1.0), (ra, rb)
+        # Never worse. It may be better: at a budget on the smallest reachable peak HiGHS alone
+        # may refuse the whole model by tolerance and fall back to the min-peak plan, while a
+        # fixed-count MILP proves a plan of the same peak (seen: 0.05 against 3.83 ms).
+        assert ra.recompute_ms <= rb.recompute_ms + 1e-6 * max(rb.recompute_ms, 1.0), (ra, rb)
     elif counted._counter is not None:
         assert ra.status is SolveStatus.OPTIMAL
         assert counted.solve(budget).decisions == ra.decisions
