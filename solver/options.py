@@ -117,8 +117,8 @@ class SolverOptions:
     1e-4 by default: plans are proven optimal, not approximately so. The symmetric choices among
     identical blocks that made closing the gap expensive are broken by the solver (see
     ``solver.symmetry``) and searched by count (``count_branching``). Measured on a loaded
-    2-core CPU: the traced Llama-3-70B graph proves each of 20 sweep budgets in <= 0.71 s,
-    1000-module synthetic decoders in 0.14-0.47 s; random 1000-module trees (no repeated blocks)
+    2-core CPU: the traced Llama-3-70B graph proves each of 20 sweep budgets in <= 0.49 s,
+    1000-module synthetic decoders in 0.14-0.62 s; random 1000-module trees (no repeated blocks)
     8-11 s. At ``time_limit_s`` the best plan found is returned with status FEASIBLE
     (benchmarks/solver_scaling.py, benchmarks/tradeoff_sweep.py)."""
     break_symmetry: bool = True
