@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from estimators.device import DEVICE_SPECS, get_device_spec
-from estimators.estimation import EstimateOptions, TraceMode, estimate, resolve_optimizer
+from estimators.estimation import EstimateOptions, TraceMode, estimate
 from estimators.step import StepError, TrainStep, ZeroGrad
 from planner.checkpointing import AlreadyCheckpointedError, PlanMismatchError, apply_plan, hf_cache_off
 from planner.gradcheck import GradientCheck, check_gradients
@@ -311,12 +311,11 @@ def _verify(args, plan: Plan, model, inputs, loss_fn
     # First the same forward + backward with and without the plan, from the same state and seed
     # (the model is left as it was), then real training steps with the plan.
     check = check_gradients(model, plan, inputs, loss_fn=loss_fn, seed=args.seed, keep_output=args.keep_output)
-    params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    optimizer = resolve_optimizer(_optimizer_arg(args.optimizer), params, spec, fake=False)
     torch.manual_seed(args.seed)
-    # Three steps: the first of a fresh run, then the steady state the plan is made for.
+    # Three steps: the first of a fresh run, then the steady state the plan is made for; the
+    # step's optimizer is built over the model's trainable parameters by measure_steps.
     with apply_plan(model, plan) as handle:
-        measured = measure_steps(model, _step(args, inputs, loss_fn), optimizer, n_steps=VERIFY_STEPS)
+        measured = measure_steps(model, _step(args, inputs, loss_fn), n_steps=VERIFY_STEPS)
         host = handle.host_bytes_offloaded // VERIFY_STEPS if plan.offloading else None
     return check, measured, note, host
 

@@ -158,8 +158,7 @@ class LinearModel:
             self._lp = lp
         return self._lp
 
-    def _solve_highs(self, options: SolverOptions, rel_gap: float, tol: float | None = None, *,
-                     relax: bool = False, max_nodes: int | None = None) -> LpSolution:
+    def _solve_highs(self, options: SolverOptions, rel_gap: float, tol: float | None = None) -> LpSolution:
         import highspy
 
         _stop_highs_threads_at_exit()
@@ -184,15 +183,7 @@ class LinearModel:
         h.setOptionValue("mip_feasibility_tolerance", tol)
         if options.time_limit_s is not None:
             h.setOptionValue("time_limit", float(options.time_limit_s))
-        if max_nodes is not None:
-            h.setOptionValue("mip_max_nodes", int(max_nodes))
-        lp = self._highs_lp()
-        if relax:  # the LP relaxation: same arrays, no integrality (passModel copies them)
-            integrality, lp.integrality_ = lp.integrality_, []
-            h.passModel(lp)
-            lp.integrality_ = integrality
-        else:
-            h.passModel(lp)
+        h.passModel(self._highs_lp())
         if options.write_lp_path is not None:
             h.writeModel(str(options.write_lp_path))
         t0 = time.perf_counter()
@@ -213,11 +204,8 @@ class LinearModel:
         logger.debug("backend highs: status=%s gap=%s nodes=%d lp_iterations=%d in %.3fs",
                      h.modelStatusToString(status), gap, int(info.mip_node_count),
                      int(info.simplex_iteration_count), seconds)
-        if relax:  # only an optimal LP value is a bound; anything else is no answer
-            has = status == ms.kOptimal
-            proven, gap = has, (0.0 if has else None)
         stopped = status in (ms.kTimeLimit, ms.kInterrupt, ms.kSolutionLimit, ms.kIterationLimit)
-        if infeasible and not relax and tol < _DEFAULT_TOL:
+        if infeasible and tol < _DEFAULT_TOL:
             # HiGHS 1.16 at mip_feasibility_tolerance 1e-8 rejects some solutions it found as
             # infeasible (a random stack of blocks: a 24.26 ms plan exists and HiGHS at 1e-6
             # proves it; at 1e-8 "Infeasible", with or without presolve, and the planner fell
@@ -226,7 +214,7 @@ class LinearModel:
             # Its integer columns must be integral at ``tol`` all the same: a y of 1e-6 that
             # buys 1e-6 of a module's bytes is the slack the tight tolerance exists to refuse.
             logger.debug("HiGHS: infeasible at tolerance %g; checking at %g", tol, _DEFAULT_TOL)
-            loose = self._solve_highs(options, rel_gap, _DEFAULT_TOL, max_nodes=max_nodes)
+            loose = self._solve_highs(options, rel_gap, _DEFAULT_TOL)
             if loose.outcome.infeasible or (loose.values is not None and self.exact_enough(loose.values, tol)):
                 return loose
         if not has and not infeasible and not stopped and tol < _DEFAULT_TOL:
@@ -234,7 +222,7 @@ class LinearModel:
             # again at HiGHS' defaults rather than report a timeout that did not happen.
             logger.info("HiGHS: %s at tolerance %g; solving again at %g",
                         h.modelStatusToString(status), tol, _DEFAULT_TOL)
-            return self._solve_highs(options, rel_gap, _DEFAULT_TOL, relax=relax, max_nodes=max_nodes)
+            return self._solve_highs(options, rel_gap, _DEFAULT_TOL)
         values = np.array(h.getSolution().col_value) if has else None
         obj = float(info.objective_function_value) if has else None
         return LpSolution(_BackendOutcome(has, proven, infeasible and not has, gap, seconds),
@@ -291,12 +279,10 @@ class LinearModel:
         return LpSolution(out, values, float(self.cost @ values))
 
     # ------------------------------------------------------------------ solve
-    def solve(self, options: SolverOptions, *, rel_gap: float | None = None,
-              max_nodes: int | None = None) -> LpSolution:
-        """Solve the MILP; ``max_nodes`` caps HiGHS' branch and bound (a probe)."""
+    def solve(self, options: SolverOptions, *, rel_gap: float | None = None) -> LpSolution:
         gap = options.rel_gap if rel_gap is None else rel_gap
         if options.backend is Backend.HIGHS:
-            return self._solve_highs(options, gap, max_nodes=max_nodes)
+            return self._solve_highs(options, gap)
         return self._solve_pulp(options, gap)
 
     def reset_relaxation(self) -> None:

@@ -459,17 +459,13 @@ class SACMilp:
         if self._counter is None:
             return self._prob.solve(self.options)
         limit = self.options.time_limit_s
-        sol = self._counter.solve(self.options, None, None if limit is None else t0 + limit,
-                                  self.options.rel_gap)
+        deadline = None if limit is None else t0 + limit
+        sol = self._counter.solve(self.options, None, deadline, self.options.rel_gap)
         if sol.outcome.infeasible:
             # Every box refused: at a budget on the smallest reachable peak a fixed-count MILP
             # may refuse what HiGHS' tolerances accept on the whole model; let the whole model say.
-            return self._prob.solve(self._remaining(t0))
+            return self._prob.solve(options_until(self.options, deadline))
         return sol
-
-    def _remaining(self, t0: float) -> SolverOptions:
-        limit = self.options.time_limit_s
-        return options_until(self.options, None if limit is None else t0 + limit)
 
     def _fallback(self, budget: int, t0: float, *, timed_out: bool) -> SolveResult:
         """No usable plan from the backend: the min-peak plan if it fits, else a clear error."""

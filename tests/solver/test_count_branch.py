@@ -154,7 +154,10 @@ def test_warm_relaxation_matches_a_cold_one_after_bound_and_cost_changes() -> No
         prob.set_row_bounds(brancher.rows[0], lo, hi)
         prob.set_cost(m._recompute_objective if recompute else [(m._peak, 1.0)])
         warm = prob.solve_relaxation(m.options)
-        cold = prob._solve_highs(m.options, 0.0, relax=True)
+        kept = prob._relax
+        prob.reset_relaxation()
+        cold = prob.solve_relaxation(m.options)  # a fresh HiGHS instance, the model passed anew
+        prob._relax = kept
         assert warm.outcome.infeasible == cold.outcome.infeasible
         assert (warm.objective is None) == (cold.objective is None)
         if warm.objective is not None:
