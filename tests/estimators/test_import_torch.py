@@ -15,7 +15,7 @@ import pytest
 
 from estimators.import_torch import module_info_from_torch_dict
 from estimators.module_info import ModuleInfo, ModuleInfoFormatError
-from solver import predict_peak_bytes, solve_milp
+from solver import min_reachable_peak_bytes, predict_peak_bytes, solve_milp
 
 MiB = 2**20
 
@@ -226,7 +226,9 @@ def test_real_dict_imports_with_torchs_peak(real_dict) -> None:
 
 def test_real_dict_plans_match_or_beat_torch(real_dict) -> None:
     """Both solvers see the same memory model; recompute is compared on our exact curves, where
-    torch's plan (ratios rounded to 4 digits) still fits the budget."""
+    torch's plan (ratios rounded to 4 digits) still fits the budget. The curves come from real
+    CPU timings: under load torch's plans missed the budget at both of two budgets once (0
+    compared), so up to five budgets in the reachable range are tried and at least one comparison is required."""
     from torch.distributed._tools.ilp_utils import parse_module_info
     from torch.distributed._tools.sac_ilp import sac_milp
 
@@ -235,8 +237,10 @@ def test_real_dict_plans_match_or_beat_torch(real_dict) -> None:
     info = module_info_from_torch_dict(real_dict)
     acm = {s["fqn"]: max(s["sac_memory"], s["act_fw_per_module"]) for s in real_dict["mod_stats"]}
     compared = 0
-    for frac in (0.95, 0.85):
-        budget = int(frac * info.peak_bytes)
+    lo = min_reachable_peak_bytes(info)
+    budgets = [int(f * info.peak_bytes) for f in (0.95, 0.85)]
+    budgets += [int(lo + f * (info.peak_bytes - lo)) for f in (0.75, 0.5, 0.25)]
+    for budget in sorted({b for b in budgets if b >= lo}, reverse=True):
         ours = solve_milp(info, budget)
         assert torch_peak(real_dict, dict(ours.discarded_bytes)) <= budget
         theirs, _, _ = sac_milp(parse_module_info(copy.deepcopy(real_dict)), budget / 2**30)
@@ -246,4 +250,4 @@ def test_real_dict_plans_match_or_beat_torch(real_dict) -> None:
             their_ms = sum(module_recompute_ms(info.stats(f), d) for f, d in theirs_d.items())
             assert ours.recompute_ms <= their_ms + 1e-9
             compared += 1
-    assert compared >= 1
+    assert compared >= 1, compared
