@@ -64,7 +64,7 @@ from estimators.hf_paths import hf_real_paths
 from estimators.device import DeviceSpec, get_device_spec
 from estimators.memory import MemoryTimeline, build_timeline
 from estimators.runtime import RuntimeKind, make_runtime_model
-from estimators.step import StepError, TrainStep, run_step
+from estimators.step import StepError, TrainStep, run_step, step_mode
 from estimators.module_info import ModuleInfo, Phase
 from estimators.trace import StepTrace, StepTracer, StorageKind
 
@@ -380,6 +380,7 @@ def _trace_step(
                 modes.enter_context(tracer)
                 if cuda_rules:
                     modes.enter_context(CudaSemanticsMode())
+                modes.enter_context(step_mode(traced, step.train_mode))
                 with torch.autograd.graph.saved_tensors_hooks(tracer.pack_hook, tracer.unpack_hook):
                     run_step(
                         traced, step_inputs, step.loss_fn, opt, on_phase=tracer.set_phase,

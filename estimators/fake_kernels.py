@@ -172,11 +172,12 @@ def _describe(args: Any, kwargs: Any) -> str:
     return ", ".join(parts)
 
 
-def _real_behaviour(func, args, kwargs) -> str:
-    """What the real CPU kernel does with zero-filled arguments of the same shapes and dtypes."""
+def _real_behaviour(func, args, kwargs) -> tuple[str, bool | None]:
+    """What the real CPU kernel does with zero-filled arguments of the same shapes and dtypes,
+    and whether it raises too (None: not tried)."""
     tensors = [t for t in torch.utils._pytree.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     if sum(t.numel() * t.element_size() for t in tensors) > _PROBE_BYTES:
-        return "the real kernel was not run (arguments too large to try here)"
+        return "the real kernel was not run (arguments too large to try here)", None
 
     def real(x):
         if isinstance(x, torch.Tensor):
@@ -188,14 +189,27 @@ def _real_behaviour(func, args, kwargs) -> str:
             r_args, r_kwargs = tree_map(real, args), tree_map(real, kwargs)
             out = func(*r_args, **r_kwargs)
         except Exception as e:  # noqa: BLE001 - reported as the real kernel's answer
-            return f"the real CPU kernel raises too on zeros of those shapes ({type(e).__name__}: {str(e).splitlines()[0]})"
+            return (f"the real CPU kernel raises too on zeros of those shapes ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0]})"), True
     outs = out if isinstance(out, (tuple, list)) else (out,)
     got = ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in outs if isinstance(t, torch.Tensor))
-    return f"the real CPU kernel runs them and returns {got or 'no tensor'}"
+    return f"the real CPU kernel runs them and returns {got or 'no tensor'}", False
+
+
+_REAL_MODE_WAY = ("trace in real mode (solve_sac(..., estimate_options=EstimateOptions("
+                  "mode=TraceMode.REAL)), --mode real on the command line)")
 
 
 def _explain(func, args, kwargs, e: Exception) -> str:
+    real, raises = _real_behaviour(func, args, kwargs)
+    if raises:
+        # Seen: a 4-channel image into a 3-channel conv, float input_ids into an embedding; the
+        # advice to trace in real mode sent users to a run that fails the same way.
+        way = ("the step itself does not run: check the inputs against the model (their shapes, "
+               "dtypes -- token ids are integers -- and devices); a real run fails the same way")
+    elif raises is None:
+        way = f"if the inputs are right for the model, a fake-mode trace cannot size this op: {_REAL_MODE_WAY}"
+    else:
+        way = f"a fake-mode trace cannot size this op: {_REAL_MODE_WAY}"
     return (f"torch's fake (meta) kernel for {func} raised {type(e).__name__}: {str(e).splitlines()[0]} "
-            f"(arguments: {_describe(args, kwargs)}); {_real_behaviour(func, args, kwargs)}. A fake-mode trace "
-            "cannot size this op: trace in real mode (solve_sac(..., estimate_options=EstimateOptions("
-            "mode=TraceMode.REAL)), --mode real on the command line)")
+            f"(arguments: {_describe(args, kwargs)}); {real}. {way}")

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from estimators.step import run_step
+from estimators.step import run_step, step_mode
 from planner.checkpointing import apply_plan
 from planner.plan import Plan
 
@@ -43,21 +43,40 @@ class GradientCheck:
 
 def check_gradients(
     model: torch.nn.Module, plan: Plan, inputs: Any, *, loss_fn: Any = None, seed: int = 0,
-    keep_output: bool = False,
+    keep_output: bool | None = None, autocast_dtype: torch.dtype | None | str = "plan",
+    train_mode: bool | None = None,
 ) -> GradientCheck:
     """Run one forward + backward without and then with ``plan`` and compare them bitwise.
 
-    ``keep_output``: the output is held through backward as in that loop (``TrainStep.keep_output``),
-    so the planned backward runs beside it as it will in training."""
+    ``model`` is the unplanned model (the plan is applied for the second run and removed after;
+    a model with a plan applied already is refused). ``keep_output``: the output is held through
+    backward as in that loop (``TrainStep.keep_output``), so the planned backward runs beside it
+    as it will in training; None: as the plan's step. ``autocast_dtype``: the forward under
+    ``torch.autocast`` with this dtype; ``"plan"`` (default): the plan's step's (an fp32 check
+    of a bf16 plan compares other kernels than training runs). ``train_mode``: as
+    ``TrainStep.train_mode``."""
+    if keep_output is None:
+        keep_output = plan.step.keep_output if plan.step is not None else False
+    if isinstance(autocast_dtype, str):
+        if autocast_dtype != "plan":
+            raise ValueError(f"autocast_dtype must be None, a torch dtype or 'plan', got {autocast_dtype!r}")
+        recorded = plan.step.autocast if plan.step is not None else "none"
+        autocast_dtype = None if recorded == "none" else getattr(torch, recorded)
+    with step_mode(model, train_mode):
+        return _check(model, plan, inputs, loss_fn, seed, keep_output, autocast_dtype)
+
+
+def _check(model: torch.nn.Module, plan: Plan, inputs: Any, loss_fn: Any, seed: int, keep_output: bool,
+           autocast_dtype: torch.dtype | None) -> GradientCheck:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # Parameters and every buffer (non-persistent ones too): BatchNorm statistics move in a step.
     state = {k: v.detach().clone() for k, v in _tensors(model).items()}
     grads = {n: p.grad for n, p in params}
     try:
-        ref_loss, ref = _run(model, inputs, loss_fn, seed, params, keep_output)
+        ref_loss, ref = _run(model, inputs, loss_fn, seed, params, keep_output, autocast_dtype)
         with apply_plan(model, plan):
             _restore(model, state)
-            loss, got = _run(model, inputs, loss_fn, seed, params, keep_output)
+            loss, got = _run(model, inputs, loss_fn, seed, params, keep_output, autocast_dtype)
     finally:
         _restore(model, state)
         for n, p in params:
@@ -80,11 +99,11 @@ def check_gradients(
     )
 
 
-def _run(model, inputs, loss_fn, seed, params, keep_output) -> tuple[float, dict[str, torch.Tensor | None]]:
+def _run(model, inputs, loss_fn, seed, params, keep_output, autocast_dtype) -> tuple[float, dict[str, torch.Tensor | None]]:
     for _, p in params:
         p.grad = None
     torch.manual_seed(seed)
-    loss = run_step(model, inputs, loss_fn, None, keep_output=keep_output)
+    loss = run_step(model, inputs, loss_fn, None, keep_output=keep_output, autocast_dtype=autocast_dtype)
     if loss is None:
         raise ValueError("the gradient check needs real tensors (the model is fake or on meta)")
     return loss, {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in params}

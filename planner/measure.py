@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from estimators.step import TrainStep, run_step, zero_grads
+from estimators.step import TrainStep, run_step, step_mode, zero_grads
 from estimators.trace import held_tensors
 
 __all__ = ["MeasuredStep", "measure_step", "measure_steps"]
@@ -43,6 +43,7 @@ def measure_step(
     optimizer: torch.optim.Optimizer | None = None,
 ) -> MeasuredStep:
     """Run one training step (one micro-batch, then ``optimizer.step()``) and measure its peak."""
+    _check_real(model)
     return _measure(model, inputs, optimizer, lambda on_phase: run_step(model, inputs, loss_fn, optimizer, on_phase))
 
 
@@ -64,6 +65,7 @@ def measure_steps(
     """
     if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
         raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
+    _check_real(model)
     if optimizer is None and step.optimizer is not None:
         # Measured without an optimizer step, a step named "adamw" lost AdamW's state from the
         # peak and trained nothing (a GPT-NeoX: 2,098,456 B measured, loss unchanged each step).
@@ -71,15 +73,27 @@ def measure_steps(
     out = []
     # A loop that keeps the output holds each step's last one into the next step's forward.
     held: list = [None]
-    for i in range(n_steps):
-        if i:
-            zero_grads(model, optimizer, step.zero_grad)
-        out.append(_measure(model, step.inputs, optimizer, lambda on_phase: run_step(
-            model, step.inputs, step.loss_fn, optimizer, on_phase,
-            micro_batches=step.micro_batches, autocast_dtype=step.autocast_dtype,
-            keep_output=step.keep_output, held_output=held,
-        ), held=held_tensors(held[0]) + step.held_tensors()))
+    with step_mode(model, step.train_mode):
+        for i in range(n_steps):
+            if i:
+                zero_grads(model, optimizer, step.zero_grad)
+            out.append(_measure(model, step.inputs, optimizer, lambda on_phase: run_step(
+                model, step.inputs, step.loss_fn, optimizer, on_phase,
+                micro_batches=step.micro_batches, autocast_dtype=step.autocast_dtype,
+                keep_output=step.keep_output, held_output=held,
+            ), held=held_tensors(held[0]) + step.held_tensors()))
     return out
+
+
+def _check_real(model: torch.nn.Module) -> None:
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        raise ValueError(
+            "the model is on the meta device: measuring runs real training steps, which need "
+            "real weights; materialize it first (model.to_empty(device='cpu') and initialize or "
+            "load its weights) -- planning (solve_sac) works on the meta model as it is"
+        )
+    if next(model.parameters(), None) is None:
+        raise ValueError("the model has no parameters: there is no training step to measure")
 
 
 def _optimizer_of(model: torch.nn.Module, optimizer: Any) -> torch.optim.Optimizer:

@@ -34,7 +34,7 @@ from estimators.estimation import (
 )
 from estimators.module_info import ModStats
 from estimators.sac import replay_ms
-from estimators.step import TrainStep
+from estimators.step import TrainStep, trains_in_train_mode
 from planner.floor import PeakBreakdown, lowering_hints, peak_breakdown
 from planner.fsdp import fsdp_module_info
 from planner.plan import GiB, ModulePlan, Plan, StepRecord, model_fingerprint, op_key
@@ -108,7 +108,14 @@ def check_budget_gib(budget_gib: Any, name: str = "budget_gib", hint: str = "") 
         raise PlanningError(f"{name} must be a number of GiB, got {budget_gib!r}{hint}")
     if not math.isfinite(budget_gib) or budget_gib <= 0:
         raise PlanningError(f"{name} must be a positive finite number of GiB, got {budget_gib}{hint}")
+    if budget_gib >= _PIB_IN_GIB:  # bytes typed where GiB are asked for (9_000_000 planned nothing)
+        raise PlanningError(
+            f"{name} is in GiB: {budget_gib:g} GiB is {budget_gib / _PIB_IN_GIB:.1f} PiB per rank, more "
+            f"than any device holds; for {budget_gib:.0f} bytes pass {name}={budget_gib / GiB:.4g}{hint}")
     return float(budget_gib)
+
+
+_PIB_IN_GIB = 2**20
 
 
 def _infeasible(budget: int, reserve: int, *, floor: "_Floor", spec: DeviceSpec) -> PlanningError:
@@ -275,6 +282,10 @@ def plan_for_budget(
     plan = _plan_for_budget(model, est, budget_bytes, world_size=world_size, reserve_bytes=reserve_bytes,
                             ac_units=ac_units, fsdp_units=fsdp_units, solver_options=solver_options,
                             verify=verify, milp=milp, offload=offload, host_budget_bytes=host_budget_bytes)
+    if not plan.modules and plan.baseline_peak_bytes <= plan.usable_budget_bytes:
+        plan = dataclasses.replace(plan, notes=(*plan.notes, (
+            f"the usable budget ({fmt_bytes(plan.usable_budget_bytes)}) is at or above the peak without "
+            f"checkpointing ({fmt_bytes(plan.baseline_peak_bytes)}): nothing to checkpoint")))
     if unplanned_peak_bytes is None or unplanned_peak_bytes == plan.baseline_peak_bytes or world_size > 1:
         return plan  # per rank the no-AC figure is the MILP's (sharded state); the trace is not
     return dataclasses.replace(plan, baseline_peak_bytes=unplanned_peak_bytes, notes=(*plan.notes, (
@@ -293,6 +304,19 @@ def unplanned_peak_bytes(model: torch.nn.Module, est: Estimate) -> int | None:
         return None
     opts = dataclasses.replace(est.options, progress=False)
     return estimate(model, step=est.step, device=est.spec, options=opts).module_info.peak_bytes
+
+
+def _mode_note(model: torch.nn.Module, step: TrainStep) -> str | None:
+    """Say which mode a model left in eval mode was planned in (``TrainStep.train_mode``)."""
+    if model.training:
+        return None
+    if trains_in_train_mode(model, step.train_mode):
+        logger.warning("the model is in eval mode: planned in train mode (dropout, BatchNorm batch "
+                       "statistics), as its training loop runs it; TrainStep(train_mode=False) "
+                       "plans it as it is")
+        return ("the model is in eval mode: planned in train mode, as model.train() runs it "
+                "(TrainStep(train_mode=False): as it is)")
+    return "planned in eval mode (TrainStep(train_mode=False)): dropout off, BatchNorm running statistics"
 
 
 def _plan_for_budget(
@@ -323,7 +347,8 @@ def _plan_for_budget(
     info = est.module_info if units is None else fsdp_module_info(est.module_info, units, world_size)
     first_info = first_step_module_info(info)
     t0 = time.perf_counter()
-    notes: list[str] = [est.step.describe()] + [n for n in (hf_cache_note(model),) if n]
+    notes: list[str] = [est.step.describe()] + [
+        n for n in (hf_cache_note(model), _mode_note(model, est.step)) if n]
     allowed, excluded = _allowed_units(info, ac_units)
     notes += [f"{fqn} not checkpointed: {why}" for fqn, why in excluded.items()]
     shared_fqns = _shared_modules(info, allowed, excluded)

@@ -20,6 +20,8 @@ import atexit
 import functools
 import logging
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -45,12 +47,27 @@ _ROW_TOL = 1e-9
 
 @functools.cache
 def _stop_highs_threads_at_exit() -> None:
-    """Join HiGHS' global worker threads when the interpreter exits (registered once): left
-    running, their destructors call std::terminate ("terminate called without an active
-    exception", SIGABRT), seen in a spawned planning rank of tests/planner/test_distributed_bench.py."""
+    """Once per process, before the first HiGHS instance: join HiGHS' global worker threads when
+    the interpreter exits (left running, their destructors call std::terminate, "terminate
+    called without an active exception", SIGABRT, seen in a spawned planning rank of
+    tests/planner/test_distributed_bench.py); and make the first instance with stdout sent to
+    /dev/null, since HiGHS prints its copyright banner there whatever its output_flag (every
+    planning process printed two lines into the user's own output)."""
     import highspy
 
     atexit.register(highspy.Highs.resetGlobalScheduler, True)
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no file descriptor 1 (an embedded interpreter): banner and all
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @dataclass(frozen=True)

@@ -79,3 +79,28 @@ def test_a_recompute_that_differs_is_caught():
     assert not check.equal and check.loss_planned == check.loss_reference  # same forward
     assert "a.lin.weight" in check.differing and check.max_abs_diff > 0
     assert check.n_params_compared == 4
+
+
+def test_a_bf16_plan_is_checked_under_autocast():
+    """The check runs the step the plan was made for: a bf16 plan checked in fp32 compared other
+    kernels than training runs (and printed 'bitwise EQUAL' for them)."""
+    from estimators.estimation import estimate
+    from estimators.step import TrainStep
+    from planner.solve import plan_for_budget
+    from solver import SACMilp
+
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, autocast_dtype=torch.bfloat16)
+    est = estimate(model, step=step)
+    budget = (est.module_info.peak_bytes + SACMilp(est.module_info).min_reachable_peak_bytes()) // 2
+    plan = plan_for_budget(model, est, budget)
+    assert plan.modules and plan.step.autocast == "bfloat16"
+    check = check_gradients(model, plan, inputs, loss_fn=model.loss_fn)
+    assert check.equal
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = float(model.loss_fn(model(*inputs), inputs))
+    torch.manual_seed(0)
+    fp32 = float(model.loss_fn(model(*inputs), inputs))
+    assert bf16 != fp32 and check.loss_reference == bf16
+    assert check_gradients(model, plan, inputs, loss_fn=model.loss_fn, autocast_dtype=None).loss_reference == fp32
