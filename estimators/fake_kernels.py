@@ -189,8 +189,12 @@ def _real_behaviour(func, args, kwargs) -> tuple[str, bool | None]:
             r_args, r_kwargs = tree_map(real, args), tree_map(real, kwargs)
             out = func(*r_args, **r_kwargs)
         except Exception as e:  # noqa: BLE001 - reported as the real kernel's answer
-            return (f"the real CPU kernel raises too on zeros of those shapes ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0]})"), True
+            said = f"({type(e).__name__}: {str(e).splitlines()[0]})"
+            # The CPU kernel lacking this op or dtype, or refusing zeros (a singular matrix),
+            # says nothing about the inputs.
+            unrelated = isinstance(e, NotImplementedError) or any(
+                k in str(e) for k in ("not implemented for", "Could not run", "singular"))
+            return f"the real CPU kernel raises too on zeros of those shapes {said}", None if unrelated else True
     outs = out if isinstance(out, (tuple, list)) else (out,)
     got = ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in outs if isinstance(t, torch.Tensor))
     return f"the real CPU kernel runs them and returns {got or 'no tensor'}", False
@@ -205,10 +209,12 @@ def _explain(func, args, kwargs, e: Exception) -> str:
     if raises:
         # Seen: a 4-channel image into a 3-channel conv, float input_ids into an embedding; the
         # advice to trace in real mode sent users to a run that fails the same way.
-        way = ("the step itself does not run: check the inputs against the model (their shapes, "
-               "dtypes -- token ids are integers -- and devices); a real run fails the same way")
+        way = ("the step itself most likely does not run: check the inputs against the model "
+               "(their shapes, dtypes -- token ids are integers -- and devices); if they are right, "
+               f"{_REAL_MODE_WAY}")
     elif raises is None:
         way = f"if the inputs are right for the model, a fake-mode trace cannot size this op: {_REAL_MODE_WAY}"
+    # (raises False: the real kernel runs them, so only a real-mode trace sizes this op)
     else:
         way = f"a fake-mode trace cannot size this op: {_REAL_MODE_WAY}"
     return (f"torch's fake (meta) kernel for {func} raised {type(e).__name__}: {str(e).splitlines()[0]} "

@@ -34,7 +34,7 @@ from estimators.module_info import Phase
 if TYPE_CHECKING:
     from estimators.device import DeviceSpec
 
-__all__ = ["StepError", "TrainStep", "ZeroGrad", "split_inputs", "run_step", "step_mode", "zero_grads"]
+__all__ = ["StepError", "TrainStep", "ZeroGrad", "split_inputs", "run_step", "step_mode", "mode_changes", "zero_grads"]
 
 
 class StepError(RuntimeError):
@@ -134,7 +134,7 @@ class TrainStep:
             )
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, inputs), got {type(self.loss_fn).__name__}")
-        if self.train_mode not in (None, True, False):
+        if self.train_mode is not None and not isinstance(self.train_mode, bool):
             raise TypeError(f"train_mode must be None, True or False, got {self.train_mode!r}")
         _check_loss_signature(self.loss_fn)
         if not isinstance(self.keep_output, bool):
@@ -180,6 +180,7 @@ class TrainStep:
             f"step: optimizer {name}, {self.micro_batches} micro-batch(es), zero_grad "
             f"{self.zero_grad.value}, autocast {amp}" + (", output kept through backward" if self.keep_output else "")
             + (f", {len(self.held)} held object(s) ({_held_bytes(self):,} B) resident" if self.held else "")
+            + {None: "", True: ", every module in train mode", False: ", training flags as they are"}[self.train_mode]
         )
 
 
@@ -231,7 +232,8 @@ def _check_loss_signature(loss_fn: Any) -> None:
     if loss_fn is None:
         return
     try:
-        sig = inspect.signature(loss_fn)
+        # Not through __wrapped__: an adapter made with functools.wraps takes what it takes.
+        sig = inspect.signature(loss_fn, follow_wrapped=False)
     except (TypeError, ValueError):  # a builtin or C callable: nothing to check
         return
     try:
@@ -250,17 +252,27 @@ def trains_in_train_mode(model: torch.nn.Module, train_mode: bool | None) -> boo
 
 @contextlib.contextmanager
 def step_mode(model: torch.nn.Module, train_mode: bool | None):
-    """The modules' training flags for the step (``TrainStep.train_mode``), each put back after."""
+    """The modules' training flags for the step (``TrainStep.train_mode``), each put back after:
+    the root through its own ``train()`` (an override may do more than set flags, e.g. a LoRA
+    layer's merge on ``eval()``), then every module's flag as it was."""
     if not trains_in_train_mode(model, train_mode):
         yield
         return
     flags = [(m, m.training) for m in model.modules()]
-    model.train()
     try:
+        model.train()
         yield
     finally:
+        model.train(flags[0][1])
         for m, flag in flags:
             m.training = flag
+
+
+def mode_changes(model: torch.nn.Module, train_mode: bool | None) -> int:
+    """How many modules' flags ``step_mode`` switches."""
+    if not trains_in_train_mode(model, train_mode):
+        return 0
+    return sum(1 for m in model.modules() if not m.training)
 
 
 def run_step(

@@ -113,8 +113,15 @@ def _build(spec: str, loss_spec: str | None) -> tuple[torch.nn.Module, Any, Any]
 def _positive_gib(flag: str) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
-            return check_budget_gib(float(text))
-        except (ValueError, PlanningError):
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be a positive, finite number of GiB (e.g. 40 or 0.5), got {text!r}") from None
+        try:
+            return check_budget_gib(value, flag)
+        except PlanningError as e:
+            if math.isfinite(value) and value > 0:  # bytes typed for GiB: its words give the GiB figure
+                raise argparse.ArgumentTypeError(str(e)) from None
             raise argparse.ArgumentTypeError(
                 f"must be a positive, finite number of GiB (e.g. 40 or 0.5), got {text!r}") from None
     parse.__name__ = flag
@@ -168,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", help="adam, adamw, sgd, or none (its state is counted) (default adam; with --plan-in, the plan's)")
     p.add_argument("--micro-batches", type=_positive_int, help="forward/backward passes per optimizer step (gradient accumulation) (default 1; with --plan-in, the plan's)")
     p.add_argument("--autocast", choices=sorted(_AUTOCAST), help="forward and loss under torch.autocast with this dtype (default none; with --plan-in, the plan's)")
+    p.add_argument("--train-mode", choices=sorted(_TRAIN_MODE), help="the modules' training flags in the step: auto (a model left in eval mode trains as model.train() leaves it), train (always model.train()), as_is (the flags as the factory returns them; a loop that trains in eval mode) (default auto; with --plan-in, the plan's)")
     p.add_argument("--keep-output", action=argparse.BooleanOptionalAction, help="the training loop holds the model output through backward and the optimizer step (out = model(**batch); out.loss.backward()): count it, e.g. a causal LM's logits (default: the output is dropped once the loss is computed; with --plan-in, the plan's)")
     p.add_argument("--world-size", type=_positive_int, default=1, help="ranks sharing parameters, gradients and optimizer state (FSDP) (default 1)")
     p.add_argument("--reserve-gib", type=_reserve_gib, help="held back from the budget for CUDA context and fragmentation (default: 1 GiB + 5%% of the budget on CUDA targets, 0 on cpu)")
@@ -208,7 +216,9 @@ _STEP_FLAGS = {
     "micro_batches": ("--micro-batches", 1, lambda r: r.micro_batches),
     "autocast": ("--autocast", "none", lambda r: {"bfloat16": "bf16", "float16": "fp16"}.get(r.autocast, r.autocast)),
     "keep_output": ("--keep-output", False, lambda r: r.keep_output),
+    "train_mode": ("--train-mode", "auto", lambda r: r.train_mode),
 }
+_TRAIN_MODE = {"auto": None, "train": True, "as_is": False}
 
 
 def _flag_text(flag: str, value: Any) -> str:
@@ -248,9 +258,17 @@ def _settle_step(args, plan: Plan | None) -> None:
 
 
 def _step(args, inputs, loss_fn) -> TrainStep:
+    try:
+        return _checked_step(args, inputs, loss_fn)
+    except TypeError as e:  # a loss function that cannot take (output, inputs)
+        raise CLIError(f"the loss function: {e}") from e
+
+
+def _checked_step(args, inputs, loss_fn) -> TrainStep:
     step = TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer=_optimizer_arg(args.optimizer),
                      micro_batches=args.micro_batches, autocast_dtype=_AUTOCAST[args.autocast],
-                     keep_output=args.keep_output, zero_grad=args.zero_grad)
+                     keep_output=args.keep_output, zero_grad=args.zero_grad,
+                     train_mode=_TRAIN_MODE[args.train_mode])
     try:
         step.check_target(get_device_spec(args.device))
     except ValueError as e:
@@ -310,7 +328,8 @@ def _verify(args, plan: Plan, model, inputs, loss_fn
         note = f"plan made for {spec.name} but verified on this CPU: peaks are not comparable"
     # First the same forward + backward with and without the plan, from the same state and seed
     # (the model is left as it was), then real training steps with the plan.
-    check = check_gradients(model, plan, inputs, loss_fn=loss_fn, seed=args.seed, keep_output=args.keep_output)
+    check = check_gradients(model, plan, inputs, loss_fn=loss_fn, seed=args.seed, keep_output=args.keep_output,
+                            autocast_dtype=_AUTOCAST[args.autocast], train_mode=_TRAIN_MODE[args.train_mode])
     torch.manual_seed(args.seed)
     # Three steps: the first of a fresh run, then the steady state the plan is made for; the
     # step's optimizer is built over the model's trainable parameters by measure_steps.

@@ -44,7 +44,7 @@ class GradientCheck:
 def check_gradients(
     model: torch.nn.Module, plan: Plan, inputs: Any, *, loss_fn: Any = None, seed: int = 0,
     keep_output: bool | None = None, autocast_dtype: torch.dtype | None | str = "plan",
-    train_mode: bool | None = None,
+    train_mode: bool | None | str = "plan",
 ) -> GradientCheck:
     """Run one forward + backward without and then with ``plan`` and compare them bitwise.
 
@@ -54,7 +54,7 @@ def check_gradients(
     as it will in training; None: as the plan's step. ``autocast_dtype``: the forward under
     ``torch.autocast`` with this dtype; ``"plan"`` (default): the plan's step's (an fp32 check
     of a bf16 plan compares other kernels than training runs). ``train_mode``: as
-    ``TrainStep.train_mode``."""
+    ``TrainStep.train_mode``; ``"plan"`` (default): the plan's step's."""
     if keep_output is None:
         keep_output = plan.step.keep_output if plan.step is not None else False
     if isinstance(autocast_dtype, str):
@@ -62,6 +62,10 @@ def check_gradients(
             raise ValueError(f"autocast_dtype must be None, a torch dtype or 'plan', got {autocast_dtype!r}")
         recorded = plan.step.autocast if plan.step is not None else "none"
         autocast_dtype = None if recorded == "none" else getattr(torch, recorded)
+    if isinstance(train_mode, str):
+        if train_mode != "plan":
+            raise ValueError(f"train_mode must be None, True, False or 'plan', got {train_mode!r}")
+        train_mode = plan.step.train_mode_flag if plan.step is not None else None
     with step_mode(model, train_mode):
         return _check(model, plan, inputs, loss_fn, seed, keep_output, autocast_dtype)
 

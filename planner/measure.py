@@ -41,10 +41,14 @@ def measure_step(
     inputs: Any,
     loss_fn: Any = None,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    train_mode: bool | None = None,
 ) -> MeasuredStep:
-    """Run one training step (one micro-batch, then ``optimizer.step()``) and measure its peak."""
+    """Run one training step (one micro-batch, then ``optimizer.step()``) and measure its peak;
+    ``train_mode`` as ``TrainStep.train_mode``."""
     _check_real(model)
-    return _measure(model, inputs, optimizer, lambda on_phase: run_step(model, inputs, loss_fn, optimizer, on_phase))
+    with step_mode(model, train_mode):
+        return _measure(model, inputs, optimizer, lambda on_phase: run_step(model, inputs, loss_fn, optimizer, on_phase))
 
 
 def measure_steps(

@@ -177,6 +177,7 @@ class ModulePlan:
 
 _ZERO_GRADS = ("set_to_none", "zero")
 _AUTOCASTS = ("none", "bfloat16", "float16")
+_TRAIN_MODES = ("auto", "train", "as_is")
 
 
 def optimizer_name(optimizer: Any) -> str:
@@ -208,11 +209,14 @@ class StepRecord:
     """``"none"``, ``"bfloat16"`` or ``"float16"``: the forward's autocast dtype."""
     keep_output: bool
     """The loop holds the model output through backward (``TrainStep.keep_output``)."""
+    train_mode: str = "auto"
+    """``TrainStep.train_mode``: ``"auto"`` (None: a model in eval mode runs as ``model.train()``
+    leaves it), ``"train"`` (True) or ``"as_is"`` (False). Plans saved before it: ``"auto"``."""
 
     def __post_init__(self) -> None:
         _str("step: optimizer", self.optimizer, nonempty=True)
         object.__setattr__(self, "micro_batches", _int("step: micro_batches", self.micro_batches, low=1))
-        for name, known in (("zero_grad", _ZERO_GRADS), ("autocast", _AUTOCASTS)):
+        for name, known in (("zero_grad", _ZERO_GRADS), ("autocast", _AUTOCASTS), ("train_mode", _TRAIN_MODES)):
             if getattr(self, name) not in known:
                 raise PlanFormatError(f"step: {name} must be one of {', '.join(known)}, got {getattr(self, name)!r}")
         _bool("step: keep_output", self.keep_output)
@@ -223,7 +227,13 @@ class StepRecord:
         dt = step.autocast_dtype
         return cls(optimizer=optimizer_name(step.optimizer), micro_batches=step.micro_batches,
                    zero_grad=step.zero_grad.value, keep_output=step.keep_output,
-                   autocast="none" if dt is None else str(dt).replace("torch.", ""))
+                   autocast="none" if dt is None else str(dt).replace("torch.", ""),
+                   train_mode=_TRAIN_MODES[(None, True, False).index(getattr(step, "train_mode", None))])
+
+    @property
+    def train_mode_flag(self) -> bool | None:
+        """``train_mode`` as ``TrainStep`` takes it."""
+        return (None, True, False)[_TRAIN_MODES.index(self.train_mode)]
 
     def differences(self, other: "StepRecord") -> tuple[tuple[str, Any, Any], ...]:
         """``(field, this value, other value)`` for every field where the two steps differ."""

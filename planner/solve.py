@@ -34,7 +34,7 @@ from estimators.estimation import (
 )
 from estimators.module_info import ModStats
 from estimators.sac import replay_ms
-from estimators.step import TrainStep, trains_in_train_mode
+from estimators.step import TrainStep, mode_changes
 from planner.floor import PeakBreakdown, lowering_hints, peak_breakdown
 from planner.fsdp import fsdp_module_info
 from planner.plan import GiB, ModulePlan, Plan, StepRecord, model_fingerprint, op_key
@@ -282,15 +282,16 @@ def plan_for_budget(
     plan = _plan_for_budget(model, est, budget_bytes, world_size=world_size, reserve_bytes=reserve_bytes,
                             ac_units=ac_units, fsdp_units=fsdp_units, solver_options=solver_options,
                             verify=verify, milp=milp, offload=offload, host_budget_bytes=host_budget_bytes)
-    if not plan.modules and plan.baseline_peak_bytes <= plan.usable_budget_bytes:
+    if not (unplanned_peak_bytes is None or unplanned_peak_bytes == plan.baseline_peak_bytes or world_size > 1):
+        # per rank (world_size > 1) the no-AC figure is the MILP's (sharded state); the trace is not
+        plan = dataclasses.replace(plan, baseline_peak_bytes=unplanned_peak_bytes, notes=(*plan.notes, (
+            f"peak, no AC is the model as it runs unplanned, with HF use_cache on ({unplanned_peak_bytes:,} B); "
+            f"the plan runs it with use_cache off, whose no-AC peak is {plan.baseline_peak_bytes:,} B")))
+    if not plan.modules and plan.predicted_peak_bytes <= plan.usable_budget_bytes:
         plan = dataclasses.replace(plan, notes=(*plan.notes, (
-            f"the usable budget ({fmt_bytes(plan.usable_budget_bytes)}) is at or above the peak without "
-            f"checkpointing ({fmt_bytes(plan.baseline_peak_bytes)}): nothing to checkpoint")))
-    if unplanned_peak_bytes is None or unplanned_peak_bytes == plan.baseline_peak_bytes or world_size > 1:
-        return plan  # per rank the no-AC figure is the MILP's (sharded state); the trace is not
-    return dataclasses.replace(plan, baseline_peak_bytes=unplanned_peak_bytes, notes=(*plan.notes, (
-        f"peak, no AC is the model as it runs unplanned, with HF use_cache on ({unplanned_peak_bytes:,} B); "
-        f"the plan runs it with use_cache off, whose no-AC peak is {plan.baseline_peak_bytes:,} B")))
+            f"the usable budget ({fmt_bytes(plan.usable_budget_bytes)}) holds the step without "
+            f"checkpointing (peak {fmt_bytes(plan.predicted_peak_bytes)}): nothing to checkpoint")))
+    return plan
 
 
 def unplanned_peak_bytes(model: torch.nn.Module, est: Estimate) -> int | None:
@@ -307,16 +308,19 @@ def unplanned_peak_bytes(model: torch.nn.Module, est: Estimate) -> int | None:
 
 
 def _mode_note(model: torch.nn.Module, step: TrainStep) -> str | None:
-    """Say which mode a model left in eval mode was planned in (``TrainStep.train_mode``)."""
-    if model.training:
-        return None
-    if trains_in_train_mode(model, step.train_mode):
+    """Say which modules in eval mode were planned in train mode (``TrainStep.train_mode``)."""
+    switched = mode_changes(model, step.train_mode)
+    if switched and not model.training:
         logger.warning("the model is in eval mode: planned in train mode (dropout, BatchNorm batch "
                        "statistics), as its training loop runs it; TrainStep(train_mode=False) "
                        "plans it as it is")
         return ("the model is in eval mode: planned in train mode, as model.train() runs it "
                 "(TrainStep(train_mode=False): as it is)")
-    return "planned in eval mode (TrainStep(train_mode=False)): dropout off, BatchNorm running statistics"
+    if switched:
+        return f"{switched} module(s) in eval mode: planned in train mode (TrainStep(train_mode=True))"
+    if not model.training:
+        return "planned in eval mode (TrainStep(train_mode=False)): dropout off, BatchNorm running statistics"
+    return None
 
 
 def _plan_for_budget(

@@ -292,3 +292,22 @@ def test_held_takes_tensors_and_modules():
     with pytest.raises(TypeError, match=r"held\[1\] must be a tensor or an nn.Module .* EMA"):
         TrainStep(held=[t, "ema"])
     assert "1 held object(s) (24 B) resident" in TrainStep(held=m).describe()
+
+
+def test_loss_functions_are_checked_for_output_and_inputs():
+    import functools
+
+    def two(out, inputs):
+        return out.sum()
+
+    @functools.wraps(lambda out: out.sum())
+    def adapter(out, inputs):  # functools.wraps copies a one-argument __wrapped__
+        return out.sum()
+
+    for ok in (two, adapter, functools.partial(lambda out, inputs, scale: out.sum() * scale, scale=2.0),
+               torch.nn.MSELoss(), lambda *args: args[0].sum(), torch.nn.functional.mse_loss):
+        TrainStep(inputs=(torch.randn(2, 4),), loss_fn=ok)
+    with pytest.raises(TypeError, match=r"loss_fn is called as loss_fn\(output, inputs\).*takes \(out\)"):
+        TrainStep(inputs=(torch.randn(2, 4),), loss_fn=lambda out: out.sum())
+    with pytest.raises(TypeError, match="train_mode"):
+        TrainStep(train_mode=0)

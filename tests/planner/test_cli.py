@@ -311,3 +311,9 @@ def test_plan_in_runs_the_step_the_plan_was_made_for_and_refuses_another(tmp_pat
     capsys.readouterr()
     assert main(["--model", "examples:convnet_demo", "--quiet", "--plan-in", str(out), "--no-verify"]) == 0
     assert "does not record the training step it was made for" in caplog.text
+
+
+def test_cli_budget_in_bytes_gets_the_gib_figure(capsys):
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--budget-gib", "80000000000"]) == 2
+    line = _error_line(capsys)
+    assert "--budget-gib is in GiB" in line and "--budget-gib=74.51" in line

@@ -164,3 +164,17 @@ def test_a_whisper_step_is_measured_as_it_runs_untracked():
         warnings.simplefilter("error")  # ModTracker warned "Module is None. Skipping PRE_BW hook."
         steps = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)
     assert [s.peak_bytes for s in steps[1:]] == [predicted, predicted] == [545_356, 545_356]
+
+
+def test_a_meta_or_parameterless_model_is_refused_with_what_to_do():
+    from estimators.step import TrainStep
+    from planner.measure import measure_step, measure_steps
+
+    with torch.device("meta"):
+        lin = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"meta device.*to_empty"):
+        measure_steps(lin, TrainStep(inputs=(torch.randn(2, 4),)))
+    with pytest.raises(ValueError, match=r"meta device"):
+        measure_step(lin, (torch.randn(2, 4),))
+    with pytest.raises(ValueError, match="no parameters"):
+        measure_steps(torch.nn.ReLU(), TrainStep(inputs=(torch.randn(2, 4),)))

@@ -446,3 +446,42 @@ def test_bytes_given_as_gib_are_refused_and_a_roomy_budget_says_so():
     plan = solve_sac(model, budget_gib=64, inputs=inputs, loss_fn=model.loss_fn, verify=False)
     assert not plan.modules
     assert any("nothing to checkpoint" in n for n in plan.notes)
+
+
+def test_real_mode_planning_of_an_eval_model_puts_every_flag_back():
+    """Real mode traces the user's model itself: the one path where planning flips its flags."""
+    model, inputs = _eval_mode_net()
+    model[1][1].train()  # mixed flags under an eval root
+    flags = [m.training for m in model.modules()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    est = estimate(model, step=TrainStep(inputs=inputs, optimizer="sgd"), options=REAL)
+    assert [m.training for m in model.modules()] == flags
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # BN stats too
+    fake = estimate(model, step=TrainStep(inputs=inputs, optimizer="sgd"))
+    assert est.module_info.peak_bytes == fake.module_info.peak_bytes
+
+
+def test_a_plan_records_its_train_mode_and_the_check_runs_it():
+    from planner.gradcheck import check_gradients
+    from planner.plan import Plan
+
+    model, inputs = _eval_mode_net()
+    est = estimate(model, step=TrainStep(inputs=inputs, optimizer="sgd"))
+    budget = (est.module_info.peak_bytes + SACMilp(est.module_info).min_reachable_peak_bytes()) // 2
+    plan = plan_for_budget(model, est, budget)
+    import json
+
+    assert plan.step.train_mode == "auto" and Plan.from_dict(json.loads(plan.to_json())) == plan
+    old_file = json.loads(plan.to_json())
+    del old_file["step"]["train_mode"]  # a plan saved before train_mode was recorded
+    assert Plan.from_dict(old_file).step.train_mode == "auto"
+    check = check_gradients(model, plan, inputs)
+    assert check.equal and not model.training
+    torch.manual_seed(0)
+    trained = copy.deepcopy(model).train()
+    assert check.loss_reference == float(trained(*inputs).sum().detach())  # dropout on, batch statistics
+    as_is = plan_for_budget(model, estimate(model, step=TrainStep(inputs=inputs, optimizer="sgd", train_mode=False)),
+                            budget)
+    assert as_is.step.train_mode == "as_is"
+    torch.manual_seed(0)
+    assert check_gradients(model, as_is, inputs).loss_reference == float(model(*inputs).sum().detach())
