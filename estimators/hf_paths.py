@@ -11,6 +11,14 @@ plan moved 1,048,576 B where 1,245,184 B were predicted (tiny Mistral, bf16 auto
 While tracing, :class:`hf_real_paths` answers that question as the real run would: "not packed"
 when the step passes no ``position_ids`` (the model makes them with ``arange``, one sequence per
 row) or passes ones that the real check finds not packed (evaluated once on the real values).
+
+The same holds for SDPA's mask skip: with no padding (an attention mask of ones, or none) the
+real run passes no mask to SDPA (``_ignore_causal_mask_sdpa`` / ``_ignore_bidirectional_mask_sdpa``
+read ``padding_mask.all()``), but ``is_tracing`` is true for a fake tensor, so the trace built a
+boolean mask: a tiny BERT checkpointed layer kept it as an input through its backward, and the
+plan's peak was 2,048 B (one layer) to 18,432 B over the measured one. While tracing those two
+checks are asked about an all-ones mask of the fake mask's shape, as the real run is, when every
+attention mask the step passes is all ones in its real values.
 """
 
 from __future__ import annotations
@@ -34,39 +42,77 @@ def _position_ids(inputs: Any) -> list[torch.Tensor] | None:
     return []  # positional inputs: HF models take position_ids by keyword in practice
 
 
+def _masks_all_ones(inputs: Any) -> bool:
+    """Every attention mask the step passes is all ones in its real values (or none is passed);
+    False when that cannot be known (meta tensors, masks passed positionally)."""
+    if isinstance(inputs, dict):
+        masks = [v for k, v in inputs.items() if "attention_mask" in k and v is not None]
+    else:
+        tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+        if len(tensors) > 1:
+            return False  # a positional mask cannot be told from other inputs
+        masks = []
+    for m in masks:
+        if not isinstance(m, torch.Tensor) or m.device.type == "meta" or m.dim() != 2:
+            return False  # a 4D custom mask, or values unknown
+        if not bool(m.bool().all()):
+            return False
+    return True
+
+
 class hf_real_paths:
-    """``with hf_real_paths(inputs):`` while a fake-mode trace runs, transformers' packed-sequence
-    check answers on fake tensors what it answers on the real ``inputs`` (a no-op without
-    transformers loaded, or when that answer is "packed" or unknowable)."""
+    """``with hf_real_paths(inputs):`` while a fake-mode trace runs, transformers' checks that read
+    mask and position values answer on fake tensors what they answer on the real ``inputs`` (a
+    no-op without transformers loaded, or where that answer is unknowable)."""
 
     def __init__(self, inputs: Any) -> None:
         self.inputs = inputs
-        self.module = None
-        self.original = None
+        self.restore: list[tuple[Any, str, Any]] = []
+
+    def _patch(self, module: Any, name: str, replacement: Any) -> None:
+        self.restore.append((module, name, getattr(module, name)))
+        setattr(module, name, replacement)
 
     def __enter__(self):
         mu = sys.modules.get("transformers.masking_utils")
-        fn = getattr(mu, "find_packed_sequence_indices", None) if mu is not None else None
-        if fn is None:
+        if mu is None:
             return self
+        from torch._subclasses.fake_tensor import is_fake
+
+        fn = getattr(mu, "find_packed_sequence_indices", None)
         given = _position_ids(self.inputs)
-        if given is None or any(
+        if fn is not None and given is not None and not any(
             isinstance(t, torch.Tensor) and (t.device.type == "meta" or fn(t if t.dim() == 2 else t.view(1, -1)) is not None)
             for t in tree_flatten(given)[0]
         ):
-            return self  # packed (or not readable): the fake trace's mask is the real run's too
-        from torch._subclasses.fake_tensor import is_fake
+            # (packed or unreadable: the fake trace's mask is the real run's too)
+            def not_packed_when_fake(position_ids: torch.Tensor, _fn=fn):
+                if is_fake(position_ids):
+                    return None  # what the real run finds: one sequence per row
+                return _fn(position_ids)
 
-        def not_packed_when_fake(position_ids: torch.Tensor):
-            if is_fake(position_ids):
-                return None  # what the real run finds: one sequence per row
-            return fn(position_ids)
-
-        self.module, self.original = mu, fn
-        mu.find_packed_sequence_indices = not_packed_when_fake
+            self._patch(mu, "find_packed_sequence_indices", not_packed_when_fake)
+        if _masks_all_ones(self.inputs):
+            for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
+                if callable(getattr(mu, name, None)):
+                    self._patch(mu, name, _asked_of_ones(getattr(mu, name)))
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.module is not None:
-            self.module.find_packed_sequence_indices = self.original
-            self.module = None
+        for module, name, original in reversed(self.restore):
+            setattr(module, name, original)
+        self.restore = []
+
+
+def _asked_of_ones(check: Any) -> Any:
+    """``check(padding_mask, ...)`` asked, for a fake mask, about real ones of its shape."""
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+    def on_real_ones(padding_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(padding_mask, torch.Tensor) and is_fake(padding_mask):
+            with unset_fake_temporarily():
+                ones = torch.ones(tuple(padding_mask.shape), dtype=torch.bool)
+                return check(ones, *args, **kwargs)
+        return check(padding_mask, *args, **kwargs)
+
+    return on_real_ones

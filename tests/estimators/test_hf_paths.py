@@ -30,3 +30,24 @@ def test_real_position_ids_decide():
     packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
     assert not _packed_on_fake({"input_ids": flat, "position_ids": flat})
     assert _packed_on_fake({"input_ids": flat, "position_ids": packed})  # two sequences: the mask stays
+
+
+def _mask_skipped_on_fake(inputs, mask) -> bool:
+    mask = mask.bool()
+    with hf_real_paths(inputs), FakeTensorMode() as mode:
+        fake = mode.from_tensor(mask)
+        return mu._ignore_bidirectional_mask_sdpa(fake, mask.shape[-1])
+
+
+def test_an_all_ones_attention_mask_is_skipped_as_in_the_real_run():
+    ones, padded = torch.ones(2, 8, dtype=torch.long), torch.tensor([[1] * 8, [1] * 6 + [0] * 2])
+    original = mu._ignore_bidirectional_mask_sdpa
+    assert original(ones.bool(), 8) and not original(padded.bool(), 8)  # the real run's answers
+    as_bool = ones.bool()
+    with FakeTensorMode() as mode:
+        assert not original(mode.from_tensor(as_bool), 8)  # transformers on a fake mask: never skip
+    assert _mask_skipped_on_fake({"input_ids": ones, "attention_mask": ones}, ones)
+    assert _mask_skipped_on_fake({"input_ids": ones}, ones)  # no mask passed: HF's mask is ones
+    assert not _mask_skipped_on_fake({"input_ids": ones, "attention_mask": padded}, padded)
+    assert not _mask_skipped_on_fake((ones, padded), padded)  # positional: unknowable, unpatched
+    assert mu._ignore_bidirectional_mask_sdpa is original
