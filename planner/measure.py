@@ -29,6 +29,7 @@ __all__ = ["MeasuredStep", "measure_step", "measure_steps"]
 class MeasuredStep:
     peak_bytes: int
     loss: float | None
+    """The last micro-batch's loss as backward saw it: divided by the step's ``micro_batches``."""
     step_time_ms: float
     tracker: str
     """What measured the peak."""
@@ -74,6 +75,8 @@ def measure_steps(
         # Measured without an optimizer step, a step named "adamw" lost AdamW's state from the
         # peak and trained nothing (a GPT-NeoX: 2,098,456 B measured, loss unchanged each step).
         optimizer = _optimizer_of(model, step.optimizer)
+    if optimizer is not None:
+        _check_owns(model, optimizer)
     out = []
     # A loop that keeps the output holds each step's last one into the next step's forward.
     held: list = [None]
@@ -87,6 +90,22 @@ def measure_steps(
                 keep_output=step.keep_output, held_output=held,
             ), held=held_tensors(held[0]) + step.held_tensors()))
     return out
+
+
+def _check_owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """An optimizer over another copy of the model steps that copy: the measured steps trained
+    nothing (seen: a TrainStep's optimizer built for model A, A's deepcopy measured, the loss
+    unchanged over 3 steps), and its state is not in the peak."""
+    own = {id(p) for p in model.parameters()}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = sum(id(p) not in own for p in held)
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {foreign} of its {len(held)} parameters that are not this "
+            f"{type(model).__name__}'s: it would train another copy and these steps nothing; build "
+            "it over model.parameters() of the model measured, or give the step the optimizer's "
+            "name (\"adamw\") or class"
+        )
 
 
 def _check_real(model: torch.nn.Module) -> None:

@@ -339,9 +339,12 @@ def _plan_for_budget(
     host_budget_bytes: int | None,
 ) -> Plan:
     if reserve_bytes < 0 or reserve_bytes >= budget_bytes:
+        default = est.spec.is_cuda and reserve_bytes == default_reserve_bytes(est.spec, budget_bytes)
+        cuda = " (the default on a CUDA target: 1 GiB for the CUDA context + 5 % of the budget)" if default else ""
         raise PlanningError(
-            f"the reserve ({reserve_bytes / GiB:.2f} GiB) must be >= 0 and below the budget "
-            f"({budget_bytes / GiB:.2f} GiB); pass a smaller reserve_gib"
+            f"the reserve ({fmt_bytes(reserve_bytes)}{cuda}) must be >= 0 and below the budget "
+            f"({fmt_bytes(budget_bytes)}); pass a smaller reserve_gib (reserve_gib=0 plans the budget "
+            "as given, e.g. one read off tradeoff_curve, whose peaks hold no reserve)"
         )
     from planner.checkpointing import check_plannable, hf_cache_note, unwrap_compiled
 

@@ -178,3 +178,20 @@ def test_a_meta_or_parameterless_model_is_refused_with_what_to_do():
         measure_step(lin, (torch.randn(2, 4),))
     with pytest.raises(ValueError, match="no parameters"):
         measure_steps(torch.nn.ReLU(), TrainStep(inputs=(torch.randn(2, 4),)))
+
+
+def test_an_optimizer_over_another_copy_is_refused():
+    """It would step the other copy: the measured steps trained nothing (loss unchanged)."""
+    import copy
+
+    from estimators.step import TrainStep
+    from planner.measure import measure_steps
+
+    a = torch.nn.Linear(4, 4)
+    b = copy.deepcopy(a)
+    step = TrainStep(inputs=(torch.randn(2, 4),), optimizer=torch.optim.SGD(a.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="2 of its 2 parameters that are not this Linear's"):
+        measure_steps(b, step)
+    with pytest.raises(ValueError, match="not this Linear's"):
+        measure_steps(b, TrainStep(inputs=(torch.randn(2, 4),)), torch.optim.SGD(a.parameters(), lr=0.1))
+    assert len(measure_steps(a, step, n_steps=2)) == 2

@@ -485,3 +485,9 @@ def test_a_plan_records_its_train_mode_and_the_check_runs_it():
     assert as_is.step.train_mode == "as_is"
     torch.manual_seed(0)
     assert check_gradients(model, as_is, inputs).loss_reference == float(model(*inputs).sum().detach())
+
+
+def test_a_small_budget_for_a_gpu_names_the_default_reserve():
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    with pytest.raises(PlanningError, match=r"the default on a CUDA target.*reserve_gib=0 plans the budget as given"):
+        solve_sac(model, budget_gib=0.003, inputs=inputs, loss_fn=model.loss_fn, device="h100", verify=False)
