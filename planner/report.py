@@ -128,13 +128,17 @@ def steps_vs_prediction(plan: "Plan", measured: "Sequence[MeasuredStep]") -> str
     """Each real step's measured peak beside the prediction (step 1: the first step of a fresh
     run; later ones: the steady state)."""
     tracker = measured[0].tracker if measured else ""
+    first = plan.first_step_peak_bytes
     lines = [
         f"  predicted peak   {fmt_bytes(plan.predicted_peak_bytes)} ({plan.predicted_peak_bytes:,} B)"
-        + (f", {plan.binding_step} binds" if plan.binding_step else ""),
+        + (f", {plan.binding_step} binds" if plan.binding_step else "")
+        + (f"; first step {fmt_bytes(first)} ({first:,} B)" if first is not None else ""),
         f"  {'step':>4}  {'measured peak':>24}  {'vs predicted':>12}  {'vs usable budget':>16}  loss",
     ]
     for i, m in enumerate(measured, 1):
-        err = (m.peak_bytes - plan.predicted_peak_bytes) / plan.predicted_peak_bytes
+        # Step 1 against the first step's own prediction (no optimizer state before its update).
+        want = first if i == 1 and first is not None else plan.predicted_peak_bytes
+        err = (m.peak_bytes - want) / want
         within = "within" if m.peak_bytes <= plan.usable_budget_bytes else "ABOVE"
         lines.append(
             f"  {i:>4}  {fmt_bytes(m.peak_bytes):>10} ({m.peak_bytes:>11,} B)  {err:>+12.2%}  "

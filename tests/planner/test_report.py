@@ -134,3 +134,13 @@ def test_byte_units_at_their_edges():
     assert fmt_bytes(1536, digits=0) == "2 KiB" and fmt_bytes(1536, digits=3) == "1.500 KiB"
     assert [byte_unit(n) for n in (5, 2**10, 2**20 + 1, 2**40)] == [
         (1, "B"), (2**10, "KiB"), (2**20, "MiB"), (2**30, "GiB")]
+
+
+def test_step_one_is_compared_with_the_first_steps_prediction():
+    plan = _plan(predicted_peak_bytes=1000, budget_bytes=1100, reserve_bytes=50, first_step_peak_bytes=900,
+                 steady_peak_bytes=None)
+    steps = [MeasuredStep(peak_bytes=b, loss=2.5, step_time_ms=3.0, tracker="T") for b in (900, 1000)]
+    text = steps_vs_prediction(plan, steps)
+    assert "; first step 900 B (900 B)" in text.splitlines()[0]
+    assert "     1       900 B (        900 B)        +0.00%            within  2.5" in text
+    assert "     2      1000 B (      1,000 B)        +0.00%            within  2.5" in text
