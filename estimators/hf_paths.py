@@ -96,6 +96,14 @@ class hf_real_paths:
             for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
                 if callable(getattr(mu, name, None)):
                     self._patch(mu, name, _asked_of_ones(getattr(mu, name)))
+            recurrent = getattr(mu, "create_recurrent_attention_mask", None)
+            if callable(recurrent):
+                # Mamba-2 / linear-attention models import it by name: patch every holder.
+                # A tiny Mamba-2 was over-predicted by 8,192 B with an all-ones mask passed.
+                replacement = _no_mask_when_ones(recurrent)
+                for module in list(sys.modules.values()):
+                    if getattr(module, "create_recurrent_attention_mask", None) is recurrent:
+                        self._patch(module, "create_recurrent_attention_mask", replacement)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -116,3 +124,24 @@ def _asked_of_ones(check: Any) -> Any:
         return check(padding_mask, *args, **kwargs)
 
     return on_real_ones
+
+
+def _no_mask_when_ones(create: Any) -> Any:
+    """``create_recurrent_attention_mask(config, inputs_embeds, attention_mask, ...)`` returns None
+    for an all-ones 2D mask in the real run (the consumer then skips the multiply); asked about a
+    fake mask of a step whose masks are all ones, it answers as for real ones of its shape."""
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+    def as_for_ones(config: Any, inputs_embeds: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(attention_mask, torch.Tensor) and is_fake(attention_mask) and attention_mask.ndim == 2:
+            with unset_fake_temporarily():
+                ones = torch.ones(tuple(attention_mask.shape), dtype=attention_mask.dtype)
+            seq = int(inputs_embeds.shape[1])
+            if seq > 1:  # (a single-token step gets None either way)
+                with unset_fake_temporarily():
+                    real = create(config, torch.empty(1, seq, 1), ones, *args, **kwargs)
+                if real is None:
+                    return None
+        return create(config, inputs_embeds, attention_mask, *args, **kwargs)
+
+    return as_for_ones

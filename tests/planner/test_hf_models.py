@@ -47,6 +47,9 @@ def _configs():
         "bert": lambda: T.BertForMaskedLM(T.BertConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=2,
             intermediate_size=2 * HIDDEN, max_position_embeddings=SEQ)),
+        "mamba2": lambda: T.Mamba2ForCausalLM(T.Mamba2Config(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, state_size=16, num_heads=4,
+            head_dim=16, n_groups=1, expand=2, chunk_size=8)),
         "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(
             vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, d_ff=2 * HIDDEN, num_layers=LAYERS, num_heads=2,
             decoder_start_token_id=0, pad_token_id=0)),
@@ -198,11 +201,12 @@ def test_keep_output_predicts_the_loop_that_holds_the_output():
     assert all(torch.equal(grads[n], g) for n, g in ref_grads.items())
 
 
-@pytest.mark.parametrize("name", ["bert", "llama"])
+@pytest.mark.parametrize("name", ["bert", "llama", "mamba2"])
 def test_an_all_ones_attention_mask_is_predicted_to_the_byte(name):
-    """The real run skips SDPA's mask when the attention mask is all ones; the fake trace built
-    it (transformers' is_tracing is true for fake tensors) and a checkpointed BERT layer held it
-    through its backward: 2,048-18,432 B over the measured peak."""
+    """The real run skips SDPA's mask (Mamba-2: its padding multiply) when the attention mask is
+    all ones; the fake trace built it (transformers' is_tracing is true for fake tensors) and a
+    checkpointed BERT layer held it through its backward: 2,048-18,432 B over the measured peak
+    (a Mamba-2: 8,192 B)."""
     model, inputs = _build(name)
     inputs = {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
     with hf_cache_off(model):
