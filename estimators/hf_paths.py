@@ -18,7 +18,8 @@ read ``padding_mask.all()``), but ``is_tracing`` is true for a fake tensor, so t
 boolean mask: a tiny BERT checkpointed layer kept it as an input through its backward, and the
 plan's peak was 2,048 B (one layer) to 18,432 B over the measured one. While tracing those two
 checks are asked about an all-ones mask of the fake mask's shape, as the real run is, when every
-attention mask the step passes is all ones in its real values.
+attention mask the step passes is all ones in its real values; so is Mamba-2's
+``create_recurrent_attention_mask`` (None for all ones: no padding multiply; 8,192 B over before).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ class hf_real_paths:
             isinstance(t, torch.Tensor) and (t.device.type == "meta" or fn(t if t.dim() == 2 else t.view(1, -1)) is not None)
             for t in tree_flatten(given)[0]
         ):
-            # (packed or unreadable: the fake trace's mask is the real run's too)
+            # Not packed in the real run (packed or unreadable: left alone, the fake trace's
+            # mask is the real run's too).
             def not_packed_when_fake(position_ids: torch.Tensor, _fn=fn):
                 if is_fake(position_ids):
                     return None  # what the real run finds: one sequence per row
