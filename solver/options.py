@@ -119,7 +119,7 @@ class SolverOptions:
     ``solver.symmetry``) and searched by count (``count_branching``). Measured on a loaded
     2-core CPU: the traced Llama-3-70B graph proves each of 20 sweep budgets in <= 0.49 s,
     1000-module synthetic decoders in 0.14-0.62 s; random 1000-module trees (no repeated blocks)
-    3.5-6.3 s. At ``time_limit_s`` the best plan found is returned with status FEASIBLE
+    3.5-6.7 s. At ``time_limit_s`` the best plan found is returned with status FEASIBLE
     (benchmarks/solver_scaling.py, benchmarks/tradeoff_sweep.py)."""
     break_symmetry: bool = True
     """Order identical candidates (repeated blocks) with constraints that keep every optimal
