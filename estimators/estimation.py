@@ -76,6 +76,7 @@ __all__ = [
     "estimate",
     "TraceError",
     "resolve_optimizer",
+    "check_optimizer_params",
     "as_train_step",
     "first_step_module_info",
 ]
@@ -506,16 +507,25 @@ def first_step_module_info(info: ModuleInfo) -> ModuleInfo:
     return dataclasses.replace(info, memory_points=points)
 
 
+def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer, known: Any,
+                           use: str, why: str = "") -> None:
+    """Raise if ``optimizer`` holds parameters whose ``id`` is not in ``known`` (the model's): an
+    optimizer built over another copy of the model. ``use``: what is done with the model ("plan",
+    "measure"); ``why``: what would go wrong, said after the fix."""
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = sum(id(p) not in known for p in held)
+    if foreign:
+        raise ValueError(
+            f"the optimizer instance holds {foreign} of its {len(held)} parameters that are not "
+            f"this {type(model).__name__}'s parameters; build it over model.parameters() (of "
+            f"the model you {use}), or pass its name (\"adamw\") or class{why}"
+        )
+
+
 def _param_groups(model: torch.nn.Module, optimizer: Any, mapping: dict) -> list[dict]:
     if isinstance(optimizer, torch.optim.Optimizer):
-        held = [p for g in optimizer.param_groups for p in g["params"]]
-        foreign = sum(id(p) not in mapping for p in held)
-        if foreign:  # their state would silently go uncounted (an optimizer built over another copy)
-            raise ValueError(
-                f"the optimizer instance holds {foreign} of its {len(held)} parameters that are not "
-                f"this {type(model).__name__}'s parameters; build it over model.parameters() (of "
-                "the model you plan), or pass its name (\"adamw\") or class"
-            )
+        # Their state would silently go uncounted.
+        check_optimizer_params(model, optimizer, mapping, "plan")
         return [{"params": [mapping[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
     params = [mapping[id(p)] for p in model.parameters() if p.requires_grad]
     return [{"params": params}]

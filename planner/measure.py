@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from estimators.device import get_device_spec
+from estimators.estimation import check_optimizer_params, resolve_optimizer
 from estimators.step import TrainStep, run_step, step_mode, zero_grads
 from estimators.trace import held_tensors
 
@@ -76,7 +78,10 @@ def measure_steps(
         # peak and trained nothing (a GPT-NeoX: 2,098,456 B measured, loss unchanged each step).
         optimizer = _optimizer_of(model, step.optimizer)
     if optimizer is not None:
-        _check_owns(model, optimizer)
+        # Seen: a TrainStep's optimizer built for model A, A's deepcopy measured: the loss
+        # unchanged over 3 steps, and the optimizer's state not in the peak.
+        check_optimizer_params(model, optimizer, {id(p) for p in model.parameters()}, "measure",
+                               ": over another copy it trains that copy, and these steps nothing")
     out = []
     # A loop that keeps the output holds each step's last one into the next step's forward.
     held: list = [None]
@@ -90,22 +95,6 @@ def measure_steps(
                 keep_output=step.keep_output, held_output=held,
             ), held=held_tensors(held[0]) + step.held_tensors()))
     return out
-
-
-def _check_owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """An optimizer over another copy of the model steps that copy: the measured steps trained
-    nothing (seen: a TrainStep's optimizer built for model A, A's deepcopy measured, the loss
-    unchanged over 3 steps), and its state is not in the peak."""
-    own = {id(p) for p in model.parameters()}
-    held = [p for g in optimizer.param_groups for p in g["params"]]
-    foreign = sum(id(p) not in own for p in held)
-    if foreign:
-        raise ValueError(
-            f"the optimizer holds {foreign} of its {len(held)} parameters that are not this "
-            f"{type(model).__name__}'s: it would train another copy and these steps nothing; build "
-            "it over model.parameters() of the model measured, or give the step the optimizer's "
-            "name (\"adamw\") or class"
-        )
 
 
 def _check_real(model: torch.nn.Module) -> None:
@@ -122,9 +111,6 @@ def _check_real(model: torch.nn.Module) -> None:
 def _optimizer_of(model: torch.nn.Module, optimizer: Any) -> torch.optim.Optimizer:
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
-    from estimators.device import get_device_spec
-    from estimators.estimation import resolve_optimizer
-
     device = next((p.device.type for p in model.parameters()), "cpu")
     params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     return resolve_optimizer(optimizer, params, get_device_spec(device), fake=False)
