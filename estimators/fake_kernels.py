@@ -214,8 +214,7 @@ def _explain(func, args, kwargs, e: Exception) -> str:
                f"{_REAL_MODE_WAY}")
     elif raises is None:
         way = f"if the inputs are right for the model, a fake-mode trace cannot size this op: {_REAL_MODE_WAY}"
-    # (raises False: the real kernel runs them, so only a real-mode trace sizes this op)
-    else:
+    else:  # the real kernel runs them: only a real-mode trace sizes this op
         way = f"a fake-mode trace cannot size this op: {_REAL_MODE_WAY}"
     return (f"torch's fake (meta) kernel for {func} raised {type(e).__name__}: {str(e).splitlines()[0]} "
             f"(arguments: {_describe(args, kwargs)}); {real}. {way}")

@@ -46,7 +46,7 @@ from estimators.step import StepError, TrainStep, ZeroGrad
 from planner.checkpointing import AlreadyCheckpointedError, PlanMismatchError, apply_plan, hf_cache_off
 from planner.gradcheck import GradientCheck, check_gradients
 from planner.measure import MeasuredStep, measure_steps
-from planner.plan import GiB, Plan, PlanFormatError, StepMismatchError
+from planner.plan import TRAIN_MODES, GiB, Plan, PlanFormatError, StepMismatchError
 from planner.report import fmt_bytes, gradient_check_text, steps_vs_prediction
 from planner.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget, unplanned_peak_bytes
 from solver import SolverOptions, min_reachable_peak_bytes
@@ -115,8 +115,7 @@ def _positive_gib(flag: str) -> Callable[[str], float]:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be a positive, finite number of GiB (e.g. 40 or 0.5), got {text!r}") from None
+            value = math.nan  # refused below with the rest
         try:
             return check_budget_gib(value, flag)
         except PlanningError as e:
@@ -175,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", help="adam, adamw, sgd, or none (its state is counted) (default adam; with --plan-in, the plan's)")
     p.add_argument("--micro-batches", type=_positive_int, help="forward/backward passes per optimizer step (gradient accumulation) (default 1; with --plan-in, the plan's)")
     p.add_argument("--autocast", choices=sorted(_AUTOCAST), help="forward and loss under torch.autocast with this dtype (default none; with --plan-in, the plan's)")
-    p.add_argument("--train-mode", choices=sorted(_TRAIN_MODE), help="the modules' training flags in the step: auto (a model left in eval mode trains as model.train() leaves it), train (always model.train()), as_is (the flags as the factory returns them; a loop that trains in eval mode) (default auto; with --plan-in, the plan's)")
+    p.add_argument("--train-mode", choices=sorted(TRAIN_MODES), help="the modules' training flags in the step: auto (a model left in eval mode trains as model.train() leaves it), train (always model.train()), as_is (the flags as the factory returns them; a loop that trains in eval mode) (default auto; with --plan-in, the plan's)")
     p.add_argument("--keep-output", action=argparse.BooleanOptionalAction, help="the training loop holds the model output through backward and the optimizer step (out = model(**batch); out.loss.backward()): count it, e.g. a causal LM's logits (default: the output is dropped once the loss is computed; with --plan-in, the plan's)")
     p.add_argument("--world-size", type=_positive_int, default=1, help="ranks sharing parameters, gradients and optimizer state (FSDP) (default 1)")
     p.add_argument("--reserve-gib", type=_reserve_gib, help="held back from the budget for CUDA context and fragmentation (default: 1 GiB + 5%% of the budget on CUDA targets, 0 on cpu)")
@@ -218,7 +217,6 @@ _STEP_FLAGS = {
     "keep_output": ("--keep-output", False, lambda r: r.keep_output),
     "train_mode": ("--train-mode", "auto", lambda r: r.train_mode),
 }
-_TRAIN_MODE = {"auto": None, "train": True, "as_is": False}
 
 
 def _flag_text(flag: str, value: Any) -> str:
@@ -259,16 +257,12 @@ def _settle_step(args, plan: Plan | None) -> None:
 
 def _step(args, inputs, loss_fn) -> TrainStep:
     try:
-        return _checked_step(args, inputs, loss_fn)
+        step = TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer=_optimizer_arg(args.optimizer),
+                         micro_batches=args.micro_batches, autocast_dtype=_AUTOCAST[args.autocast],
+                         keep_output=args.keep_output, zero_grad=args.zero_grad,
+                         train_mode=TRAIN_MODES[args.train_mode])
     except TypeError as e:  # a loss function that cannot take (output, inputs)
         raise CLIError(f"the loss function: {e}") from e
-
-
-def _checked_step(args, inputs, loss_fn) -> TrainStep:
-    step = TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer=_optimizer_arg(args.optimizer),
-                     micro_batches=args.micro_batches, autocast_dtype=_AUTOCAST[args.autocast],
-                     keep_output=args.keep_output, zero_grad=args.zero_grad,
-                     train_mode=_TRAIN_MODE[args.train_mode])
     try:
         step.check_target(get_device_spec(args.device))
     except ValueError as e:
@@ -329,7 +323,7 @@ def _verify(args, plan: Plan, model, inputs, loss_fn
     # First the same forward + backward with and without the plan, from the same state and seed
     # (the model is left as it was), then real training steps with the plan.
     check = check_gradients(model, plan, inputs, loss_fn=loss_fn, seed=args.seed, keep_output=args.keep_output,
-                            autocast_dtype=_AUTOCAST[args.autocast], train_mode=_TRAIN_MODE[args.train_mode])
+                            autocast_dtype=_AUTOCAST[args.autocast], train_mode=TRAIN_MODES[args.train_mode])
     torch.manual_seed(args.seed)
     # Three steps: the first of a fresh run, then the steady state the plan is made for; the
     # step's optimizer is built over the model's trainable parameters by measure_steps.

@@ -177,7 +177,8 @@ class ModulePlan:
 
 _ZERO_GRADS = ("set_to_none", "zero")
 _AUTOCASTS = ("none", "bfloat16", "float16")
-_TRAIN_MODES = ("auto", "train", "as_is")
+TRAIN_MODES = {"auto": None, "train": True, "as_is": False}
+"""How a plan file (and the CLI's ``--train-mode``) spells ``TrainStep.train_mode``."""
 
 
 def optimizer_name(optimizer: Any) -> str:
@@ -216,7 +217,7 @@ class StepRecord:
     def __post_init__(self) -> None:
         _str("step: optimizer", self.optimizer, nonempty=True)
         object.__setattr__(self, "micro_batches", _int("step: micro_batches", self.micro_batches, low=1))
-        for name, known in (("zero_grad", _ZERO_GRADS), ("autocast", _AUTOCASTS), ("train_mode", _TRAIN_MODES)):
+        for name, known in (("zero_grad", _ZERO_GRADS), ("autocast", _AUTOCASTS), ("train_mode", tuple(TRAIN_MODES))):
             if getattr(self, name) not in known:
                 raise PlanFormatError(f"step: {name} must be one of {', '.join(known)}, got {getattr(self, name)!r}")
         _bool("step: keep_output", self.keep_output)
@@ -228,12 +229,12 @@ class StepRecord:
         return cls(optimizer=optimizer_name(step.optimizer), micro_batches=step.micro_batches,
                    zero_grad=step.zero_grad.value, keep_output=step.keep_output,
                    autocast="none" if dt is None else str(dt).replace("torch.", ""),
-                   train_mode=_TRAIN_MODES[(None, True, False).index(getattr(step, "train_mode", None))])
+                   train_mode=next(k for k, v in TRAIN_MODES.items() if v is getattr(step, "train_mode", None)))
 
     @property
     def train_mode_flag(self) -> bool | None:
         """``train_mode`` as ``TrainStep`` takes it."""
-        return (None, True, False)[_TRAIN_MODES.index(self.train_mode)]
+        return TRAIN_MODES[self.train_mode]
 
     def differences(self, other: "StepRecord") -> tuple[tuple[str, Any, Any], ...]:
         """``(field, this value, other value)`` for every field where the two steps differ."""
