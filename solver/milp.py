@@ -32,8 +32,8 @@ plans that differ by less than the gap tolerance may still resolve by the backen
 the backend runs single-threaded by default so the same input gives the same plan.
 
 Backend: the model is written once into a ``solver.lp_model.LinearModel`` (arrays) and solved
-by HiGHS through highspy directly (one ``passModel`` per solve, integrality tolerance 1e-8,
-see there), or by CBC through PuLP where asked for or where highspy cannot
+by HiGHS through highspy directly (one ``passModel`` per solve, integrality tolerance 1e-8;
+small models are checked by a second solve at 1e-6, see ``LinearModel._solve_highs``), or by CBC through PuLP where asked for or where highspy cannot
 load. A solve changes only the budget row's bound and the objective.
 
 The LP values come back rounded by the backend, so the plan is re-evaluated in exact integers:

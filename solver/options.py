@@ -225,6 +225,8 @@ class _BackendOutcome:
     infeasible: bool
     gap: float | None
     seconds: float
+    stopped: bool = False
+    """Stopped by a limit (time, nodes, interrupt) rather than by a verdict."""
 
 
 _TIGHT_TOL = 1e-9

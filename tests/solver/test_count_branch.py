@@ -69,8 +69,14 @@ def _values(info, frac: float, *, monkeypatch=None, groups=None) -> None:
     if not inside:
         # Never worse. It may be better: at a budget on the smallest reachable peak HiGHS alone
         # may refuse the whole model by tolerance and fall back to the min-peak plan, while a
-        # fixed-count MILP proves a plan of the same peak (seen: 0.05 against 3.83 ms).
-        assert ra.recompute_ms <= rb.recompute_ms + 1e-6 * max(rb.recompute_ms, 1.0), (ra, rb)
+        # fixed-count MILP proves a plan of the same peak (seen: 0.05 against 3.83 ms). The MILP
+        # values are compared: the backend's r = 1 - 5e-8 against r = 1 (equal values,
+        # 0.1500080 ms) rounded to plans 0.15 and 0.2 ms apart on a curve whose last byte costs
+        # 0.05 ms. Where either fell back to its min-peak plan there is nothing to compare: that
+        # plan minimises the peak, and its recompute is whichever min-peak plan the backend met
+        # first (2.03 or 3.03 ms on one stack, depending on the search path).
+        if ra.milp_objective is not None and rb.milp_objective is not None:
+            assert ra.milp_objective <= rb.milp_objective + 1e-6 * max(rb.milp_objective, 1.0), (ra, rb)
     elif counted._counter is not None:
         assert ra.status is SolveStatus.OPTIMAL
         assert counted.solve(budget).decisions == ra.decisions
