@@ -4,8 +4,9 @@
     assert check.equal, check.differing
 
 Both runs start from the same state (parameters, buffers such as BatchNorm statistics, and the
-gradients already there are saved and put back) and the same RNG seed, so dropout draws the same
-masks. The model is left as it was found: same values, same ``.grad``, no plan applied.
+gradients already there are saved and put back) and the same RNG seed (torch's, Python's
+``random`` and numpy's), so dropout draws the same masks. The model is left as it was found: same
+values, same ``.grad``, no plan applied; the RNG streams go on where they were.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from estimators.step import run_step, step_mode
+from planner import host_rng
 from planner.checkpointing import apply_plan
 from planner.plan import Plan
 
@@ -66,7 +68,9 @@ def check_gradients(
         if train_mode != "plan":
             raise ValueError(f"train_mode must be None, True, False or 'plan', got {train_mode!r}")
         train_mode = plan.step.train_mode_flag if plan.step is not None else None
-    with step_mode(model, train_mode):
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    # The user's RNG streams go on where they were: the check seeds every generator twice.
+    with step_mode(model, train_mode), torch.random.fork_rng(devices=devices), host_rng.preserved():
         return _check(model, plan, inputs, loss_fn, seed, keep_output, autocast_dtype)
 
 
@@ -106,7 +110,7 @@ def _check(model: torch.nn.Module, plan: Plan, inputs: Any, loss_fn: Any, seed: 
 def _run(model, inputs, loss_fn, seed, params, keep_output, autocast_dtype) -> tuple[float, dict[str, torch.Tensor | None]]:
     for _, p in params:
         p.grad = None
-    torch.manual_seed(seed)
+    host_rng.seed_all(seed)  # torch's, and Python's / numpy's (Wav2Vec2 masks with np.random)
     loss = run_step(model, inputs, loss_fn, None, keep_output=keep_output, autocast_dtype=autocast_dtype)
     if loss is None:
         raise ValueError("the gradient check needs real tensors (the model is fake or on meta)")

@@ -61,6 +61,7 @@ from torch.utils.checkpoint import (
 )
 
 from planner import offload
+from planner.host_rng import HostRng
 from planner.plan import ModulePlan, op_key
 
 __all__ = ["PlannedForward", "CheckpointDivergenceWarning"]
@@ -205,7 +206,9 @@ class _StateKeeper:
     BatchNorm statistics change once per step, as without a plan, the recompute computes the
     forward's output, and a module nested in a planned one (re-run by the outer recompute) is
     restored the same way. Held between forward and backward: the start values of the buffers
-    the forward mutated, BatchNorm's statistics excepted."""
+    the forward mutated, BatchNorm's statistics excepted, and Python's / numpy's random states
+    where the forward drew from them (:mod:`planner.host_rng`: the recompute replays those
+    draws, as torch's checkpoint does for torch's generators)."""
 
     def __init__(self, module: torch.nn.Module, forward: Callable) -> None:
         self.module = module
@@ -213,6 +216,7 @@ class _StateKeeper:
         self.calls = 0
         self.mutated: list[torch.Tensor] = []
         self.at_forward: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.host_rng = HostRng()
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
@@ -230,7 +234,8 @@ class _StateKeeper:
             unread = _batchnorm_statistics(self.module)
             with _Bookkeeping(), torch.no_grad():
                 start = [None if id(b) in unread else b.detach().clone() for b in bufs]
-            out = self.forward(*args, **kwargs)
+            with self.host_rng.forward():
+                out = self.forward(*args, **kwargs)
             self.mutated = [b for b, v in zip(bufs, versions) if b._version != v or id(b) in quiet]
             self.at_forward = [(b, c) for b, v, c in zip(bufs, versions, start)
                                if c is not None and b._version != v]
@@ -240,7 +245,7 @@ class _StateKeeper:
             for b, value in self.at_forward:
                 b.data.copy_(value)
         try:
-            with offload.recompute_scope():
+            with offload.recompute_scope(), self.host_rng.recompute():
                 return self.forward(*args, **kwargs)
         finally:
             with _Bookkeeping(), torch.no_grad():

@@ -203,6 +203,9 @@ def _budget_values(budgets: Sequence[float], what: str) -> list[int]:
         ok = isinstance(b, numbers.Real) and not isinstance(b, bool)
         if not ok or not math.isfinite(b) or b <= 0:
             raise ValueError(f"every budget must be a positive, finite number of bytes; got {b!r}")
+        if b < 1:
+            raise ValueError(f"budget {b!r} is under one byte: budgets are bytes per rank, not "
+                             "GiB; pass [int(g * 2**30) for g in budgets]")
         out.append(int(math.floor(b)))
     return out
 

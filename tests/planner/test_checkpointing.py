@@ -405,3 +405,61 @@ def test_solve_sac_on_compiled_model_plans_orig_mod_and_leaves_compile_on():
     assert graphs, "compile is off after solve_sac"
     assert torch.equal(out, model(*inputs))
     torch._dynamo.reset()
+
+
+class _HostRandomMask(nn.Module):
+    """Masks its input with draws from numpy and from Python's ``random`` (Wav2Vec2's time
+    masking uses ``np.random``): the draws torch's checkpoint does not replay."""
+
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+
+        keep = torch.from_numpy(np.random.rand(*x.shape[-1:]) > 0.3).to(x.dtype)
+        h = torch.tanh(self.lins[0](x)) * keep
+        h = torch.tanh(self.lins[1](h)) * (0.5 + random.random())
+        return self.lins[2](h)
+
+
+class _HostRandomNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = _HostRandomMask()
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _host_seeded_step(model, x, seed):
+    import random
+
+    import numpy as np
+
+    np.random.seed(seed)
+    random.seed(seed)
+    out = _step(model, (x,))
+    # The step leaves the host streams where an unplanned step leaves them.
+    return out, np.random.rand(), random.random()
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_numpy_and_python_random_draws_are_replayed_in_the_recompute(full):
+    """Before planner/host_rng.py the recompute drew a new mask: gradients of a checkpointed
+    module differed with no warning."""
+    torch.manual_seed(0)
+    ref_model, x = _HostRandomNet(), torch.randn(8, 16)
+    model = copy.deepcopy(ref_model)
+    saved = () if full else (("aten.addmm.default", 0),)
+    mp = ModulePlan(fqn="_HostRandomNet.body", discard_ratio=1.0 if full else 0.5, full=full,
+                    saved_ops=saved)
+    apply_module_plans(model, [mp])
+    for seed in (1, 2):
+        (got, np_next, py_next), (ref, np_ref, py_ref) = (_host_seeded_step(model, x, seed),
+                                                          _host_seeded_step(ref_model, x, seed))
+        _assert_same(got, ref)
+        assert (np_next, py_next) == (np_ref, py_ref)

@@ -104,3 +104,41 @@ def test_a_bf16_plan_is_checked_under_autocast():
     fp32 = float(model.loss_fn(model(*inputs), inputs))
     assert bf16 != fp32 and check.loss_reference == bf16
     assert check_gradients(model, plan, inputs, loss_fn=model.loss_fn, autocast_dtype=None).loss_reference == fp32
+
+
+class _NumpyMasked(nn.Module):
+    """Drops features with a numpy draw (as Wav2Vec2's time masking does) inside module ``a``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x):
+        import numpy as np
+
+        keep = torch.from_numpy(np.random.rand(8) > 0.5).to(x.dtype)
+        return self.b(torch.relu(self.a(x)) * keep)
+
+
+@pytest.mark.parametrize("modules", [(), (ModulePlan(fqn="_NumpyMasked.a", discard_ratio=1.0, full=True),)])
+def test_numpy_draws_are_seeded_and_the_rng_streams_go_on(modules):
+    """The check seeded torch only: with numpy masks, an empty plan was reported as differing.
+    It also re-seeded the user's generators and left them so."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model, x = _NumpyMasked(), torch.randn(4, 8)
+    plan = Plan(
+        modules=modules, model_name="_NumpyMasked", model_fingerprint=model_fingerprint(model),
+        device="cpu", world_size=1, budget_bytes=1, reserve_bytes=0, predicted_peak_bytes=0,
+        solver_peak_bytes=0, baseline_peak_bytes=0, recompute_ms=0.0, baseline_step_ms=0.0,
+    )
+    torch.manual_seed(7), np.random.seed(7), random.seed(7)
+    expected = (torch.rand(1).item(), np.random.rand(), random.random())
+    torch.manual_seed(7), np.random.seed(7), random.seed(7)
+    check = check_gradients(model, plan, (x,))
+    assert check.equal, check.differing
+    assert (torch.rand(1).item(), np.random.rand(), random.random()) == expected

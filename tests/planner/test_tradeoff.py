@@ -268,3 +268,6 @@ def test_budgets_given_in_gib_are_refused_with_the_conversion():
     est = demo_estimate()
     with pytest.raises(ValueError, match=r"bytes per rank, not GiB"):
         tradeoff_curve(est, [4.0, 5.0])
+    # Under a byte each: floored to 0 they were refused as "not in ascending order".
+    with pytest.raises(ValueError, match=r"0.0007 is under one byte: budgets are bytes per rank, not GiB"):
+        tradeoff_curve(_two_module_info(), [0.0007, 0.0009])
