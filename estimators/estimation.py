@@ -50,6 +50,7 @@ import enum
 import inspect
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -57,6 +58,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from estimators import host_rng
 from estimators.aggregate import build_module_info
 from estimators.cuda_rules import CudaSemanticsMode
 from estimators.fake_kernels import FakeKernelError, RealKernelsMode
@@ -75,6 +77,7 @@ __all__ = [
     "Estimate",
     "estimate",
     "TraceError",
+    "HostRandomnessWarning",
     "resolve_optimizer",
     "check_optimizer_params",
     "as_train_step",
@@ -353,6 +356,8 @@ def _trace_step(
         fake_mode, traced, mapping = None, model, {id(p): p for p in model.parameters()}
         step_inputs = step.inputs
     with contextlib.ExitStack() as restore:
+        # The user's `random` / numpy streams go on where they were; what the step drew is noted.
+        draws = restore.enter_context(host_rng.Draws())
         if not fake:
             restore.enter_context(_restored(model))
         groups = _param_groups(model, step.optimizer, mapping)
@@ -402,7 +407,18 @@ def _trace_step(
         del opt, tracer
         if fake:
             _refuse_unsized_workspaces(trace)
+    if draws.drew:
+        warnings.warn(
+            "the traced step drew from Python's `random` or numpy's global RNG. Masks drawn that way "
+            "are replayed and cost what the trace saw; control flow drawn that way (stochastic "
+            "depth or LayerDrop by random.random()) followed the trace's one draw, and steps that "
+            "skip fewer layers can peak higher (30 % measured). Plan such a model with every "
+            "layer running (drop rate 0 while planning).", HostRandomnessWarning, stacklevel=3)
     return trace, got_no_grad
+
+
+class HostRandomnessWarning(UserWarning):
+    """The traced step drew from Python's ``random`` or numpy's global generator."""
 
 
 # Backward ops whose forward keeps a workspace that torch's fake (meta) kernel returns empty: the

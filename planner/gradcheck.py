@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from estimators.step import run_step, step_mode
-from planner import host_rng
+from estimators import host_rng
 from planner.checkpointing import apply_plan
 from planner.plan import Plan
 
@@ -68,8 +68,9 @@ def check_gradients(
         if train_mode != "plan":
             raise ValueError(f"train_mode must be None, True, False or 'plan', got {train_mode!r}")
         train_mode = plan.step.train_mode_flag if plan.step is not None else None
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    # The user's RNG streams go on where they were: the check seeds every generator twice.
+    # The user's RNG streams go on where they were: the check seeds every generator twice
+    # (torch.manual_seed reseeds every CUDA device's, not only the model's).
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with step_mode(model, train_mode), torch.random.fork_rng(devices=devices), host_rng.preserved():
         return _check(model, plan, inputs, loss_fn, seed, keep_output, autocast_dtype)
 

@@ -61,7 +61,7 @@ from torch.utils.checkpoint import (
 )
 
 from planner import offload
-from planner.host_rng import HostRng
+from estimators.host_rng import HostRng
 from planner.plan import ModulePlan, op_key
 
 __all__ = ["PlannedForward", "CheckpointDivergenceWarning"]
@@ -207,7 +207,7 @@ class _StateKeeper:
     forward's output, and a module nested in a planned one (re-run by the outer recompute) is
     restored the same way. Held between forward and backward: the start values of the buffers
     the forward mutated, BatchNorm's statistics excepted, and Python's / numpy's random states
-    where the forward drew from them (:mod:`planner.host_rng`: the recompute replays those
+    where the forward drew from them (:mod:`estimators.host_rng`: the recompute replays those
     draws, as torch's checkpoint does for torch's generators)."""
 
     def __init__(self, module: torch.nn.Module, forward: Callable) -> None:

@@ -46,11 +46,16 @@ graphs."""
 _DEFAULT_TOL = 1e-6
 _CROSS_CHECK_COLS = 600
 """Models up to this many columns (about 200 checkpointable modules) are solved at both
-tolerances (see ``LinearModel._solve_highs``): milliseconds each."""
-_PRIMAL_TOL = 1e-7
-"""HiGHS' primal feasibility tolerance, which both solves keep: a 1e-6 plan's rows must meet it."""
+tolerances (see ``LinearModel._solve_highs``); the second solve costs about what the first did
+(a random 100-module tree: 85-93 -> 142-144 ms a solve)."""
 _ROW_TOL = 1e-9
-"""Row violation a loose re-solve may show and still count (a byte of a MiB is ~1e-6)."""
+"""Row violation ``exact_enough`` allows by default (count branching's integral LPs)."""
+
+
+def _slack(value: float) -> float:
+    """Objective values this close are the same value: two proofs of one optimum differed by
+    1.4e-9 relative (8.500006297 and 8.500006309 ms), the rows' 1e-8 tolerance at work."""
+    return 1e-7 * max(1.0, abs(value))
 
 
 @functools.cache
@@ -213,48 +218,56 @@ class LinearModel:
         return self._lp
 
     def _solve_highs(self, options: SolverOptions, rel_gap: float) -> LpSolution:
-        """Solve at ``_INT_TOL``, and check the answer with a solve at HiGHS' own tolerance
-        (1e-6) where that is cheap or the first answer is "infeasible".
+        """Solve at ``_INT_TOL``; check the answer with a solve at HiGHS' own tolerance (1e-6)
+        where the model is small or the first solve found no plan, and with a third solve where
+        the two contradict each other.
 
         Why: HiGHS 1.16 answers some small models wrongly at either tolerance, each time right
         at the other (tests/solver/data/highs_presolve_stacks.json). At 1e-8: plain
         "infeasible" and 2.1161 ms where 1.8817 ms is optimal, 3.0258 ms "optimal" against
         2.6508 ms, "infeasible" while holding an 8.5 ms plan. At 1e-6 (which 1e-8 replaced
-        because its integrality slack, y = 1e-6 discarding 1e-6 of a module at 1e-6 of its
-        cost, decided optima at the smallest reachable peak): 7.55 ms "optimal" against 7.50 ms
-        and "infeasible" where 0.5 ms is optimal. No single setting answered all (the light
+        because its slack, y = 1e-6 discarding 1e-6 of a module at 1e-6 of its cost, decided
+        optima at the smallest reachable peak): 7.55 ms "optimal" against 7.50 ms and
+        "infeasible" where 0.5 ms is optimal. No single setting answered all (the light
         presolve did, but takes 70 s and fails on random trees of test_count_branch.py).
 
-        The 1e-6 model contains the 1e-8 one, so its plan counts where its integer columns
-        meet ``_INT_TOL`` and its rows ``_PRIMAL_TOL``, and then a lower value proves the 1e-8
-        answer wrong. Where the two contradict, or the 1e-8 solve neither proves nor refutes,
-        a small model is solved a third time at 1e-8 with the light presolve (without presolve
-        if that gives no verdict), and the best plan found wins. Models over
-        ``_CROSS_CHECK_COLS`` columns keep one solve unless it finds no plan."""
+        HiGHS holds a MIP's rows and integrality to ``mip_feasibility_tolerance``, so the 1e-6
+        model contains the 1e-8 one: a 1e-6 plan that meets 1e-8 in its integer columns and
+        rows is a plan of the 1e-8 model, and if it beats the 1e-8 solve's lower bound, that
+        "optimal" was wrong. A contradiction (that, a 1e-8 "infeasible" beside any 1e-6 plan,
+        or a 1e-8 solve that neither proves nor refutes) gets a third solve at 1e-8 with the
+        light presolve (without presolve if that gives no verdict). The lowest plan of the
+        1e-8 model found wins; it counts as proven if it is, or if it equals the third
+        solve's proven value. Models over ``_CROSS_CHECK_COLS`` columns keep one solve unless
+        it finds no plan."""
         tight = self._run_highs(options, rel_gap, _INT_TOL)
         t_out = tight.outcome
         small = self.n_cols <= _CROSS_CHECK_COLS
         if (t_out.has_solution and not small) or (t_out.stopped and not t_out.has_solution):
             return tight  # big and solved; or out of time, with no time left to solve again
         found = [tight] if t_out.has_solution else []
+        # The 1e-8 solve's lower bound: a 1e-6 plan above it (within rel_gap) is no contradiction.
+        bound = (tight.objective - max(t_out.gap or 0.0, 0.0) * abs(tight.objective)
+                 - _slack(tight.objective)) if t_out.proven else None
         seconds = t_out.seconds
         loose = self._run_highs(self._remaining(options, seconds), rel_gap, _DEFAULT_TOL,
-                                cutoff=tight.objective if t_out.proven else None)
-        seconds += loose.outcome.seconds
-        if loose.outcome.has_solution and self.exact_enough(loose.values, _INT_TOL, _PRIMAL_TOL):
+                                cutoff=bound, write=False)
+        l_out = loose.outcome
+        seconds += l_out.seconds
+        if l_out.has_solution and self.exact_enough(loose.values, _INT_TOL, _INT_TOL):
             found.append(loose)
-        z = min((sol.objective for sol in found if sol is not tight), default=None)
-        if t_out.proven:
-            settled = z is None or z >= tight.objective - 1e-9 * max(1.0, abs(tight.objective))
-        else:  # "infeasible" stands if the 1e-6 solve found no plan of the 1e-8 model
-            settled = t_out.infeasible and z is None
+        if t_out.proven:  # any 1e-6 plan under the bound is a contradiction (its slack or not)
+            settled = not l_out.has_solution or loose.objective >= bound
+        else:  # "infeasible" stands where the 1e-6 solve, with its slack, finds no plan either
+            settled = t_out.infeasible and not l_out.has_solution
         referee = None
         if not settled and small:
             for presolve in ("light", "off"):
                 referee = self._run_highs(self._remaining(options, seconds), rel_gap, _INT_TOL,
-                                          presolve=presolve)
+                                          presolve=presolve, write=False)
                 seconds += referee.outcome.seconds
-                if referee.outcome.has_solution or referee.outcome.infeasible or referee.outcome.stopped:
+                r_out = referee.outcome
+                if r_out.has_solution or r_out.infeasible or r_out.stopped:
                     break
             logger.debug("HiGHS: %s at %g, %s at %g; %s presolve: %s", tight.objective, _INT_TOL,
                          loose.objective, _DEFAULT_TOL, presolve, referee.objective)
@@ -263,13 +276,13 @@ class LinearModel:
         if found:
             best = min(found, key=lambda sol: sol.objective)
             if (not best.outcome.proven and referee is not None and referee.outcome.proven
-                    and best.objective <= referee.objective + 1e-9 * max(1.0, abs(referee.objective))):
-                best = referee  # its equal, proven
-        elif t_out.infeasible or loose.outcome.infeasible:
+                    and abs(best.objective - referee.objective) <= _slack(referee.objective)):
+                best = referee  # the same value, proven
+        elif t_out.infeasible or l_out.infeasible:
             # No plan of the 1e-8 model: "infeasible" holds for it (a plan only the 1e-6 slack
             # allows is no plan).
             best = tight if t_out.infeasible else loose
-        elif loose.outcome.has_solution:
+        elif l_out.has_solution:
             # No verdict at 1e-8 (numerical trouble, seen once on a random graph): the 1e-6 plan,
             # which the caller evaluates exactly and repairs, rather than a timeout that did not
             # happen.
@@ -285,12 +298,12 @@ class LinearModel:
         return dataclasses.replace(options, time_limit_s=max(1e-3, options.time_limit_s - spent_s))
 
     def _run_highs(self, options: SolverOptions, rel_gap: float, tol: float,
-                   presolve: str = "full", cutoff: float | None = None) -> LpSolution:
+                   presolve: str = "full", cutoff: float | None = None, write: bool = True) -> LpSolution:
         import highspy
 
         h = _new_highs(options)
-        if cutoff is not None:  # only strictly better plans are of interest
-            h.setOptionValue("objective_bound", cutoff - 1e-9 * max(1.0, abs(cutoff)))
+        if cutoff is not None:  # only plans below it are of interest
+            h.setOptionValue("objective_bound", float(cutoff))
         if presolve == "light":
             h.setOptionValue("presolve_mode", 2)
         elif presolve == "off":
@@ -312,12 +325,13 @@ class LinearModel:
                        "about 1.5x slower (highspy 1.16 measured)")
         if rel_gap == 0:  # HiGHS stops 1e-6 short by default: tie-break-sized optima differ
             h.setOptionValue("mip_abs_gap", 0.0)
-        # The primal (row) tolerance stays at its default (1e-7) at either integrality tolerance.
+        # HiGHS' MIP solver holds rows to this tolerance too (its LPs take it as their primal
+        # feasibility tolerance, and solutions are checked against it).
         h.setOptionValue("mip_feasibility_tolerance", tol)
         if options.time_limit_s is not None:
             h.setOptionValue("time_limit", float(options.time_limit_s))
         h.passModel(self._highs_lp())
-        if options.write_lp_path is not None:
+        if write and options.write_lp_path is not None:
             h.writeModel(str(options.write_lp_path))
         t0 = time.perf_counter()
         h.run()

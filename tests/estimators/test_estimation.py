@@ -356,3 +356,46 @@ def test_held_refuses_the_models_own_tensors():
     for bad in (model, next(model.parameters())[0]):
         with pytest.raises(ValueError, match="held holds the model's own .* EMA copy"):
             estimate(model, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn, held=bad))
+
+
+class _StochasticDepth(torch.nn.Module):
+    """Skips each residual layer when Python's ``random`` says so (timm-style drop path by hand)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        import random
+
+        for layer in self.layers:
+            if random.random() >= 0.5:
+                x = x + torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("mode", [TraceMode.FAKE, TraceMode.REAL])
+def test_host_random_draws_warn_and_leave_the_users_streams(mode):
+    """A trace follows one draw of random-driven control flow (a trial measured steps 30 % over
+    such a plan, unwarned): it now warns, and the user's `random` stream goes on where it was."""
+    import random
+
+    from estimators.estimation import HostRandomnessWarning
+
+    model, x = _StochasticDepth(), torch.randn(8, 16)
+    random.seed(3)
+    expected = random.random()
+    random.seed(3)
+    with pytest.warns(HostRandomnessWarning, match="stochastic depth"):
+        estimate(model, inputs=(x,), options=EstimateOptions(mode=mode))
+    assert random.random() == expected
+
+
+def test_no_host_draws_no_warning():
+    import warnings
+
+    from estimators.estimation import HostRandomnessWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HostRandomnessWarning)
+        estimate(torch.nn.Linear(4, 4), inputs=(torch.randn(2, 4),))

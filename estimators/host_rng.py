@@ -1,0 +1,127 @@
+"""Python's and numpy's global random states, which torch's RNG handling does not cover.
+
+torch's checkpoint replays torch's generators in a recompute (``preserve_rng_state``); a module
+that draws from ``random`` or ``numpy.random`` (Wav2Vec2's time masking uses ``np.random``) drew
+a second, different mask in the recompute: every gradient of a checkpointed Wav2Vec2 differed
+(up to 0.52) with no warning. ``PlannedForward`` keeps these states from the forward for the
+recompute with :class:`HostRng`; ``check_gradients`` seeds them with :func:`seed_all`; the trace
+puts them back after its step and warns where the step drew from them (:class:`Draws`).
+
+numpy's global generator is read with ``get_state(legacy=False)``, which also works after
+``np.random.set_bit_generator`` (the legacy tuple form is MT19937-only). Not covered:
+``numpy.random.Generator`` and ``random.Random`` objects a model owns (its own state, as torch's
+own generators objects are not covered by torch's checkpoint either), the compiled path (a
+compiled forward's recompute is torch's), and draws other threads make while a recompute has
+set the states back (torch's ``fork_rng`` has the same limit). Cost: reading and comparing the
+states costs 25-90 us per checkpointed forward on this 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["Draws", "HostRng", "get_state", "set_state", "same", "seed_all", "preserved"]
+
+State = tuple[Any, Any]
+
+
+def _numpy_random() -> Any:
+    np = sys.modules.get("numpy")  # torch imports numpy where it is installed
+    return getattr(np, "random", None) if np is not None else None
+
+
+def get_state() -> State:
+    """(``random``'s state, ``numpy.random``'s global state as a dict, or None)."""
+    npr = _numpy_random()
+    return random.getstate(), (npr.get_state(legacy=False) if npr is not None else None)
+
+
+def set_state(state: State) -> None:
+    py, np_state = state
+    random.setstate(py)
+    npr = _numpy_random()
+    if np_state is not None and npr is not None:
+        npr.set_state(np_state)
+
+
+def same(a: State, b: State) -> bool:
+    """The two states would give the same draws."""
+    return a[0] == b[0] and _equal(a[1], b[1])
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if type(a).__module__ == "numpy" or type(b).__module__ == "numpy":
+        import numpy as np
+
+        return bool(np.array_equal(a, b))
+    return a == b
+
+
+def seed_all(seed: int) -> None:
+    """``torch.manual_seed`` plus ``random.seed`` and, where numpy is loaded, ``np.random.seed``."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    npr = _numpy_random()
+    if npr is not None:
+        npr.seed(seed % 2**32)
+
+
+@contextlib.contextmanager
+def preserved() -> Iterator[None]:
+    """The host states as they were on entry, however the block ends."""
+    state = get_state()
+    try:
+        yield
+    finally:
+        set_state(state)
+
+
+class HostRng:
+    """The host states a checkpointed forward started from, kept only if it drew from them."""
+
+    __slots__ = ("start",)
+
+    def __init__(self) -> None:
+        self.start: State | None = None
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        before = get_state()
+        yield
+        # Most modules draw nothing on the host: keep nothing (``random``'s state is ~24 KB).
+        self.start = None if same(before, get_state()) else before
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        """Replay the forward's draws, then leave the host states as the recompute found them
+        (what torch's checkpoint does for torch's generators)."""
+        if self.start is None:
+            yield
+            return
+        with preserved():
+            set_state(self.start)
+            yield
+
+
+class Draws:
+    """``with Draws() as d:`` ... then ``d.drew``: whether the block drew from the host
+    generators; their states are put back either way."""
+
+    def __init__(self) -> None:
+        self.drew = False
+        self._start: State | None = None
+
+    def __enter__(self) -> "Draws":
+        self._start = get_state()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.drew = not same(self._start, get_state())
+        set_state(self._start)
