@@ -477,8 +477,9 @@ class SACMilp:
         min_peak, plan = self._solve_min_peak()
         if min_peak > budget:
             raise InfeasibleBudgetError(budget, min_peak, self.world_size)
-        logger.warning("budget %d is within rounding of the smallest reachable peak; "
-                       "returning the min-peak plan", budget)
+        logger.warning("no plan from the backend at budget %d, which is within its tolerance of the "
+                       "smallest reachable peak (%d) or of the unplanned peak (%d); returning the "
+                       "min-peak plan", budget, min_peak, self.no_ac_peak_bytes)
         return self._result(plan, budget, SolveStatus.FEASIBLE, None, t0)
 
     def _repair(self, plan: dict[str, int], budget: int) -> tuple[dict[str, int], int]:
