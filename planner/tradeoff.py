@@ -226,11 +226,15 @@ def _check_budgets(budgets: Sequence[float]) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- the sweep
-def _module_info(model_or_info: Any, inputs, loss_fn, optimizer, device, step=None) -> ModuleInfo:
+def _module_info(model_or_info: Any, inputs, loss_fn, optimizer, device, step=None,
+                 estimate_options=None) -> ModuleInfo:
     """A ModuleInfo as is, an Estimate's, or one traced from a model (once)."""
     from estimators.estimation import Estimate
     from estimators.module_info import ModuleInfo
 
+    if estimate_options is not None and isinstance(model_or_info, (ModuleInfo, Estimate)):
+        raise ValueError("estimate_options says how to trace a model; this sweep was given a "
+                         f"{type(model_or_info).__name__}, traced already: leave estimate_options out")
     if isinstance(model_or_info, ModuleInfo):
         return model_or_info
     if isinstance(model_or_info, Estimate):
@@ -238,11 +242,12 @@ def _module_info(model_or_info: Any, inputs, loss_fn, optimizer, device, step=No
     import torch
 
     if isinstance(model_or_info, torch.nn.Module):
-        from estimators.estimation import estimate
+        from estimators.estimation import EstimateOptions, estimate
         from planner.checkpointing import hf_cache_off
 
         with hf_cache_off(model_or_info):  # trace the step as it runs once a plan is applied
-            est = estimate(model_or_info, inputs, step=step, loss_fn=loss_fn, optimizer=optimizer, device=device)
+            est = estimate(model_or_info, inputs, step=step, loss_fn=loss_fn, optimizer=optimizer,
+                           device=device, options=estimate_options or EstimateOptions())
         return est.module_info
     raise TypeError(
         "tradeoff_curve needs a torch.nn.Module, an estimators Estimate or a ModuleInfo; got "
@@ -288,6 +293,7 @@ def tradeoff_curve(
     n_points: int = 20,
     extra_budgets: Sequence[float] = (),
     solver_options: SolverOptions | None = None,
+    estimate_options: Any = None,
 ) -> TradeoffTable:
     """Solve the planner at every budget and return the budget -> recompute trade-off.
 
@@ -299,6 +305,8 @@ def tradeoff_curve(
     (``"timeout"``). ``extra_budgets`` (any order, duplicates dropped) are merged into the grid,
     e.g. the baselines' peaks, so that each baseline has a planner point at exactly its peak.
     Large models want ``SolverOptions(time_limit_s=...)``: every point pays up to that limit.
+    ``estimate_options``: how a model is traced (``EstimateOptions``, as for ``solve_sac``), e.g.
+    ``EstimateOptions(mode=TraceMode.REAL)`` for a model whose fake trace is refused.
 
     Example::
 
@@ -309,7 +317,7 @@ def tradeoff_curve(
     if checked is None:
         _check_n_points(n_points)  # before the trace and the min-peak solve
     extra = _budget_values(extra_budgets, "extra_budgets")
-    info = _module_info(model_or_module_info, inputs, loss_fn, optimizer, device, step)
+    info = _module_info(model_or_module_info, inputs, loss_fn, optimizer, device, step, estimate_options)
     t0 = time.perf_counter()
     milp = SACMilp(info, world_size=world_size, options=solver_options)
     min_peak = milp.min_reachable_peak_bytes()

@@ -271,3 +271,22 @@ def test_budgets_given_in_gib_are_refused_with_the_conversion():
     # Under a byte each: floored to 0 they were refused as "not in ascending order".
     with pytest.raises(ValueError, match=r"0.0007 is under one byte: budgets are bytes per rank, not GiB"):
         tradeoff_curve(_two_module_info(), [0.0007, 0.0009])
+
+
+def test_estimate_options_trace_the_model_as_asked():
+    """A model whose fake trace is refused (an LSTM) had to be traced by hand before the sweep."""
+    import torch
+
+    from estimators.estimation import EstimateOptions, TraceError, TraceMode
+    from tests.estimators.test_estimation import _LSTMNet
+
+    torch.manual_seed(0)
+    model, x = _LSTMNet(), torch.randn(4, 12, 8)
+    with pytest.raises(TraceError, match="TraceMode.REAL"):
+        tradeoff_curve(model, inputs=(x,), n_points=2)
+    real = EstimateOptions(mode=TraceMode.REAL)
+    table = tradeoff_curve(model, inputs=(x,), n_points=2, estimate_options=real)
+    traced = estimate(model, (x,), options=real)
+    assert table.no_ac_peak_bytes == traced.steady_peak_bytes
+    with pytest.raises(ValueError, match="leave estimate_options out"):
+        tradeoff_curve(traced, estimate_options=real)
