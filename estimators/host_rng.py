@@ -36,9 +36,11 @@ def _numpy_random() -> Any:
 
 
 def get_state() -> State:
-    """(``random``'s state, ``numpy.random``'s global state as a dict, or None)."""
+    """(``random``'s state, (numpy's global bit generator, its state as a dict) or None)."""
     npr = _numpy_random()
-    return random.getstate(), (npr.get_state(legacy=False) if npr is not None else None)
+    if npr is None:
+        return random.getstate(), None
+    return random.getstate(), (npr.get_bit_generator(), npr.get_state(legacy=False))
 
 
 def set_state(state: State) -> None:
@@ -46,12 +48,17 @@ def set_state(state: State) -> None:
     random.setstate(py)
     npr = _numpy_random()
     if np_state is not None and npr is not None:
-        npr.set_state(np_state)
+        generator, values = np_state
+        if npr.get_bit_generator() is not generator:  # the block replaced it (set_bit_generator)
+            npr.set_bit_generator(generator)
+        npr.set_state(values)
 
 
 def same(a: State, b: State) -> bool:
     """The two states would give the same draws."""
-    return a[0] == b[0] and _equal(a[1], b[1])
+    if a[0] != b[0] or (a[1] is None) != (b[1] is None):
+        return False
+    return a[1] is None or (a[1][0] is b[1][0] and _equal(a[1][1], b[1][1]))
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -238,13 +238,14 @@ class LinearModel:
         or a 1e-8 solve that neither proves nor refutes) gets a third solve at 1e-8 with the
         light presolve (without presolve if that gives no verdict). The lowest plan of the
         1e-8 model found wins; it counts as proven if it is, or if it equals the third
-        solve's proven value. Models over ``_CROSS_CHECK_COLS`` columns keep one solve unless
-        it finds no plan."""
+        solve's proven value. A contradiction the third solve cannot decide (out of time, no
+        plan) leaves the 1e-8 answer as it was. Models over ``_CROSS_CHECK_COLS`` columns keep
+        one solve unless it finds no plan; a solve the time limit stopped is returned as it is."""
         tight = self._run_highs(options, rel_gap, _INT_TOL)
         t_out = tight.outcome
         small = self.n_cols <= _CROSS_CHECK_COLS
-        if (t_out.has_solution and not small) or (t_out.stopped and not t_out.has_solution):
-            return tight  # big and solved; or out of time, with no time left to solve again
+        if (t_out.has_solution and not small) or t_out.stopped:
+            return tight  # big and solved; or out of time, with no time left to check it
         found = [tight] if t_out.has_solution else []
         # The 1e-8 solve's lower bound: a 1e-6 plan above it (within rel_gap) is no contradiction.
         bound = (tight.objective - max(t_out.gap or 0.0, 0.0) * abs(tight.objective)
@@ -274,7 +275,8 @@ class LinearModel:
             if referee.outcome.has_solution:
                 found.append(referee)
         if found:
-            best = min(found, key=lambda sol: sol.objective)
+            # Equal values: the proven plan (a 1e-6 proof covers the 1e-8 model, see above).
+            best = min(found, key=lambda sol: (sol.objective, not sol.outcome.proven))
             if (not best.outcome.proven and referee is not None and referee.outcome.proven
                     and abs(best.objective - referee.objective) <= _slack(referee.objective)):
                 best = referee  # the same value, proven

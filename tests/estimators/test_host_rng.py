@@ -47,3 +47,16 @@ def test_a_replaced_numpy_bit_generator_is_handled(numpy_generator_back):
         with rng.recompute():
             assert np.random.rand() == x  # the forward's draw, replayed
         assert host_rng.same(host_rng.get_state(), after)  # and the stream where it was
+
+
+def test_a_bit_generator_replaced_inside_the_block_is_put_back(numpy_generator_back):
+    """Restoring a PCG64 state into the block's new generator raised ValueError (and, in
+    ``Draws.__exit__``, replaced the step's own exception)."""
+    np.random.set_bit_generator(np.random.PCG64(1))
+    first = np.random.rand()
+    np.random.set_bit_generator(np.random.PCG64(1))
+    with host_rng.Draws() as d:
+        np.random.set_bit_generator(np.random.MT19937(2))
+        np.random.rand()
+    assert d.drew
+    assert np.random.rand() == first

@@ -201,6 +201,7 @@ def _planning_worker(rank: int, tmp: str, budget_gib: float) -> None:
 
     from examples import EXAMPLES
     from planner import solve_sac_distributed
+    from tests.planner.spawned import leave_rank
 
     store = dist.FileStore(str(Path(tmp) / "store"), 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
@@ -210,7 +211,7 @@ def _planning_worker(rank: int, tmp: str, budget_gib: float) -> None:
                                  fsdp_units=_SPAWN_UNITS)
     (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(plan.to_dict()))
     dist.barrier()  # neither rank tears gloo down while the other may still use the connection
-    dist.destroy_process_group()
+    leave_rank()  # destroys the group; see tests/planner/spawned.py
 
 
 def test_solve_sac_counts_fsdp_like_solve_sac_distributed(tmp_path):
