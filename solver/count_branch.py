@@ -40,15 +40,15 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from solver.lp_model import GE, LinearModel, LpSolution
-from solver.options import SolverOptions, _BackendOutcome
+from solver.options import SolverOptions, _BackendOutcome, options_until
 
-__all__ = ["CountBrancher", "kind_groups", "options_until"]
+__all__ = ["CountBrancher", "kind_groups"]
 
 logger = logging.getLogger(__name__)
 
@@ -202,13 +202,6 @@ class CountBrancher:
         # bound up to ~4e-8 relative below (its tolerances; seen on random stacks of blocks).
         proven = gap is not None and (gap <= rel_gap + _PROOF_SLACK or not (stopped or unsettled))
         return LpSolution(_BackendOutcome(True, proven, False, gap, seconds), best.values, best.objective)
-
-
-def options_until(options: SolverOptions, deadline: float | None) -> SolverOptions:
-    """``options`` with the time limit left until ``deadline`` (perf_counter; None: unchanged)."""
-    if deadline is None:
-        return options
-    return replace(options, time_limit_s=max(0.05, deadline - time.perf_counter()))
 
 
 def _with(box: _Box, g: int, lo: int, hi: int) -> _Box:

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from solver.options import Backend, SolverOptions, _BackendOutcome, run_backend
+from solver.options import Backend, SolverOptions, _BackendOutcome, options_until, run_backend
 
 __all__ = ["LinearModel", "LE", "GE", "EQ", "LpSolution"]
 
@@ -241,6 +241,8 @@ class LinearModel:
         solve's proven value. A contradiction the third solve cannot decide (out of time, no
         plan) leaves the 1e-8 answer as it was. Models over ``_CROSS_CHECK_COLS`` columns keep
         one solve unless it finds no plan; a solve the time limit stopped is returned as it is."""
+        limit = options.time_limit_s
+        deadline = None if limit is None else time.perf_counter() + limit
         tight = self._run_highs(options, rel_gap, _INT_TOL)
         t_out = tight.outcome
         small = self.n_cols <= _CROSS_CHECK_COLS
@@ -251,7 +253,7 @@ class LinearModel:
         bound = (tight.objective - max(t_out.gap or 0.0, 0.0) * abs(tight.objective)
                  - _slack(tight.objective)) if t_out.proven else None
         seconds = t_out.seconds
-        loose = self._run_highs(self._remaining(options, seconds), rel_gap, _DEFAULT_TOL,
+        loose = self._run_highs(options_until(options, deadline), rel_gap, _DEFAULT_TOL,
                                 cutoff=bound, write=False)
         l_out = loose.outcome
         seconds += l_out.seconds
@@ -264,7 +266,7 @@ class LinearModel:
         referee = None
         if not settled and small:
             for presolve in ("light", "off"):
-                referee = self._run_highs(self._remaining(options, seconds), rel_gap, _INT_TOL,
+                referee = self._run_highs(options_until(options, deadline), rel_gap, _INT_TOL,
                                           presolve=presolve, write=False)
                 seconds += referee.outcome.seconds
                 r_out = referee.outcome
@@ -292,12 +294,6 @@ class LinearModel:
         else:
             best = tight
         return dataclasses.replace(best, outcome=dataclasses.replace(best.outcome, seconds=seconds))
-
-    @staticmethod
-    def _remaining(options: SolverOptions, spent_s: float) -> SolverOptions:
-        if options.time_limit_s is None:
-            return options
-        return dataclasses.replace(options, time_limit_s=max(1e-3, options.time_limit_s - spent_s))
 
     def _run_highs(self, options: SolverOptions, rel_gap: float, tol: float,
                    presolve: str = "full", cutoff: float | None = None, write: bool = True) -> LpSolution:

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from estimators.module_info import lower_hull_segments
-from solver.count_branch import CountBrancher, kind_groups, options_until
+from solver.count_branch import CountBrancher, kind_groups
 from solver.errors import InfeasibleBudgetError, SolverTimeoutError
 from solver.graph import Graph, Node
 from solver.lp_model import EQ, GE, LE, LinearModel
@@ -69,7 +69,7 @@ from solver.plan_cost import (
     predict_peak_bytes,
     unknown_module_error,
 )
-from solver.options import Backend, SolveResult, SolverOptions, SolveStatus
+from solver.options import Backend, SolveResult, SolverOptions, SolveStatus, options_until
 
 if TYPE_CHECKING:
     from estimators.module_info import ModStats, ModuleInfo

@@ -15,7 +15,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -315,3 +315,10 @@ def run_backend(prob: "pulp.LpProblem", options: SolverOptions, *, rel_gap: floa
     logger.debug("backend %s: status=%s sol_status=%s gap=%s in %.3fs",
                  options.backend.value, prob.status, sol, gap, seconds)
     return _BackendOutcome(has_solution, proven, infeasible and not has_solution, gap, seconds)
+
+
+def options_until(options: SolverOptions, deadline: float | None) -> SolverOptions:
+    """``options`` with the time limit left until ``deadline`` (perf_counter; None: unchanged)."""
+    if deadline is None:
+        return options
+    return replace(options, time_limit_s=max(0.05, deadline - time.perf_counter()))
