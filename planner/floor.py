@@ -106,7 +106,12 @@ def peak_breakdown(est: Estimate, *, world_size: int = 1) -> PeakBreakdown:
     )
 
 
-_LOSS_OPS = ("log_softmax", "nll_loss", "cross_entropy", "softmax")
+_LOSS_OPS = ("log_softmax", "nll_loss", "cross_entropy")
+"""Ops of a classification loss over a vocabulary. Not a bare softmax: attention's made the hint
+appear for every attention model whose peak sits in a block."""
+_NOT_CHUNKABLE = ("ctc_loss",)
+"""Losses over the whole sequence at once: chunking them by position is no remedy (Wav2Vec2's CTC
+log_softmax got the chunked cross-entropy hint)."""
 
 
 def lowering_hints(b: PeakBreakdown, *, top: int = 3) -> tuple[str, ...]:
@@ -121,7 +126,8 @@ def lowering_hints(b: PeakBreakdown, *, top: int = 3) -> tuple[str, ...]:
     acts = [c for c in big if c.module]
     if acts:
         hints.append("a smaller batch or sequence length (activations and temporaries scale with both)")
-    if any(any(k in op for op, _ in c.top_ops for k in _LOSS_OPS) for c in acts):
+    ops = [op for c in acts for op, _ in c.top_ops]
+    if any(k in op for op in ops for k in _LOSS_OPS) and not any(k in op for op in ops for k in _NOT_CHUNKABLE):
         hints.append("computing the loss in chunks of the sequence (chunked cross-entropy), so the "
                      "full-vocabulary logits and their softmax are never all alive at once")
     if any(c.what == "inputs" for c in big):

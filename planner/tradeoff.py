@@ -122,7 +122,9 @@ class TradeoffTable:
     step_ms: float
     """Step time without checkpointing (forward + backward + optimizer), in ms."""
     no_ac_peak_bytes: int
-    """Per-rank peak without checkpointing."""
+    """Per-rank peak without checkpointing, of the step as it runs under a plan: for an HF model
+    with ``use_cache`` on, traced with the cache off (``solve_sac``'s plan notes give the cache-on
+    figure too, one more trace; on a tiny Mistral under bf16 it was about 9 KB higher)."""
     min_reachable_peak_bytes: int
     """Smallest per-rank peak any plan reaches: the smallest feasible budget."""
     world_size: int

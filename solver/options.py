@@ -208,8 +208,10 @@ class SolveResult:
     budget_bytes: int
     world_size: int
     milp_objective: float | None = None
-    """The backend's objective value (recompute ms on the convex envelopes of the curves, plus
-    the tie-break), before the ratios are rounded to bytes; None without a backend solve."""
+    """The MILP's objective for the backend's plan (recompute ms on the convex envelopes of the
+    curves, plus the tie-break), before the ratios are rounded to bytes, with the slack the
+    backend's tolerances leave in its epigraph columns removed (``SACMilp.objective_of``);
+    None without a backend solve."""
     backend: Backend = Backend.HIGHS
     n_variables: int = 0
     """Size of the MILP built for this ModuleInfo (0 when nothing can be checkpointed)."""

@@ -105,3 +105,24 @@ def test_stated_smallest_budget_verifies_when_traces_overshoot_the_milp(monkeypa
     plan = plan_for_budget(model, est, need, **kw)
     assert plan.predicted_peak_bytes <= need
     assert any("using the min-peak plan" in n for n in plan.notes)  # the fallback ran
+
+
+def _breakdown(*ops: tuple[str, str, int]):
+    """A peak of activations made in the given (module, op, bytes)."""
+    from planner.floor import PeakBreakdown, PeakContributor
+
+    contributors = tuple(PeakContributor(what=f"activations and temporaries made in {m}", memory_bytes=n,
+                                         module=m, top_ops=((op, n),)) for m, op, n in ops)
+    return PeakBreakdown(peak_bytes=sum(n for _, _, n in ops), op="aten.mm.default", phase="forward",
+                         module="", contributors=contributors)
+
+
+def test_chunked_loss_hint_only_for_a_classification_loss():
+    loss = _breakdown(("M.head", "aten.mm.default", 8), ("(outside every module)", "aten._log_softmax.default", 8))
+    assert any("chunk" in h for h in lowering_hints(loss))
+    # Attention's softmax is no loss; a CTC loss over the sequence cannot be chunked by position.
+    attention = _breakdown(("M.blocks.0.attn", "aten._softmax.default", 8))
+    ctc = _breakdown(("M", "aten._log_softmax.default", 8), ("M", "aten._ctc_loss.default", 4))
+    for b in (attention, ctc):
+        hints = lowering_hints(b)
+        assert hints and not any("chunk" in h for h in hints), hints
