@@ -208,12 +208,14 @@ class _StateKeeper:
     restored the same way. Held between forward and backward: the start values of the buffers
     the forward mutated, BatchNorm's statistics excepted, and Python's / numpy's random states
     where the forward drew from them (:mod:`estimators.host_rng`: the recompute replays those
-    draws, as torch's checkpoint does for torch's generators)."""
+    draws, as torch's checkpoint does for torch's generators). And which positional arguments
+    were one tensor (``_same_tensor_links``): the recompute gets them as it got them."""
 
     def __init__(self, module: torch.nn.Module, forward: Callable) -> None:
         self.module = module
         self.forward = forward
         self.calls = 0
+        self.links: list[tuple[int, int | str]] = []
         self.mutated: list[torch.Tensor] = []
         self.at_forward: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_rng = HostRng()
@@ -223,6 +225,7 @@ class _StateKeeper:
         if torch.compiler.is_compiling():
             return self.forward(*args, **kwargs)  # the compiled graph replays state ops itself
         if self.calls == 1:
+            self.links = _same_tensor_links(args, kwargs)
             bufs = list(self.module.buffers())
             versions = [b._version for b in bufs]
             quiet = _silently_mutated(self.module)
@@ -240,6 +243,10 @@ class _StateKeeper:
             self.at_forward = [(b, c) for b, v, c in zip(bufs, versions, start)
                                if c is not None and b._version != v]
             return out
+        if self.links:
+            args = list(args)
+            for i, src in self.links:
+                args[i] = kwargs[src] if isinstance(src, str) else args[src]
         with _Bookkeeping(), torch.no_grad():
             before = [(b, b.detach().clone()) for b in self.mutated]
             for b, value in self.at_forward:
@@ -252,6 +259,24 @@ class _StateKeeper:
                 for b, value in before:
                     # Through .data: no version bump, so tensors the recompute saved stay valid.
                     b.data.copy_(value)
+
+
+def _same_tensor_links(args: tuple, kwargs: dict) -> list[tuple[int, int | str]]:
+    """(position, first position or keyword of the same tensor object) for every positional
+    tensor argument passed twice. torch's checkpoint saves positional tensors one by one and,
+    where saved-tensor hooks are active (torch's own ``save_on_cpu``, the planner's trace), hands
+    the recompute a new tensor object for each: ``nn.MultiheadAttention`` called as
+    ``attn(x, x, x)`` then saw ``query is key`` false and ran three projections where the
+    forward ran one packed projection (a CheckpointError in the planning trace of every
+    ``nn.TransformerEncoderLayer`` whose ``self_attn`` was planned)."""
+    first: dict[int, int | str] = {id(v): k for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+    links = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            src = first.setdefault(id(a), i)
+            if src != i:
+                links.append((i, src))
+    return links
 
 
 def _batchnorm_statistics(module: torch.nn.Module) -> set[int]:

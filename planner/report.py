@@ -65,7 +65,9 @@ def plan_summary(plan: "Plan") -> str:
         "",
     ]
     if not plan.modules:
-        lines.append("  nothing to checkpoint: the step fits as it is")
+        cache = any(n.startswith("use_cache:") for n in plan.notes)
+        lines.append("  nothing to checkpoint: the step fits as it is"
+                     + (" once applied, with HF use_cache off (see the use_cache note)" if cache else ""))
     else:
         w = max(len(m.fqn) for m in plan.modules)
         lines.append(f"  {'module':<{w}}  {'discard':>7}  {'freed':>10}  {'recompute':>10}  policy")

@@ -495,11 +495,14 @@ def _plan_for_budget(
         need = _min_budget_bytes(floor().usable_bytes, budget_bytes, reserve_bytes, est.spec)
         left_out = ("; left out as unsafe to checkpoint: " + "; ".join(f"{f} ({why})" for f, why in excluded.items())
                     if excluded else "")
-        raise PlanningError(
-            f"no plan verified under {usable / GiB:.3f} GiB usable (last traced peak "
-            f"{traced / GiB:.3f} GiB); the smallest budget that verifies is {_gib_up(need):.6f} GiB"
+        err = PlanningError(
+            f"no plan verified under {fmt_bytes(usable)} usable (last traced peak "
+            f"{fmt_bytes(traced)}); the smallest budget that verifies is {_gib_up(need):.6f} GiB"
             + left_out
         )
+        err.min_budget_bytes = need  # type: ignore[attr-defined]
+        err.min_budget_gib = _gib_up(need)  # type: ignore[attr-defined]
+        raise err
     return plan
 
 
@@ -637,8 +640,32 @@ def _traced_estimate_or_diverged(model, modules, est: Estimate) -> Estimate:
     if diverged:
         raise RecomputeDivergedError(diverged) from error
     if error is not None:
+        culprits = _full_checkpoints_that_diverge(model, modules, est)
+        if culprits:
+            raise RecomputeDivergedError(culprits) from error
         raise error
     return planned
+
+
+def _full_checkpoints_that_diverge(model, modules, est: Estimate) -> list[str]:
+    """The fully checkpointed modules of ``modules`` whose recompute runs other ops than their
+    forward, found by tracing them again replayed op by op (selective, nothing saved: the
+    divergence then names its module). torch's own check of a full checkpoint only raises a
+    CheckpointError naming no module (a module that runs an extra op when run in the backward)."""
+    from planner.planned_forward import CheckpointDivergenceWarning
+
+    full = {m.fqn for m in modules if m.full}
+    if not full:
+        return []
+    replayed = [dataclasses.replace(m, full=False) if m.full else m for m in modules]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            _traced_estimate(model, replayed, est)
+        except torch.utils.checkpoint.CheckpointError:
+            pass
+    return list(dict.fromkeys(w.message.fqn for w in caught if isinstance(w.message, CheckpointDivergenceWarning)
+                              and w.message.fqn in full))
 
 
 def _traced_estimate(model, modules, est: Estimate) -> Estimate:

@@ -44,6 +44,9 @@ def test_remove_and_context_manager_restore_the_model():
     forwards = {n: m.forward for n, m in model.named_modules()}
     handle = apply_plan(model, plan)
     assert len(handle.modules) == len(plan.modules)
+    # One line naming the planned modules, not the model and the plan printed whole.
+    assert repr(handle).startswith(f"AppliedPlan(GPT, {len(plan.modules)} planned module(s): "
+                                   f"[{plan.modules[0].fqn}") and "\n" not in repr(handle)
     assert remove_plan(model) == len(plan.modules)
     assert all("forward" not in m.__dict__ for m in model.modules())
     with apply_plan(model, plan):

@@ -218,3 +218,26 @@ def test_an_all_ones_attention_mask_is_predicted_to_the_byte(name):
     with apply_plan(model, plan):
         measured, _ = _loss_and_grads(model, inputs)
     assert measured.peak_bytes == plan.predicted_peak_bytes
+
+
+def test_an_empty_plan_runs_the_step_it_predicts():
+    # A budget between the cache-off and cache-on no-AC peaks: nothing to checkpoint once the
+    # cache is off, as the plan traced it. The empty plan left use_cache on and the step measured
+    # the cache-on peak (a bf16 T5: 71,680 B over the prediction, 35,636 B over the budget).
+    from estimators.step import TrainStep
+
+    model, inputs = _build("qwen2")
+    step = TrainStep(inputs=inputs, optimizer="adamw", keep_output=True)
+    with hf_cache_off(model):
+        off = estimate(model, step=step, device="cpu").module_info.peak_bytes
+    on = estimate(model, step=step, device="cpu").module_info.peak_bytes
+    assert off < on
+    plan = solve_sac(model, budget_gib=(off + on) / 2 / 2**30, step=step, device="cpu")
+    assert not plan.modules and plan.predicted_peak_bytes == off
+    assert "nothing to checkpoint: the step fits as it is once applied, with HF use_cache off" in plan.summary()
+    planned = copy.deepcopy(model)
+    with apply_plan(planned, plan):
+        assert planned.config.use_cache is False
+        peaks, _ = _own_loop(planned, inputs, n_steps=2)
+    assert planned.config.use_cache is True
+    assert peaks[1] == plan.predicted_peak_bytes

@@ -5,11 +5,12 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
 from estimators.step import TrainStep
-from planner import apply_plan, solve_sac, tradeoff_curve
+from planner import PlanningError, apply_plan, solve_sac, tradeoff_curve
 from planner.measure import measure_steps
 from planner.planned_forward import CheckpointDivergenceWarning
 
@@ -79,3 +80,68 @@ def test_a_full_checkpoint_recomputes_from_the_buffers_the_forward_started_from(
             assert torch.equal(grads[1][n], g), (step, n)
     for n, b in ref.state_dict().items():
         assert torch.equal(planned.state_dict()[n], b), n
+
+
+class _Encoder(nn.Module):
+    """torch's own transformer layers: ``self_attn(x, x, x)`` takes one packed projection only
+    while ``query is key is value``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.head(self.enc(self.emb(x)).mean(1)), y)
+
+
+def _encoder_batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 50, (4, 16), generator=g), torch.randint(0, 5, (4,), generator=g)
+
+
+def test_multihead_self_attention_is_planned_measured_and_trained_unchanged():
+    # The planning trace's saved-tensor hooks gave the recompute three tensor objects for
+    # attn(x, x, x): three projections instead of the packed one, and solve_sac raised
+    # torch's CheckpointError ("Recomputed values ... have different metadata").
+    torch.manual_seed(0)
+    model, batch = _Encoder(), _encoder_batch()
+    ref = copy.deepcopy(model)
+    step = TrainStep(inputs=batch, loss_fn=lambda out, inputs: out, optimizer="adamw", micro_batches=2)
+    attn = [f"_Encoder.enc.layers.{i}.self_attn" for i in range(2)]
+    with pytest.raises(PlanningError) as floor:  # the smallest budget with only attention planned
+        solve_sac(model, budget_gib=1e-6, step=step, ac_units=attn)
+    plan = solve_sac(model, budget_gib=floor.value.min_budget_gib, step=step, ac_units=attn)
+    assert {m.fqn for m in plan.modules} == set(attn)
+    apply_plan(model, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointDivergenceWarning)
+        torch.manual_seed(1)
+        planned = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)
+    torch.manual_seed(1)
+    measure_steps(ref, step, torch.optim.AdamW(ref.parameters()), n_steps=3)
+    assert [s.peak_bytes for s in planned[1:]] == [plan.predicted_peak_bytes] * 2
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_a_checkpoint_under_save_on_cpu_recomputes_with_the_same_argument_aliasing():
+    # The user's own saved-tensor hooks do the same to a real run: torch's save_on_cpu around
+    # the step, attn(x, x, x) fully checkpointed -> CheckpointError in the backward.
+    from planner.checkpointing import apply_module_plans
+    from planner.plan import ModulePlan
+
+    torch.manual_seed(0)
+    ref, batch = _Encoder(), _encoder_batch()
+    planned = copy.deepcopy(ref)
+    apply_module_plans(planned, [ModulePlan(fqn="_Encoder.enc.layers.0.self_attn", discard_ratio=1.0, full=True)])
+    grads = []
+    for m in (ref, planned):
+        torch.manual_seed(2)
+        with torch.autograd.graph.save_on_cpu():
+            loss = m(*batch)
+        loss.backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
