@@ -57,7 +57,7 @@ import numpy as np
 
 from estimators.module_info import lower_hull_segments
 from solver.count_branch import CountBrancher, kind_groups
-from solver.errors import InfeasibleBudgetError, SolverTimeoutError
+from solver.errors import InfeasibleBudgetError, SolverError, SolverTimeoutError
 from solver.graph import Graph, Node
 from solver.lp_model import EQ, GE, LE, LinearModel
 from solver.plan_cost import (
@@ -100,6 +100,14 @@ to the whole time limit; the CLI shows INFO as progress)."""
 
 _R_NOISE = 1e-9
 """A discard ratio this close to 0 or to y is that bound: backend noise (1e-13 seen), not a plan."""
+
+_POLISH_BYTES, _POLISH_FRACTION = 64, 1e-7
+"""Bytes past a step of a module's curve that ``SACMilp._polish`` treats as the backend's
+tolerance (or that fraction of the module, if more), not a decision."""
+
+_POLISH_EVALS = 256
+"""Exact peak evaluations ``SACMilp._trim`` and ``_polish`` may each spend on one plan (a few
+ms each on 1,000-module graphs; a count, not a clock, so the same input gives the same plan)."""
 
 _TIE_Y = 1e-6
 _TIE_R = 1e-7
@@ -459,8 +467,13 @@ class SACMilp:
             out = sol.outcome
             if not out.has_solution:
                 return self._fallback(budget, t0, timed_out=not out.infeasible)
-            plan, short = self._repair(self._read_plan(sol.values), budget)
+            read = self._read_plan(sol.values)
+            plan, short = self._repair(read, budget)
             if short == 0:
+                # What the repair added, or the tighter target asked for, may be more than the
+                # exact peak needs: each module gives back what it can.
+                margin = sum(plan.values()) - sum(read.values()) + budget - target
+                plan = self._polish(self._trim(plan, budget, margin), budget)
                 status = SolveStatus.OPTIMAL if out.proven else SolveStatus.FEASIBLE
                 res = self._result(plan, budget, status, out.gap, t0)
                 if loud:
@@ -497,6 +510,7 @@ class SACMilp:
         min_peak, plan = self._solve_min_peak()
         if min_peak > budget:
             raise InfeasibleBudgetError(budget, min_peak, self.world_size)
+        plan = self._polish(plan, budget)
         logger.warning("no plan from the backend at budget %d, which is within its tolerance of the "
                        "smallest reachable peak (%d) or of the unplanned peak (%d); returning the "
                        "min-peak plan", budget, min_peak, self.no_ac_peak_bytes)
@@ -523,6 +537,88 @@ class SACMilp:
                     break
         mem = self._memory.point_bytes(plan)
         return plan, max(0, max(mem, default=0) - budget)
+
+    def _polish(self, plan: dict[str, int], budget: int) -> dict[str, int]:
+        """Bytes the backend's tolerance pushed just past a step of a module's exact curve, given
+        back where the exact peak allows: dropped, or moved to another planned module that has
+        room, if that costs less. Only exact evaluations decide, so the plan stays within the
+        budget and its recompute never grows.
+
+        Why: the MILP prices the convex envelope, and its ratios are exact to about 1e-8. At the
+        smallest reachable peak of two identical blocks one solve read as {30,408,702, 30,408,704}
+        bytes (the second block whole, its last byte a 5 ms op: 7.1 ms) where {30,408,703,
+        30,408,703} fits the same peak at 2.1 ms; another fell back to the min-peak plan (both
+        blocks whole, 12.1 ms) where one byte fewer in each fits too, 2.1 ms
+        (tests/solver/test_symmetry.py)."""
+        plan = dict(plan)
+        evals = _POLISH_EVALS
+        for f in sorted(plan, key=lambda f: self.graph.node(f).index):
+            if evals <= 0:
+                break
+            s, d = self._stats(f), plan[f]
+            below = max((b for b in s.tradeoff.discarded_bytes if b < d), default=0)
+            excess = d - below
+            if not 0 < excess <= max(_POLISH_BYTES, math.ceil(_POLISH_FRACTION * s.sac_memory_bytes)):
+                continue
+            saving = self._plan_ms(f, d) - self._plan_ms(f, below)
+            if saving <= 0:
+                continue
+            trial = {**plan, f: below}
+            evals -= 1
+            if self._memory.peak(trial) <= budget:
+                plan = trial
+                continue
+            best: tuple[float, dict[str, int]] | None = None
+            for g in plan:
+                room = self._stats(g).sac_memory_bytes - plan[g]
+                if g == f or room < excess:
+                    continue
+                extra = self._plan_ms(g, plan[g] + excess) - self._plan_ms(g, plan[g])
+                if extra < saving and (best is None or extra < best[0]) and evals > 0:
+                    moved = {**trial, g: plan[g] + excess}
+                    evals -= 1
+                    if self._memory.peak(moved) <= budget:
+                        best = (extra, moved)
+            if best is not None:
+                plan = best[1]
+        return self._without_empty(plan, budget)
+
+    def _trim(self, plan: dict[str, int], budget: int, margin: int) -> dict[str, int]:
+        """Where ``margin`` bytes were discarded beyond the backend's plan (the repair of its
+        rounding, or a tighter target): each module gives back what of them the exact peak does
+        not need (binary search over the last ``margin`` bytes it discards, every step evaluated
+        exactly). Seen at the smallest reachable peak of a stack: the backend's plan left one
+        block 831 bytes short of whole and another 831 bytes over what it needed (the same MILP
+        value, equal slopes); the repair completed the first, 2.0e-5 ms over the plan that
+        HiGHS alone returned."""
+        if margin <= 0:
+            return plan
+        plan = dict(plan)
+        evals = _POLISH_EVALS
+        for f in sorted(plan, key=lambda f: self.graph.node(f).index):
+            d = plan[f]
+            lo = max(0, d - margin)
+            if self._plan_ms(f, lo) >= self._plan_ms(f, d):
+                continue
+            while lo < d and evals > 0:  # d fits; find the fewest bytes that still fit
+                mid = (lo + d) // 2
+                evals -= 1
+                if self._memory.peak({**plan, f: mid}) <= budget:
+                    d = mid
+                else:
+                    lo = mid + 1
+            if self._plan_ms(f, d) < self._plan_ms(f, plan[f]):
+                plan[f] = d
+        return self._without_empty(plan, budget)
+
+    def _without_empty(self, plan: dict[str, int], budget: int) -> dict[str, int]:
+        """``plan`` without the modules left discarding nothing (and forced to discard nothing),
+        as ``_read_plan`` reads them, where the exact peak still fits."""
+        kept = {f: d for f, d in plan.items() if d > 0 or fixed_discard_bytes(self._stats(f)) > 0}
+        return kept if len(kept) < len(plan) and self._memory.peak(kept) <= budget else plan
+
+    def _plan_ms(self, fqn: str, discarded: int) -> float:
+        return module_recompute_ms(self._stats(fqn), discarded)
 
     def _stats(self, fqn: str) -> ModStats:
         return self.graph.node(fqn).stats
@@ -551,11 +647,17 @@ class SACMilp:
             return self._min_peak
         self._set_budget(self._units(self.no_ac_peak_bytes) + 1.0)  # not binding
         self._prob.set_cost([(self._peak, 1.0)])
-        sol = self._prob.solve(self.options, rel_gap=0.0)
-        if not sol.outcome.has_solution:
+        sol = self._prob.solve(self.options, rel_gap=0.0, feasible=True)
+        if not sol.outcome.has_solution and not sol.outcome.infeasible:
             raise SolverTimeoutError(
                 f"could not compute the smallest reachable peak within time_limit_s="
                 f"{self.options.time_limit_s}; raise SolverOptions.time_limit_s"
+            )
+        if not sol.outcome.has_solution:  # "infeasible": every solve refused a model with plans
+            raise SolverError(
+                f"the {self.options.backend.value} backend found no plan for the smallest-peak "
+                "model, which has one (checkpointing nothing); try the other backend: "
+                "SolverOptions(backend=Backend.CBC) or Backend.HIGHS"
             )
         plan = self._read_plan(sol.values)
         for f, d in plan.items():  # undo the backend's rounding of r = 1

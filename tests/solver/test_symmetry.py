@@ -158,17 +158,27 @@ def _same_optimum(info: ModuleInfo, frac: float) -> int:
     plain, structured = SACMilp(info, options=PLAIN), SACMilp(info, options=STRUCTURED)
     lo, hi = plain.min_reachable_peak_bytes(), plain.no_ac_peak_bytes
     budget = lo + int(frac * (hi - lo))
-    za, zb = _milp_value(plain, budget), _milp_value(structured, budget)
-    assert (za is None) == (zb is None), (za, zb)
-    if za is not None:
-        tie = max(_tie_break_bound(plain), _tie_break_bound(structured))
-        assert abs(za - zb) <= 1e-6 * max(abs(za), 1e-9) + tie, (za, zb, tie)
-    if budget - lo > 1e-6 * hi:  # at the smallest peak itself, byte rounding may refuse
+    if budget - lo > 1e-6 * hi:
+        za, zb = _milp_value(plain, budget), _milp_value(structured, budget)
+        assert (za is None) == (zb is None), (za, zb)
+        if za is not None:
+            tie = max(_tie_break_bound(plain), _tie_break_bound(structured))
+            assert abs(za - zb) <= 1e-6 * max(abs(za), 1e-9) + tie, (za, zb, tie)
         res = structured.solve(budget)
         assert res.predicted_peak_bytes <= budget
         assert predict_peak_bytes(info, res.discarded_bytes) == res.predicted_peak_bytes
         again = structured.solve(budget)
         assert again.decisions == res.decisions
+    elif plain._prob is not None:
+        # At the smallest reachable peak the MILP's feasible set is a sliver HiGHS' tolerances
+        # decide: on two identical blocks it proved 7.1 ms "optimal" beside 2.1 ms (with the
+        # symmetry rows and CBC), and called another such budget infeasible. The planner's
+        # results are compared there: each plan fits, to the byte, and they cost the same.
+        ra, rb = plain.solve(budget), structured.solve(budget)
+        for res in (ra, rb):
+            assert res.predicted_peak_bytes <= budget
+            assert predict_peak_bytes(info, res.discarded_bytes) == res.predicted_peak_bytes
+        assert abs(ra.recompute_ms - rb.recompute_ms) <= 1e-6 * max(ra.recompute_ms, 1.0), (ra, rb)
     return structured.n_symmetry_pairs
 
 
@@ -227,3 +237,27 @@ def test_stacks_that_misled_highs(case) -> None:
         lo, hi = plain.min_reachable_peak_bytes(), plain.no_ac_peak_bytes
         got = _milp_value(plain, lo + int(frac * (hi - lo)))
         assert got == pytest.approx(expected, rel=1e-6, abs=1e-6)
+
+
+def _smallest_peak_stacks() -> list[tuple[ModuleInfo, int, float]]:
+    path = Path(__file__).parent / "data" / "highs_smallest_peak_stacks.json"
+    return [(ModuleInfo.from_dict(c["info"]), c["min_peak_bytes"], c["recompute_ms"])
+            for c in json.loads(path.read_text())]
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_smallest_peak_plans_of_stacks_that_misled_highs(case) -> None:
+    """Three stacks of two blocks drawn by a 1,000-example run, planned at their smallest
+    reachable peak, where HiGHS' tolerances decide the MILP: its min-peak model was called
+    infeasible at 1e-8 with every presolve (a SolverTimeoutError, though no time ran out); the
+    plain MILP proved 7.1 ms "optimal" where 2.1 ms fits (its plan one byte past a 5 ms step);
+    it called the budget infeasible and fell back to the min-peak plan (12.1 ms) where one byte
+    fewer in each block fits at 2.1 ms. Pinned: CBC's smallest peak and its plan's recompute
+    there (with and without the symmetry rows, before _polish existed)."""
+    info, min_peak, expected_ms = _smallest_peak_stacks()[case]
+    for options in (PLAIN, STRUCTURED):
+        m = SACMilp(info, options=options)
+        assert m.min_reachable_peak_bytes() == min_peak
+        res = m.solve(min_peak)
+        assert res.predicted_peak_bytes <= min_peak
+        assert res.recompute_ms == pytest.approx(expected_ms, rel=1e-9)
