@@ -77,6 +77,8 @@ def _is_planned(mod: torch.nn.Module) -> bool:
 
 def _existing_checkpointing(model: torch.nn.Module) -> str | None:
     root = type(model).__name__
+    if _CACHE_OFF in model.__dict__:  # a plan with no module turns the cache off, nothing else
+        return f"{root} already has a SAC Planner plan applied; call remove_plan(model) first"
     for name, mod in model.named_modules():
         where = name or root
         if _is_planned(mod):

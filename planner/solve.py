@@ -133,10 +133,15 @@ def _infeasible(budget: int, reserve: int, *, floor: "_Floor", spec: DeviceSpec)
     hints = lowering_hints(floor.breakdown) if floor.breakdown is not None else ()
     msg += "To go lower: " + "; or ".join(hints or ("a smaller batch or sequence length",
                                                     "world_size > 1 (FSDP)")) + "."
-    err = PlanningError(msg)
-    err.min_budget_bytes = need  # type: ignore[attr-defined]
-    err.min_budget_gib = need_gib  # type: ignore[attr-defined]
-    err.floor = floor.breakdown  # type: ignore[attr-defined]
+    return _with_floor(PlanningError(msg), need, floor.breakdown)
+
+
+def _with_floor(err: PlanningError, need_bytes: int, breakdown) -> PlanningError:
+    """A refusal that states the smallest budget: ``min_budget_bytes`` / ``min_budget_gib`` (the
+    figure to plan at) and ``floor`` (what fills memory there, or None where not traced)."""
+    err.min_budget_bytes = need_bytes  # type: ignore[attr-defined]
+    err.min_budget_gib = _gib_up(need_bytes)  # type: ignore[attr-defined]
+    err.floor = breakdown  # type: ignore[attr-defined]
     return err
 
 
@@ -495,14 +500,11 @@ def _plan_for_budget(
         need = _min_budget_bytes(floor().usable_bytes, budget_bytes, reserve_bytes, est.spec)
         left_out = ("; left out as unsafe to checkpoint: " + "; ".join(f"{f} ({why})" for f, why in excluded.items())
                     if excluded else "")
-        err = PlanningError(
+        raise _with_floor(PlanningError(
             f"no plan verified under {fmt_bytes(usable)} usable (last traced peak "
             f"{fmt_bytes(traced)}); the smallest budget that verifies is {_gib_up(need):.6f} GiB"
             + left_out
-        )
-        err.min_budget_bytes = need  # type: ignore[attr-defined]
-        err.min_budget_gib = _gib_up(need)  # type: ignore[attr-defined]
-        raise err
+        ), need, None)
     return plan
 
 
@@ -623,20 +625,9 @@ def _traced_estimate_or_diverged(model, modules, est: Estimate) -> Estimate:
     """``_traced_estimate``, raising ``RecomputeDivergedError`` where a planned module's
     recompute diverged from its forward (the trace would then measure a fallback, or torch's
     checkpoint would refuse the recompute's metadata); other warnings pass through."""
-    from planner.planned_forward import CheckpointDivergenceWarning
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            planned = _traced_estimate(model, modules, est)
-            error = None
-        except torch.utils.checkpoint.CheckpointError as e:
-            planned, error = None, e
-    diverged = list(dict.fromkeys(w.message.fqn for w in caught
-                                  if isinstance(w.message, CheckpointDivergenceWarning) and w.message.fqn))
-    for w in caught:
-        if not isinstance(w.message, CheckpointDivergenceWarning):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    planned, error, diverged, others = _trace_noting_divergence(model, modules, est)
+    for w in others:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if diverged:
         raise RecomputeDivergedError(diverged) from error
     if error is not None:
@@ -647,25 +638,37 @@ def _traced_estimate_or_diverged(model, modules, est: Estimate) -> Estimate:
     return planned
 
 
+def _trace_noting_divergence(model, modules, est: Estimate) -> tuple[Estimate | None, Exception | None,
+                                                                     list[str], list]:
+    """(the trace or None, torch's CheckpointError or None, the modules whose recompute
+    diverged, the other warnings the trace gave)."""
+    from planner.planned_forward import CheckpointDivergenceWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            planned, error = _traced_estimate(model, modules, est), None
+        except torch.utils.checkpoint.CheckpointError as e:
+            planned, error = None, e
+    ours = [w for w in caught if isinstance(w.message, CheckpointDivergenceWarning)]
+    diverged = list(dict.fromkeys(w.message.fqn for w in ours if w.message.fqn))
+    return planned, error, diverged, [w for w in caught if w not in ours]
+
+
 def _full_checkpoints_that_diverge(model, modules, est: Estimate) -> list[str]:
     """The fully checkpointed modules of ``modules`` whose recompute runs other ops than their
     forward, found by tracing them again replayed op by op (selective, nothing saved: the
     divergence then names its module). torch's own check of a full checkpoint only raises a
     CheckpointError naming no module (a module that runs an extra op when run in the backward)."""
-    from planner.planned_forward import CheckpointDivergenceWarning
-
     full = {m.fqn for m in modules if m.full}
     if not full:
         return []
     replayed = [dataclasses.replace(m, full=False) if m.full else m for m in modules]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            _traced_estimate(model, replayed, est)
-        except torch.utils.checkpoint.CheckpointError:
-            pass
-    return list(dict.fromkeys(w.message.fqn for w in caught if isinstance(w.message, CheckpointDivergenceWarning)
-                              and w.message.fqn in full))
+    try:
+        diverged = _trace_noting_divergence(model, replayed, est)[2]
+    except Exception:  # noqa: BLE001 - only an explanation: never hide torch's own error
+        return []
+    return [f for f in diverged if f in full]
 
 
 def _traced_estimate(model, modules, est: Estimate) -> Estimate:

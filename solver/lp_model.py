@@ -268,9 +268,10 @@ class LinearModel:
         if t_out.proven:  # any 1e-6 plan under the bound is a contradiction (its slack or not)
             settled = not l_out.has_solution or loose.objective >= bound
         else:  # "infeasible" stands where the 1e-6 solve, with its slack, finds no plan either
-            settled = t_out.infeasible and not l_out.has_solution
+            # (unless the model is known to have one)
+            settled = t_out.infeasible and not l_out.has_solution and not feasible
         referee = None
-        if not settled and small:
+        if not settled and (small or feasible):
             for presolve in ("light", "off"):
                 referee = self._run_highs(options_until(options, deadline), rel_gap, _INT_TOL,
                                           presolve=presolve, write=False)
@@ -288,6 +289,8 @@ class LinearModel:
             if (not best.outcome.proven and referee is not None and referee.outcome.proven
                     and abs(best.objective - referee.objective) <= _slack(referee.objective)):
                 best = referee  # the same value, proven
+        elif feasible and any(sol is not None and sol.outcome.stopped for sol in (loose, referee)):
+            best = loose if l_out.stopped else referee  # out of time, not "infeasible"
         elif (t_out.infeasible or l_out.infeasible) and not (feasible and l_out.has_solution):
             # No plan of the 1e-8 model: "infeasible" holds for it (a plan only the 1e-6 slack
             # allows is no plan).

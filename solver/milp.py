@@ -513,7 +513,8 @@ class SACMilp:
         plan = self._polish(plan, budget)
         logger.warning("no plan from the backend at budget %d, which is within its tolerance of the "
                        "smallest reachable peak (%d) or of the unplanned peak (%d); returning the "
-                       "min-peak plan", budget, min_peak, self.no_ac_peak_bytes)
+                       "min-peak plan (less what the exact peak does not need)", budget, min_peak,
+                       self.no_ac_peak_bytes)
         return self._result(plan, budget, SolveStatus.FEASIBLE, None, t0)
 
     def _repair(self, plan: dict[str, int], budget: int) -> tuple[dict[str, int], int]:

@@ -234,10 +234,12 @@ def test_an_empty_plan_runs_the_step_it_predicts():
     assert off < on
     plan = solve_sac(model, budget_gib=(off + on) / 2 / 2**30, step=step, device="cpu")
     assert not plan.modules and plan.predicted_peak_bytes == off
-    assert "nothing to checkpoint: the step fits as it is once applied, with HF use_cache off" in plan.summary()
     planned = copy.deepcopy(model)
     with apply_plan(planned, plan):
         assert planned.config.use_cache is False
         peaks, _ = _own_loop(planned, inputs, n_steps=2)
+        with pytest.raises(AlreadyCheckpointedError):  # applied, though no module is wrapped
+            apply_plan(planned, plan)
     assert planned.config.use_cache is True
     assert peaks[1] == plan.predicted_peak_bytes
+    assert "nothing to checkpoint: the step fits as it is once applied, with HF use_cache off" in plan.summary()
