@@ -399,6 +399,18 @@ def _plan_for_budget(
         first = predict_peak_bytes(first_info, res.discarded_bytes, world_size=world_size)
         return first, res.predicted_peak_bytes
 
+    def leave_out_diverged(fqns: list[str]) -> None:
+        """The recompute of these modules runs other ops than their forward (a module that
+        branches on state the recompute sees otherwise): they are not checkpointed; plan again
+        without them."""
+        nonlocal allowed, milp, full_milp
+        notes.extend(f"{f} not checkpointed: its recompute ran other ops than its forward" for f in fqns)
+        excluded.update({f: "its recompute ran other ops than its forward" for f in fqns})
+        names = allowed if allowed is not None else [s.fqn for s in info.mod_stats]
+        allowed = [f for f in names if f not in excluded and f not in mispriced]
+        milp = full_milp = SACMilp(info, world_size=world_size, ac_units=allowed, fsdp_units=units,
+                                   options=solver_options)
+
     traced = None  # every attempt may end in leaving out modules whose recompute diverged
     for attempt in range(_MAX_TIGHTENINGS + 1):
         try:
@@ -432,14 +444,7 @@ def _plan_for_budget(
         try:
             peaks = peaks_of(res, modules)
         except RecomputeDivergedError as e:
-            # The recompute of these modules runs other ops than their forward (e.g. a module that
-            # branches on `query is key`): they are not checkpointed; plan again without them.
-            notes += [f"{f} not checkpointed: its recompute ran other ops than its forward" for f in e.fqns]
-            excluded.update({f: "its recompute ran other ops than its forward" for f in e.fqns})
-            names = allowed if allowed is not None else [s.fqn for s in info.mod_stats]
-            allowed = [f for f in names if f not in excluded and f not in mispriced]
-            milp = full_milp = SACMilp(info, world_size=world_size, ac_units=allowed, fsdp_units=units,
-                                       options=solver_options)
+            leave_out_diverged(e.fqns)
             continue
         traced = max(peaks)
         if traced <= usable:
@@ -466,9 +471,15 @@ def _plan_for_budget(
     if traced is None or traced > usable:
         # The min-peak plan: the refusal states its traced peak as the smallest budget, so
         # asking for that figure must give this plan.
-        res = full_milp.solve(full_milp.min_reachable_peak_bytes())
-        modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
-        peaks = peaks_of(res, modules)
+        while True:  # each pass leaves out at least one module, or ends
+            res = full_milp.solve(full_milp.min_reachable_peak_bytes())
+            modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options)
+                            for f in res.checkpointed)
+            try:
+                peaks = peaks_of(res, modules)
+                break
+            except RecomputeDivergedError as e:  # a module no attempt above had checkpointed
+                leave_out_diverged(e.fqns)
         traced = max(peaks)
         notes.append("the least-recompute plans traced over budget: using the min-peak plan")
     if world_size > 1:

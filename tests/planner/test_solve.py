@@ -323,6 +323,25 @@ def test_a_full_checkpoint_torch_refuses_is_left_out_by_name():
     assert plan.modules and "Sequential.1" not in {m.fqn for m in plan.modules}
 
 
+def test_a_divergence_first_met_in_the_min_peak_plan_is_a_planning_error():
+    # Two such modules: once the least-recompute attempts had left one out and ran out of
+    # tightenings, the last resort (the min-peak plan) checkpointed the other, and solve_sac
+    # raised the internal RecomputeDivergedError instead of a PlanningError.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), _ExtraOpInBackward(64), _Mlp(64),
+                                _ExtraOpInBackward(64), _Mlp(64))
+    step = TrainStep(inputs=(torch.randn(256, 64),), optimizer="adamw")
+    from planner.tradeoff import tradeoff_curve
+
+    table = tradeoff_curve(model, step=step)
+    with pytest.raises(PlanningError, match=r"left out as unsafe to checkpoint: Sequential\.\d \(its recompute ran "
+                                            r"other ops than its forward\); Sequential\.\d") as e:
+        solve_sac(model, table.min_reachable_peak_bytes / GiB, step=step)
+    plan = solve_sac(model, e.value.min_budget_gib, step=step)
+    assert plan.predicted_peak_bytes <= plan.usable_budget_bytes
+    assert not {"Sequential.1", "Sequential.3"} & {m.fqn for m in plan.modules}
+
+
 def test_every_candidate_left_out_for_divergence_is_a_planning_error():
     # ac_units naming only modules whose recompute diverges, selectively checkpointed: once they
     # were left out no attempt had traced a plan, and solve_sac raised UnboundLocalError
