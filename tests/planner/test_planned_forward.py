@@ -45,16 +45,23 @@ def test_a_view_only_the_forward_runs_under_memtracker_is_not_a_divergence():
     budget = (table.min_reachable_peak_bytes + table.no_ac_peak_bytes) / 2
     plan = solve_sac(model, budget_gib=budget / 2**30, step=step)
     assert plan.modules and not all(m.full for m in plan.modules)
+    planned = _train_side_by_side(model, ref, plan, step, n_steps=2)
+    assert planned[1].peak_bytes == plan.predicted_peak_bytes
+
+
+def _train_side_by_side(model, ref, plan, step, n_steps):
+    """``plan`` applied to ``model``, both trained ``n_steps`` from one seed (no divergence
+    allowed) and left bitwise equal; the planned run's measured steps."""
     apply_plan(model, plan)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointDivergenceWarning)
         torch.manual_seed(1)
-        planned = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=2)
+        planned = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=n_steps)
     torch.manual_seed(1)
-    measure_steps(ref, step, torch.optim.AdamW(ref.parameters()), n_steps=2)
-    assert planned[1].peak_bytes == plan.predicted_peak_bytes
+    measure_steps(ref, step, torch.optim.AdamW(ref.parameters()), n_steps=n_steps)
     for k, v in ref.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
+    return planned
 
 
 def test_a_full_checkpoint_recomputes_from_the_buffers_the_forward_started_from():
@@ -115,16 +122,8 @@ def test_multihead_self_attention_is_planned_measured_and_trained_unchanged():
         solve_sac(model, budget_gib=1e-6, step=step, ac_units=attn)
     plan = solve_sac(model, budget_gib=floor.value.min_budget_gib, step=step, ac_units=attn)
     assert {m.fqn for m in plan.modules} == set(attn)
-    apply_plan(model, plan)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", CheckpointDivergenceWarning)
-        torch.manual_seed(1)
-        planned = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)
-    torch.manual_seed(1)
-    measure_steps(ref, step, torch.optim.AdamW(ref.parameters()), n_steps=3)
+    planned = _train_side_by_side(model, ref, plan, step, n_steps=3)
     assert [s.peak_bytes for s in planned[1:]] == [plan.predicted_peak_bytes] * 2
-    for k, v in ref.state_dict().items():
-        assert torch.equal(model.state_dict()[k], v), k
 
 
 def test_a_checkpoint_under_save_on_cpu_recomputes_with_the_same_argument_aliasing():
