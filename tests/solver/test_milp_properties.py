@@ -179,3 +179,20 @@ def test_smallest_reachable_budget_is_tight(info) -> None:
         with pytest.raises(InfeasibleBudgetError) as e:
             milp.solve(below)
         assert e.value.min_reachable_peak_bytes == lo
+
+
+def test_a_byte_under_the_unplanned_peak_costs_no_more_than_the_smallest_peak() -> None:
+    # A random graph (found by this file's properties): at one byte under the no-AC peak HiGHS
+    # at 1e-8 says "infeasible" and the planner fell back to the min-peak plan, the whole
+    # module discarded at 1.0 ms, while the smallest peak itself costs 0.6 ms. The fallback now
+    # keeps only what the budget needs: one byte.
+    import json
+    from pathlib import Path
+
+    case = json.loads((Path(__file__).parent / "data" / "byte_under_no_ac_peak.json").read_text())
+    milp = SACMilp(ModuleInfo.from_dict(case["info"]), options=EXACT)
+    at_floor = milp.solve(milp.min_reachable_peak_bytes())
+    near_top = milp.solve(milp.no_ac_peak_bytes - 1)
+    assert near_top.predicted_peak_bytes <= milp.no_ac_peak_bytes - 1
+    assert near_top.recompute_ms <= at_floor.recompute_ms
+    assert sum(near_top.discarded_bytes.values()) == 1
