@@ -182,19 +182,20 @@ class AppliedPlan:
         offload.clear_pending()
         self.modules = []
 
+    def _planned_forwards(self) -> list[PlannedForward]:
+        return [pf for mod in self.modules for pf in (mod.__dict__.get("forward"),)
+                if isinstance(pf, PlannedForward)]
+
     def __repr__(self) -> str:
         # Not the dataclass repr: it printed the whole model and plan (hundreds of lines).
-        names = [pf.mp.fqn for mod in self.modules for pf in (mod.__dict__.get("forward"),)
-                 if isinstance(pf, PlannedForward)]
+        names = [pf.mp.fqn for pf in self._planned_forwards()]
         shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
         return f"AppliedPlan({type(self.model).__name__}, {len(names)} planned module(s): [{shown}])"
 
     def offload_counters(self) -> dict[str, OffloadCounter]:
         """Per planned module that offloads: what it copied to host memory so far (a live
         counter; ``reset()`` it between steps to read one step)."""
-        return {pf.mp.fqn: pf.offload_counter for mod in self.modules
-                for pf in (mod.__dict__.get("forward"),)
-                if isinstance(pf, PlannedForward) and pf.mp.offloaded_ops}
+        return {pf.mp.fqn: pf.offload_counter for pf in self._planned_forwards() if pf.mp.offloaded_ops}
 
     @property
     def host_bytes_offloaded(self) -> int:

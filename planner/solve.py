@@ -661,9 +661,9 @@ def _trace_noting_divergence(model, modules, est: Estimate) -> tuple[Estimate | 
             planned, error = _traced_estimate(model, modules, est), None
         except torch.utils.checkpoint.CheckpointError as e:
             planned, error = None, e
-    ours = [w for w in caught if isinstance(w.message, CheckpointDivergenceWarning)]
-    diverged = list(dict.fromkeys(w.message.fqn for w in ours if w.message.fqn))
-    return planned, error, diverged, [w for w in caught if w not in ours]
+    ours = [w.message.fqn for w in caught if isinstance(w.message, CheckpointDivergenceWarning)]
+    others = [w for w in caught if not isinstance(w.message, CheckpointDivergenceWarning)]
+    return planned, error, list(dict.fromkeys(f for f in ours if f)), others
 
 
 def _full_checkpoints_that_diverge(model, modules, est: Estimate) -> list[str]:

@@ -469,14 +469,13 @@ class SACMilp:
                 return self._fallback(budget, t0, timed_out=not out.infeasible)
             plan, short = self._exact_plan(sol.values, budget, target)
             if short == 0:
-                status = SolveStatus.OPTIMAL if out.proven else SolveStatus.FEASIBLE
-                res = self._result(plan, budget, status, out.gap, t0)
+                res = self._solved(plan, budget, sol, t0)
                 if loud:
-                    logger.info("SAC MILP: %s in %.2f s, recompute %.3f ms%s", status.value,
+                    logger.info("SAC MILP: %s in %.2f s, recompute %.3f ms%s", res.status.value,
                                 res.solve_time_s, res.recompute_ms,
                                 "" if out.proven else f" (within {100 * (out.gap or 0):.2f} % of "
                                 "optimal: raise SolverOptions.time_limit_s to prove it)")
-                return dataclasses.replace(res, milp_objective=self.objective_of(sol.values))
+                return res
             target -= short + 1024
         return self._fallback(budget, t0, timed_out=False)
 
@@ -519,8 +518,9 @@ class SACMilp:
         # The min-peak plan discards all it can; the budget may need much less (a byte under
         # the unplanned peak: 1.0 ms where 0.6 ms fits a smaller budget).
         plan = self._polish(self._trim(plan, budget, max(plan.values(), default=0)), budget)
+        fallback = self._result(plan, budget, SolveStatus.FEASIBLE, None, t0)
         other = self._cbc_plan(budget, t0)
-        if other is not None and other.recompute_ms < sum(self._plan_ms(f, d) for f, d in plan.items()):
+        if other is not None and other.recompute_ms < fallback.recompute_ms:
             logger.info("no plan from HiGHS at budget %d (within its tolerance of the smallest "
                         "reachable peak, %d); CBC's plan costs less than the min-peak plan", budget, min_peak)
             return other
@@ -528,7 +528,7 @@ class SACMilp:
                        "smallest reachable peak (%d) or of the unplanned peak (%d); returning the "
                        "min-peak plan (less what the exact peak does not need)", budget, min_peak,
                        self.no_ac_peak_bytes)
-        return self._result(plan, budget, SolveStatus.FEASIBLE, None, t0)
+        return fallback
 
     def _cbc_plan(self, budget: int, t0: float) -> SolveResult | None:
         """Where HiGHS found no plan at a budget its tolerances decide (within them of the
@@ -551,8 +551,11 @@ class SACMilp:
         if not sol.outcome.has_solution:
             return None
         plan, short = self._exact_plan(sol.values, budget, budget)
-        if short:
-            return None
+        return None if short else self._solved(plan, budget, sol, t0)
+
+    def _solved(self, plan: dict[str, int], budget: int, sol: Any, t0: float) -> SolveResult:
+        """The result of a backend solution's exact ``plan``: optimal where the backend proved
+        its MILP, with the plan's MILP objective."""
         status = SolveStatus.OPTIMAL if sol.outcome.proven else SolveStatus.FEASIBLE
         res = self._result(plan, budget, status, sol.outcome.gap, t0)
         return dataclasses.replace(res, milp_objective=self.objective_of(sol.values))
@@ -695,10 +698,11 @@ class SACMilp:
                 f"{self.options.time_limit_s}; raise SolverOptions.time_limit_s"
             )
         if not sol.outcome.has_solution:  # "infeasible": every solve refused a model with plans
+            other = Backend.CBC if self.options.backend is Backend.HIGHS else Backend.HIGHS
             raise SolverError(
                 f"the {self.options.backend.value} backend found no plan for the smallest-peak "
                 "model, which has one (checkpointing nothing); try the other backend: "
-                "SolverOptions(backend=Backend.CBC) or Backend.HIGHS"
+                f"SolverOptions(backend=Backend.{other.name})"
             )
         plan = self._read_plan(sol.values)
         for f, d in plan.items():  # undo the backend's rounding of r = 1
