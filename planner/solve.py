@@ -295,8 +295,24 @@ def plan_for_budget(
     if not plan.modules and plan.predicted_peak_bytes <= plan.usable_budget_bytes:
         plan = dataclasses.replace(plan, notes=(*plan.notes, (
             f"the usable budget ({fmt_bytes(plan.usable_budget_bytes)}) holds the step without "
-            f"checkpointing (peak {fmt_bytes(plan.predicted_peak_bytes)}): nothing to checkpoint")))
+            f"checkpointing (peak {fmt_bytes(plan.predicted_peak_bytes)}): nothing to checkpoint"),
+            *_unit_slip_note(plan.budget_bytes, plan.baseline_peak_bytes)))
     return plan
+
+
+_UNIT_SLIP = 512
+"""A budget this many times the step's no-AC peak is more likely a figure in MiB typed as GiB
+(1,024x) than a budget: planning succeeds with nothing to checkpoint, so say it."""
+
+
+def _unit_slip_note(budget_bytes: int, peak_bytes: int) -> tuple[str, ...]:
+    if budget_bytes < _UNIT_SLIP * peak_bytes:
+        return ()
+    note = (f"the budget ({fmt_bytes(budget_bytes)}) is {budget_bytes / peak_bytes:,.0f}x the step's "
+            f"peak ({fmt_bytes(peak_bytes)}); budget_gib is in GiB: for {budget_bytes / GiB:g} MiB "
+            f"pass budget_gib={budget_bytes / GiB / 1024:.6g}")
+    logger.warning("%s", note)
+    return (note,)
 
 
 def unplanned_peak_bytes(model: torch.nn.Module, est: Estimate) -> int | None:

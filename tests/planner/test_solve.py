@@ -530,6 +530,11 @@ def test_bytes_given_as_gib_are_refused_and_a_roomy_budget_says_so():
     plan = solve_sac(model, budget_gib=64, inputs=inputs, loss_fn=model.loss_fn, verify=False)
     assert not plan.modules
     assert any("nothing to checkpoint" in n for n in plan.notes)
+    # 64 meant as MiB: thousands of times the step's peak, so the note names the GiB unit.
+    assert any("budget_gib is in GiB: for 64 MiB pass budget_gib=0.0625" in n for n in plan.notes)
+    roomy = solve_sac(model, budget_gib=2 * plan.baseline_peak_bytes / 2**30, inputs=inputs,
+                      loss_fn=model.loss_fn, verify=False)
+    assert not roomy.modules and not any("budget_gib is in GiB" in n for n in roomy.notes)
 
 
 def test_real_mode_planning_of_an_eval_model_puts_every_flag_back():
