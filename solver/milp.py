@@ -38,7 +38,8 @@ load. A solve changes only the budget row's bound and the objective.
 
 The LP values come back rounded by the backend, so the plan is re-evaluated in exact integers:
 ``predicted_peak_bytes`` comes from ``solver.plan_cost.predict_peak_bytes`` (never the LP variable) and a plan
-that overshoots the budget by rounding is repaired by discarding the missing bytes.
+that overshoots the budget by rounding is repaired by discarding the missing bytes, and bytes
+the exact peak does not need are given back (``solver.rounding.ExactPlans``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from solver.count_branch import CountBrancher, kind_groups
 from solver.errors import InfeasibleBudgetError, SolverError, SolverTimeoutError
 from solver.graph import Graph, Node
 from solver.lp_model import _CROSS_CHECK_COLS, EQ, GE, LE, LinearModel
+from solver.rounding import ExactPlans
 from solver.plan_cost import (
     MemoryModel,
     check_world_size,
@@ -100,14 +102,6 @@ to the whole time limit; the CLI shows INFO as progress)."""
 
 _R_NOISE = 1e-9
 """A discard ratio this close to 0 or to y is that bound: backend noise (1e-13 seen), not a plan."""
-
-_POLISH_BYTES, _POLISH_FRACTION = 64, 1e-7
-"""Bytes past a step of a module's curve that ``SACMilp._polish`` treats as the backend's
-tolerance (or that fraction of the module, if more), not a decision."""
-
-_POLISH_EVALS = 256
-"""Exact peak evaluations ``SACMilp._trim`` and ``_polish`` may each spend on one plan (a few
-ms each on 1,000-module graphs; a count, not a clock, so the same input gives the same plan)."""
 
 _TIE_Y = 1e-6
 _TIE_R = 1e-7
@@ -206,6 +200,7 @@ class SACMilp:
         self.no_ac_peak_bytes: int = self._memory.peak({})
         self._unit, self._unit_name = _solver_unit(self.no_ac_peak_bytes)
         self._cands = _candidates(self.graph, allowed, fsdp)
+        self._exact = ExactPlans(self._memory, {n.fqn: n.index for n in self.graph})
         self._min_peak: tuple[int, dict[str, int]] | None = None
         self._prob: Any = None
         self._counter: CountBrancher | None = None
@@ -498,12 +493,7 @@ class SACMilp:
         """The backend's plan in exact bytes: (plan, bytes still over ``budget``). Read, repaired
         where rounding left it over; then what the repair added, or a ``target`` under the
         budget asked for, beyond the exact peak's need is given back (``_trim``, ``_polish``)."""
-        read = self._read_plan(values)
-        plan, short = self._repair(read, budget)
-        if short == 0:
-            margin = sum(plan.values()) - sum(read.values()) + budget - target
-            plan = self._polish(self._trim(plan, budget, margin), budget)
-        return plan, short
+        return self._exact.settle(self._read_plan(values), budget, target)
 
     def _fallback(self, budget: int, t0: float, *, timed_out: bool) -> SolveResult:
         """No usable plan from the backend: the min-peak plan if it fits, else a clear error."""
@@ -517,7 +507,7 @@ class SACMilp:
             raise InfeasibleBudgetError(budget, min_peak, self.world_size)
         # The min-peak plan discards all it can; the budget may need much less (a byte under
         # the unplanned peak: 1.0 ms where 0.6 ms fits a smaller budget).
-        plan = self._polish(self._trim(plan, budget, max(plan.values(), default=0)), budget)
+        plan = self._exact.polish(self._exact.trim(plan, budget, max(plan.values(), default=0)), budget)
         fallback = self._result(plan, budget, SolveStatus.FEASIBLE, None, t0)
         other = self._cbc_plan(budget, t0)
         if other is not None and other.recompute_ms < fallback.recompute_ms:
@@ -560,121 +550,6 @@ class SACMilp:
         res = self._result(plan, budget, status, sol.outcome.gap, t0)
         return dataclasses.replace(res, milp_objective=self.objective_of(sol.values))
 
-    def _repair(self, plan: dict[str, int], budget: int) -> tuple[dict[str, int], int]:
-        """Discard the bytes the backend's rounding left over budget; (plan, bytes still over)."""
-        plan = dict(plan)
-        for _ in range(len(self._memory.points) + 1):
-            mem = self._memory.point_bytes(plan)
-            worst = max(range(len(mem)), key=mem.__getitem__, default=None)
-            if worst is None or mem[worst] <= budget:
-                return plan, 0
-            excess, t = mem[worst] - budget, self._memory.points[worst].op_index
-            room = [f for f in plan if self._covers(f, t) and plan[f] < self._stats(f).sac_memory_bytes]
-            if not room:
-                return plan, excess
-            room.sort(key=lambda f: (self._marginal_ms(f, plan[f], excess), f))
-            for f in room:
-                add = min(excess, self._stats(f).sac_memory_bytes - plan[f])
-                plan[f] += add
-                excess -= add
-                if excess == 0:
-                    break
-        mem = self._memory.point_bytes(plan)
-        return plan, max(0, max(mem, default=0) - budget)
-
-    def _polish(self, plan: dict[str, int], budget: int) -> dict[str, int]:
-        """Bytes the backend's tolerance pushed just past a step of a module's exact curve, given
-        back where the exact peak allows: dropped, or moved to another planned module that has
-        room, if that costs less. Only exact evaluations decide, so the plan stays within the
-        budget and its recompute never grows.
-
-        Why: the MILP prices the convex envelope, and its ratios are exact to about 1e-8. At the
-        smallest reachable peak of two identical blocks one solve read as {30,408,702, 30,408,704}
-        bytes (the second block whole, its last byte a 5 ms op: 7.1 ms) where {30,408,703,
-        30,408,703} fits the same peak at 2.1 ms; another fell back to the min-peak plan (both
-        blocks whole, 12.1 ms) where one byte fewer in each fits too, 2.1 ms
-        (tests/solver/test_symmetry.py)."""
-        plan = dict(plan)
-        evals = _POLISH_EVALS
-        for f in sorted(plan, key=lambda f: self.graph.node(f).index):
-            if evals <= 0:
-                break
-            s, d = self._stats(f), plan[f]
-            below = max((b for b in s.tradeoff.discarded_bytes if b < d), default=0)
-            excess = d - below
-            if not 0 < excess <= max(_POLISH_BYTES, math.ceil(_POLISH_FRACTION * s.sac_memory_bytes)):
-                continue
-            saving = self._plan_ms(f, d) - self._plan_ms(f, below)
-            if saving <= 0:
-                continue
-            trial = {**plan, f: below}
-            evals -= 1
-            if self._memory.peak(trial) <= budget:
-                plan = trial
-                continue
-            best: tuple[float, dict[str, int]] | None = None
-            for g in plan:
-                room = self._stats(g).sac_memory_bytes - plan[g]
-                if g == f or room < excess:
-                    continue
-                extra = self._plan_ms(g, plan[g] + excess) - self._plan_ms(g, plan[g])
-                if extra < saving and (best is None or extra < best[0]) and evals > 0:
-                    moved = {**trial, g: plan[g] + excess}
-                    evals -= 1
-                    if self._memory.peak(moved) <= budget:
-                        best = (extra, moved)
-            if best is not None:
-                plan = best[1]
-        return self._without_empty(plan, budget)
-
-    def _trim(self, plan: dict[str, int], budget: int, margin: int) -> dict[str, int]:
-        """Where ``margin`` bytes were discarded beyond the backend's plan (the repair of its
-        rounding, or a tighter target): each module gives back what of them the exact peak does
-        not need (binary search over the last ``margin`` bytes it discards, every step evaluated
-        exactly). Seen at the smallest reachable peak of a stack: the backend's plan left one
-        block 831 bytes short of whole and another 831 bytes over what it needed (the same MILP
-        value, equal slopes); the repair completed the first, 2.0e-5 ms over the plan that
-        HiGHS alone returned."""
-        if margin <= 0:
-            return plan
-        plan = dict(plan)
-        evals = _POLISH_EVALS
-        for f in sorted(plan, key=lambda f: self.graph.node(f).index):
-            d = plan[f]
-            lo = max(0, d - margin)
-            if self._plan_ms(f, lo) >= self._plan_ms(f, d):
-                continue
-            while lo < d and evals > 0:  # d fits; find the fewest bytes that still fit
-                mid = (lo + d) // 2
-                evals -= 1
-                if self._memory.peak({**plan, f: mid}) <= budget:
-                    d = mid
-                else:
-                    lo = mid + 1
-            if self._plan_ms(f, d) < self._plan_ms(f, plan[f]):
-                plan[f] = d
-        return self._without_empty(plan, budget)
-
-    def _without_empty(self, plan: dict[str, int], budget: int) -> dict[str, int]:
-        """``plan`` without the modules left discarding nothing (and forced to discard nothing),
-        as ``_read_plan`` reads them, where the exact peak still fits."""
-        kept = {f: d for f, d in plan.items() if d > 0 or fixed_discard_bytes(self._stats(f)) > 0}
-        return kept if len(kept) < len(plan) and self._memory.peak(kept) <= budget else plan
-
-    def _plan_ms(self, fqn: str, discarded: int) -> float:
-        return module_recompute_ms(self._stats(fqn), discarded)
-
-    def _stats(self, fqn: str) -> ModStats:
-        return self.graph.node(fqn).stats
-
-    def _covers(self, fqn: str, t: int) -> bool:
-        s = self._stats(fqn)
-        return s.fw_post_op <= t and (s.bw_pre_op == -1 or t < s.bw_pre_op)
-
-    def _marginal_ms(self, fqn: str, d: int, add: int) -> float:
-        s = self._stats(fqn)
-        return module_recompute_ms(s, min(s.sac_memory_bytes, d + add)) - module_recompute_ms(s, d)
-
     # ------------------------------------------------------------------ min peak
     def min_reachable_peak_bytes(self) -> int:
         """Smallest peak any allowed plan reaches (the smallest feasible budget), in bytes.
@@ -706,7 +581,7 @@ class SACMilp:
             )
         plan = self._read_plan(sol.values)
         for f, d in plan.items():  # undo the backend's rounding of r = 1
-            size = self._stats(f).sac_memory_bytes
+            size = self._memory.stats[f].sac_memory_bytes
             if size - d <= max(1, size * 1e-6):
                 plan[f] = size
         peak = self._memory.peak(plan)
@@ -720,8 +595,8 @@ class SACMilp:
         peak = self._memory.peak(plan)
         if peak > budget:  # guaranteed by _repair; a failure here is a bug, not bad input
             raise AssertionError(f"plan peak {peak} exceeds budget {budget}")
-        ratios = {f: plan[f] / self._stats(f).sac_memory_bytes for f in order}
-        rct = sum(module_recompute_ms(self._stats(f), plan[f]) for f in order)
+        ratios = {f: plan[f] / self._memory.stats[f].sac_memory_bytes for f in order}
+        rct = sum(module_recompute_ms(self._memory.stats[f], plan[f]) for f in order)
         return SolveResult(
             status=status, decisions=ratios, discarded_bytes={f: plan[f] for f in order},
             checkpointed=tuple(order), predicted_peak_bytes=peak,
