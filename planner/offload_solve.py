@@ -11,7 +11,7 @@ FSDP2's collectives when ``fsdp_units`` and ``world_size > 1`` are given, and so
 (so a three-way plan is never slower on the timeline than the recompute-only one). An
 offloading block's ModulePlan lists the ops whose saved outputs go to host
 (``offloaded_ops``), in forward order until the MILP's bytes are reached. The applied plan is
-traced (``planner.solve._traced_estimate``) where the apply side can offload
+traced (``planner.verification.traced_estimate``) where the apply side can offload
 (``planner.offload``), as for SAC plans.
 """
 
@@ -156,7 +156,8 @@ def plan_offload(
 ) -> Plan:
     """The keep / recompute / offload Plan for one budget (see the module docstring).
     ``info`` carries the FSDP2 additions already (``planner.solve.plan_for_budget``)."""
-    from planner.solve import PlanningError, _traced_estimate, module_plan
+    from planner.solve import PlanningError, module_plan
+    from planner.verification import traced_estimate
 
     spec = est.spec
     if spec.host_copy_bytes_per_s <= 0:
@@ -201,7 +202,7 @@ def plan_offload(
         solver_first = predict_offload_peak_bytes(first_info, res.discarded_bytes, windows,
                                                   world_size=world_size)
         if traced_ok:
-            planned = _traced_estimate(model, modules, est)
+            planned = traced_estimate(model, modules, est)
             first, steady = planned.first_step_peak_bytes, planned.steady_peak_bytes
         else:
             first, steady = solver_first, milp.peak_bytes(res.discarded_bytes,

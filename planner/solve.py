@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import math
 import time
-import warnings
 from typing import Any, Iterable
 
 import torch
@@ -38,7 +37,9 @@ from estimators.step import TrainStep, mode_changes
 from planner.floor import PeakBreakdown, lowering_hints, peak_breakdown
 from planner.fsdp import fsdp_module_info
 from planner.plan import GiB, ModulePlan, Plan, StepRecord, model_fingerprint, op_key
+from planner import verification
 from planner.report import floor_text, fmt_bytes
+from planner.verification import RecomputeDivergedError
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes, solve_op_milp
 from solver.op_milp import OpDecision
 
@@ -159,7 +160,7 @@ def _floor(milp: SACMilp, est: Estimate, info, model, world_size: int, solver_op
     res = milp.solve(low)
     modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
     try:
-        planned = _traced_estimate(model, modules, est)
+        planned = verification.traced_estimate(model, modules, est)
     except Exception as exc:  # the explanation must never hide the refusal itself
         logger.warning("could not trace the min-peak plan to explain the floor: %s", exc)
         return _Floor(low, peak_breakdown(est, world_size=world_size))
@@ -406,8 +407,8 @@ def _plan_for_budget(
     def peaks_of(res, modules) -> tuple[int, int]:
         """(first-step, steady-state) peak of a plan: traced, or the MILP's per-rank figures."""
         if verify and world_size == 1:
-            planned = _traced_estimate_or_diverged(model, modules, est)
-            culprit = _peak_in_backward_of(planned, modules)
+            planned = verification.traced_or_diverged(model, modules, est)
+            culprit = verification.peak_in_backward_of(planned, modules)
             if culprit is not None and max(planned.first_step_peak_bytes, planned.steady_peak_bytes) > usable:
                 mispriced.setdefault(culprit, f"its recompute set a traced peak of "
                                               f"{fmt_bytes(planned.steady_peak_bytes)}")
@@ -568,7 +569,7 @@ def _shared_full_plan(model, est: Estimate, info, milp: SACMilp, shared: list[st
     order = tuple(s.fqn for s in info.mod_stats if s.fqn in discarded)  # forward pre-order
     modules = tuple(module_plan(info.stats(f), discarded[f], options) for f in order)
     try:
-        planned = _traced_estimate_or_diverged(model, modules, est)
+        planned = verification.traced_or_diverged(model, modules, est)
     except RecomputeDivergedError:
         return None
     res = dataclasses.replace(
@@ -615,95 +616,3 @@ def _allowed_units(info, ac_units) -> tuple[list[str] | None, dict[str, str]]:
         return (list(ac_units) if ac_units is not None else None), {}
     names = list(ac_units) if ac_units is not None else [s.fqn for s in info.mod_stats]
     return [f for f in names if f not in excluded], excluded
-
-
-
-def _peak_in_backward_of(planned: Estimate, modules) -> str | None:
-    """The checkpointed module (innermost) in whose backward the traced peak falls, if any."""
-    from estimators.module_info import Phase
-
-    trace = planned.trace
-    op = trace.ops[planned.timeline.peak_op_index]
-    names = {m.fqn for m in modules}
-    c = op.call if op.phase is Phase.BW else -1
-    while c >= 0:
-        if trace.calls[c].fqn in names:
-            return trace.calls[c].fqn
-        c = trace.calls[c].parent
-    return None
-
-
-def _traced_peak(model, modules, est: Estimate) -> tuple[int, int]:
-    """(first-step, steady-state) peak of the planned model, from a trace of the same step, mode
-    and runtime as the estimate's (real mode applies the plan to the model and removes it)."""
-    planned = _traced_estimate(model, modules, est)
-    return planned.first_step_peak_bytes, planned.steady_peak_bytes
-
-
-class RecomputeDivergedError(RuntimeError):
-    """The verification trace found planned modules whose recompute diverged from their forward."""
-
-    def __init__(self, fqns: list[str]) -> None:
-        super().__init__(f"the recompute of {', '.join(fqns)} ran other ops than the forward")
-        self.fqns = fqns
-
-
-def _traced_estimate_or_diverged(model, modules, est: Estimate) -> Estimate:
-    """``_traced_estimate``, raising ``RecomputeDivergedError`` where a planned module's
-    recompute diverged from its forward (the trace would then measure a fallback, or torch's
-    checkpoint would refuse the recompute's metadata); other warnings pass through."""
-    planned, error, diverged, others = _trace_noting_divergence(model, modules, est)
-    for w in others:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    if diverged:
-        raise RecomputeDivergedError(diverged) from error
-    if error is not None:
-        culprits = _full_checkpoints_that_diverge(model, modules, est)
-        if culprits:
-            raise RecomputeDivergedError(culprits) from error
-        raise error
-    return planned
-
-
-def _trace_noting_divergence(model, modules, est: Estimate) -> tuple[Estimate | None, Exception | None,
-                                                                     list[str], list]:
-    """(the trace or None, torch's CheckpointError or None, the modules whose recompute
-    diverged, the other warnings the trace gave)."""
-    from planner.planned_forward import CheckpointDivergenceWarning
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            planned, error = _traced_estimate(model, modules, est), None
-        except torch.utils.checkpoint.CheckpointError as e:
-            planned, error = None, e
-    ours = [w.message.fqn for w in caught if isinstance(w.message, CheckpointDivergenceWarning)]
-    others = [w for w in caught if not isinstance(w.message, CheckpointDivergenceWarning)]
-    return planned, error, list(dict.fromkeys(f for f in ours if f)), others
-
-
-def _full_checkpoints_that_diverge(model, modules, est: Estimate) -> list[str]:
-    """The fully checkpointed modules of ``modules`` whose recompute runs other ops than their
-    forward, found by tracing them again replayed op by op (selective, nothing saved: the
-    divergence then names its module). torch's own check of a full checkpoint only raises a
-    CheckpointError naming no module (a module that runs an extra op when run in the backward)."""
-    full = {m.fqn for m in modules if m.full}
-    if not full:
-        return []
-    replayed = [dataclasses.replace(m, full=False) if m.full else m for m in modules]
-    try:
-        diverged = _trace_noting_divergence(model, replayed, est)[2]
-    except Exception:  # noqa: BLE001 - only an explanation: never hide torch's own error
-        return []
-    return [f for f in diverged if f in full]
-
-
-def _traced_estimate(model, modules, est: Estimate) -> Estimate:
-    """The estimate of the model with ``modules`` applied (``est`` itself when empty)."""
-    if not modules:
-        return est
-    from planner.checkpointing import apply_module_plans
-
-    opts = dataclasses.replace(est.options, progress=False)
-    return estimate(model, step=est.step, device=est.spec, options=opts,
-                    prepare=lambda m: apply_module_plans(m, modules))

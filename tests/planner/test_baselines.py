@@ -22,7 +22,8 @@ from planner.baselines import (
     op_sac_module,
 )
 from planner.report import tradeoff_table_text
-from planner.solve import _traced_peak, module_plan, plan_for_budget
+from planner.solve import module_plan, plan_for_budget
+from planner.verification import traced_peak
 from planner.tradeoff import tradeoff_curve
 from solver import SolverOptions, predict_peak_bytes
 from solver.plan_cost import module_recompute_ms
@@ -69,7 +70,7 @@ def test_realised_plans_also_beat_the_baselines():
     info = est.module_info
     for b in hand_made_baselines(info)[1:]:
         applied = tuple(module_plan(info.stats(f), d) for f, d in b.discarded_bytes.items())
-        reached = max(_traced_peak(model, applied, est))
+        reached = max(traced_peak(model, applied, est))
         plan = plan_for_budget(model, est, reached, solver_options=EXACT)
         assert plan.predicted_peak_bytes <= reached, b.name
         assert plan.recompute_ms <= b.recompute_ms, (b.name, plan.recompute_ms, b.recompute_ms)

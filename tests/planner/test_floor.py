@@ -11,7 +11,7 @@ from estimators.estimation import estimate
 from examples import EXAMPLES
 from examples.gpt import GPTConfig, build_gpt
 from planner import PlanningError, solve_sac
-from planner import solve as solve_mod
+from planner import verification
 from planner.floor import lowering_hints, peak_breakdown
 from planner.plan import GiB
 from planner.solve import plan_for_budget
@@ -83,7 +83,7 @@ def test_stated_smallest_budget_verifies_with_the_default_cuda_reserve():
 def test_stated_smallest_budget_verifies_when_traces_overshoot_the_milp(monkeypatch):
     # Make every planned trace 10 % above what it is, as when the MILP is optimistic: the stated
     # floor is then the traced min-peak plan, and asking for it must give that plan.
-    real = solve_mod._traced_estimate
+    real = verification.traced_estimate
 
     def overshooting(model, modules, est, *a, **k):
         out = real(model, modules, est, *a, **k)
@@ -92,7 +92,7 @@ def test_stated_smallest_budget_verifies_when_traces_overshoot_the_milp(monkeypa
         info = dataclasses.replace(out.module_info, peak_bytes=int(out.module_info.peak_bytes * 1.10))
         return dataclasses.replace(out, module_info=info)
 
-    monkeypatch.setattr(solve_mod, "_traced_estimate", overshooting)
+    monkeypatch.setattr(verification, "traced_estimate", overshooting)
     model, inputs = EXAMPLES["gpt_demo"]()
     est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam")
     milp = SACMilp(est.module_info)

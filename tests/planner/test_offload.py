@@ -27,7 +27,8 @@ from planner.measure import measure_steps
 from planner.offload import MIN_OFFLOAD_BYTES, OffloadError, predicted_host_bytes
 from planner.plan import ModulePlan, op_key
 from planner.planned_forward import PlannedForward
-from planner.solve import _traced_estimate, module_plan
+from planner.solve import module_plan
+from planner.verification import traced_estimate
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -148,7 +149,7 @@ def test_offload_plans_are_exact_and_predicted(name, mode, monkeypatch):
     with hf_cache_off(ref_model):
         ref = _loss_grads_buffers(ref_model, inputs)
     model, _ = _build(name)
-    predicted = _traced_estimate(model, plans, est)
+    predicted = traced_estimate(model, plans, est)
     handle = apply_module_plans(model, plans)
     _assert_same(_loss_grads_buffers(model, inputs), ref)
 
@@ -312,7 +313,7 @@ def test_micro_batches_offload_each_micro_batch():
     step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw", micro_batches=2)
     est = estimate(model, step=step, device="cpu")
     plans = _offload_plans(est, _CASES["gpt_demo"][0], "alone", MIN_OFFLOAD_BYTES)
-    predicted = _traced_estimate(model, plans, est)
+    predicted = traced_estimate(model, plans, est)
     with apply_module_plans(model, plans) as handle:
         _, steady = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=2)
         assert steady.peak_bytes == predicted.steady_peak_bytes  # measured error 0 B
@@ -329,7 +330,7 @@ def test_offload_around_a_checkpointed_submodule(mode):
     plans += (ModulePlan(fqn="GPT.blocks.0.mlp", discard_ratio=1.0, full=True),)
     model, inputs = _build("gpt_demo")
     ref = _loss_grads_buffers(copy.deepcopy(model), inputs)
-    predicted = _traced_estimate(model, plans, est)
+    predicted = traced_estimate(model, plans, est)
     with apply_module_plans(model, plans) as handle:
         _assert_same(_loss_grads_buffers(model, inputs), ref)
         step = _step(model, inputs)
@@ -359,7 +360,7 @@ def test_hf_mistral_bf16_autocast_micro_batches_host_bytes_are_predicted(monkeyp
         est = estimate(model, step=step, device="cpu")
     plans = _offload_plans(est, ("MistralForCausalLM.model.layers.0",), "alone", 1024)
     host_predicted = sum(predicted_host_bytes(est.trace, plans, micro_batches=2).values())
-    predicted = _traced_estimate(model, plans, est)
+    predicted = traced_estimate(model, plans, est)
 
     ref_model, _ = build()
     ref = measure_steps(ref_model, step, torch.optim.AdamW(ref_model.parameters()), n_steps=2)

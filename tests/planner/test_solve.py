@@ -315,7 +315,7 @@ def test_a_full_checkpoint_torch_refuses_is_left_out_by_name():
     from planner.tradeoff import tradeoff_curve
 
     table = tradeoff_curve(model, step=step)
-    with pytest.raises(PlanningError, match=r"left out as unsafe to checkpoint: Sequential\.1 \(its recompute") as e:
+    with pytest.raises(PlanningError, match=r"left out as unsafe to checkpoint: Sequential\.1 \(its recompute"):
         solve_sac(model, table.min_reachable_peak_bytes / GiB, step=step)
     lo, hi = table.min_reachable_peak_bytes, table.no_ac_peak_bytes
     plan = solve_sac(model, (lo + 0.6 * (hi - lo)) / GiB, step=step)

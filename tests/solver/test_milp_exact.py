@@ -16,10 +16,11 @@ import random
 import pytest
 import torch
 
-from estimators.estimation import EstimateOptions, estimate
+from estimators.estimation import estimate
 from examples import EXAMPLES
 from planner.baselines import find_blocks
-from planner.solve import _traced_peak, module_plan
+from planner.solve import module_plan
+from planner.verification import traced_peak
 from solver import SACMilp, predict_peak_bytes
 from solver.graph import Graph
 
@@ -85,7 +86,7 @@ def _check(name: str, plan: dict[str, int]) -> tuple[int, int]:
     model, inputs, loss_fn, est = _setup(name)
     info = est.module_info
     mods = tuple(module_plan(info.stats(f), d) for f, d in plan.items())
-    traced = _traced_peak(model, mods, est)[1]  # the steady state: what the MILP is built on
+    traced = traced_peak(model, mods, est)[1]  # the steady state: what the MILP is built on
     # The op plan's discard includes the forced ones; the solver's is the curve's part alone.
     curve = {m.fqn: min(info.stats(m.fqn).sac_memory_bytes,
                         max(0, m.discarded_bytes - info.stats(m.fqn).forced_discard_bytes))

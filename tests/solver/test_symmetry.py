@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
-from solver import SACMilp, SolverOptions, SolveStatus, predict_peak_bytes
+from solver import SACMilp, SolverOptions, predict_peak_bytes
 from tests.solver.test_milp_properties import _curve, _nbytes, module_infos
 
 MiB = 2**20
