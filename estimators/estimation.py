@@ -66,7 +66,7 @@ from estimators.hf_paths import hf_real_paths
 from estimators.device import DeviceSpec, get_device_spec
 from estimators.memory import MemoryTimeline, build_timeline
 from estimators.runtime import RuntimeKind, make_runtime_model
-from estimators.step import StepError, TrainStep, run_step, step_mode
+from estimators.step import StepError, TrainStep, run_step, step_mode, values_read_in
 from estimators.module_info import ModuleInfo, Phase
 from estimators.trace import StepTrace, StepTracer, StorageKind
 
@@ -218,6 +218,16 @@ def _fake_tensor(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
+def _fake_buffer(mode: FakeTensorMode, b: torch.Tensor) -> torch.Tensor:
+    """A fake buffer; a one-element integer one (a counter) keeps a copy of its value, so code
+    that reads it goes on as in the real step: ``BatchNorm2d(momentum=None)`` divides by
+    ``float(num_batches_tracked)``, which a plain fake tensor refuses (torch's fake tensors run
+    ops on such constants and keep the result; a copy, so the user's buffer never changes)."""
+    if b.device.type == "cpu" and b.numel() == 1 and not b.is_floating_point() and not b.is_complex():
+        return mode.fake_tensor_converter.from_real_tensor(mode, b.detach().clone(), make_constant=True)
+    return _fake_tensor(mode, b)
+
+
 def _fake_copy(model: torch.nn.Module, mode: FakeTensorMode) -> tuple[torch.nn.Module, dict]:
     """Deep copy of ``model`` whose parameters and buffers are fake (shared ones stay shared)."""
     memo: dict[int, Any] = {}
@@ -229,7 +239,7 @@ def _fake_copy(model: torch.nn.Module, mode: FakeTensorMode) -> tuple[torch.nn.M
             mapping[id(p)] = fp
     for b in model.buffers():
         if id(b) not in memo:
-            memo[id(b)] = _fake_tensor(mode, b)
+            memo[id(b)] = _fake_buffer(mode, b)
     try:
         return copy.deepcopy(model, memo), mapping
     except Exception as e:  # noqa: BLE001 - user modules can hold anything
@@ -361,9 +371,15 @@ def _trace_step(
         if not fake:
             restore.enter_context(_restored(model))
         groups = _param_groups(model, step.optimizer, mapping)
-        opt = resolve_optimizer(step.optimizer, groups, spec, fake)
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            _steady_state(traced, opt, step, without_grad)
+            # Built in the mode: a constructor that makes state (Adagrad's step count) makes it
+            # fake, with the value fake tensors keep for constants (a real one read by .item()
+            # inside the fake step raised DataDependentOutputException).
+            opt = resolve_optimizer(step.optimizer, groups, spec, fake)
+            try:
+                _steady_state(traced, opt, step, without_grad)
+            except StepError as e:
+                raise TraceError(str(e)) from e.__cause__
         tracer = StepTracer(
             traced, type(model).__name__, make_runtime_model(options.runtime, spec),
             inputs=step_inputs, optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
@@ -459,7 +475,8 @@ def _steady_state(
         for p in params:
             p.grad = torch.zeros_like(p)
     if opt is not None:
-        opt.step()
+        with values_read_in(f"the optimizer step ({type(opt).__name__})"):
+            opt.step()
     for p in params:
         if step.grads_alive_at_start:
             p.grad.zero_()

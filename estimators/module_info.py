@@ -103,6 +103,13 @@ class SACOp:
     """For an in-place op, the index (in this table) of the op that created the storage it
     mutates; the two are saved or recomputed together. Its own index when that storage was made
     outside the module (the op must then be saved). -1 for ops that are not in-place."""
+    reads_before_mutation: tuple[int, ...] = ()
+    """Indices (in this table) of the ops that created storages this op reads before a later
+    in-place op of the module mutates them; its own index for a storage made outside the module.
+    A saved storage holds its mutated values, so a recompute of this op would read those: it shares
+    the decision of each creator (its own index: it must be saved). Seen: the clone autograd makes
+    of a conv output for ``SiLU(inplace=True)``'s backward, recomputed from the saved conv output
+    after ``silu_`` had overwritten it, gave wrong gradients."""
     is_random: bool = False
     """Draws random numbers; all random ops of a module are recomputed together or not at all."""
     is_saved: bool = False
@@ -409,7 +416,8 @@ class ModuleInfo:
 def _mod_stats_from_dict(s: dict[str, Any]) -> ModStats:
     s = dict(s)
     tc = s.pop("tradeoff", None) or {}
-    ops = tuple(SACOp(**o) for o in s.pop("ops", ()))
+    ops = tuple(SACOp(**{**o, "reads_before_mutation": tuple(o.get("reads_before_mutation", ()))})
+                for o in s.pop("ops", ()))
     curve = TradeoffCurve(
         discarded_bytes=tuple(tc.get("discarded_bytes", (0,))),
         recompute_ms=tuple(tc.get("recompute_ms", (0.0,))),

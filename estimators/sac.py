@@ -51,9 +51,9 @@ def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
     ops: list[SACOp] = []
     seen: dict[str, int] = {}
     creator: dict[int, int] = {}  # sid -> index in `ops`
-    for rec in trace.ops[call.fw_first_op : call.fw_last_op + 1]:
-        if rec.phase is not Phase.FW:
-            continue
+    recs = [r for r in trace.ops[call.fw_first_op : call.fw_last_op + 1] if r.phase is Phase.FW]
+    last_write = {sid: i for i, r in enumerate(recs) for sid in r.mutated_sids}
+    for rec in recs:
         name = str(rec.func)
         occ = seen.get(name, 0)
         seen[name] = occ + 1
@@ -72,6 +72,10 @@ def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
                 # saves): their backward runs before this module's, so a cached copy would
                 # outlive the unplanned one until this module's backward ends.
                 unsaved += st.nbytes
+        # Storages read here that a later op mutates in place: a saved copy would hold the
+        # mutated values at recompute time (see SACOp.reads_before_mutation).
+        stale = tuple(sorted({creator.get(sid, i) for sid in rec.arg_sids
+                              if last_write.get(sid, -1) > i and sid not in rec.mutated_sids}))
         parent = -1
         if rec.mutated_sids:
             parent = creator.get(rec.mutated_sids[0], i)
@@ -84,6 +88,7 @@ def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
                 memory_bytes=memory,
                 is_view=rec.is_view,
                 inplace_parent=parent,
+                reads_before_mutation=stale,
                 is_random=rec.is_random,
                 is_saved=saved,
                 cache_cost_bytes=unsaved if saved else 0,

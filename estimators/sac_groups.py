@@ -9,6 +9,9 @@ hands its solver index lists of view-like, in-place and random ops. Rules, over 
   (``inplace_parent``; chains of in-place ops form one group);
 * an in-place op whose ``inplace_parent`` is its own index mutates a storage made outside the
   module: its group must be saved (recomputing it would apply the mutation a second time);
+* an op that reads a storage before a later in-place op mutates it shares the decision of the
+  op that created it (``reads_before_mutation``; saved, that storage holds the mutated values
+  when the recompute reads it); a storage made outside the module: its group must be saved;
 * all random ops of the module form one group (a checkpoint replays the RNG from the start of the
   region, so the recompute draws the forward's numbers only if they are recomputed together);
 * a group holding a view or an op with a cache cost (outputs autograd does not keep) must be
@@ -68,10 +71,18 @@ def sac_groups(ops: Sequence[SACOp]) -> tuple[SACGroup, ...]:
                 f"its own index, or be -1, got {p!r}"
             )
         uf.union(i, p)
+    for i, op in enumerate(ops):
+        for p in op.reads_before_mutation:
+            if not (isinstance(p, int) and 0 <= p <= i):
+                raise ValueError(
+                    f"op {i} ({op.func}): reads_before_mutation must index earlier ops of this "
+                    f"table or the op itself, got {p!r}"
+                )
+            uf.union(i, p)
     uf.union(*(i for i, op in enumerate(ops) if op.is_random))
     groups = []
     for members in sorted(sorted(s) for s in uf.to_sets()):
-        must_save = any(ops[i].inplace_parent == i for i in members)
+        must_save = any(ops[i].inplace_parent == i or i in ops[i].reads_before_mutation for i in members)
         recompute = any(ops[i].is_view or ops[i].cache_cost_bytes > 0 for i in members)
         groups.append(
             SACGroup(

@@ -34,7 +34,8 @@ from estimators.module_info import Phase
 if TYPE_CHECKING:
     from estimators.device import DeviceSpec
 
-__all__ = ["StepError", "TrainStep", "ZeroGrad", "split_inputs", "run_step", "step_mode", "mode_changes", "zero_grads"]
+__all__ = ["StepError", "TrainStep", "ZeroGrad", "split_inputs", "run_step", "step_mode", "mode_changes", "zero_grads",
+           "values_read_in"]
 
 
 class StepError(RuntimeError):
@@ -311,7 +312,7 @@ def run_step(
                     raise  # says itself which op failed and what to do
                 raise StepError(_forward_hint(model, e, kwargs)) from e
             held = out if keep_output else None  # `out = model(...)` lets go of the previous output
-            with _values_read_in("the loss function"):
+            with values_read_in("the loss function"):
                 loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
             _check_loss(loss)
             del out
@@ -319,14 +320,14 @@ def run_step(
                 loss = loss / micro_batches
         if on_phase:
             on_phase(Phase.BW)
-        with _values_read_in("the backward (a backward hook or a custom autograd Function)"):
+        with values_read_in("the backward (a backward hook or a custom autograd Function)"):
             loss.backward()
         value = _value(loss)
         del loss
     if optimizer is not None:
         if on_phase:
             on_phase(Phase.OPTIM)
-        with _values_read_in("the optimizer step"):
+        with values_read_in(f"the optimizer step ({type(optimizer).__name__})"):
             optimizer.step()
     if held_output is not None and keep_output:
         held_output[0] = held  # the loop's `out` outlives the step, into the next one's forward
@@ -392,7 +393,7 @@ def _reads_values(e: Exception) -> bool:
 
 
 @contextlib.contextmanager
-def _values_read_in(where: str):
+def values_read_in(where: str):
     """Only the forward's errors were explained; a ``.item()`` in a backward hook (gradient-norm
     logging), the loss or the optimizer surfaced as torch's bare DataDependentOutputException."""
     try:

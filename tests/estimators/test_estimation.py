@@ -399,3 +399,33 @@ def test_no_host_draws_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error", HostRandomnessWarning)
         estimate(torch.nn.Linear(4, 4), inputs=(torch.randn(2, 4),))
+
+
+def test_optimizers_that_make_state_in_their_constructor_trace_in_fake_mode():
+    # Adagrad makes its step counts in __init__; built outside the fake mode they were real, and
+    # its step's .item() on them raised torch's bare DataDependentOutputException.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    step = TrainStep(inputs=(torch.randn(8, 16),), optimizer=torch.optim.Adagrad)
+    est = estimate(model, step=step)
+    first, steady, _ = [m.peak_bytes for m in measure_steps(model, step, torch.optim.Adagrad(model.parameters()),
+                                                            n_steps=3)]
+    assert (est.first_step_peak_bytes, est.steady_peak_bytes) == (first, steady)
+    # ASGD reads its (non-constant) state with .item() inside the step: a clear refusal.
+    with pytest.raises(TraceError, match=r"the optimizer step \(ASGD\) raised DataDependentOutputException.*"
+                                         r"trace in real mode"):
+        estimate(model, step=dataclasses.replace(step, optimizer=torch.optim.ASGD))
+
+
+def test_a_batchnorm_that_reads_its_counter_traces_in_fake_mode_and_keeps_the_user_s_counter():
+    # BatchNorm2d(momentum=None) divides by float(num_batches_tracked): a fake copy of the
+    # counter keeps its value (the trace refused the model before), and the user's stays put.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8, momentum=None),
+                                torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+    model[1].num_batches_tracked.fill_(5)
+    step = TrainStep(inputs=(torch.randn(2, 3, 12, 12),), optimizer="adamw", micro_batches=2)
+    est = estimate(model, step=step)
+    assert model[1].num_batches_tracked.item() == 5
+    peaks = [m.peak_bytes for m in measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)]
+    assert (est.first_step_peak_bytes, est.steady_peak_bytes) == tuple(peaks[:2])

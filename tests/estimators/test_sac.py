@@ -160,3 +160,30 @@ def test_storage_saved_by_another_module_frees_nothing():
     tanh = next(o for o in st.ops if o.func == "aten.tanh.default")
     assert tanh.is_saved and tanh.memory_bytes == 0
     assert st.sac_memory_bytes == 0
+
+
+class ConvInplaceSiLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.act, self.conv2 = nn.Conv2d(4, 8, 1), nn.SiLU(inplace=True), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.conv2(self.act(self.conv1(x)))
+
+
+def test_a_read_before_an_inplace_op_shares_the_decision_of_what_it_reads():
+    # silu_ overwrites the conv output; its backward needs the input, so autograd clones it
+    # first. Recomputing that clone from the saved (overwritten) conv output read silu's values:
+    # wrong gradients, 3.3e-4 off. The clone now goes with the conv (and silu_, its in-place op).
+    x = torch.randn(2, 4, 6, 6)
+    for options in (REAL, EstimateOptions()):
+        st = estimate(Wrap(ConvInplaceSiLU()), (x,), options=options).module_info.stats("Wrap.inner")
+        funcs = [o.func for o in st.ops]
+        conv, clone, silu = (funcs.index(f) for f in ("aten.convolution.default", "aten.clone.default",
+                                                        "aten.silu_.default"))
+        assert conv < clone < silu
+        assert st.ops[clone].reads_before_mutation == (conv,)
+        assert st.ops[silu].inplace_parent == conv
+        units = greedy_units(st.ops)
+        assert any({conv, clone, silu} <= set(u.ops) for u in units)
+        assert not any(clone in u.ops and conv not in u.ops for u in units)

@@ -48,3 +48,21 @@ def test_outside_mutation_must_be_saved_and_wins_over_a_cache_cost():
 def test_inplace_parent_must_be_an_earlier_op(parent):
     with pytest.raises(ValueError, match="inplace_parent must index an earlier op"):
         sac_groups((op(0), op(1, inplace_parent=parent), op(2)))
+
+
+def test_a_read_before_an_inplace_mutation_shares_the_creator_s_decision():
+    # 0 makes a storage, 1 reads it (autograd's clone for silu_'s backward), 2 mutates it (silu_):
+    # saved, the storage holds 2's values, so 1 recomputed from it would read them.
+    ops = (op(0, 8), op(1, 8, reads_before_mutation=(0,)), op(2, 0, inplace_parent=0), op(3, 8))
+    groups = sac_groups(ops)
+    assert [g.ops for g in groups] == [(0, 1, 2), (3,)]
+    assert groups[0].is_choice and groups[0].memory_bytes == 16
+    # A storage made outside the module, read and then mutated in it: the reader must be saved.
+    outside = sac_groups((op(0, 8, reads_before_mutation=(0,)), op(1, 0, inplace_parent=1)))
+    assert [(g.ops, g.must_save) for g in outside] == [((0,), True), ((1,), True)]
+
+
+@pytest.mark.parametrize("link", [(2,), (-1,)])
+def test_reads_before_mutation_must_index_earlier_ops(link):
+    with pytest.raises(ValueError, match="reads_before_mutation must index earlier ops"):
+        sac_groups((op(0), op(1, reads_before_mutation=link), op(2)))
