@@ -60,7 +60,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_CACHE_OFF = "_sac_planner_use_cache_off"  # root attribute: the HF configs whose cache we turned off
+_CACHE_OFF = "_sac_planner_use_cache_off"
+"""Attribute of the module that owns an HF config (the outermost with it as ``.config``): the
+configs whose cache a plan turned off. On the owner, not the module the plan was applied to, so
+``remove_plan`` through a wrapper (peft's PeftModel) or on the inner model finds it."""
 
 
 class PlanMismatchError(ValueError):
@@ -77,11 +80,10 @@ def _is_planned(mod: torch.nn.Module) -> bool:
 
 def _existing_checkpointing(model: torch.nn.Module) -> str | None:
     root = type(model).__name__
-    if _CACHE_OFF in model.__dict__:  # a plan with no module turns the cache off, nothing else
-        return f"{root} already has a SAC Planner plan applied; call remove_plan(model) first"
     for name, mod in model.named_modules():
         where = name or root
-        if _is_planned(mod):
+        # A plan with no module turns the cache off, nothing else.
+        if _is_planned(mod) or _CACHE_OFF in mod.__dict__:
             return f"{where} already has a SAC Planner plan applied; call remove_plan(model) first"
         if getattr(mod, "gradient_checkpointing", False) is True:
             return (
@@ -178,7 +180,7 @@ class AppliedPlan:
             _restore(mod)
         for mod in self.model.modules():
             offload.remove_sibling_hooks(mod)
-        _restore_cache(self.model)
+        _restore_caches(self.model)
         offload.clear_pending()
         self.modules = []
 
@@ -219,9 +221,16 @@ def _restore(mod: torch.nn.Module) -> bool:
     return True
 
 
-def _restore_cache(model: torch.nn.Module) -> None:
-    for cfg in model.__dict__.pop(_CACHE_OFF, ()):
-        cfg.use_cache = True
+def _restore_caches(model: torch.nn.Module) -> None:
+    for mod in model.modules():
+        for cfg in mod.__dict__.pop(_CACHE_OFF, ()):
+            cfg.use_cache = True
+
+
+def _mark_caches_off(model: torch.nn.Module, configs: list) -> None:
+    for cfg in configs:
+        owner = next(m for m in model.modules() if getattr(m, "config", None) is cfg)
+        owner.__dict__.setdefault(_CACHE_OFF, []).append(cfg)
 
 
 def _check_not_compiled(model: torch.nn.Module) -> None:
@@ -289,7 +298,7 @@ def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan]) ->
         cache = hf_cache_off(model)
         if cache.configs:
             cache.__enter__()
-            model.__dict__[_CACHE_OFF] = cache.configs
+            _mark_caches_off(model, cache.configs)
     except BaseException:
         for mod in done:
             _restore(mod)
@@ -347,6 +356,6 @@ def remove_plan(model: torch.nn.Module) -> int:
     n = sum(_restore(mod) for mod in model.modules())
     for mod in model.modules():
         offload.remove_sibling_hooks(mod)
-    _restore_cache(model)
+    _restore_caches(model)
     offload.clear_pending()
     return n

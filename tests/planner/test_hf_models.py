@@ -243,3 +243,34 @@ def test_an_empty_plan_runs_the_step_it_predicts():
     assert planned.config.use_cache is True
     assert peaks[1] == plan.predicted_peak_bytes
     assert "nothing to checkpoint: the step fits as it is once applied, with HF use_cache off" in plan.summary()
+
+
+class _Wrapper(torch.nn.Module):
+    """A user's (or peft's) module around the HF model."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, **kwargs):
+        return self.lm(**kwargs)
+
+
+def test_remove_plan_through_a_wrapper_or_on_the_inner_model_turns_the_cache_back_on():
+    # The configs a plan turned off were noted on the module it was applied to: remove_plan
+    # through a wrapper (peft's PeftModel) or on the inner model left use_cache False, and a
+    # later save_pretrained wrote it so.
+    from planner import remove_plan
+
+    model, inputs = _build("qwen2")
+    wrapped = _Wrapper(model)
+    plan = solve_sac(wrapped, budget_gib=1.0, inputs=inputs, loss_fn=lambda out, _: out.loss, verify=False)
+    apply_plan(wrapped, plan)
+    assert model.config.use_cache is False
+    with pytest.raises(AlreadyCheckpointedError):
+        apply_plan(model, plan, check_fingerprint=False)  # the inner model: applied too
+    remove_plan(model)
+    assert model.config.use_cache is True
+    apply_plan(wrapped, plan)
+    remove_plan(_Wrapper(wrapped))
+    assert model.config.use_cache is True
