@@ -176,6 +176,7 @@ class TrainStep:
         """One line for a plan's notes."""
         opt = self.optimizer
         name = opt if isinstance(opt, str) or opt is None else getattr(opt, "__name__", type(opt).__name__)
+        name = "a factory function" if name == "<lambda>" else name
         amp = str(self.autocast_dtype).replace("torch.", "") if self.autocast_dtype else "off"
         return (
             f"step: optimizer {name}, {self.micro_batches} micro-batch(es), zero_grad "

@@ -329,6 +329,23 @@ def unplanned_peak_bytes(model: torch.nn.Module, est: Estimate) -> int | None:
     return estimate(model, step=est.step, device=est.spec, options=opts).module_info.peak_bytes
 
 
+_OUTPUT_NOTE_FRACTION = 0.01
+"""A dropped model output at least this share of the peak is named in the plan's notes."""
+
+
+def _output_note(info, step: TrainStep) -> str | None:
+    """The step drops the model output before backward (``keep_output=False``, the default); a
+    loop that holds it (``out = model(**batch); out.loss.backward()``) peaks higher by up to its
+    size and nothing else would say so (a Qwen2: 262,144 B of logits, 8 %, over budget)."""
+    root = info.stats(info.mod_order.fw_pre_order[0]) if info.mod_order.fw_pre_order else None
+    if step.keep_output or root is None or root.output_bytes < _OUTPUT_NOTE_FRACTION * info.peak_bytes:
+        return None
+    return (f"the step drops the model output ({fmt_bytes(root.output_bytes)}) once the loss is "
+            "computed, as `loss = model(**batch).loss` and `loss = loss_fn(model(x), y)` do; a loop "
+            "that holds it through backward (`out = model(**batch); out.loss.backward()`) peaks up "
+            "to that much higher: plan it with TrainStep(keep_output=True)")
+
+
 def _mode_note(model: torch.nn.Module, step: TrainStep) -> str | None:
     """Say which modules in eval mode were planned in train mode (``TrainStep.train_mode``)."""
     switched = mode_changes(model, step.train_mode)
@@ -377,7 +394,7 @@ def _plan_for_budget(
     first_info = first_step_module_info(info)
     t0 = time.perf_counter()
     notes: list[str] = [est.step.describe()] + [
-        n for n in (hf_cache_note(model), _mode_note(model, est.step)) if n]
+        n for n in (hf_cache_note(model), _mode_note(model, est.step), _output_note(info, est.step)) if n]
     allowed, excluded = _allowed_units(info, ac_units)
     notes += [f"{fqn} not checkpointed: {why}" for fqn, why in excluded.items()]
     shared_fqns = _shared_modules(info, allowed, excluded)

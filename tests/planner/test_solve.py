@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -580,3 +581,15 @@ def test_a_small_budget_for_a_gpu_names_the_default_reserve():
     model, inputs = EXAMPLES["gpt_tiny"]()
     with pytest.raises(PlanningError, match=r"the default on a CUDA target.*reserve_gib=0 plans the budget as given"):
         solve_sac(model, budget_gib=0.003, inputs=inputs, loss_fn=model.loss_fn, device="h100", verify=False)
+
+
+def test_a_dropped_output_the_size_of_a_few_percent_of_the_peak_is_named_in_the_notes():
+    # A loop that holds the output through backward but was planned without keep_output peaks
+    # higher by up to the output's size (a Qwen2: 262,144 B of logits, 8 %), and nothing said so.
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer=lambda ps: torch.optim.AdamW(ps))
+    notes = solve_sac(model, budget_gib=0.01, step=step, verify=False).notes
+    assert "optimizer a factory function" in notes[0]
+    assert any("drops the model output (64.00 KiB)" in n and "TrainStep(keep_output=True)" in n for n in notes)
+    kept = solve_sac(model, budget_gib=0.01, step=dataclasses.replace(step, keep_output=True), verify=False)
+    assert not any("drops the model output" in n for n in kept.notes)
