@@ -66,6 +66,7 @@ from estimators.hf_paths import hf_real_paths
 from estimators.device import DeviceSpec, get_device_spec
 from estimators.memory import MemoryTimeline, build_timeline
 from estimators.runtime import RuntimeKind, make_runtime_model
+from estimators import fake_leaks
 from estimators.step import StepError, TrainStep, run_step, step_mode, values_read_in
 from estimators.module_info import ModuleInfo, Phase
 from estimators.trace import StepTrace, StepTracer, StorageKind
@@ -310,7 +311,8 @@ def estimate(
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
     t0 = time.perf_counter()
-    trace, without_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, frozenset())
+    with _trace_mode(fake) as box:
+        trace, without_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, frozenset(), box.mode)
     if without_grad and (step.optimizer is not None or step.grads_alive_at_start):
         # torch's optimizers create no state for (and do not step) a parameter whose .grad is
         # None, and a parameter the loss never reaches never gets one (an unused pooler, a frozen
@@ -318,7 +320,8 @@ def estimate(
         # has them from step 2 on, without gradient or state.
         logger.info("%d parameter(s) get no gradient in the step (%s); traced again without their "
                     "optimizer state", len(without_grad), ", ".join(sorted(without_grad)[:3]))
-        trace, _ = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad)
+        with _trace_mode(fake) as box:
+            trace, _ = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad, box.mode)
     timeline = build_timeline(trace)
     info = build_module_info(trace, timeline)
     dt = time.perf_counter() - t0
@@ -347,16 +350,23 @@ def _check_held_is_not_the_model(model: torch.nn.Module, step: TrainStep) -> Non
             )
 
 
+def _trace_mode(fake: bool) -> contextlib.AbstractContextManager[fake_leaks.FakeTrace]:
+    """The fake mode of one trace (``.mode``, None in real mode); what the trace leaves held in
+    the process is cleared when it ends (``estimators.fake_leaks``)."""
+    return fake_leaks.fake_trace_mode() if fake else contextlib.nullcontext(fake_leaks.FakeTrace(None))
+
+
 def _trace_step(
     model: torch.nn.Module, step: TrainStep, spec: DeviceSpec, options: EstimateOptions,
     prepare: Callable[[torch.nn.Module], Any] | None, cuda_rules: bool, without_grad: frozenset[str],
+    fake_mode: FakeTensorMode | None,
 ) -> tuple[StepTrace, frozenset[str]]:
     """One traced step of the steady state, and the names of the trainable parameters that got
     no gradient in it. ``without_grad``: parameters that start the step with neither
-    gradient nor optimizer state (they got none in a previous trace)."""
-    fake = options.mode is TraceMode.FAKE
+    gradient nor optimizer state (they got none in a previous trace). ``fake_mode``: the mode
+    of a fake trace, None for a real one."""
+    fake = fake_mode is not None
     if fake:
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         traced, mapping = _fake_copy(model, fake_mode)
         step_inputs = tree_map(
             lambda t: _fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, step.inputs

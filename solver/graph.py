@@ -223,7 +223,34 @@ def _pre_order(names: Sequence[str], mod_order: ModOrder | None) -> list[str]:
     if set(pre) != known:
         missing = sorted(known - set(pre))[:5]
         raise GraphError(f"mod_order.fw_pre_order misses modules: {missing}")
-    return pre
+    return _parents_first(pre, names[0])
+
+
+def _parents_first(first_calls: list[str], root: str) -> list[str]:
+    """The tree in pre-order, each module's children in the order their subtrees were first
+    called. The same list where the calls already are a pre-order; where a module ran before
+    its parent did (LLaVA calls ``language_model.embed_tokens`` before ``language_model``), the
+    parent moves up to just before it."""
+    parents = _dotted_parents([root] + [n for n in first_calls if n != root])
+    first = {n: i for i, n in enumerate(first_calls)}
+    children: dict[str, list[str]] = {}
+    for n in first_calls:
+        if parents.get(n) is not None:
+            children.setdefault(parents[n], []).append(n)
+    subtree_first: dict[str, int] = {}
+
+    def earliest(n: str) -> int:
+        if n not in subtree_first:
+            subtree_first[n] = min([first[n], *(earliest(c) for c in children.get(n, ()))])
+        return subtree_first[n]
+
+    out: list[str] = []
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(sorted(children.get(n, ()), key=earliest, reverse=True))
+    return out
 
 
 def _post_positions(dag: nx.DiGraph, pre: list[str], mod_order: ModOrder | None) -> dict[str, int]:

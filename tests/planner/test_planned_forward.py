@@ -181,3 +181,38 @@ def test_inplace_activations_after_a_batchnorm_train_unchanged_under_any_plan(ac
         assert plan.modules
         measured = _train_side_by_side(copy.deepcopy(ref), copy.deepcopy(ref), plan, step, n_steps=3)
         assert [s.peak_bytes for s in measured[1:]] == [plan.predicted_peak_bytes] * 2
+
+
+class _Lm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 16)
+        self.up, self.down = nn.Linear(16, 128), nn.Linear(128, 16)
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.down(torch.relu(h) * h.sigmoid())
+
+
+class _CallsTheEmbeddingFirst(nn.Module):
+    """LLaVA's order: the wrapper embeds with ``language_model.embed_tokens`` itself, then calls
+    ``language_model`` on the embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm, self.lm2, self.head = _Lm(), _Lm(), nn.Linear(16, 4)
+
+    def forward(self, ids):
+        return self.head(self.lm2(self.lm(self.lm.embed(ids))))
+
+
+def test_a_module_whose_child_ran_before_it_is_planned_and_trains_unchanged():
+    # The recorded forward order listed lm.embed before lm, and planning raised GraphError.
+    torch.manual_seed(0)
+    ref = _CallsTheEmbeddingFirst()
+    step = TrainStep(inputs=(torch.randint(0, 100, (8, 64)),), optimizer="adamw")
+    table = tradeoff_curve(ref, step=step)
+    plan = solve_sac(ref, (table.min_reachable_peak_bytes + table.no_ac_peak_bytes) / 2 / 2**30, step=step)
+    assert "_CallsTheEmbeddingFirst.lm" in {m.fqn for m in plan.modules}
+    measured = _train_side_by_side(copy.deepcopy(ref), copy.deepcopy(ref), plan, step, n_steps=2)
+    assert measured[1].peak_bytes == plan.predicted_peak_bytes

@@ -80,9 +80,19 @@ def test_mod_order_naming_unknown_modules() -> None:
         Graph(stats("M", "M.a"), mod_order=bad)
 
 
-def test_pre_order_must_put_parents_first() -> None:
+def test_stats_without_a_recorded_order_must_put_parents_first() -> None:
     with pytest.raises(GraphError, match="before its parent"):
-        Graph.from_module_info(info(["M", "M.a.b", "M.a"]))
+        Graph(stats("M", "M.a.b", "M.a"))
+
+
+def test_a_module_first_called_before_its_parent_is_ordered_after_it() -> None:
+    # LLaVA calls language_model.embed_tokens before language_model: the recorded first calls
+    # listed the grandchild before its parent, and planning raised GraphError.
+    g = Graph.from_module_info(info(["M", "M.lm.embed", "M.vision", "M.lm", "M.lm.layer", "M.head"]))
+    assert [n.fqn for n in g] == ["M", "M.lm", "M.lm.embed", "M.lm.layer", "M.vision", "M.head"]
+    assert g.node("M.lm.embed").parent == "M.lm" and [n.fqn for n in g.ancestors("M.lm.embed")] == ["M.lm", "M"]
+    # A recorded order that is a pre-order already stays as it is.
+    assert [n.fqn for n in Graph.from_module_info(info(NAMES))] == NAMES
 
 
 def test_one_root_first() -> None:

@@ -1,0 +1,102 @@
+"""Fake tensors a trace left behind in the user's process, found and cleared.
+
+A fake trace runs the user's forward on fake tensors. Code that memoises a tensor across calls
+keeps what the trace made: BEiT, Data2VecVision and DINOv3 (transformers 5) build their relative
+position index through an ``lru_cache`` keyed on sizes only, so after planning, the user's real
+training got that FakeTensor back, and its loss and gradients were fake too (``loss.item()``
+raised DataDependentOutputException). Planning must leave the process as it found it::
+
+    with fake_trace_mode() as trace:
+        ...                                  # the trace, on tensors of ``trace.mode``
+    # on exit: lru caches holding fake tensors of ``mode`` are cleared; any other holder is
+    # named in a FakeTensorLeakWarning
+
+The check costs one ``gc.collect`` where the mode outlives the trace (its tensors keep it alive);
+where nothing holds them (the usual case) it costs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import sys
+import types
+import warnings
+import weakref
+from typing import Iterator
+
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+__all__ = ["FakeTensorLeakWarning", "FakeTrace", "fake_trace_mode"]
+
+
+class FakeTensorLeakWarning(UserWarning):
+    """The fake trace left fake tensors in the user's process that the planner could not clear."""
+
+
+class FakeTrace:
+    """Holds the mode of one trace; emptied when the trace ends, so that only what the trace
+    left behind keeps the mode alive."""
+
+    def __init__(self, mode: FakeTensorMode | None) -> None:
+        self.mode = mode
+
+
+@contextlib.contextmanager
+def fake_trace_mode() -> Iterator[FakeTrace]:
+    """A FakeTensorMode for one trace; once the trace is over and its objects are gone, the
+    tensors of this mode that something still holds are cleared (lru caches) or reported."""
+    box = FakeTrace(FakeTensorMode(allow_non_fake_inputs=True))
+    alive = weakref.ref(box.mode)
+    try:
+        yield box
+    except BaseException:
+        # The traceback still holds the trace's frames: clear the caches, report nothing.
+        _clear(box.mode, report=False)
+        raise
+    finally:
+        box.mode = None
+    if alive() is not None:
+        gc.collect()  # the trace's own cycles (hooks, closures) go first
+    if alive() is not None:
+        _clear(alive(), report=True)
+
+
+def _clear(mode: FakeTensorMode, *, report: bool) -> None:
+    left = _tensors_of(mode)
+    caches = {id(r): r for t in left for r in gc.get_referrers(t) if isinstance(r, functools._lru_cache_wrapper)}
+    for cache in caches.values():
+        cache.cache_clear()
+    if not report:
+        return
+    if caches:
+        del left
+        gc.collect()
+        left = _tensors_of(mode)
+    if left:
+        holders = sorted({_describe(r) for t in left for r in gc.get_referrers(t) if r is not left})
+        warnings.warn(
+            f"the fake trace left {len(left)} fake tensor(s) in this process, held by "
+            f"{', '.join(holders[:5]) or 'an unknown object'}: code that keeps tensors across "
+            "calls (a cache) now holds fake ones, which real runs would use. Run one real forward "
+            "before planning (the cache then holds real tensors), or clear that cache after it.",
+            FakeTensorLeakWarning, stacklevel=4)
+
+
+def _tensors_of(mode: FakeTensorMode) -> list[FakeTensor]:
+    # type() rather than isinstance: isinstance reads __class__, which some module objects
+    # answer with a deprecation warning.
+    return [o for o in gc.get_objects() if type(o) is FakeTensor and o.fake_mode is mode]
+
+
+def _describe(holder: object) -> str:
+    """A holder as a user would look for it."""
+    if isinstance(holder, types.FrameType):
+        return f"a frame of {holder.f_code.co_qualname}"
+    if isinstance(holder, dict):
+        for name, mod in list(sys.modules.items()):
+            if getattr(mod, "__dict__", None) is holder:
+                return f"a global of {name}"
+        return "a dict"
+    return type(holder).__qualname__

@@ -1,0 +1,69 @@
+"""estimators/fake_leaks.py: what a fake trace leaves in the user's process is cleared or named."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+import estimators.fake_leaks as fake_leaks
+from estimators.estimation import estimate
+from estimators.fake_leaks import FakeTensorLeakWarning
+
+
+@functools.lru_cache(maxsize=4)
+def _positions(n: int) -> torch.Tensor:
+    return torch.arange(n).flip(0)
+
+
+_DICT_CACHE: dict[int, torch.Tensor] = {}
+
+
+class _Cached(torch.nn.Module):
+    """Memoises an index tensor across calls, as BEiT's relative position index does."""
+
+    def __init__(self, cache: str) -> None:
+        super().__init__()
+        self.cache = cache
+        self.lin = torch.nn.Linear(16, 16)
+        self.bias = torch.nn.Parameter(torch.zeros(16))
+
+    def forward(self, x):
+        if self.cache == "lru":
+            index = _positions(16)
+        else:
+            index = _DICT_CACHE.setdefault(16, torch.arange(16).flip(0))
+        return self.lin(x) + self.bias[index]
+
+
+def test_an_lru_cache_the_trace_filled_is_cleared_and_real_training_stays_real():
+    # BEiT / Data2VecVision / DINOv3: after planning, real training got the cached FakeTensor
+    # back, and its loss and gradients were fake (loss.item() raised).
+    _positions.cache_clear()
+    model = _Cached("lru")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FakeTensorLeakWarning)
+        estimate(model, (torch.randn(4, 16),), optimizer="adamw")
+    assert _positions.cache_info().currsize == 0
+    loss = model(torch.randn(4, 16)).sum()
+    loss.backward()
+    assert type(loss) is torch.Tensor and type(model.bias.grad) is torch.Tensor
+    assert loss.item() == loss.item()  # a real value
+
+
+def test_a_holder_the_planner_cannot_clear_is_named():
+    _DICT_CACHE.clear()
+    with pytest.warns(FakeTensorLeakWarning, match=r"left 1 fake tensor\(s\) .*held by a global of "
+                                                   r"tests\.estimators\.test_fake_leaks|held by a dict"):
+        estimate(_Cached("dict"), (torch.randn(4, 16),))
+    assert isinstance(_DICT_CACHE.pop(16), FakeTensor)
+
+
+def test_a_trace_that_leaves_nothing_costs_no_scan(monkeypatch):
+    scans = []
+    monkeypatch.setattr(fake_leaks, "_clear", lambda mode, report: scans.append(mode))
+    estimate(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), (torch.randn(2, 8),), optimizer="adamw")
+    assert scans == []
