@@ -395,7 +395,7 @@ def _trace_step(
             inputs=step_inputs, optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
             round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
             progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
-            previous_output=step.keep_output, held=step.held_tensors(),
+            previous_output=step.keep_output, held=step.held_tensors(), fake_mode=fake_mode,
         )
         applied = prepare(traced) if prepare is not None else None
         graded: set[str] = set()

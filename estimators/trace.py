@@ -144,6 +144,7 @@ class StepTracer(TorchDispatchMode):
         progress: Callable[[str], None] | None = None,
         previous_output: bool = False,
         held: Any = (),
+        fake_mode: Any = None,
     ) -> None:
         """
         Args:
@@ -163,6 +164,9 @@ class StepTracer(TorchDispatchMode):
             held: tensors the loop holds through the step besides the model, the batch and the
                 optimizer (``TrainStep.held``: an EMA copy), resident for the whole step, counted
                 with the inputs.
+            fake_mode: the FakeTensorMode below this tracer in a fake trace. A real tensor the
+                step meets (one made outside it: a global index) reaches the kernels as that
+                mode's fake copy of it, and autograd saves the copy: both are one storage.
         """
         super().__init__()
         self.model, self.root_name, self.optimizer, self.device = model, root_name, optimizer, device
@@ -185,6 +189,7 @@ class StepTracer(TorchDispatchMode):
         self._previous_output = previous_output
         self._packing = False  # inside pack_hook: its own alias is not an op of the step
         self._output_sids: tuple[int, ...] = ()  # the root call's output, with what pytree does not open
+        self._fake_mode = fake_mode
         self._register_state(inputs, held)
 
     def set_phase(self, phase: Phase) -> None:
@@ -229,6 +234,24 @@ class StepTracer(TorchDispatchMode):
             self.storages[sid].kind = kind
         return sid
 
+    def _alias_fake_copy(self, t: torch.Tensor, sid: int) -> None:
+        """In a fake trace, the fake copy the mode makes of real tensor ``t`` (memoised: the one
+        its kernels and autograd get) is storage ``sid`` too. A global 32 KiB index used by
+        three blocks was counted again when its saved copy came back in backward."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if self._fake_mode is None or isinstance(t, FakeTensor):
+            return
+        twin = _storage_of(self._fake_mode.from_tensor(t))
+        if twin is not None and self._sid(twin) is None:
+            self._live[id(twin)] = sid
+            # Gone before the real one: its id may be reused by a new storage, which is not sid.
+            weakref.finalize(twin, self._drop_alias, id(twin), sid)
+
+    def _drop_alias(self, key: int, sid: int) -> None:
+        if self._live.get(key) == sid:
+            del self._live[key]
+
     def _new_storage(self, st: torch.UntypedStorage, alloc_op: int) -> int:
         sid = len(self.storages)
         rec = StorageRecord(sid, self.round_bytes(st.nbytes()), alloc_op, phase=self.phase)
@@ -265,6 +288,7 @@ class StepTracer(TorchDispatchMode):
                 # A tensor made outside the trace (a constant, a tensor the user built): count it
                 # from here on, as a temporary of this op.
                 sid = self._new_storage(st, alloc_op=index)
+                self._alias_fake_copy(t, sid)
             if sid is not None:
                 arg_sids.append(sid)
         mutated = self._mutated_sids(written_args(facts, args, kwargs)) if facts.written else ()

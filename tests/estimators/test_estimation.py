@@ -429,3 +429,27 @@ def test_a_batchnorm_that_reads_its_counter_traces_in_fake_mode_and_keeps_the_us
     assert model[1].num_batches_tracked.item() == 5
     peaks = [m.peak_bytes for m in measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)]
     assert (est.first_step_peak_bytes, est.steady_peak_bytes) == tuple(peaks[:2])
+
+
+_GLOBAL_INDEX = torch.arange(4096).flip(0)  # 32 KiB, made outside every step
+
+
+class _IndexesWithAGlobal(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+        self.table = torch.nn.Parameter(torch.randn(4096))
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) + self.table[_GLOBAL_INDEX][:64]
+
+
+def test_a_tensor_made_outside_the_step_is_one_storage_in_a_fake_trace_as_in_a_real_one():
+    # The fake trace saw the real index at its first use and, when autograd's saved copy (the
+    # fake mode's twin of it) came back in backward, a second 32 KiB storage: 64 KiB over.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_IndexesWithAGlobal() for _ in range(3)])
+    step = TrainStep(inputs=(torch.randn(256, 64),), optimizer="adamw")
+    fake, real = estimate(model, step=step), estimate(model, step=step, options=REAL)
+    assert fake.steady_peak_bytes == real.steady_peak_bytes
+    assert [s.nbytes for s in fake.trace.storages].count(_GLOBAL_INDEX.nbytes) == 1
