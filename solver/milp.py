@@ -483,6 +483,8 @@ class SACMilp:
         limit = self.options.time_limit_s
         deadline = None if limit is None else t0 + limit
         sol = self._counter.solve(self.options, None, deadline, self.options.rel_gap)
+        if sol is None:  # a search too wide for count branching: HiGHS on the whole model
+            return self._prob.solve(options_until(self.options, deadline))
         if sol.outcome.infeasible:
             # Every box refused: at a budget on the smallest reachable peak a fixed-count MILP
             # may refuse what HiGHS' tolerances accept on the whole model; let the whole model say.

@@ -194,3 +194,27 @@ def test_the_repair_margin_is_given_back_at_the_smallest_peak() -> None:
     path = Path(__file__).parent / "data" / "count_branch_smallest_peak_stack.json"
     (case,) = json.loads(path.read_text())
     _values(ModuleInfo.from_dict(case["info"]), case["frac"])
+
+
+def test_a_search_too_wide_for_count_branching_is_handed_to_the_whole_model(monkeypatch) -> None:
+    # A tiny HF LeViT at its smallest reachable peak: the fixed-count MILPs found no plan to
+    # prune with, and the search ran 1,803 LPs and 1,174 MILPs (18 s) where HiGHS on the whole
+    # model took 0.03 s. After _MAX_BOXES boxes it now gives up, and the plan is the plain one.
+    import gzip
+    from pathlib import Path
+
+    from estimators.module_info import ModuleInfo
+    from solver import count_branch
+
+    text = gzip.decompress((Path(__file__).parent / "data" / "levit_module_info.json.gz").read_bytes()).decode()
+    info = ModuleInfo.from_json(text)
+    results = []
+    real = count_branch.CountBrancher.solve
+    monkeypatch.setattr(count_branch.CountBrancher, "solve",
+                        lambda self, *a, **k: results.append(real(self, *a, **k)) or results[-1])
+    counted, plain = SACMilp(info), SACMilp(info, options=SolverOptions(count_branching=False))
+    low = plain.min_reachable_peak_bytes()
+    assert counted.min_reachable_peak_bytes() == low
+    got, want = counted.solve(low), plain.solve(low)
+    assert results == [None]  # given up, not searched to the end
+    assert got.discarded_bytes == want.discarded_bytes and got.status is want.status
