@@ -27,6 +27,7 @@ from estimators.estimation import (
     DEFAULT_DEVICE,
     Estimate,
     EstimateOptions,
+    TraceMode,
     as_train_step,
     estimate,
     first_step_module_info,
@@ -346,6 +347,21 @@ def _output_note(info, step: TrainStep) -> str | None:
             "to that much higher: plan it with TrainStep(keep_output=True)")
 
 
+def _real_trace_note(model: torch.nn.Module, est: Estimate) -> str | None:
+    """What a real-mode trace stands for: this batch's run on the model's own tensors."""
+    if est.options.mode is not TraceMode.REAL:
+        return None
+    note = ("traced in real mode: the figures follow this batch's run, and data-dependent paths "
+            "(MoE routing, nonzero) may peak differently on other batches")
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    if est.spec.is_cuda and on_cpu and not est.options.cuda_semantics:
+        note += (f"; the model ran on the CPU, so memory is the CPU's (its kernels' saved tensors, "
+                 f"no {est.spec.name} allocation rounding), not {est.spec.name}'s: plan {est.spec.name} "
+                 "with a fake trace where the model allows (figures 22 % apart on a ResNet)")
+        logger.warning("%s", note)
+    return note
+
+
 def _mode_note(model: torch.nn.Module, step: TrainStep) -> str | None:
     """Say which modules in eval mode were planned in train mode (``TrainStep.train_mode``)."""
     switched = mode_changes(model, step.train_mode)
@@ -394,7 +410,8 @@ def _plan_for_budget(
     first_info = first_step_module_info(info)
     t0 = time.perf_counter()
     notes: list[str] = [est.step.describe()] + [
-        n for n in (hf_cache_note(model), _mode_note(model, est.step), _output_note(info, est.step)) if n]
+        n for n in (hf_cache_note(model), _mode_note(model, est.step), _output_note(info, est.step),
+                    _real_trace_note(model, est)) if n]
     allowed, excluded = _allowed_units(info, ac_units)
     notes += [f"{fqn} not checkpointed: {why}" for fqn, why in excluded.items()]
     shared_fqns = _shared_modules(info, allowed, excluded)

@@ -593,3 +593,20 @@ def test_a_dropped_output_the_size_of_a_few_percent_of_the_peak_is_named_in_the_
     assert any("drops the model output (64.00 KiB)" in n and "TrainStep(keep_output=True)" in n for n in notes)
     kept = solve_sac(model, budget_gib=0.01, step=dataclasses.replace(step, keep_output=True), verify=False)
     assert not any("drops the model output" in n for n in kept.notes)
+
+
+def test_a_real_mode_plan_says_what_its_figures_stand_for(caplog):
+    # A ResNet planned for h100 in real mode got CPU figures, 22 % under the fake trace's h100
+    # ones, and the summary said "on h100" with no word.
+    model, inputs = EXAMPLES["convnet_tiny"]()
+    real = EstimateOptions(mode=TraceMode.REAL)
+    cpu = solve_sac(model, budget_gib=0.01, inputs=inputs, optimizer="adamw", estimate_options=real, verify=False)
+    assert any(n.startswith("traced in real mode: the figures follow this batch's run") for n in cpu.notes)
+    assert not any("memory is the CPU's" in n for n in cpu.notes)
+    with caplog.at_level("WARNING", logger="planner.solve"):
+        gpu = solve_sac(model, budget_gib=0.01, inputs=inputs, optimizer="adamw", device="h100", reserve_gib=0,
+                        estimate_options=real, verify=False)
+    assert any("memory is the CPU's (its kernels' saved tensors, no h100 allocation rounding)" in n for n in gpu.notes)
+    assert "plan h100 with a fake trace" in caplog.text
+    fake = solve_sac(model, budget_gib=0.01, inputs=inputs, optimizer="adamw", verify=False)
+    assert not any("real mode" in n for n in fake.notes)
