@@ -64,7 +64,7 @@ from planner import offload
 from estimators.host_rng import HostRng
 from planner.plan import ModulePlan, op_key
 
-__all__ = ["PlannedForward", "CheckpointDivergenceWarning"]
+__all__ = ["PlannedForward", "CheckpointDivergenceWarning", "StalePlanWarning"]
 
 _HF_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 
@@ -76,6 +76,15 @@ class CheckpointDivergenceWarning(UserWarning):
         super().__init__(message)
         self.fqn = fqn
         """The module (plan fqn) whose recompute diverged."""
+
+
+class StalePlanWarning(UserWarning):
+    """The model changed after the plan was applied in a way the plan did not trace (its
+    parameters' dtype, HF gradient checkpointing turned on): its peaks no longer hold."""
+
+
+def _param_dtypes(module: torch.nn.Module) -> frozenset[torch.dtype]:
+    return frozenset(p.dtype for p in module.parameters())
 
 
 _bookkeeping = threading.local()  # ops of our own state handling: not part of the module's ops
@@ -321,6 +330,8 @@ class PlannedForward:
         self.saved_hits = 0  # forward ops the policy saved, over every call: the plan's ops matched
         self._offloaded = frozenset(mp.offloaded_ops)
         self.offload_counter = offload.OffloadCounter()  # host bytes etc., over every call
+        self._dtypes = _param_dtypes(module)  # as planned and applied
+        self._stale_warned = False
 
     @property
     def checkpointed(self) -> bool:
@@ -348,6 +359,27 @@ class PlannedForward:
             raise RuntimeError(f"the module planned as {self.mp.fqn} no longer exists")
         return m
 
+    def _warn_if_stale(self) -> None:
+        """Once per module: the model changed since the plan was applied in a way its trace did
+        not see. Seen: ``.to(torch.bfloat16)`` after apply measured 1,349,884 B against the
+        fp32 plan's 2,123,932 B; HF gradient checkpointing enabled after apply nested a second
+        checkpoint around the plan's (2,009,500 B measured, 2,123,932 B predicted)."""
+        module, why = self.module, None
+        # Under FSDP2 a mixed-precision policy swaps in parameters of another dtype for the forward.
+        sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
+        dtypes = self._dtypes if sharded else _param_dtypes(module)
+        if dtypes != self._dtypes:
+            names = lambda ds: "/".join(sorted(str(d).replace("torch.", "") for d in ds))  # noqa: E731
+            why = f"its parameters are {names(dtypes)} now, {names(self._dtypes)} when it was applied"
+        elif getattr(module, "gradient_checkpointing", False) is True:
+            why = ("Hugging Face gradient checkpointing is on for it (gradient_checkpointing_enable() "
+                   "after apply_plan): it is checkpointed twice")
+        if why is not None:
+            self._stale_warned = True
+            warnings.warn(f"the plan for {self.mp.fqn} no longer matches the model: {why}; its "
+                          "predicted peak no longer holds. remove_plan(model) and plan again "
+                          "(HF: gradient_checkpointing_disable() first)", StalePlanWarning, stacklevel=3)
+
     def bound_original(self) -> Callable:
         module = self.module
         if self.original is not None:
@@ -362,6 +394,8 @@ class PlannedForward:
         kwargs = _without_hf_cache(kwargs)
         # Offload runs in the eager forward only: not in a recompute (backward), not compiled.
         eager = not torch.compiler.is_compiling() and not offload.in_recompute()
+        if eager and not self._stale_warned:
+            self._warn_if_stale()
         claimed = offload.take_pending() if eager else []  # this module's backward prefetches them
         store = offload.CallStore(self.offload_counter) if eager and self._offloaded else None
         if not self.checkpointed:

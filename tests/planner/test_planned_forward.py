@@ -216,3 +216,32 @@ def test_a_module_whose_child_ran_before_it_is_planned_and_trains_unchanged():
     assert "_CallsTheEmbeddingFirst.lm" in {m.fqn for m in plan.modules}
     measured = _train_side_by_side(copy.deepcopy(ref), copy.deepcopy(ref), plan, step, n_steps=2)
     assert measured[1].peak_bytes == plan.predicted_peak_bytes
+
+
+def test_a_model_changed_after_apply_says_its_plan_no_longer_holds():
+    # .to(torch.bfloat16) after apply measured 1,349,884 B against the fp32 plan's 2,123,932 B,
+    # and HF gradient checkpointing enabled after apply nested a second checkpoint: no word.
+    from planner import remove_plan
+    from planner.planned_forward import StalePlanWarning
+
+    torch.manual_seed(0)
+    model = _CallsTheEmbeddingFirst()
+    step = TrainStep(inputs=(torch.randint(0, 100, (8, 64)),), optimizer="adamw")
+    table = tradeoff_curve(model, step=step)
+    plan = solve_sac(model, (table.min_reachable_peak_bytes + table.no_ac_peak_bytes) / 2 / 2**30, step=step)
+    ids = step.inputs[0]
+    with apply_plan(model, plan), warnings.catch_warnings():
+        warnings.simplefilter("error", StalePlanWarning)
+        model(ids).sum().backward()  # as applied: no warning
+    apply_plan(model, plan)
+    model.to(torch.bfloat16)
+    with pytest.warns(StalePlanWarning, match=r"_CallsTheEmbeddingFirst\.lm no longer matches the model: "
+                                              r"its parameters are bfloat16 now, float32 when it was applied"):
+        model(ids).float().sum().backward()
+    remove_plan(model)
+    model.float()
+    apply_plan(model, plan)
+    model.lm.gradient_checkpointing = True  # what HF's gradient_checkpointing_enable() sets
+    with pytest.warns(StalePlanWarning, match="Hugging Face gradient checkpointing is on for it"):
+        model(ids).sum().backward()
+    remove_plan(model)
