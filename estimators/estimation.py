@@ -380,6 +380,11 @@ def _trace_step(
         draws = restore.enter_context(host_rng.Draws())
         if not fake:
             restore.enter_context(_restored(model))
+        else:
+            # Fake tensors draw nothing, but the model's Python code may touch the generators
+            # itself (Reformer calls torch.seed() in train mode): planning leaves them as they were.
+            cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+            restore.enter_context(torch.random.fork_rng(devices=cuda))
         groups = _param_groups(model, step.optimizer, mapping)
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             # Built in the mode: a constructor that makes state (Adagrad's step count) makes it

@@ -453,3 +453,24 @@ def test_a_tensor_made_outside_the_step_is_one_storage_in_a_fake_trace_as_in_a_r
     fake, real = estimate(model, step=step), estimate(model, step=step, options=REAL)
     assert fake.steady_peak_bytes == real.steady_peak_bytes
     assert [s.nbytes for s in fake.trace.storages].count(_GLOBAL_INDEX.nbytes) == 1
+
+
+class _Reseeds(torch.nn.Module):
+    """Reformer's train-mode forward calls torch.seed()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        torch.seed()
+        return self.lin(x)
+
+
+def test_a_fake_trace_leaves_torch_s_generator_where_it_was():
+    model, x = _Reseeds(), torch.randn(2, 8)
+    torch.manual_seed(123)
+    expect = torch.rand(3)
+    torch.manual_seed(123)
+    estimate(model, (x,), optimizer="adamw")
+    assert torch.equal(torch.rand(3), expect)
