@@ -74,8 +74,9 @@ def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
                 unsaved += st.nbytes
         # Storages read here that a later op mutates in place: a saved copy would hold the
         # mutated values at recompute time (see SACOp.reads_before_mutation).
-        stale = tuple(sorted({creator.get(sid, i) for sid in rec.arg_sids
-                              if last_write.get(sid, -1) > i and sid not in rec.mutated_sids}))
+        # A view reads no values: it aliases the storage, as in the forward.
+        stale = () if rec.is_view else tuple(sorted(
+            {creator.get(sid, i) for sid in rec.arg_sids if last_write.get(sid, -1) > i and sid not in rec.mutated_sids}))
         parent = -1
         if rec.mutated_sids:
             parent = creator.get(rec.mutated_sids[0], i)

@@ -12,6 +12,8 @@ hands its solver index lists of view-like, in-place and random ops. Rules, over 
 * an op that reads a storage before a later in-place op mutates it shares the decision of the
   op that created it (``reads_before_mutation``; saved, that storage holds the mutated values
   when the recompute reads it); a storage made outside the module: its group must be saved;
+  where a saved group would not cache that op's output (autograd keeps none of it), the group
+  must be recomputed;
 * all random ops of the module form one group (a checkpoint replays the RNG from the start of the
   region, so the recompute draws the forward's numbers only if they are recomputed together);
 * a group holding a view or an op with a cache cost (outputs autograd does not keep) must be
@@ -55,6 +57,13 @@ class SACGroup:
         return not (self.must_save or self.must_recompute)
 
 
+def _uncached_reader(op: SACOp) -> bool:
+    """Reads a storage a later in-place op overwrites, and a saved group would not cache its
+    output (autograd keeps none of it: ``h.mean()`` before ``h.relu_()``): it would be recomputed
+    from the overwritten storage, so its group is always recomputed."""
+    return bool(op.reads_before_mutation) and not (op.is_saved and not op.cache_cost_bytes)
+
+
 def sac_groups(ops: Sequence[SACOp]) -> tuple[SACGroup, ...]:
     """The groups of ``ops`` under the rules of this module, in order of their first op.
 
@@ -83,7 +92,7 @@ def sac_groups(ops: Sequence[SACOp]) -> tuple[SACGroup, ...]:
     groups = []
     for members in sorted(sorted(s) for s in uf.to_sets()):
         must_save = any(ops[i].inplace_parent == i or i in ops[i].reads_before_mutation for i in members)
-        recompute = any(ops[i].is_view or ops[i].cache_cost_bytes > 0 for i in members)
+        recompute = any(ops[i].is_view or ops[i].cache_cost_bytes > 0 or _uncached_reader(ops[i]) for i in members)
         groups.append(
             SACGroup(
                 ops=tuple(members),

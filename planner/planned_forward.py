@@ -330,7 +330,9 @@ class PlannedForward:
         self.saved_hits = 0  # forward ops the policy saved, over every call: the plan's ops matched
         self._offloaded = frozenset(mp.offloaded_ops)
         self.offload_counter = offload.OffloadCounter()  # host bytes etc., over every call
-        self._dtypes = _param_dtypes(module)  # as planned and applied
+        # The parameters' dtypes as applied; None until the first call where the module was
+        # still being built (deepcopy and unpickling make this object before its parameters).
+        self._dtypes = _param_dtypes(module) if "_parameters" in module.__dict__ else None
         self._stale_warned = False
 
     @property
@@ -347,10 +349,11 @@ class PlannedForward:
         new_module = memo.get(id(module), module)
         new = PlannedForward(new_module, self.mp, copy.deepcopy(self.original, memo))
         new.fallback = self.fallback
+        new._dtypes = self._dtypes
         return new
 
     def __reduce__(self):
-        return (_rebuild, (self._module(), self.mp, self.original, self.fallback))
+        return (_rebuild, (self._module(), self.mp, self.original, self.fallback, self._dtypes))
 
     @property
     def module(self) -> torch.nn.Module:
@@ -365,6 +368,8 @@ class PlannedForward:
         fp32 plan's 2,123,932 B; HF gradient checkpointing enabled after apply nested a second
         checkpoint around the plan's (2,009,500 B measured, 2,123,932 B predicted)."""
         module, why = self.module, None
+        if self._dtypes is None:
+            self._dtypes = _param_dtypes(module)
         # Under FSDP2 a mixed-precision policy swaps in parameters of another dtype for the forward.
         sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
         dtypes = self._dtypes if sharded else _param_dtypes(module)
@@ -461,9 +466,10 @@ class PlannedForward:
         warnings.warn(warning, stacklevel=2)
 
 
-def _rebuild(module, mp, original, fallback) -> PlannedForward:
+def _rebuild(module, mp, original, fallback, dtypes=None) -> PlannedForward:
     pf = PlannedForward(module, mp, original)
     pf.fallback = fallback
+    pf._dtypes = dtypes
     return pf
 
 

@@ -241,6 +241,9 @@ def test_a_model_changed_after_apply_says_its_plan_no_longer_holds():
     remove_plan(model)
     model.float()
     apply_plan(model, plan)
+    copied = copy.deepcopy(model).to(torch.bfloat16)  # a copy knows the dtypes it was applied with
+    with pytest.warns(StalePlanWarning, match="its parameters are bfloat16 now"):
+        copied(ids).float().sum().backward()
     model.lm.gradient_checkpointing = True  # what HF's gradient_checkpointing_enable() sets
     with pytest.warns(StalePlanWarning, match="Hugging Face gradient checkpointing is on for it"):
         model(ids).sum().backward()
