@@ -81,6 +81,7 @@ def _mod_stats(
     bw_rt: dict[int, float],
     fw_rt_cum: np.ndarray,
     live_act: np.ndarray,
+    last_fw_write: dict[int, tuple[int, str]],
 ) -> ModStats:
     is_leaf = fqn in trace.leaf_fqns
     first, last = calls[0], max(calls, key=lambda c: c.fw_last_op)
@@ -137,11 +138,21 @@ def _mod_stats(
         fw_post_op=last.fw_last_op + 1,
         bw_pre_op=bw_pre,
         bw_post_op=bw_post,
-        sac_blocker="" if is_leaf else _sac_blocker(trace, calls),
+        sac_blocker="" if is_leaf else _sac_blocker(trace, calls, last_fw_write),
     )
 
 
-def _sac_blocker(trace: StepTrace, calls: list[ModuleCall]) -> str:
+def _last_fw_writes(trace: StepTrace) -> dict[int, tuple[int, str]]:
+    """Storage id -> (index, func) of the last forward op that mutates it in place."""
+    out: dict[int, tuple[int, str]] = {}
+    for op in trace.ops:
+        if op.phase is Phase.FW:
+            for sid in op.mutated_sids:
+                out[sid] = (op.index, str(op.func))
+    return out
+
+
+def _sac_blocker(trace: StepTrace, calls: list[ModuleCall], last_fw_write: dict[int, tuple[int, str]]) -> str:
     """Why a checkpoint of this module would be unsafe, from the trace ("" if it is not)."""
     seqs = set()
     for c in calls:
@@ -155,6 +166,14 @@ def _sac_blocker(trace: StepTrace, calls: list[ModuleCall]) -> str:
                 # made before the call (an input, a parameter) would be mutated a second time.
                 if st.alloc_op < c.fw_first_op and st.kind is not StorageKind.BUFFER:
                     return f"mutates a tensor made before its call in place ({op.func})"
+            for sid in op.arg_sids:
+                # An input the caller overwrites in place after the call: the recompute would
+                # read the new values (`g = gate(h); h.relu_()`: gradients 2,011 off).
+                st = trace.storages[sid]
+                later = last_fw_write.get(sid)
+                if (later is not None and later[0] > c.fw_last_op and st.alloc_op < c.fw_first_op
+                        and st.kind is not StorageKind.BUFFER):
+                    return f"reads a tensor the caller later overwrites in place ({later[1]})"
         seqs.add(tuple(str(op.func) for op in ops if op.phase is Phase.FW))
     if len(seqs) > 1:
         return f"called {len(calls)} times per step with different ops in each call"
@@ -269,13 +288,14 @@ def build_module_info(trace: StepTrace, tl: MemoryTimeline) -> ModuleInfo:
         by_fqn.setdefault(c.fqn, []).append(c)
     saved = _per_call_saved_bytes(trace)
     bw_rt = _bw_runtime_by_call(trace)
+    last_fw_write = _last_fw_writes(trace)
     rts = np.array([op.runtime_ms if op.phase is Phase.FW else 0.0 for op in trace.ops])
     fw_rt_cum = np.concatenate([[0.0], np.cumsum(rts)])
     # Activations, temporaries and inputs live at every op: computed once for all modules.
     act_kinds = [StorageKind.ACTIVATION, StorageKind.TEMP, StorageKind.INPUT]
     live_act = tl.live_by_kind[:, act_kinds].sum(axis=1)
     stats = [
-        _mod_stats(trace, tl, fqn, calls, saved, bw_rt, fw_rt_cum, live_act)
+        _mod_stats(trace, tl, fqn, calls, saved, bw_rt, fw_rt_cum, live_act, last_fw_write)
         for fqn, calls in by_fqn.items()
     ]
     peak_k = tl.peak_op_index

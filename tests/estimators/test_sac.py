@@ -187,3 +187,22 @@ def test_a_read_before_an_inplace_op_shares_the_decision_of_what_it_reads():
         units = greedy_units(st.ops)
         assert any({conv, clone, silu} <= set(u.ops) for u in units)
         assert not any(clone in u.ops and conv not in u.ops for u in units)
+
+
+class ViewThenInplace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def forward(self, x):  # x: (2, 4, 8): Linear views its 3-D input and output
+        return self.out(torch.relu_(self.fc(x)))
+
+
+def test_a_view_of_a_storage_a_later_op_overwrites_reads_nothing_stale():
+    # The view after addmm aliases its output: it reads no values, so it links to nothing (it
+    # had forced the {addmm, view, relu_} group to be recomputed, 0.55 -> 0.96 ms on an MLP).
+    st = _ops(Wrap(ViewThenInplace()), torch.randn(2, 4, 8), fqn="Wrap.inner")
+    assert all(not o.reads_before_mutation for o in st.ops if o.is_view)
+    relu = next(i for i, o in enumerate(st.ops) if o.func == "aten.relu_.default")
+    group = next(u for u in greedy_units(st.ops) if relu in u.ops)
+    assert st.ops[group.ops[0]].func == "aten.addmm.default"

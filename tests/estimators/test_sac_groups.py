@@ -53,7 +53,7 @@ def test_inplace_parent_must_be_an_earlier_op(parent):
 def test_a_read_before_an_inplace_mutation_shares_the_creator_s_decision():
     # 0 makes a storage, 1 reads it (autograd's clone for silu_'s backward), 2 mutates it (silu_):
     # saved, the storage holds 2's values, so 1 recomputed from it would read them.
-    ops = (op(0, 8), op(1, 8, reads_before_mutation=(0,)), op(2, 0, inplace_parent=0), op(3, 8))
+    ops = (op(0, 8), op(1, 8, reads_before_mutation=(0,), is_saved=True), op(2, 0, inplace_parent=0), op(3, 8))
     groups = sac_groups(ops)
     assert [g.ops for g in groups] == [(0, 1, 2), (3,)]
     assert groups[0].is_choice and groups[0].memory_bytes == 16
@@ -66,3 +66,14 @@ def test_a_read_before_an_inplace_mutation_shares_the_creator_s_decision():
 def test_reads_before_mutation_must_index_earlier_ops(link):
     with pytest.raises(ValueError, match="reads_before_mutation must index earlier ops"):
         sac_groups((op(0), op(1, reads_before_mutation=link), op(2)))
+
+
+def test_a_reader_a_saved_group_would_not_cache_makes_its_group_recomputed():
+    # h = fc(x); g = h.mean(); h.relu_(): autograd keeps nothing of the mean, so a saved group
+    # caches only fc and relu_ and recomputes the mean from the overwritten h (232 off).
+    ops = (op(0, 8, is_saved=True), op(1, 0, reads_before_mutation=(0,)), op(2, 0, inplace_parent=0, is_saved=True))
+    (g,) = sac_groups(ops)
+    assert g.ops == (0, 1, 2) and g.must_recompute and not g.must_save
+    cached = (op(0, 8, is_saved=True), op(1, 8, reads_before_mutation=(0,), is_saved=True),
+              op(2, 0, inplace_parent=0, is_saved=True))
+    assert sac_groups(cached)[0].is_choice  # the reader's output is cached with the group
