@@ -218,13 +218,15 @@ class _StateKeeper:
     the forward mutated, BatchNorm's statistics excepted, and Python's / numpy's random states
     where the forward drew from them (:mod:`estimators.host_rng`: the recompute replays those
     draws, as torch's checkpoint does for torch's generators). And which positional arguments
-    were one tensor (``_same_tensor_links``): the recompute gets them as it got them."""
+    were one tensor (``_same_tensor_links``) and the lists, tuples and dicts it was given
+    (``_container_copies``): the recompute gets them as the forward got them."""
 
     def __init__(self, module: torch.nn.Module, forward: Callable) -> None:
         self.module = module
         self.forward = forward
         self.calls = 0
         self.links: list[tuple[int, int | str]] = []
+        self.containers: dict[int | str, Any] = {}
         self.mutated: list[torch.Tensor] = []
         self.at_forward: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.host_rng = HostRng()
@@ -235,6 +237,7 @@ class _StateKeeper:
             return self.forward(*args, **kwargs)  # the compiled graph replays state ops itself
         if self.calls == 1:
             self.links = _same_tensor_links(args, kwargs)
+            self.containers = _container_copies(args, kwargs)
             bufs = list(self.module.buffers())
             versions = [b._version for b in bufs]
             quiet = _silently_mutated(self.module)
@@ -252,10 +255,15 @@ class _StateKeeper:
             self.at_forward = [(b, c) for b, v, c in zip(bufs, versions, start)
                                if c is not None and b._version != v]
             return out
-        if self.links:
-            args = list(args)
+        if self.links or self.containers:
+            args, kwargs = list(args), dict(kwargs)
             for i, src in self.links:
                 args[i] = kwargs[src] if isinstance(src, str) else args[src]
+            for k, copied in self.containers.items():
+                if isinstance(k, str):
+                    kwargs[k] = copied
+                else:
+                    args[k] = copied
         with _Bookkeeping(), torch.no_grad():
             before = [(b, b.detach().clone()) for b in self.mutated]
             for b, value in self.at_forward:
@@ -268,6 +276,20 @@ class _StateKeeper:
                 for b, value in before:
                     # Through .data: no version bump, so tensors the recompute saved stay valid.
                     b.data.copy_(value)
+
+
+def _container_copies(args: tuple, kwargs: dict) -> dict[int | str, Any]:
+    """Lists, tuples and dicts among the arguments, copied (their tensors shared) as the forward
+    got them: the recompute gets these. torch's checkpoint hands the recompute the caller's own
+    objects, and a caller may add to them after the call: DenseNet (torchvision) passes its
+    growing list of feature maps to each layer and appends the layer's output, so the recompute
+    concatenated one map more ("running_mean should contain 30 elements not 24")."""
+    def copied(v: Any) -> Any:
+        return tree_map(lambda leaf: leaf, v)
+
+    out: dict[int | str, Any] = {i: copied(a) for i, a in enumerate(args) if isinstance(a, (list, tuple, dict))}
+    out.update({k: copied(v) for k, v in kwargs.items() if isinstance(v, (list, tuple, dict))})
+    return out
 
 
 def _same_tensor_links(args: tuple, kwargs: dict) -> list[tuple[int, int | str]]:

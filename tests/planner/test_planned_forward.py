@@ -304,3 +304,39 @@ def test_reads_before_an_inplace_overwrite_train_unchanged_under_any_plan(block)
     if block is _ReadsThenOverwrites:
         assert any("Sequential.0.gate not checkpointed: reads a tensor the caller later overwrites in "
                    "place (aten.relu_.default)" in n for n in plan.notes)
+
+
+class _DenseLayer(nn.Module):
+    """torchvision's DenseNet layer: takes the list of every earlier feature map."""
+
+    def __init__(self, c_in: int, growth: int = 4) -> None:
+        super().__init__()
+        self.norm, self.conv = nn.BatchNorm2d(c_in), nn.Conv2d(c_in, growth, 3, padding=1)
+
+    def forward(self, features: list):
+        return self.conv(torch.relu(self.norm(torch.cat(features, 1))))
+
+
+class _DenseBlock(nn.Module):
+    def __init__(self, c: int = 8, n: int = 3, growth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_DenseLayer(c + i * growth, growth) for i in range(n))
+
+    def forward(self, x):
+        features = [x]
+        for layer in self.layers:
+            features.append(layer(features))  # the list the layer got grows after its call
+        return torch.cat(features, 1).mean()
+
+
+def test_a_list_argument_the_caller_appends_to_reaches_the_recompute_as_the_forward_got_it():
+    # The recompute got the caller's list, one feature map longer: "running_mean should contain
+    # 12 elements not 8" in solve_sac's verification trace, at every budget.
+    torch.manual_seed(0)
+    ref = _DenseBlock()
+    step = TrainStep(inputs=(torch.randn(4, 8, 16, 16),), optimizer="adamw")
+    table = tradeoff_curve(ref, step=step)
+    plan = solve_sac(ref, (table.min_reachable_peak_bytes + table.no_ac_peak_bytes) / 2 / 2**30, step=step)
+    assert any(m.fqn.startswith("_DenseBlock.layers.") for m in plan.modules)
+    measured = _train_side_by_side(copy.deepcopy(ref), copy.deepcopy(ref), plan, step, n_steps=2)
+    assert measured[1].peak_bytes == plan.predicted_peak_bytes
