@@ -229,7 +229,9 @@ def _restore_caches(model: torch.nn.Module) -> None:
 
 def _mark_caches_off(model: torch.nn.Module, configs: list) -> None:
     for cfg in configs:
-        owner = next(m for m in model.modules() if getattr(m, "config", None) is cfg)
+        # Its own attribute: peft's PeftModel forwards .config to the model it wraps.
+        owner = next((m for m in model.modules() if vars(m).get("config") is cfg),
+                     next(m for m in model.modules() if getattr(m, "config", None) is cfg))
         owner.__dict__.setdefault(_CACHE_OFF, []).append(cfg)
 
 

@@ -256,6 +256,14 @@ class _Wrapper(torch.nn.Module):
         return self.lm(**kwargs)
 
 
+class _ForwardsConfig(_Wrapper):
+    """peft's PeftModel: ``.config`` is the wrapped model's."""
+
+    @property
+    def config(self):
+        return self.lm.config
+
+
 def test_remove_plan_through_a_wrapper_or_on_the_inner_model_turns_the_cache_back_on():
     # The configs a plan turned off were noted on the module it was applied to: remove_plan
     # through a wrapper (peft's PeftModel) or on the inner model left use_cache False, and a
@@ -273,4 +281,8 @@ def test_remove_plan_through_a_wrapper_or_on_the_inner_model_turns_the_cache_bac
     assert model.config.use_cache is True
     apply_plan(wrapped, plan)
     remove_plan(_Wrapper(wrapped))
+    assert model.config.use_cache is True
+    forwarding = _ForwardsConfig(model)  # the note goes on the config's own module, not on it
+    apply_plan(forwarding, plan, check_fingerprint=False)
+    remove_plan(model)
     assert model.config.use_cache is True
