@@ -11,8 +11,9 @@ raised DataDependentOutputException). Planning must leave the process as it foun
     # on exit: lru caches holding fake tensors of ``mode`` are cleared; any other holder is
     # named in a FakeTensorLeakWarning
 
-The check costs one ``gc.collect`` where the mode outlives the trace (its tensors keep it alive);
-where nothing holds them (the usual case) it costs nothing.
+The check costs one ``gc.collect`` where the mode outlives the trace (its tensors, or reference
+cycles among the trace's objects, keep it alive), and a scan of the heap only where fake
+tensors of the mode are still alive after that.
 """
 
 from __future__ import annotations
@@ -63,9 +64,41 @@ def fake_trace_mode() -> Iterator[FakeTrace]:
         _clear(alive(), report=True)
 
 
+_CACHE_SEARCH_DEPTH, _CACHE_SEARCH_NODES = 4, 4096
+"""How far up from a left fake tensor the holders are searched for an lru cache: a tensor in a
+tuple the cache returns, in ``functools.cache``'s dict, in a fake module copy a method cache
+keeps as part of its key (tensor -> parameter table -> module -> key -> dict -> cache)."""
+
+
+def _lru_caches_holding(tensors: list[FakeTensor]) -> dict[int, functools._lru_cache_wrapper]:
+    found: dict[int, functools._lru_cache_wrapper] = {}
+    skip = {id(tensors)}
+    seen: set[int] = set()
+    level: list[object] = list(tensors)
+    for _ in range(_CACHE_SEARCH_DEPTH):
+        nxt: list[object] = []
+        for obj in level:
+            for r in gc.get_referrers(obj):
+                if id(r) in seen or id(r) in skip or isinstance(r, (types.FrameType, types.ModuleType)):
+                    continue
+                seen.add(id(r))
+                if isinstance(r, functools._lru_cache_wrapper):
+                    found[id(r)] = r
+                elif len(seen) < _CACHE_SEARCH_NODES and not _is_module_globals(r):
+                    nxt.append(r)
+        skip.add(id(nxt))
+        level = nxt
+    return found
+
+
+def _is_module_globals(obj: object) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("__name__"), str) and obj.get("__name__") in sys.modules \
+        and getattr(sys.modules[obj["__name__"]], "__dict__", None) is obj
+
+
 def _clear(mode: FakeTensorMode, *, report: bool) -> None:
     left = _tensors_of(mode)
-    caches = {id(r): r for t in left for r in gc.get_referrers(t) if isinstance(r, functools._lru_cache_wrapper)}
+    caches = _lru_caches_holding(left)
     for cache in caches.values():
         cache.cache_clear()
     if not report:
