@@ -69,7 +69,7 @@ from estimators.runtime import RuntimeKind, make_runtime_model
 from estimators import fake_leaks
 from estimators.step import StepError, TrainStep, run_step, step_mode, values_read_in
 from estimators.module_info import ModuleInfo, Phase
-from estimators.trace import StepTrace, StepTracer, StorageKind
+from estimators.trace import InplaceModifiedError, StepTrace, StepTracer, StorageKind
 
 __all__ = [
     "DEFAULT_DEVICE",
@@ -426,7 +426,7 @@ def _trace_step(
                     )
         except StepError as e:
             raise TraceError(str(e)) from e.__cause__
-        except FakeKernelError as e:
+        except (FakeKernelError, InplaceModifiedError) as e:
             raise TraceError(str(e)) from e
         finally:
             tracer.detach()

@@ -9,11 +9,12 @@ hands its solver index lists of view-like, in-place and random ops. Rules, over 
   (``inplace_parent``; chains of in-place ops form one group);
 * an in-place op whose ``inplace_parent`` is its own index mutates a storage made outside the
   module: its group must be saved (recomputing it would apply the mutation a second time);
-* an op that reads a storage before a later in-place op mutates it shares the decision of the
-  op that created it (``reads_before_mutation``; saved, that storage holds the mutated values
-  when the recompute reads it); a storage made outside the module: its group must be saved;
-  where a saved group would not cache that op's output (autograd keeps none of it), the group
-  must be recomputed;
+* an op that reads a storage before a later in-place op mutates it (``reads_before_mutation``)
+  must not be recomputed while the storage's creator is cached (saved, the storage holds the
+  mutated values when the recompute reads it): where the creator's group is always recomputed
+  nothing is needed; elsewhere the reader shares its decision, and where a saved group would
+  not cache the reader's output (autograd keeps none of it) the group must be recomputed; a
+  storage made outside the module: the reader's group must be saved;
 * all random ops of the module form one group (a checkpoint replays the RNG from the start of the
   region, so the recompute draws the forward's numbers only if they are recomputed together);
 * a group holding a view or an op with a cache cost (outputs autograd does not keep) must be
@@ -57,18 +58,17 @@ class SACGroup:
         return not (self.must_save or self.must_recompute)
 
 
-def _uncached_reader(op: SACOp) -> bool:
-    """Reads a storage a later in-place op overwrites, and a saved group would not cache its
-    output (autograd keeps none of it: ``h.mean()`` before ``h.relu_()``): it would be recomputed
-    from the overwritten storage, so its group is always recomputed."""
-    return bool(op.reads_before_mutation) and not (op.is_saved and not op.cache_cost_bytes)
+def _cached_if_saved(op: SACOp) -> bool:
+    """A saved group caches this op's output (what ``planner.solve.module_plan`` caches)."""
+    return op.is_saved and not op.is_view and not op.cache_cost_bytes
 
 
 def sac_groups(ops: Sequence[SACOp]) -> tuple[SACGroup, ...]:
     """The groups of ``ops`` under the rules of this module, in order of their first op.
 
     Raises ValueError for an ``inplace_parent`` that is not -1, the op's own index or an earlier
-    op of the table."""
+    op of the table, and for a ``reads_before_mutation`` entry that is not the op itself or an
+    earlier op."""
     uf = UnionFind(range(len(ops)))
     for i, op in enumerate(ops):
         p = op.inplace_parent
@@ -80,6 +80,26 @@ def sac_groups(ops: Sequence[SACOp]) -> tuple[SACGroup, ...]:
                 f"its own index, or be -1, got {p!r}"
             )
         uf.union(i, p)
+    uf.union(*(i for i, op in enumerate(ops) if op.is_random))
+    # Per group (by root): holds a view or a cache-cost op (recomputed), an outside mutation (saved).
+    recompute = {i: False for i in range(len(ops))}
+    save = {i: False for i in range(len(ops))}
+    for i, op in enumerate(ops):
+        recompute[uf[i]] |= op.is_view or op.cache_cost_bytes > 0
+        save[uf[i]] |= op.inplace_parent == i
+
+    def merge(a: int, b: int, *, recomputed: bool = False) -> None:
+        ra, rb = uf[a], uf[b]
+        uf.union(a, b)
+        r = uf[a]
+        recompute[r] = recompute[ra] or recompute[rb] or recomputed
+        save[r] = save[ra] or save[rb]
+
+    # Reads before an in-place overwrite: a recompute of the reader must not meet the creator's
+    # cached (overwritten) storage. Where the creator's group is always recomputed that cannot
+    # happen; elsewhere the reader shares its decision, and where a saved group would not cache
+    # the reader's output (autograd keeps none of it: h.mean() before h.relu_()), the group is
+    # always recomputed. A storage made outside the module: the reader must be saved.
     for i, op in enumerate(ops):
         for p in op.reads_before_mutation:
             if not (isinstance(p, int) and 0 <= p <= i):
@@ -87,19 +107,21 @@ def sac_groups(ops: Sequence[SACOp]) -> tuple[SACGroup, ...]:
                     f"op {i} ({op.func}): reads_before_mutation must index earlier ops of this "
                     f"table or the op itself, got {p!r}"
                 )
-            uf.union(i, p)
-    uf.union(*(i for i, op in enumerate(ops) if op.is_random))
+            if p == i:
+                save[uf[i]] = True
+            elif not (recompute[uf[p]] and not save[uf[p]]):
+                merge(i, p, recomputed=not _cached_if_saved(op))
     groups = []
     for members in sorted(sorted(s) for s in uf.to_sets()):
-        must_save = any(ops[i].inplace_parent == i or i in ops[i].reads_before_mutation for i in members)
-        recompute = any(ops[i].is_view or ops[i].cache_cost_bytes > 0 or _uncached_reader(ops[i]) for i in members)
+        root = uf[members[0]]
+        must_save = save[root]
         groups.append(
             SACGroup(
                 ops=tuple(members),
                 memory_bytes=sum(ops[i].memory_bytes for i in members),
                 runtime_ms=sum(ops[i].runtime_ms for i in members),
                 must_save=must_save,
-                must_recompute=recompute and not must_save,
+                must_recompute=recompute[root] and not must_save,
             )
         )
     return tuple(groups)

@@ -123,6 +123,11 @@ def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
+class InplaceModifiedError(RuntimeError):
+    """The traced step's backward reads a saved tensor that was modified in place: the step
+    fails in torch itself."""
+
+
 class StepTracer(TorchDispatchMode):
     """Records every aten op and storage of one step of ``model``; see the module docstring.
 
@@ -361,12 +366,24 @@ class StepTracer(TorchDispatchMode):
         # (same storage, no grad_fn). The detach is the hook's, not a step op: not recorded.
         self._packing = True
         try:
-            return t.detach()
+            alias = t.detach()  # shares t's version counter
         finally:
             self._packing = False
+        return alias, alias._version
 
     @staticmethod
-    def unpack_hook(t: torch.Tensor) -> torch.Tensor:
+    def unpack_hook(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+        """Autograd checks that a saved tensor was not modified in place since it was saved,
+        but not for tensors that saved-tensor hooks hand back: the check is repeated here, or a
+        model whose own backward fails (in-place dropout on a softmax output) was planned."""
+        t, version = packed
+        if t._version != version:
+            raise InplaceModifiedError(
+                f"the step's backward needs a tensor of shape {tuple(t.shape)} that was modified "
+                f"in place after the forward saved it (version {t._version}, saved at {version}): "
+                "torch raises \"one of the variables needed for gradient computation has been "
+                "modified by an inplace operation\" for this step without the planner too. Make "
+                "that op out of place (e.g. dropout(inplace=False))")
         return t
 
     # ------------------------------------------------------------------ module calls

@@ -474,3 +474,24 @@ def test_a_fake_trace_leaves_torch_s_generator_where_it_was():
     torch.manual_seed(123)
     estimate(model, (x,), optimizer="adamw")
     assert torch.equal(torch.rand(3), expect)
+
+
+class _DropoutInPlaceOnSoftmax(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        a = (self.q(x) @ x.transpose(-1, -2)).softmax(-1)  # softmax saves its output
+        return torch.nn.functional.dropout(a, 0.1, training=True, inplace=True) @ x
+
+
+def test_a_step_whose_own_backward_fails_is_refused_by_the_trace():
+    # Autograd's in-place check is off for tensors saved-tensor hooks hand back, so the trace
+    # accepted (and the planner planned) a model whose unplanned backward raises.
+    model, x = _DropoutInPlaceOnSoftmax(), torch.randn(4, 8, 16)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+    for options in (EstimateOptions(), REAL):
+        with pytest.raises(TraceError, match=r"modified in place after the forward saved it .*dropout\(inplace=False\)"):
+            estimate(model, (x,), optimizer="adamw", options=options)
