@@ -64,6 +64,13 @@ def _train_side_by_side(model, ref, plan, step, n_steps):
     return planned
 
 
+def _plan_at(model, step, frac: float):
+    """The plan at ``frac`` of the way from the smallest reachable peak to the no-AC peak."""
+    table = tradeoff_curve(model, step=step)
+    lo, hi = table.min_reachable_peak_bytes, table.no_ac_peak_bytes
+    return solve_sac(model, (lo + frac * (hi - lo)) / 2**30, step=step)
+
+
 def test_a_full_checkpoint_recomputes_from_the_buffers_the_forward_started_from():
     # Spectral norm's forward runs a power-iteration step on its buffers _u, _v and reads them.
     # The recompute started from the updated vectors: another weight, gradients 8.5e-4 off.
@@ -174,10 +181,8 @@ def test_inplace_activations_after_a_batchnorm_train_unchanged_under_any_plan(ac
     torch.manual_seed(0)
     ref = _InplaceActNet(act)
     step = TrainStep(inputs=(torch.randn(4, 3, 8, 8),), optimizer="adamw", micro_batches=2)
-    table = tradeoff_curve(ref, step=step)
-    lo, hi = table.min_reachable_peak_bytes, table.no_ac_peak_bytes
     for frac in (0.0, 0.5):
-        plan = solve_sac(ref, (lo + frac * (hi - lo)) / 2**30, step=step)
+        plan = _plan_at(ref, step, frac)
         assert plan.modules
         measured = _train_side_by_side(copy.deepcopy(ref), copy.deepcopy(ref), plan, step, n_steps=3)
         assert [s.peak_bytes for s in measured[1:]] == [plan.predicted_peak_bytes] * 2
@@ -211,8 +216,7 @@ def test_a_module_whose_child_ran_before_it_is_planned_and_trains_unchanged():
     torch.manual_seed(0)
     ref = _CallsTheEmbeddingFirst()
     step = TrainStep(inputs=(torch.randint(0, 100, (8, 64)),), optimizer="adamw")
-    table = tradeoff_curve(ref, step=step)
-    plan = solve_sac(ref, (table.min_reachable_peak_bytes + table.no_ac_peak_bytes) / 2 / 2**30, step=step)
+    plan = _plan_at(ref, step, 0.5)
     assert "_CallsTheEmbeddingFirst.lm" in {m.fqn for m in plan.modules}
     measured = _train_side_by_side(copy.deepcopy(ref), copy.deepcopy(ref), plan, step, n_steps=2)
     assert measured[1].peak_bytes == plan.predicted_peak_bytes
@@ -227,8 +231,7 @@ def test_a_model_changed_after_apply_says_its_plan_no_longer_holds():
     torch.manual_seed(0)
     model = _CallsTheEmbeddingFirst()
     step = TrainStep(inputs=(torch.randint(0, 100, (8, 64)),), optimizer="adamw")
-    table = tradeoff_curve(model, step=step)
-    plan = solve_sac(model, (table.min_reachable_peak_bytes + table.no_ac_peak_bytes) / 2 / 2**30, step=step)
+    plan = _plan_at(model, step, 0.5)
     ids = step.inputs[0]
     with apply_plan(model, plan), warnings.catch_warnings():
         warnings.simplefilter("error", StalePlanWarning)
@@ -294,10 +297,8 @@ def test_reads_before_an_inplace_overwrite_train_unchanged_under_any_plan(block)
     torch.manual_seed(0)
     ref = nn.Sequential(*[block() for _ in range(3)])
     step = TrainStep(inputs=(torch.randn(256, 32),), optimizer="adamw")
-    table = tradeoff_curve(ref, step=step)
-    lo, hi = table.min_reachable_peak_bytes, table.no_ac_peak_bytes
     for frac in (0.0, 0.2, 0.4, 0.8):
-        plan = solve_sac(ref, (lo + frac * (hi - lo)) / 2**30, step=step)
+        plan = _plan_at(ref, step, frac)
         assert "Sequential.0.gate" not in {m.fqn for m in plan.modules}
         measured = _train_side_by_side(copy.deepcopy(ref), copy.deepcopy(ref), plan, step, n_steps=2)
         assert measured[1].peak_bytes == plan.predicted_peak_bytes
@@ -335,8 +336,7 @@ def test_a_list_argument_the_caller_appends_to_reaches_the_recompute_as_the_forw
     torch.manual_seed(0)
     ref = _DenseBlock()
     step = TrainStep(inputs=(torch.randn(4, 8, 16, 16),), optimizer="adamw")
-    table = tradeoff_curve(ref, step=step)
-    plan = solve_sac(ref, (table.min_reachable_peak_bytes + table.no_ac_peak_bytes) / 2 / 2**30, step=step)
+    plan = _plan_at(ref, step, 0.5)
     assert any(m.fqn.startswith("_DenseBlock.layers.") for m in plan.modules)
     measured = _train_side_by_side(copy.deepcopy(ref), copy.deepcopy(ref), plan, step, n_steps=2)
     assert measured[1].peak_bytes == plan.predicted_peak_bytes
