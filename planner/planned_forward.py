@@ -39,6 +39,7 @@ checkpointed modules, or leave them out of the plan (``ac_units``).
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import defaultdict
 import warnings
@@ -284,12 +285,32 @@ def _container_copies(args: tuple, kwargs: dict) -> dict[int | str, Any]:
     objects, and a caller may add to them after the call: DenseNet (torchvision) passes its
     growing list of feature maps to each layer and appends the layer's output, so the recompute
     concatenated one map more ("running_mean should contain 30 elements not 24")."""
-    def copied(v: Any) -> Any:
-        return tree_map(lambda leaf: leaf, v)
-
-    out: dict[int | str, Any] = {i: copied(a) for i, a in enumerate(args) if isinstance(a, (list, tuple, dict))}
-    out.update({k: copied(v) for k, v in kwargs.items() if isinstance(v, (list, tuple, dict))})
+    out: dict[int | str, Any] = {i: _copied(a) for i, a in enumerate(args) if _mutable_inside(a)}
+    out.update({k: _copied(v) for k, v in kwargs.items() if _mutable_inside(v)})
     return out
+
+
+def _mutable_inside(v: Any) -> bool:
+    """A list or dict, or a plain tuple holding one (``torch.Size`` and other tuples of values
+    stay as they are: a copy through pytree made a Size a plain tuple)."""
+    if isinstance(v, (list, dict)):
+        return True
+    return type(v) is tuple and any(_mutable_inside(e) for e in v)
+
+
+def _copied(v: Any) -> Any:
+    """``v`` with its lists and dicts copied (their subclasses too), everything else shared."""
+    if isinstance(v, list):
+        c = copy.copy(v)
+        c[:] = [_copied(e) for e in v]
+        return c
+    if isinstance(v, dict):
+        c = copy.copy(v)
+        c.update({k: _copied(e) for k, e in v.items()})
+        return c
+    if type(v) is tuple:
+        return tuple(_copied(e) for e in v)
+    return v
 
 
 def _same_tensor_links(args: tuple, kwargs: dict) -> list[tuple[int, int | str]]:

@@ -330,6 +330,38 @@ class _DenseBlock(nn.Module):
         return torch.cat(features, 1).mean()
 
 
+class _TakesItsShape(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x, shape: torch.Size, extra: tuple):
+        h = torch.tanh(self.up(x.reshape(shape.numel() // 16, 16)))
+        return self.down(h).reshape(shape) + extra[0]
+
+
+def test_sizes_and_tuples_of_values_reach_the_recompute_unchanged():
+    # The container copies turned a torch.Size into a plain tuple: .numel() failed in every
+    # recompute, and solve_sac crashed at every budget that planned such a block.
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(_TakesItsShape() for _ in range(3))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x, x.shape, (1.0, 2))
+            return x
+
+    torch.manual_seed(0)
+    ref = Net()
+    step = TrainStep(inputs=(torch.randn(8, 32, 16),), optimizer="adamw")
+    plan = _plan_at(ref, step, 0.0)
+    assert plan.modules
+    measured = _train_side_by_side(copy.deepcopy(ref), copy.deepcopy(ref), plan, step, n_steps=2)
+    assert measured[1].peak_bytes == plan.predicted_peak_bytes
+
+
 def test_a_list_argument_the_caller_appends_to_reaches_the_recompute_as_the_forward_got_it():
     # The recompute got the caller's list, one feature map longer: "running_mean should contain
     # 12 elements not 8" in solve_sac's verification trace, at every budget.
