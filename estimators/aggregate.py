@@ -16,6 +16,7 @@ from estimators.sac import (
     module_ops,
     cumulative_curve,
 )
+from estimators.sac_groups import unsafe_reads
 from estimators.trace import ModuleCall, StepTrace, StorageKind
 
 __all__ = ["build_module_info"]
@@ -138,8 +139,17 @@ def _mod_stats(
         fw_post_op=last.fw_last_op + 1,
         bw_pre_op=bw_pre,
         bw_post_op=bw_post,
-        sac_blocker="" if is_leaf else _sac_blocker(trace, calls, last_fw_write),
+        sac_blocker="" if is_leaf else (_sac_blocker(trace, calls, last_fw_write) or _unsafe_read_blocker(ops)),
     )
+
+
+def _unsafe_read_blocker(ops) -> str:
+    unsafe = unsafe_reads(ops)
+    if not unsafe:
+        return ""
+    op = ops[unsafe[0]]
+    return (f"{op.func} reads a tensor a later in-place op overwrites, in a part of the module that "
+            "must be saved: its recompute would read the new values")
 
 
 def _last_fw_writes(trace: StepTrace) -> dict[int, tuple[int, str]]:
@@ -171,8 +181,10 @@ def _sac_blocker(trace: StepTrace, calls: list[ModuleCall], last_fw_write: dict[
                 # read the new values (`g = gate(h); h.relu_()`: gradients 2,011 off).
                 st = trace.storages[sid]
                 later = last_fw_write.get(sid)
+                # Batch norm passes its running statistics only to update them (a shared one
+                # updates them again after this call); the recompute puts them back anyway.
                 if (later is not None and later[0] > c.fw_last_op and st.alloc_op < c.fw_first_op
-                        and st.kind is not StorageKind.BUFFER):
+                        and not (st.kind is StorageKind.BUFFER and "batch_norm" in str(op.func))):
                     return f"reads a tensor the caller later overwrites in place ({later[1]})"
         seqs.add(tuple(str(op.func) for op in ops if op.phase is Phase.FW))
     if len(seqs) > 1:

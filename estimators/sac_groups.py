@@ -34,7 +34,7 @@ from networkx.utils import UnionFind
 if TYPE_CHECKING:
     from estimators.module_info import SACOp
 
-__all__ = ["SACGroup", "sac_groups"]
+__all__ = ["SACGroup", "sac_groups", "unsafe_reads"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +69,31 @@ def sac_groups(ops: Sequence[SACOp]) -> tuple[SACGroup, ...]:
     Raises ValueError for an ``inplace_parent`` that is not -1, the op's own index or an earlier
     op of the table, and for a ``reads_before_mutation`` entry that is not the op itself or an
     earlier op."""
+    uf, save, recompute, _ = _settle(ops)
+    groups = []
+    for members in sorted(sorted(s) for s in uf.to_sets()):
+        root = uf[members[0]]
+        groups.append(
+            SACGroup(
+                ops=tuple(members),
+                memory_bytes=sum(ops[i].memory_bytes for i in members),
+                runtime_ms=sum(ops[i].runtime_ms for i in members),
+                must_save=save[root],
+                must_recompute=recompute[root] and not save[root],
+            )
+        )
+    return tuple(groups)
+
+
+def unsafe_reads(ops: Sequence[SACOp]) -> tuple[int, ...]:
+    """Ops that read a storage a later in-place op overwrites, a saved group would not cache, and
+    whose group must be saved: a checkpoint would recompute them from the overwritten storage,
+    so the module must not be checkpointed at all."""
+    return _settle(ops)[3]
+
+
+def _settle(ops: Sequence[SACOp]) -> tuple[UnionFind, dict[int, bool], dict[int, bool], tuple[int, ...]]:
+    """(union-find of the groups, must-save and must-recompute by root, unsafe readers)."""
     uf = UnionFind(range(len(ops)))
     for i, op in enumerate(ops):
         p = op.inplace_parent
@@ -81,14 +106,26 @@ def sac_groups(ops: Sequence[SACOp]) -> tuple[SACGroup, ...]:
             )
         uf.union(i, p)
     uf.union(*(i for i, op in enumerate(ops) if op.is_random))
-    # Per group (by root): holds a view or a cache-cost op (recomputed), an outside mutation (saved).
+    # Per group (by root): holds a view or a cache-cost op (recomputed), an outside mutation or
+    # an outside storage read before it is overwritten (saved).
     recompute = {i: False for i in range(len(ops))}
     save = {i: False for i in range(len(ops))}
+    links: list[tuple[int, int]] = []
     for i, op in enumerate(ops):
         recompute[uf[i]] |= op.is_view or op.cache_cost_bytes > 0
         save[uf[i]] |= op.inplace_parent == i
+        for p in op.reads_before_mutation:
+            if not (isinstance(p, int) and 0 <= p <= i):
+                raise ValueError(
+                    f"op {i} ({op.func}): reads_before_mutation must index earlier ops of this "
+                    f"table or the op itself, got {p!r}"
+                )
+            if p == i:
+                save[uf[i]] = True
+            else:
+                links.append((i, p))
 
-    def merge(a: int, b: int, *, recomputed: bool = False) -> None:
+    def merge(a: int, b: int, *, recomputed: bool) -> None:
         ra, rb = uf[a], uf[b]
         uf.union(a, b)
         r = uf[a]
@@ -99,29 +136,18 @@ def sac_groups(ops: Sequence[SACOp]) -> tuple[SACGroup, ...]:
     # cached (overwritten) storage. Where the creator's group is always recomputed that cannot
     # happen; elsewhere the reader shares its decision, and where a saved group would not cache
     # the reader's output (autograd keeps none of it: h.mean() before h.relu_()), the group is
-    # always recomputed. A storage made outside the module: the reader must be saved.
-    for i, op in enumerate(ops):
-        for p in op.reads_before_mutation:
-            if not (isinstance(p, int) and 0 <= p <= i):
-                raise ValueError(
-                    f"op {i} ({op.func}): reads_before_mutation must index earlier ops of this "
-                    f"table or the op itself, got {p!r}"
-                )
-            if p == i:
-                save[uf[i]] = True
-            elif not (recompute[uf[p]] and not save[uf[p]]):
-                merge(i, p, recomputed=not _cached_if_saved(op))
-    groups = []
-    for members in sorted(sorted(s) for s in uf.to_sets()):
-        root = uf[members[0]]
-        must_save = save[root]
-        groups.append(
-            SACGroup(
-                ops=tuple(members),
-                memory_bytes=sum(ops[i].memory_bytes for i in members),
-                runtime_ms=sum(ops[i].runtime_ms for i in members),
-                must_save=must_save,
-                must_recompute=recompute[root] and not must_save,
-            )
-        )
-    return tuple(groups)
+    # always recomputed. Flags only grow as groups merge, so links are settled to a fixpoint: a
+    # reader left free because its creator's group was recompute-only must join it once a later
+    # merge makes that group saved.
+    pending = list(links)
+    while True:
+        left = [(i, p) for i, p in pending if recompute[uf[p]] and not save[uf[p]] and uf[i] != uf[p]]
+        joined = [(i, p) for i, p in pending if (i, p) not in left]
+        if not joined:
+            break
+        for i, p in joined:
+            if uf[i] != uf[p] or not _cached_if_saved(ops[i]):
+                merge(i, p, recomputed=not _cached_if_saved(ops[i]))
+        pending = left
+    unsafe = tuple(sorted({i for i, p in links if uf[i] == uf[p] and save[uf[i]] and not _cached_if_saved(ops[i])}))
+    return uf, save, recompute, unsafe

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from estimators.module_info import SACOp
-from estimators.sac_groups import sac_groups
+from estimators.sac_groups import sac_groups, unsafe_reads
 
 
 def op(i: int, mb: int = 0, ms: float = 1.0, **kw) -> SACOp:
@@ -88,3 +88,17 @@ def test_a_reader_of_a_storage_whose_creator_is_always_recomputed_stays_free():
     groups = sac_groups(ops)
     assert [(g.ops, g.must_recompute) for g in groups] == [((0,), False), ((1, 3), True), ((2,), False)]
     assert groups[2].is_choice
+
+
+def test_reads_settle_whatever_the_order_the_groups_become_saved_in():
+    # The reader (1) was left free while its creator's group (0, 2) looked recompute-only (0 has
+    # a cache cost); op 2 then made that group saved (it reads a storage made outside the
+    # module that a later op overwrites): a plan could recompute 1 from the cached, overwritten
+    # storage (24 of 32 assignments of such a module gave wrong gradients).
+    ops = (op(0, 0, is_saved=True, cache_cost_bytes=8), op(1, 8, is_saved=True, reads_before_mutation=(0,)),
+           op(2, 0, inplace_parent=0, reads_before_mutation=(2,)), op(3, 0, inplace_parent=3))
+    assert [(g.ops, g.must_save) for g in sac_groups(ops)] == [((0, 1, 2), True), ((3,), True)]
+    assert unsafe_reads(ops) == ()
+    # The same reader if a saved group would not cache it: the module cannot be checkpointed.
+    uncached = (ops[0], op(1, 0, reads_before_mutation=(0,)), ops[2], ops[3])
+    assert unsafe_reads(uncached) == (1,)

@@ -372,3 +372,39 @@ def test_a_list_argument_the_caller_appends_to_reaches_the_recompute_as_the_forw
     assert any(m.fqn.startswith("_DenseBlock.layers.") for m in plan.modules)
     measured = _train_side_by_side(copy.deepcopy(ref), copy.deepcopy(ref), plan, step, n_steps=2)
     assert measured[1].peak_bytes == plan.predicted_peak_bytes
+
+
+class _Centred(nn.Module):
+    def __init__(self, owner: nn.Module) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+        object.__setattr__(self, "owner", owner)  # not a submodule: the parent's buffer is read
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x) - self.owner.center))
+
+
+class _UpdatesItsCentre(nn.Module):
+    """A running centre the parent updates in place after each block read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("center", torch.zeros(64))
+        self.blocks = nn.ModuleList(_Centred(self) for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+            self.center.mul_(0.5).add_(1.0)
+        return x
+
+
+def test_a_buffer_the_caller_updates_after_the_call_keeps_the_reader_unplanned():
+    # The recompute read the updated centre: gradients 84.7 off, no warning (buffers were exempt).
+    torch.manual_seed(0)
+    ref = _UpdatesItsCentre()
+    step = TrainStep(inputs=(torch.randn(64, 16),), optimizer="adamw")
+    peak = tradeoff_curve(ref, step=step).no_ac_peak_bytes
+    with pytest.raises(PlanningError, match=r"_UpdatesItsCentre\.blocks\.0 \(reads a tensor the caller "
+                                            r"later overwrites in place"):
+        solve_sac(ref, 0.9 * peak / 2**30, step=step)
