@@ -14,7 +14,9 @@ hands its solver index lists of view-like, in-place and random ops. Rules, over 
   mutated values when the recompute reads it): where the creator's group is always recomputed
   nothing is needed; elsewhere the reader shares its decision, and where a saved group would
   not cache the reader's output (autograd keeps none of it) the group must be recomputed; a
-  storage made outside the module: the reader's group must be saved;
+  storage made outside the module: the reader's group must be saved. A reader that must be
+  recomputed in a group that must be saved is named by ``unsafe_reads``: such a module is not
+  checkpointed at all (``estimators.aggregate``);
 * all random ops of the module form one group (a checkpoint replays the RNG from the start of the
   region, so the recompute draws the forward's numbers only if they are recomputed together);
 * a group holding a view or an op with a cache cost (outputs autograd does not keep) must be
