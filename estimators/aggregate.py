@@ -16,7 +16,7 @@ from estimators.sac import (
     module_ops,
     cumulative_curve,
 )
-from estimators.sac_groups import unsafe_reads
+from estimators.sac_groups import cached_if_saved, unsafe_reads
 from estimators.trace import ModuleCall, StepTrace, StorageKind
 
 __all__ = ["build_module_info"]
@@ -220,8 +220,7 @@ def _recompute_growth(trace: StepTrace, call: ModuleCall, ops, units, forced: se
                 diff[i] += st.nbytes
                 diff[end + 1] -= st.nbytes
 
-    cacheable = {i for i, o in enumerate(ops)
-                 if o.is_saved and not o.is_view and not o.cache_cost_bytes and i not in forced}
+    cacheable = {i for i, o in enumerate(ops) if cached_if_saved(o) and i not in forced}
     diff = np.zeros(last + 2, dtype=np.int64)
     for i in range(last + 1):
         if i not in cacheable:

@@ -127,9 +127,8 @@ def _describe(holder: object) -> str:
     """A holder as a user would look for it."""
     if isinstance(holder, types.FrameType):
         return f"a frame of {holder.f_code.co_qualname}"
+    if _is_module_globals(holder):
+        return f"a global of {holder['__name__']}"
     if isinstance(holder, dict):
-        for name, mod in list(sys.modules.items()):
-            if getattr(mod, "__dict__", None) is holder:
-                return f"a global of {name}"
         return "a dict"
     return type(holder).__qualname__

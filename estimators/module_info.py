@@ -106,8 +106,8 @@ class SACOp:
     reads_before_mutation: tuple[int, ...] = ()
     """Indices (in this table) of the ops that created storages this op reads before a later
     in-place op of the module mutates them; its own index for a storage made outside the module.
-    A saved storage holds its mutated values, so a recompute of this op would read those: it shares
-    the decision of each creator (its own index: it must be saved). Seen: the clone autograd makes
+    A saved storage holds its mutated values, so a recompute of this op would read those; what
+    that constrains is ``estimators.sac_groups``' rule. Seen: the clone autograd makes
     of a conv output for ``SiLU(inplace=True)``'s backward, recomputed from the saved conv output
     after ``silu_`` had overwritten it, gave wrong gradients."""
     is_random: bool = False

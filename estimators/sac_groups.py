@@ -36,7 +36,7 @@ from networkx.utils import UnionFind
 if TYPE_CHECKING:
     from estimators.module_info import SACOp
 
-__all__ = ["SACGroup", "sac_groups", "unsafe_reads"]
+__all__ = ["SACGroup", "cached_if_saved", "sac_groups", "unsafe_reads"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,8 +60,11 @@ class SACGroup:
         return not (self.must_save or self.must_recompute)
 
 
-def _cached_if_saved(op: SACOp) -> bool:
-    """A saved group caches this op's output (what ``planner.solve.module_plan`` caches)."""
+def cached_if_saved(op: SACOp) -> bool:
+    """A saved group caches this op's output: autograd saves it, it is no view, and caching it
+    costs nothing the unplanned step did not hold. The one test of what a plan caches
+    (``planner.solve.module_plan``), what a recompute re-makes (``estimators.aggregate``) and
+    what may go to host (``solver.offload_milp.offload_ops``)."""
     return op.is_saved and not op.is_view and not op.cache_cost_bytes
 
 
@@ -141,15 +144,16 @@ def _settle(ops: Sequence[SACOp]) -> tuple[UnionFind, dict[int, bool], dict[int,
     # always recomputed. Flags only grow as groups merge, so links are settled to a fixpoint: a
     # reader left free because its creator's group was recompute-only must join it once a later
     # merge makes that group saved.
-    pending = list(links)
-    while True:
-        left = [(i, p) for i, p in pending if recompute[uf[p]] and not save[uf[p]] and uf[i] != uf[p]]
-        joined = [(i, p) for i, p in pending if (i, p) not in left]
-        if not joined:
+    pending = links
+    while pending:
+        waiting = []
+        for i, p in pending:
+            if recompute[uf[p]] and not save[uf[p]] and uf[i] != uf[p]:
+                waiting.append((i, p))  # the creator is always recomputed, so far
+            elif uf[i] != uf[p] or not cached_if_saved(ops[i]):
+                merge(i, p, recomputed=not cached_if_saved(ops[i]))
+        if len(waiting) == len(pending):
             break
-        for i, p in joined:
-            if uf[i] != uf[p] or not _cached_if_saved(ops[i]):
-                merge(i, p, recomputed=not _cached_if_saved(ops[i]))
-        pending = left
-    unsafe = tuple(sorted({i for i, p in links if uf[i] == uf[p] and save[uf[i]] and not _cached_if_saved(ops[i])}))
+        pending = waiting
+    unsafe = tuple(sorted({i for i, p in links if uf[i] == uf[p] and save[uf[i]] and not cached_if_saved(ops[i])}))
     return uf, save, recompute, unsafe

@@ -33,6 +33,7 @@ from estimators.estimation import (
     first_step_module_info,
 )
 from estimators.module_info import ModStats
+from estimators.sac_groups import cached_if_saved
 from estimators.sac import replay_ms
 from estimators.step import TrainStep, mode_changes
 from planner.floor import PeakBreakdown, lowering_hints, peak_breakdown
@@ -76,7 +77,7 @@ def module_plan(stats: ModStats, discarded_bytes: int, options: SolverOptions | 
     for op, dec in zip(stats.ops, op_plan.decisions):
         key = (op_key(op.func), op.occurrence)
         # Only ops autograd saves are worth caching: caching any other costs memory.
-        if dec is OpDecision.SAVE and op.is_saved and not op.is_view and not op.cache_cost_bytes:
+        if dec is OpDecision.SAVE and cached_if_saved(op):
             saved.append(key)
         elif op.is_saved and op.memory_bytes > 0:
             recomputed.append(key)
@@ -455,8 +456,9 @@ def _plan_for_budget(
         branches on state the recompute sees otherwise): they are not checkpointed; plan again
         without them."""
         nonlocal allowed, milp, full_milp
-        notes.extend(f"{f} not checkpointed: its recompute ran other ops than its forward" for f in fqns)
-        excluded.update({f: "its recompute ran other ops than its forward" for f in fqns})
+        why = "its recompute ran other ops than its forward"
+        notes.extend(f"{f} not checkpointed: {why}" for f in fqns)
+        excluded.update({f: why for f in fqns})
         names = allowed if allowed is not None else [s.fqn for s in info.mod_stats]
         allowed = [f for f in names if f not in excluded and f not in mispriced]
         milp = full_milp = SACMilp(info, world_size=world_size, ac_units=allowed, fsdp_units=units,

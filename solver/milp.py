@@ -483,18 +483,17 @@ class SACMilp:
         limit = self.options.time_limit_s
         deadline = None if limit is None else t0 + limit
         sol = self._counter.solve(self.options, None, deadline, self.options.rel_gap)
-        if sol is None:  # a search too wide for count branching: HiGHS on the whole model
-            return self._prob.solve(options_until(self.options, deadline))
-        if sol.outcome.infeasible:
-            # Every box refused: at a budget on the smallest reachable peak a fixed-count MILP
-            # may refuse what HiGHS' tolerances accept on the whole model; let the whole model say.
+        # None: a search too wide for count branching. Every box refused: at a budget on the
+        # smallest reachable peak a fixed-count MILP may refuse what HiGHS' tolerances accept on
+        # the whole model. Either way HiGHS solves the whole model.
+        if sol is None or sol.outcome.infeasible:
             return self._prob.solve(options_until(self.options, deadline))
         return sol
 
     def _exact_plan(self, values: Any, budget: int, target: int) -> tuple[dict[str, int], int]:
         """The backend's plan in exact bytes: (plan, bytes still over ``budget``). Read, repaired
         where rounding left it over; then what the repair added, or a ``target`` under the
-        budget asked for, beyond the exact peak's need is given back (``_trim``, ``_polish``)."""
+        budget asked for, beyond the exact peak's need is given back (``ExactPlans.settle``)."""
         return self._exact.settle(self._read_plan(values), budget, target)
 
     def _fallback(self, budget: int, t0: float, *, timed_out: bool) -> SolveResult:
@@ -595,7 +594,7 @@ class SACMilp:
                 t0: float) -> SolveResult:
         order = sorted(plan, key=lambda f: self.graph.node(f).index)
         peak = self._memory.peak(plan)
-        if peak > budget:  # guaranteed by _repair; a failure here is a bug, not bad input
+        if peak > budget:  # guaranteed by ExactPlans.repair; a failure here is a bug, not bad input
             raise AssertionError(f"plan peak {peak} exceeds budget {budget}")
         ratios = {f: plan[f] / self._memory.stats[f].sac_memory_bytes for f in order}
         rct = sum(module_recompute_ms(self._memory.stats[f], plan[f]) for f in order)

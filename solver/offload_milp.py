@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from estimators.module_info import lower_hull_segments
+from estimators.sac_groups import cached_if_saved
 from solver.errors import InfeasibleBudgetError, SolverTimeoutError
 from solver.graph import Graph
 from solver.milp import _candidates, _check_budget, _check_units, _safe, _solver_unit
@@ -101,8 +102,7 @@ def offload_ops(s: ModStats, min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES)
     least ``min_offload_bytes``), largest first (forward order among equals): with a fixed
     latency per copy, the order that moves the most bytes per ms of copy stream, so the copy
     time of the first x bytes is a convex function of x (``offload_curve``)."""
-    ops = [op for op in s.ops if op.is_saved and not op.is_view and not op.cache_cost_bytes
-           and op.memory_bytes >= min_offload_bytes]
+    ops = [op for op in s.ops if cached_if_saved(op) and op.memory_bytes >= min_offload_bytes]
     return sorted(ops, key=lambda op: -op.memory_bytes)  # stable: forward order among equals
 
 
