@@ -15,6 +15,8 @@ import bisect
 import numbers
 from typing import TYPE_CHECKING, Iterable, Mapping
 
+import numpy as np
+
 from estimators.module_info import lower_hull_segments
 from solver.errors import UnknownModuleError
 from solver.graph import close_names
@@ -168,10 +170,23 @@ def cost_envelope(s: ModStats) -> tuple[list[tuple[float, float]], bool]:
             if 0 < b < size]
     pts.append((1.0, module_recompute_ms(s, size)))
     segs = lower_hull_segments(pts)
-    convex = all(
-        max(a * x + b for a, b in segs) >= y - 1e-9 * max(1.0, abs(y)) for x, y in pts
-    )
-    return segs, convex
+    return segs, _on_or_above(segs, pts)
+
+
+def _on_or_above(segs: list[tuple[float, float]], pts: list[tuple[float, float]]) -> bool:
+    """Every point on or above the convex envelope ``max_s(a x + b)``. The envelope at x is the
+    segment whose span holds x (slopes increase left to right), found by bisection: testing
+    every segment at every point took 0.84 s of a 1,000-module solve (1,000 points x 275
+    segments on one module)."""
+    slopes = np.array([a for a, _ in segs])
+    icepts = np.array([b for _, b in segs])
+    xs, ys = np.array([x for x, _ in pts]), np.array([y for _, y in pts])
+    # Where segment s hands over to s + 1: their crossing.
+    ends = (icepts[:-1] - icepts[1:]) / (slopes[1:] - slopes[:-1])
+    s = np.searchsorted(ends, xs)
+    env = np.maximum(slopes[s] * xs + icepts[s],  # the neighbour too: a crossing's rounding
+                     slopes[np.maximum(s - 1, 0)] * xs + icepts[np.maximum(s - 1, 0)])
+    return bool(np.all(env >= ys - 1e-9 * np.maximum(1.0, np.abs(ys))))
 
 
 # ----------------------------------------------------------------------------- validation

@@ -52,6 +52,36 @@ def test_cost_envelope_of_a_concave_curve_is_its_chord() -> None:
     assert cost_envelope(convex_s) == ([(2.0, 0.0), (20.0, -9.0)], True)
 
 
+def test_cost_envelope_convexity_agrees_with_testing_every_segment() -> None:
+    """The convexity verdict looks up the one segment over each point; on 400 random curves
+    (convex by construction or not, with kinks closer than rounding at their crossings) it
+    agrees with testing every segment at every point, as it was computed before."""
+    import random
+
+    rng = random.Random(7)
+    verdicts = set()
+    for _ in range(400):
+        n = rng.randint(1, 40)
+        xs = sorted({rng.randint(1, 99) for _ in range(n)})
+        if rng.random() < 0.5:  # slopes sorted ascending: a convex curve, kinks and all
+            slopes = sorted(rng.uniform(0.0, 10.0) for _ in xs)
+            ys, y, last = [], 0.0, 0
+            for x, a in zip(xs, slopes):
+                y += a * (x - last)
+                ys.append(round(y, 3))
+                last = x
+        else:
+            ys = sorted(round(rng.uniform(0.0, 20.0), 3) for _ in xs)
+        points = tuple(zip(xs, ys))
+        s = mod("M.b", size_mib=100, curve=((0, 0.0), *points, (100, ys[-1] + 1.0)))
+        segs, convex = cost_envelope(s)
+        pts = [(0.0, 0.0)] + [(x / 100, y) for x, y in points] + [(1.0, ys[-1] + 1.0)]
+        every = all(max(a * x + b for a, b in segs) >= y - 1e-9 * max(1.0, abs(y)) for x, y in pts)
+        assert convex == every, (points, segs)
+        verdicts.add(convex)
+    assert verdicts == {True, False}
+
+
 def test_recompute_transient_without_a_growth_table() -> None:
     s = mod("M.b", size_mib=100, ms=1, transient_mib=80)
     assert recompute_extra_bytes(s, 40 * MiB) == 80 * MiB
