@@ -211,8 +211,9 @@ class _StateKeeper:
     """The function handed to ``checkpoint``: first call is the forward, later ones recomputes.
 
     The forward notes which buffers it mutates in place (by version counter, plus BatchNorm's
-    running statistics, see :func:`_silently_mutated`); a recompute copies those at its entry,
-    starts from the values the forward started from and puts the copies back at its exit. So
+    running statistics, see :func:`_silently_mutated`) and which it rebinds (``self.mu = ...``);
+    a recompute copies the mutated ones at its entry, starts from the values (and the tensors)
+    the forward started from and puts back at its exit what the step had since. So
     BatchNorm statistics change once per step, as without a plan, the recompute computes the
     forward's output, and a module nested in a planned one (re-run by the outer recompute) is
     restored the same way. Held between forward and backward: the start values of the buffers
@@ -230,6 +231,7 @@ class _StateKeeper:
         self.containers: dict[int | str, Any] = {}
         self.mutated: list[torch.Tensor] = []
         self.at_forward: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.rebound: list[tuple[dict, str, torch.Tensor | None]] = []
         self.host_rng = HostRng()
 
     def __call__(self, *args, **kwargs):
@@ -240,6 +242,7 @@ class _StateKeeper:
             self.links = _same_tensor_links(args, kwargs)
             self.containers = _container_copies(args, kwargs)
             bufs = list(self.module.buffers())
+            slots = [(m._buffers, name, b) for m in self.module.modules() for name, b in m._buffers.items()]
             versions = [b._version for b in bufs]
             quiet = _silently_mutated(self.module)
             # A buffer the forward mutates and reads (spectral norm's power-iteration vectors)
@@ -255,6 +258,11 @@ class _StateKeeper:
             self.mutated = [b for b, v in zip(bufs, versions) if b._version != v or id(b) in quiet]
             self.at_forward = [(b, c) for b, v, c in zip(bufs, versions, start)
                                if c is not None and b._version != v]
+            # Buffers the forward rebinds (``self.mu = 0.9 * self.mu + ...``) rather than mutates:
+            # the recompute must read the tensor the forward started from (a reassigned running
+            # mean read after its update: gradients 3.26 off, and the counter beside it stepped
+            # twice). The start tensor is held until the backward, as autograd would hold it.
+            self.rebound = [(d, name, b) for d, name, b in slots if d.get(name) is not b]
             return out
         if self.links or self.containers:
             args, kwargs = list(args), dict(kwargs)
@@ -269,6 +277,9 @@ class _StateKeeper:
             before = [(b, b.detach().clone()) for b in self.mutated]
             for b, value in self.at_forward:
                 b.data.copy_(value)
+        bound_now = [(d, name, d.get(name)) for d, name, _ in self.rebound]
+        for d, name, b in self.rebound:
+            d[name] = b
         try:
             with offload.recompute_scope(), self.host_rng.recompute():
                 return self.forward(*args, **kwargs)
@@ -277,6 +288,8 @@ class _StateKeeper:
                 for b, value in before:
                     # Through .data: no version bump, so tensors the recompute saved stay valid.
                     b.data.copy_(value)
+            for d, name, b in bound_now:  # what the step bound since the forward stays bound
+                d[name] = b
 
 
 def _container_copies(args: tuple, kwargs: dict) -> dict[int | str, Any]:

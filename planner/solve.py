@@ -566,7 +566,8 @@ def _plan_for_budget(
                     if excluded else "")
         raise _with_floor(PlanningError(
             f"no plan verified under {fmt_bytes(usable)} usable (last traced peak "
-            f"{fmt_bytes(traced)}); the smallest budget that verifies is {_gib_up(need):.6f} GiB"
+            f"{fmt_bytes(traced)}); the smallest budget that verifies is {_gib_up(need):.6f} GiB "
+            f"({need:,} bytes)"
             + left_out
         ), need, None)
     return plan
