@@ -486,9 +486,10 @@ def _steady_state(
     state created (one step on zero gradients), gradients allocated or not (see TrainStep).
     Parameters named in ``without_grad`` never get a gradient, so neither gradient nor state."""
     params = [p for n, p in model.named_parameters() if p.requires_grad and n not in without_grad]
+    sparse = _sparse_grad_params(model)
     with torch.no_grad():
         for p in params:
-            p.grad = torch.zeros_like(p)
+            p.grad = _empty_sparse_like(p) if id(p) in sparse else torch.zeros_like(p)
     if opt is not None:
         with values_read_in(f"the optimizer step ({type(opt).__name__})"):
             opt.step()
@@ -497,6 +498,22 @@ def _steady_state(
             p.grad.zero_()
         else:
             p.grad = None
+
+
+def _sparse_grad_params(model: torch.nn.Module) -> set[int]:
+    """Parameters whose gradient is sparse: the weights of ``Embedding`` / ``EmbeddingBag`` with
+    ``sparse=True``. Their steady-state gradient is sparse too, and ``SparseAdam`` refuses a
+    dense one ("does not support dense gradients", planning stopped where training runs)."""
+    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    return {id(m.weight) for m in model.modules() if isinstance(m, kinds) and m.sparse}
+
+
+def _empty_sparse_like(p: torch.Tensor) -> torch.Tensor:
+    """A sparse COO gradient of ``p``'s shape with no rows: what the optimizer sees for an
+    embedding none of whose rows were looked up."""
+    rows = torch.zeros((1, 0), dtype=torch.long, device=p.device)
+    values = torch.zeros((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
+    return torch.sparse_coo_tensor(rows, values, p.shape, is_coalesced=True, check_invariants=False)
 
 
 @contextlib.contextmanager

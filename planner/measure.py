@@ -12,6 +12,8 @@ estimators, so a prediction checked against it is checked against an independent
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -156,6 +158,27 @@ def _memory_tracker(model: torch.nn.Module) -> tuple[Any, list]:
     return mt, handles
 
 
+@contextlib.contextmanager
+def _sparse_storages_seen():
+    """MemTracker reads one storage per tensor and raises on a sparse COO tensor ("Cannot access
+    storage of SparseTensorImpl": every step with ``Embedding(sparse=True)`` gradients); while
+    it runs, such a tensor counts as the storages of its indices and values, what it holds."""
+    import torch.distributed._tools.mem_tracker as mem_tracker
+
+    plain = mem_tracker.get_untyped_storages
+
+    def storages(t: torch.Tensor) -> set:
+        if isinstance(t, torch.Tensor) and t.layout is torch.sparse_coo:
+            return plain(t._indices()) | plain(t._values())
+        return plain(t)
+
+    mem_tracker.get_untyped_storages = storages
+    try:
+        yield
+    finally:
+        mem_tracker.get_untyped_storages = plain
+
+
 def _measure(model: torch.nn.Module, inputs: Any, optimizer, run, held: list | None = None) -> MeasuredStep:
     """``run(on_phase)`` runs the step; its peak on the model's device. ``held``: tensors made
     before the step that it holds (the previous step's output), for MemTracker to count."""
@@ -176,7 +199,7 @@ def _measure(model: torch.nn.Module, inputs: Any, optimizer, run, held: list | N
     held = None  # MemTracker holds them weakly: the step lets go of them when the loop does
     t0 = time.perf_counter()
     try:
-        with mt:
+        with mt, _sparse_storages_seen():
             loss = run(None)  # no module hooks, so no per-module stats to reset per micro-batch
     finally:
         for h in grad_hooks:

@@ -136,3 +136,49 @@ def test_gradients_kept_between_steps():
 def test_autocast_bf16_on_cpu(name, micro_batches):
     errors = check_steady_state(name, "adamw", micro_batches, autocast_dtype=torch.bfloat16)
     print(f"{name} adamw x{micro_batches} autocast bf16: max |err| {max(errors):.4%}")
+
+
+class _SparseEmbeddingNet(torch.nn.Module):
+    """A recommendation-style net: a sparse embedding (sparse gradients) and dense blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(512, 32, sparse=True)
+        self.blocks = torch.nn.Sequential(*[torch.nn.Sequential(
+            torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32)) for _ in range(3)])
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, ids):
+        return self.head(self.blocks(self.emb(ids)))
+
+
+@pytest.mark.parametrize("optimizer", ["sparse_adam", "adagrad"])
+def test_sparse_embedding_gradients_are_planned_and_measured(optimizer):
+    # SparseAdam refused the steady-state set-up's dense zero gradients (planning stopped where
+    # training runs), and MemTracker raised on the sparse gradients of every measured step.
+    import copy
+
+    from planner import solve_sac
+    from planner.tradeoff import tradeoff_curve
+
+    torch.manual_seed(0)
+    model = _SparseEmbeddingNet()
+    if optimizer == "sparse_adam":  # the embedding alone, as SparseAdam takes only sparse gradients
+        for name, p in model.named_parameters():
+            p.requires_grad_(name == "emb.weight")
+        make = lambda params: torch.optim.SparseAdam(params)  # noqa: E731
+    else:
+        make = lambda params: torch.optim.Adagrad(params)  # noqa: E731
+    ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))
+    step = TrainStep(inputs=(ids,), loss_fn=lambda out, _: out.pow(2).mean(), optimizer=make)
+    table = tradeoff_curve(model, step=step)
+    lo, hi = table.min_reachable_peak_bytes, table.no_ac_peak_bytes
+    plan = solve_sac(model, (lo + 0.5 * (hi - lo)) / 2**30, step=step)
+    assert plan.checkpointed
+    planned = copy.deepcopy(model)
+    apply_plan(planned, plan)
+    ref, got = (measure_steps(m, step, n_steps=3) for m in (model, planned))
+    assert [s.peak_bytes for s in ref[1:]] == [plan.baseline_peak_bytes] * 2
+    assert [s.peak_bytes for s in got[1:]] == [plan.predicted_peak_bytes] * 2
+    assert [s.loss for s in got] == [s.loss for s in ref]
+    assert torch.equal(planned.emb.weight, model.emb.weight)
