@@ -157,6 +157,11 @@ def _candidates(graph: Graph, allowed: set[str] | None, fsdp: set[str] | None) -
             continue
         if (allowed is not None and node.fqn not in allowed) or node.fqn in blocked:
             continue
+        if getattr(s, "sac_blocker", ""):  # unsafe to recompute: every consumer of the MILP
+            # (solve_sac, tradeoff_curve, step-time curves) must leave it out alike; a curve had
+            # stated a floor only blocks that mutate their input reach, which solve_sac refused
+            logger.info("%s: never checkpointed: %s", node.fqn, s.sac_blocker)
+            continue
         if not has_window(s):
             logger.info("%s: empty fw_post_op..bw_pre_op window, never checkpointed", node.fqn)
             continue

@@ -7,8 +7,10 @@ import importlib
 import math
 
 import pytest
+import torch
 
 from estimators.estimation import estimate
+from estimators.step import TrainStep
 from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
 from examples import EXAMPLES
 from planner.report import tradeoff_table_text
@@ -290,3 +292,29 @@ def test_estimate_options_trace_the_model_as_asked():
     assert table.no_ac_peak_bytes == traced.steady_peak_bytes
     with pytest.raises(ValueError, match="leave estimate_options out"):
         tradeoff_curve(traced, estimate_options=real)
+
+
+class _InputMutatingBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
+
+    def forward(self, x):
+        x.mul_(1.0)  # in place on the block's input: a recompute would do it again
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def test_the_curve_leaves_out_the_modules_solve_sac_refuses_to_checkpoint():
+    # The curve's floor checkpointed two such blocks; solve_sac at its own middle budget refused
+    # (smallest reachable = the no-AC peak), naming them unsafe.
+    from planner import PlanningError, solve_sac
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), _InputMutatingBlock(), _InputMutatingBlock(),
+                                torch.nn.Linear(32, 3))
+    step = TrainStep(inputs=torch.randn(2, 32, 8), optimizer="adamw")
+    table = tradeoff_curve(model, step=step, n_points=3)
+    assert all(not row.checkpointed for row in table.rows)
+    assert table.min_reachable_peak_bytes == table.no_ac_peak_bytes
+    with pytest.raises(PlanningError, match="left out as unsafe|Left out as unsafe"):
+        solve_sac(model, (table.no_ac_peak_bytes - 1024) / 2**30, step=step)
