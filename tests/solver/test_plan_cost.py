@@ -82,6 +82,22 @@ def test_cost_envelope_convexity_agrees_with_testing_every_segment() -> None:
     assert verdicts == {True, False}
 
 
+def test_cost_envelope_with_two_segments_of_one_slope_warns_nothing() -> None:
+    # The hull kept two segments of one slope (a kink rounding left; MobileViT, Zamba2): their
+    # crossing was 0/0, a numpy RuntimeWarning in the user's planning run.
+    import warnings
+
+    from solver.plan_cost import _all_on_envelope
+
+    segs = [(0.0241152, 0.03566848), (0.0241152, 0.03566848), (1.0, -0.5)]
+    on = [(0.0, 0.03566848), (0.5, 0.0241152 * 0.5 + 0.03566848), (1.0, 0.5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _all_on_envelope(segs, on)
+        assert not _all_on_envelope(segs, on + [(0.25, 1.0)])  # a point above: not convex
+        assert _all_on_envelope(segs[:2], on[:2])
+
+
 def test_recompute_transient_without_a_growth_table() -> None:
     s = mod("M.b", size_mib=100, ms=1, transient_mib=80)
     assert recompute_extra_bytes(s, 40 * MiB) == 80 * MiB
