@@ -26,7 +26,16 @@ one rule per op, each measured against the real CPU kernel (tests/estimators/tes
 6. ``native_batch_norm`` (and its ``_legit`` forms): the saved ``mean`` / ``invstd`` follow
    rule 1 (float32 for a bf16 input with float32 weight, as BatchNorm2d under autocast runs on
    CPU; float32 for every low-precision input on CUDA). A user's conv net with 5 BatchNorms
-   under bf16 autocast measured 320 B above the prediction before (64 B per live layer).
+   under bf16 autocast measured 320 B above the prediction before (64 B per live layer). The
+   output is dense in the input's suggested memory format (the kernels' ``empty_like(input,
+   suggest_memory_format())``): channels_last stays so, a transposed 3-D input gives a contiguous
+   output, where the meta kernel kept the transposed strides. PatchTST normalises behind a
+   transpose: the fake trace saw a view where the next ``Linear`` copies, 6,144 B under.
+
+7. ``_embedding_bag`` on the CPU: ``offset2bag`` in mean / max mode, and ``bag_size`` with
+   ``include_last_offset``, sit on storages of one element more than their shape (the kernel
+   allocates ``numel + 1`` and narrows): 8 B under per bag layer, measured on an
+   ``nn.EmbeddingBag(mode="mean")`` net.
 
 Any other meta kernel that raises is reported by :class:`FakeKernelError`, naming the op and its
 arguments and saying what the real kernel does with the same arguments (run on zeros where they
@@ -38,6 +47,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._prims_common import suggest_memory_format
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
@@ -93,15 +103,41 @@ def _group_norm_backward(out, args, kwargs, cuda: bool):
 
 def _batch_norm(out, args, kwargs, cuda: bool):
     x, weight, bias = args[0], _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
+    out = list(out)
+    fmt = suggest_memory_format(x)
+    if not out[0].is_contiguous(memory_format=fmt):
+        out[0] = torch.empty(out[0].shape, dtype=out[0].dtype, device=out[0].device, memory_format=fmt)
     if x.dtype in _LOW and (cuda or _mixed(x, weight, bias)) and out[1].dtype != torch.float32:
-        return (out[0], _like(out[1], torch.float32), _like(out[2], torch.float32), *out[3:])
-    return out
+        out[1], out[2] = _like(out[1], torch.float32), _like(out[2], torch.float32)
+    return tuple(out)
+
+
+def _embedding_bag(out, args, kwargs, cuda: bool):
+    """The CPU kernel's index tensors: ``offset2bag`` (mean / max modes) is allocated with one
+    element more than it shows, ``bag_size`` too with ``include_last_offset``."""
+    if cuda:
+        return out
+    mode = _arg(args, kwargs, 4, "mode") or 0
+    last = bool(_arg(args, kwargs, 7, "include_last_offset"))
+    out = list(out)
+    if mode in (1, 2) and out[1].dim() == 1:
+        out[1] = _one_more(out[1])
+    if last and out[2].dim() == 1:
+        out[2] = _one_more(out[2])
+    return tuple(out)
+
+
+def _one_more(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s shape and dtype over a storage of one element more (a narrowed allocation)."""
+    return torch.empty(t.shape[0] + 1, dtype=t.dtype, device=t.device)[: t.shape[0]]
 
 
 _OUTPUT_RULES = {
+    aten._embedding_bag.default: _embedding_bag,
     aten.native_batch_norm.default: _batch_norm,
     aten._native_batch_norm_legit.default: _batch_norm,
     aten._native_batch_norm_legit_functional.default: _batch_norm,
+    aten._native_batch_norm_legit_no_training.default: _batch_norm,
     aten.native_layer_norm.default: _layer_norm,
     aten.native_group_norm.default: _group_norm,
     aten.native_group_norm_backward.default: _group_norm_backward,

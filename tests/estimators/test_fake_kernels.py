@@ -42,6 +42,12 @@ CASES = {
     "group_norm no affine": (aten.native_group_norm, lambda: (torch.randn(2, 8, 4, 4, dtype=bf16), None, None, 2, 8, 16, 2, 1e-5)),
     # BatchNorm2d under bf16 autocast on CPU: bf16 activations, float32 weight and running stats.
     "batch_norm mixed": (aten.native_batch_norm, lambda: (torch.randn(2, 8, 4, 4, dtype=bf16), torch.randn(8), torch.randn(8), torch.zeros(8), torch.ones(8), True, 0.1, 1e-5)),
+    # Behind a transpose (PatchTST's batch norm over [batch, d_model, patches]): a contiguous
+    # output, where the meta kernel kept the input's strides; channels_last stays channels_last.
+    "batch_norm transposed": (aten.native_batch_norm, lambda: (torch.randn(2, 32, 16).transpose(1, 2), torch.randn(16), torch.randn(16), torch.zeros(16), torch.ones(16), True, 0.1, 1e-5)),
+    "batch_norm permuted 4-D": (aten.native_batch_norm, lambda: (torch.randn(2, 8, 4, 4).permute(0, 1, 3, 2), torch.randn(8), torch.randn(8), torch.zeros(8), torch.ones(8), True, 0.1, 1e-5)),
+    "batch_norm channels_last": (aten.native_batch_norm, lambda: (torch.randn(2, 8, 4, 4).to(memory_format=torch.channels_last), torch.randn(8), torch.randn(8), torch.zeros(8), torch.ones(8), True, 0.1, 1e-5)),
+    "batch_norm eval transposed": (aten._native_batch_norm_legit_no_training, lambda: (torch.randn(2, 32, 16).transpose(1, 2), torch.randn(16), torch.randn(16), torch.zeros(16), torch.ones(16), 0.1, 1e-5)),
 }
 
 
@@ -134,6 +140,59 @@ def test_bf16_autocast_norm_nets_are_predicted_to_the_byte(net, shape):
     real = estimate(model, step=step, options=EstimateOptions(mode=TraceMode.REAL)).module_info.peak_bytes
     measured = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=2)[1].peak_bytes
     assert fake == real == measured
+
+
+class _TransposedBatchNormNet(torch.nn.Module):
+    """PatchTST's norm: BatchNorm1d over d_model behind a transpose, then a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm, self.head = torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        h = self.norm(self.fc(x).transpose(1, 2)).transpose(1, 2)
+        return self.head(h)
+
+
+def test_batch_norm_behind_a_transpose_is_predicted_to_the_byte():
+    # The fake output kept the transposed strides, so the head's matmul took a view where the
+    # real step copies: the fake trace was 113,912 B under on a PatchTST-like net.
+    model = _TransposedBatchNormNet()
+    step = TrainStep(inputs=(torch.randn(4, 32, 16),), optimizer="adamw")
+    fake = estimate(model, step=step).module_info.peak_bytes
+    real = estimate(model, step=step, options=EstimateOptions(mode=TraceMode.REAL)).module_info.peak_bytes
+    measured = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=2)[1].peak_bytes
+    assert fake == real == measured
+
+
+@pytest.mark.parametrize("mode, last", [(0, False), (0, True), (1, False), (1, True), (2, False), (2, True)])
+def test_embedding_bag_index_tensors_have_the_real_kernels_storage(mode, last):
+    # offset2bag (mean, max) and bag_size (include_last_offset) sit on numel + 1 elements.
+    w, ids = torch.randn(64, 32), torch.randint(0, 64, (96,))
+    offsets = torch.arange(0, 96 + (3 if last else 0), 3)
+    args = (w, ids, offsets, False, mode, False, None, last)
+    real, fake = aten._embedding_bag(*args), _fake_run(aten._embedding_bag, *args)
+    assert _layout(fake) == _layout(real)
+    assert [t.untyped_storage().nbytes() for t in fake] == [t.untyped_storage().nbytes() for t in real]
+
+
+class _EmbeddingBagNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.EmbeddingBag(64, 32, mode="mean", include_last_offset=True)
+        self.fc1, self.fc2 = torch.nn.Linear(32, 128), torch.nn.Linear(128, 4)
+
+    def forward(self, ids, offsets):
+        return self.fc2(torch.relu(self.fc1(self.emb(ids, offsets))))
+
+
+def test_an_embedding_bag_net_is_predicted_to_the_byte():
+    # 16 B under before (offset2bag and bag_size, 8 B each), the peak being in the backward.
+    model = _EmbeddingBagNet()
+    step = TrainStep(inputs=(torch.randint(0, 64, (96,)), torch.arange(0, 99, 3)), optimizer="sgd")
+    fake = estimate(model, step=step).module_info.peak_bytes
+    measured = measure_steps(model, step, n_steps=2)[1].peak_bytes
+    assert fake == measured
 
 
 def test_tiny_mixtral_traces_under_bf16_autocast_to_the_byte():
