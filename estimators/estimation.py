@@ -79,6 +79,7 @@ __all__ = [
     "estimate",
     "TraceError",
     "HostRandomnessWarning",
+    "DrawnControlFlowWarning",
     "resolve_optimizer",
     "check_optimizer_params",
     "as_train_step",
@@ -435,6 +436,7 @@ def _trace_step(
             _undo(applied)
         trace = tracer.finish()
         got_no_grad = frozenset(n for n in trainable if n not in graded)
+        drawn_reads = tracer.random_value_reads
         del opt, tracer
         if fake:
             _refuse_unsized_workspaces(trace)
@@ -445,11 +447,24 @@ def _trace_step(
             "depth or LayerDrop by random.random()) followed the trace's one draw, and steps that "
             "skip fewer layers can peak higher (30 % measured). Plan such a model with every "
             "layer running (drop rate 0 while planning).", HostRandomnessWarning, stacklevel=3)
+    if drawn_reads:
+        where = ", ".join(drawn_reads[:4]) + (f" and {len(drawn_reads) - 4} more" if len(drawn_reads) > 4 else "")
+        warnings.warn(
+            f"the traced step branched on values drawn from torch's RNG ({where}: e.g. LayerDrop's "
+            "`torch.rand([]) < layerdrop`): the trace followed its one draw, and steps that skip "
+            "fewer layers peak higher (a Data2VecAudio with layerdrop 0.5: up to 36 % over). Plan "
+            "such a model with every layer running (HF: config.layerdrop = 0.0 while planning).",
+            DrawnControlFlowWarning, stacklevel=3)
     return trace, got_no_grad
 
 
 class HostRandomnessWarning(UserWarning):
     """The traced step drew from Python's ``random`` or numpy's global generator."""
+
+
+class DrawnControlFlowWarning(UserWarning):
+    """The traced step (real mode) read the value of a tensor drawn from torch's RNG: its control
+    flow followed one draw."""
 
 
 # Backward ops whose forward keeps a workspace that torch's fake (meta) kernel returns empty: the

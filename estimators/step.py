@@ -408,11 +408,26 @@ def values_read_in(where: str):
 
 def _forward_hint(model: torch.nn.Module, e: Exception, kwargs: dict | None = None) -> str:
     name = type(e).__name__
-    hint = "check that inputs match the model's forward signature"
     if _reads_values(e):
+        # Before the encoder-decoder hint: a time-series model (no labels argument) that reads a
+        # value was told to pass labels.
         hint = f"the forward reads tensor values (.item(), data-dependent shapes); {_REAL_MODE}"
-    hint = _encoder_decoder_hint(model, kwargs or {}) or hint
+        drop = _layerdrop_of(model)
+        if drop:
+            hint += (f". LayerDrop is on ({drop}): it reads a draw of torch's RNG, and a real-mode "
+                     "trace follows that one draw; set it to 0.0 while planning to count every layer")
+    else:
+        hint = (_encoder_decoder_hint(model, kwargs or {})
+                or "check that inputs match the model's forward signature")
     return f"{type(model).__name__}.forward raised {name}: {e} — {hint}"
+
+
+def _layerdrop_of(model: torch.nn.Module) -> str:
+    """An HF model's non-zero LayerDrop rates (``config.layerdrop = 0.1, ...``); "" if none."""
+    config = getattr(model, "config", None)
+    rates = [(name, getattr(config, name, 0.0)) for name in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")]
+    return ", ".join(f"config.{name} = {rate}" for name, rate in rates
+                     if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0)
 
 
 def _encoder_decoder_hint(model: torch.nn.Module, kwargs: dict) -> str:

@@ -116,6 +116,12 @@ class StepTrace:
     the output holds until this forward returns (``StepTracer(previous_output=True)``)."""
 
 
+_VALUE_READS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default})
+"""Ops by which Python code reads a tensor's value (``.item()``, ``bool()``, ``if t:``)."""
+_DRAWN_NUMEL = 64
+"""Outputs of random ops up to this many elements are decisions a model may branch on."""
+
+
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     try:
         return t.untyped_storage()
@@ -195,6 +201,10 @@ class StepTracer(TorchDispatchMode):
         self._packing = False  # inside pack_hook: its own alias is not an op of the step
         self._output_sids: tuple[int, ...] = ()  # the root call's output, with what pytree does not open
         self._fake_mode = fake_mode
+        self._drawn: set[int] = set()  # sids of small tensors computed from torch's RNG draws
+        self.random_value_reads: list[str] = []
+        """Modules (fqns) whose Python code read the value of a small tensor drawn from torch's
+        RNG (LayerDrop's ``torch.rand([]) < p``): the trace followed that one draw."""
         self._register_state(inputs, held)
 
     def set_phase(self, phase: Phase) -> None:
@@ -280,6 +290,8 @@ class StepTracer(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         facts = op_facts(func)
+        if self._drawn and not self._packing and func in _VALUE_READS:
+            self._note_value_read(args)
         if facts.is_query or self._packing:
             return out
         index = len(self.ops)
@@ -304,6 +316,8 @@ class StepTracer(TorchDispatchMode):
                 st = _storage_of(t)
                 if st is not None and self._sid(st) is None:
                     new_sids.append(self._new_storage(st, alloc_op=index))
+        if facts.is_random or (self._drawn and not self._drawn.isdisjoint(arg_sids)):
+            self._note_drawn(flat_out)
         call = self._current_call()
         runtime_ms = self.runtime_model.op_runtime_ms(func, args, kwargs, out)
         self.ops.append(
@@ -327,6 +341,25 @@ class StepTracer(TorchDispatchMode):
             where = self.calls[call].fqn if call >= 0 else "-"
             self.progress(f"{self.phase.name.lower()}: {index} ops, in {where}")
         return out
+
+    def _note_drawn(self, flat_out: list) -> None:
+        """Small outputs of a random op, or of an op on one, are drawn values (a drop decision, a
+        random index); big ones (dropout's output) are data, not decisions."""
+        for t in flat_out:
+            if isinstance(t, torch.Tensor) and t.numel() <= _DRAWN_NUMEL:
+                st = _storage_of(t)
+                sid = self._sid(st) if st is not None else None
+                if sid is not None:
+                    self._drawn.add(sid)
+
+    def _note_value_read(self, args: tuple) -> None:
+        t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        st = _storage_of(t) if t is not None else None
+        if st is not None and self._sid(st) in self._drawn:
+            call = self._stack[-1] if self._stack else -1
+            fqn = self.calls[call].fqn if call >= 0 else self.root_name
+            if fqn not in self.random_value_reads:
+                self.random_value_reads.append(fqn)
 
     def _mutated_sids(self, values: list[Any]) -> tuple[int, ...]:
         sids = []

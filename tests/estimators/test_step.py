@@ -272,6 +272,30 @@ def test_an_encoder_decoder_without_decoder_start_token_says_what_to_set():
         run_step(_t5(), {"input_ids": ids}, None, None)
 
 
+class _ReadsValues(torch.nn.Module):
+    """An encoder-decoder by its config (is_encoder_decoder, as HF's time-series models) whose
+    forward reads a value; it takes no labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = type("Cfg", (), {"is_encoder_decoder": True, "encoder_layerdrop": 0.1})()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, past_values):
+        return self.fc(past_values) if past_values.sum() > 0 else self.fc(-past_values)
+
+
+def test_a_value_read_is_named_before_missing_decoder_inputs():
+    # TimeSeriesTransformer was told to pass labels, which it does not take; the cause was a
+    # value read (its LayerDrop's draw, then torch.distributions' argument checks).
+    from estimators.estimation import TraceError
+
+    with pytest.raises(TraceError, match=r"reads tensor values.*TraceMode.REAL.*LayerDrop is on "
+                       r"\(config.encoder_layerdrop = 0.1\).*set it to 0.0") as e:
+        estimate(_ReadsValues(), inputs={"past_values": torch.randn(2, 4)})
+    assert "labels" not in str(e.value)
+
+
 def test_bart_without_decoder_start_token_is_told_its_own_token():
     transformers = pytest.importorskip("transformers")
     model = transformers.BartForConditionalGeneration(transformers.BartConfig(
