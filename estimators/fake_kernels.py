@@ -44,6 +44,7 @@ are small), with the way out: trace in real mode.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -177,6 +178,17 @@ class RealKernelsMode(TorchDispatchMode):
         super().__init__()
         self.cuda = cuda
 
+    def __enter__(self):
+        # torch logs every failing meta kernel with its traceback ("failed while attempting to run
+        # meta for ...", 20 lines on stderr) before the exception reaches this mode, which
+        # raises it again as a FakeKernelError that names the op and the way out.
+        logging.getLogger("torch._subclasses.fake_tensor").addFilter(_quiet_meta_failures)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        logging.getLogger("torch._subclasses.fake_tensor").removeFilter(_quiet_meta_failures)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         replace = _REPLACED.get(func)
@@ -194,15 +206,25 @@ class RealKernelsMode(TorchDispatchMode):
         return rule(out, args, kwargs, self.cuda) if rule is not None else out
 
 
+def _quiet_meta_failures(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("failed while attempting to run meta")
+
+
 def _is_data_dependent(e: Exception) -> bool:
     name = type(e).__name__
     return "DataDependent" in name or "DynamicOutputShape" in name or "data-dependent" in str(e).lower()
 
 
+def _tensor_text(t: torch.Tensor) -> str:
+    """``float32[64, 32]``; a sparse or other non-strided layout is named (``sparse_coo``)."""
+    layout = "" if t.layout is torch.strided else f" ({str(t.layout).replace('torch.', '')})"
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}{layout}"
+
+
 def _describe(args: Any, kwargs: Any) -> str:
     def one(x):
         if isinstance(x, torch.Tensor):
-            return f"{str(x.dtype).replace('torch.', '')}{list(x.shape)}"
+            return _tensor_text(x)
         return repr(x) if not isinstance(x, (list, tuple)) else type(x)([one(y) for y in x])
     parts = [str(one(a)) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
     return ", ".join(parts)
@@ -232,7 +254,7 @@ def _real_behaviour(func, args, kwargs) -> tuple[str, bool | None]:
                 k in str(e) for k in ("not implemented for", "Could not run", "singular"))
             return f"the real CPU kernel raises too on zeros of those shapes {said}", None if unrelated else True
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    got = ", ".join(f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}" for t in outs if isinstance(t, torch.Tensor))
+    got = ", ".join(_tensor_text(t) for t in outs if isinstance(t, torch.Tensor))
     return f"the real CPU kernel runs them and returns {got or 'no tensor'}", False
 
 

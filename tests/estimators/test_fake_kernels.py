@@ -239,6 +239,24 @@ def test_a_failing_fake_kernel_is_named_with_the_real_kernels_answer():
     assert isinstance(err.value.__cause__, FakeKernelError)
 
 
+def test_a_sparse_result_is_named_and_torchs_meta_traceback_is_not_logged(caplog):
+    # EmbeddingBag(sparse=True) with per-sample weights: the meta kernel of its backward fails.
+    # torch logged a 20-line traceback before the error, which said the real kernel returns
+    # "float32[64, 32]": it returns a sparse gradient.
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc = torch.nn.EmbeddingBag(64, 32, mode="sum", sparse=True), torch.nn.Linear(32, 4)
+
+        def forward(self, ids, offsets, weights):
+            return self.fc(self.emb(ids, offsets, per_sample_weights=weights))
+
+    inputs = (torch.randint(0, 64, (96,)), torch.arange(0, 96, 3), torch.rand(96))
+    with caplog.at_level("ERROR"), pytest.raises(TraceError, match=r"returns float32\[64, 32\] \(sparse_coo\)"):
+        estimate(Net(), step=TrainStep(inputs=inputs, optimizer="sgd"))
+    assert not [r for r in caplog.records if "failed while attempting to run meta" in r.getMessage()]
+
+
 def test_inputs_the_real_kernel_refuses_too_are_named_as_wrong_inputs():
     """A 4-channel image into a 3-channel conv fails in the real kernel as in the fake one: the
     message says to fix the inputs first (it said only "trace in real mode", which fails the
