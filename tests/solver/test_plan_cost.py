@@ -53,9 +53,10 @@ def test_cost_envelope_of_a_concave_curve_is_its_chord() -> None:
 
 
 def test_cost_envelope_convexity_agrees_with_testing_every_segment() -> None:
-    """The convexity verdict looks up the one segment over each point; on 400 random curves
-    (convex by construction or not, with kinks closer than rounding at their crossings) it
-    agrees with testing every segment at every point, as it was computed before."""
+    """The vectorised convexity verdict agrees with testing every segment at every point in
+    Python, as it was computed before, on 400 random curves (convex by construction or not,
+    some with vertical steps: a lookup of the one segment over each point got those wrong and
+    called 32 modules of the new-user trial's HF models not convex)."""
     import random
 
     rng = random.Random(7)
@@ -72,6 +73,10 @@ def test_cost_envelope_convexity_agrees_with_testing_every_segment() -> None:
                 last = x
         else:
             ys = sorted(round(rng.uniform(0.0, 20.0), 3) for _ in xs)
+        if rng.random() < 0.3:  # a vertical step: two points at one x (a zero-byte op's cost)
+            k = rng.randrange(len(xs))
+            xs.insert(k, xs[k])
+            ys.insert(k, max(0.0, ys[k] - rng.uniform(0.0, 1.0)))
         points = tuple(zip(xs, ys))
         s = mod("M.b", size_mib=100, curve=((0, 0.0), *points, (100, ys[-1] + 1.0)))
         segs, convex = cost_envelope(s)
@@ -96,6 +101,35 @@ def test_cost_envelope_with_two_segments_of_one_slope_warns_nothing() -> None:
         assert _all_on_envelope(segs, on)
         assert not _all_on_envelope(segs, on + [(0.25, 1.0)])  # a point above: not convex
         assert _all_on_envelope(segs[:2], on[:2])
+
+
+
+def test_cost_envelope_of_a_clip_text_model_is_convex() -> None:
+    # CLIPModel.text_model's curve (new-user trial): nearly equal slopes (0.056210499999999976,
+    # 0.05621050000000015) cross anywhere under rounding, and a lookup of the one segment over
+    # each point by their crossings called it not convex (a warning on 32 modules of 14 HF
+    # families). Every segment at every point calls it convex, as before.
+    from solver.plan_cost import _all_on_envelope
+
+    segs = [
+        (0.02489600000000061, 0.025241600000000003), (0.04376250000000001, 0.025236750000000002),
+        (0.04869364705882355, 0.02458644705882353), (0.04979199999999995, 0.02428800000000002),
+        (0.05290400000000003, 0.02303279999999999), (0.056210499999999976, 0.021481550000000012),
+        (0.05621050000000015, 0.021481549999999912), (0.07468799999999996, 0.009164800000000035),
+        (0.07468800000000003, 0.009164799999999987), (0.07468800000000007, 0.009164799999999945),
+        (0.09519058823529414, -0.00989891764705883), (0.22406399999995308, -0.13873919999995307),
+    ]
+    pts = [
+        (0.0, 0.025241600000000003), (0.0002570694087403599, 0.025248000000000003),
+        (0.13187660668380463, 0.031008000000000004), (0.20179948586118251, 0.03441280000000001),
+        (0.2717223650385604, 0.03781760000000001), (0.40334190231362466, 0.0443712),
+        (0.4691516709511568, 0.0478528), (0.5349614395886889, 0.051552),
+        (0.6007712082262211, 0.0552512), (0.6665809768637532, 0.05895040000000001),
+        (0.7323907455012854, 0.06386560000000001), (0.8640102827763496, 0.07369600000000001),
+        (0.9298200514138818, 0.07861120000000002), (0.9997429305912596, 0.08526720000000002),
+        (1.0, 0.0853248),
+    ]
+    assert _all_on_envelope(segs, pts)
 
 
 def test_recompute_transient_without_a_growth_table() -> None:
