@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -279,11 +281,15 @@ def test_module_mutating_its_input_is_never_planned():
     torch.manual_seed(0)
     model, x = _InplaceNet(), torch.randn(512, 32)
     est = estimate(model, (x,), device="cpu")
-    milp = SACMilp(est.module_info)  # built without exclusions, as a caller may
+    milp = SACMilp(est.module_info)  # built without ac_units, as a caller may
     high = est.module_info.peak_bytes
-    assert milp.min_reachable_peak_bytes() < high, "the test needs `scale` to be worth checkpointing"
     # Only `scale` could lower the peak: the old planner chose it and the step crashed with
-    # "modified by an inplace operation"; now the budget is refused, naming the exclusion.
+    # "modified by an inplace operation"; the MILP itself never makes it a candidate now (its
+    # sac_blocker), and the budget is refused, naming the exclusion.
+    assert milp.min_reachable_peak_bytes() == high
+    unblocked = dataclasses.replace(est.module_info, mod_stats=tuple(
+        dataclasses.replace(s, sac_blocker="") for s in est.module_info.mod_stats))
+    assert SACMilp(unblocked).min_reachable_peak_bytes() < high, "the test needs `scale` to be worth checkpointing"
     with pytest.raises(PlanningError, match=r"_InplaceNet\.scale \(mutates a tensor made before its call"):
         plan_for_budget(model, est, high - 1, milp=milp)
     plan = plan_for_budget(model, est, high, milp=milp)
