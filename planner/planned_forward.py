@@ -231,7 +231,7 @@ class _StateKeeper:
         self.containers: dict[int | str, Any] = {}
         self.mutated: list[torch.Tensor] = []
         self.at_forward: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.rebound: list[tuple[dict, str, torch.Tensor | None]] = []
+        self.rebound: list[tuple[dict, str, Any]] = []
         self.host_rng = HostRng()
 
     def __call__(self, *args, **kwargs):
@@ -242,7 +242,8 @@ class _StateKeeper:
             self.links = _same_tensor_links(args, kwargs)
             self.containers = _container_copies(args, kwargs)
             bufs = list(self.module.buffers())
-            slots = [(m._buffers, name, b) for m in self.module.modules() for name, b in m._buffers.items()]
+            tables = [m._buffers for m in self.module.modules()]
+            slots = [(d, dict(d)) for d in tables]
             versions = [b._version for b in bufs]
             quiet = _silently_mutated(self.module)
             # A buffer the forward mutates and reads (spectral norm's power-iteration vectors)
@@ -258,11 +259,14 @@ class _StateKeeper:
             self.mutated = [b for b, v in zip(bufs, versions) if b._version != v or id(b) in quiet]
             self.at_forward = [(b, c) for b, v, c in zip(bufs, versions, start)
                                if c is not None and b._version != v]
-            # Buffers the forward rebinds (``self.mu = 0.9 * self.mu + ...``) rather than mutates:
-            # the recompute must read the tensor the forward started from (a reassigned running
-            # mean read after its update: gradients 3.26 off, and the counter beside it stepped
-            # twice). The start tensor is held until the backward, as autograd would hold it.
-            self.rebound = [(d, name, b) for d, name, b in slots if d.get(name) is not b]
+            # Buffers the forward rebinds (``self.mu = 0.9 * self.mu + ...``), registers or
+            # deletes rather than mutates: the recompute must see the buffers the forward started
+            # from (a reassigned running mean read after its update: gradients 3.26 off, and the
+            # counter beside it stepped twice). The start tensors are held until the backward,
+            # which costs their bytes where the unplanned step frees them (the traced peak
+            # counts them).
+            self.rebound = [(d, name, at_start.get(name, _ABSENT)) for d, at_start in slots
+                            for name in {*at_start, *d} if d.get(name, _ABSENT) is not at_start.get(name, _ABSENT)]
             return out
         if self.links or self.containers:
             args, kwargs = list(args), dict(kwargs)
@@ -277,9 +281,8 @@ class _StateKeeper:
             before = [(b, b.detach().clone()) for b in self.mutated]
             for b, value in self.at_forward:
                 b.data.copy_(value)
-        bound_now = [(d, name, d.get(name)) for d, name, _ in self.rebound]
-        for d, name, b in self.rebound:
-            d[name] = b
+        bound_now = [(d, name, d.get(name, _ABSENT)) for d, name, _ in self.rebound]
+        _bind(self.rebound)
         try:
             with offload.recompute_scope(), self.host_rng.recompute():
                 return self.forward(*args, **kwargs)
@@ -288,8 +291,20 @@ class _StateKeeper:
                 for b, value in before:
                     # Through .data: no version bump, so tensors the recompute saved stay valid.
                     b.data.copy_(value)
-            for d, name, b in bound_now:  # what the step bound since the forward stays bound
-                d[name] = b
+            _bind(bound_now)  # what the step bound since the forward stays bound
+
+
+_ABSENT = object()
+"""A buffer name not in its module's table (deleted, or not registered yet)."""
+
+
+def _bind(slots: list[tuple[dict, str, Any]]) -> None:
+    """Put each buffer table entry as given; ``_ABSENT`` removes it."""
+    for d, name, value in slots:
+        if value is _ABSENT:
+            d.pop(name, None)
+        else:
+            d[name] = value
 
 
 def _container_copies(args: tuple, kwargs: dict) -> dict[int | str, Any]:

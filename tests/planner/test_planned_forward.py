@@ -141,6 +141,64 @@ def test_a_recompute_reads_the_buffers_the_forward_started_from_when_the_forward
         assert torch.equal(planned.state_dict()[n], b), n
 
 
+class _DeletesItsBuffer(nn.Module):
+    """A one-shot warm start: the first forward scales by ``init`` and deletes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("init", torch.full((16,), 2.0))
+
+    def forward(self, x):
+        if hasattr(self, "init"):
+            w = self.init
+            del self.init
+            return self.fc(x) * w
+        return self.fc(x)
+
+
+class _RegistersInForward(nn.Module):
+    """A counter registered by the first forward, then rebound by every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if "n" not in self._buffers:
+            self.register_buffer("n", torch.zeros(()))
+        with torch.no_grad():
+            self.n = self.n + 1
+        return self.fc(x) * self.n
+
+
+@pytest.mark.parametrize("block", [_DeletesItsBuffer, _RegistersInForward])
+def test_a_recompute_sees_the_buffer_table_the_forward_started_from(block):
+    # A deleted buffer came back as None after the recompute (TypeError at step 2); a buffer
+    # registered by the forward was already there in the recompute (gradients off at step 0).
+    from planner.checkpointing import apply_module_plans
+    from planner.plan import ModulePlan
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(block(), nn.Linear(16, 2))
+    planned = copy.deepcopy(ref)
+    apply_module_plans(planned, [ModulePlan(fqn="Sequential.0", discard_ratio=1.0, full=True)])
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, planned)]
+    x = torch.randn(4, 16)
+    for step in range(3):
+        grads = []
+        for m, opt in zip((ref, planned), opts):
+            m(x).sum().backward()
+            grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for n, g in grads[0].items():
+            assert torch.equal(grads[1][n], g), (step, n)
+    assert dict(ref.named_buffers()).keys() == dict(planned.named_buffers()).keys()
+    for n, b in ref.named_buffers():
+        assert torch.equal(dict(planned.named_buffers())[n], b), n
+
+
 class _Encoder(nn.Module):
     """torch's own transformer layers: ``self_attn(x, x, x)`` takes one packed projection only
     while ``query is key is value``."""
