@@ -167,6 +167,12 @@ def _floor(milp: SACMilp, est: Estimate, info, model, world_size: int, solver_op
         logger.warning("could not trace the min-peak plan to explain the floor: %s", exc)
         return _Floor(low, peak_breakdown(est, world_size=world_size))
     traced = max(planned.first_step_peak_bytes, planned.steady_peak_bytes)
+    unplanned = max(est.first_step_peak_bytes, est.steady_peak_bytes)
+    if world_size == 1 and traced > unplanned:
+        # The min-peak plan traced above the unplanned step (what its checkpoints hold: start
+        # values of buffers their forwards rebind, inputs): no plan, which always verifies, is
+        # the floor. A refusal stated 3,579,112 B where 2,661,608 B was reachable.
+        return _Floor(unplanned, peak_breakdown(est, world_size=world_size))
     return _Floor(max(low, traced) if world_size == 1 else low,
                   peak_breakdown(planned, world_size=world_size))
 

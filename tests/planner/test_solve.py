@@ -610,3 +610,37 @@ def test_a_real_mode_plan_says_what_its_figures_stand_for(caplog):
     assert "plan h100 with a fake trace" in caplog.text
     fake = solve_sac(model, budget_gib=0.01, inputs=inputs, optimizer="adamw", verify=False)
     assert not any("real mode" in n for n in fake.notes)
+
+
+class _FeatureBank(torch.nn.Module):
+    """A block that pushes its features into a 512 KiB bank by rebinding it (a MoCo-style
+    queue): a checkpoint of it holds the old bank until its backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
+        self.register_buffer("bank", torch.zeros(4096, 32))
+
+    def forward(self, x):
+        h = self.fc2(torch.relu(self.fc1(x)))
+        with torch.no_grad():
+            self.bank = torch.cat([h.detach().reshape(-1, 32), self.bank[: -h.shape[0] * h.shape[1]]])
+        return x + h
+
+
+def test_a_refusal_never_states_a_smallest_budget_above_the_unplanned_peak():
+    # The min-peak plan traced above the unplanned step (each checkpoint holds its old bank):
+    # the refusal stated 3,579,112 B as the smallest budget that verifies; 2,661,608 B (no plan)
+    # does.
+    from planner.tradeoff import tradeoff_curve
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_FeatureBank(), _FeatureBank(), _FeatureBank(), torch.nn.Linear(32, 4))
+    step = TrainStep(inputs=(torch.randn(8, 16, 32),), loss_fn=lambda out, _: out.pow(2).mean(),
+                     optimizer="adamw")
+    table = tradeoff_curve(model, step=step)
+    lo, hi = table.min_reachable_peak_bytes, table.no_ac_peak_bytes
+    with pytest.raises(PlanningError, match=f"smallest budget that verifies is .* \\({hi:,} bytes\\)") as e:
+        solve_sac(model, (lo + 0.3 * (hi - lo)) / GiB, step=step)
+    assert e.value.min_budget_bytes == hi
+    assert solve_sac(model, e.value.min_budget_gib, step=step).predicted_peak_bytes <= hi
