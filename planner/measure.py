@@ -195,12 +195,13 @@ def _measure(model: torch.nn.Module, inputs: Any, optimizer, run, held: list | N
     # The batch is in device memory too (as on a GPU, where max_memory_allocated counts it);
     # MemTracker only sees tensors made inside its context unless told about them.
     batch = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
-    mt.track_external(model, *([optimizer] if optimizer is not None else []), *batch, *(held or ()))
-    held = None  # MemTracker holds them weakly: the step lets go of them when the loop does
-    t0 = time.perf_counter()
     try:
-        with mt, _sparse_storages_seen():
-            loss = run(None)  # no module hooks, so no per-module stats to reset per micro-batch
+        with _sparse_storages_seen():  # gradients kept from the last step may be sparse
+            mt.track_external(model, *([optimizer] if optimizer is not None else []), *batch, *(held or ()))
+            held = None  # MemTracker holds them weakly: the step lets go of them when the loop does
+            t0 = time.perf_counter()
+            with mt:
+                loss = run(None)  # no module hooks, so no per-module stats to reset per micro-batch
     finally:
         for h in grad_hooks:
             h.remove()
