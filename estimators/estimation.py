@@ -501,7 +501,7 @@ def _steady_state(
     state created (one step on zero gradients), gradients allocated or not (see TrainStep).
     Parameters named in ``without_grad`` never get a gradient, so neither gradient nor state."""
     params = [p for n, p in model.named_parameters() if p.requires_grad and n not in without_grad]
-    sparse = _sparse_grad_params(model)
+    sparse = sparse_grad_params(model)
     with torch.no_grad():
         for p in params:
             p.grad = _empty_sparse_like(p) if id(p) in sparse else torch.zeros_like(p)
@@ -515,7 +515,7 @@ def _steady_state(
             p.grad = None
 
 
-def _sparse_grad_params(model: torch.nn.Module) -> set[int]:
+def sparse_grad_params(model: torch.nn.Module) -> set[int]:
     """Parameters whose gradient is sparse: the weights of ``Embedding`` / ``EmbeddingBag`` with
     ``sparse=True``. Their steady-state gradient is sparse too, and ``SparseAdam`` refuses a
     dense one ("does not support dense gradients", planning stopped where training runs)."""

@@ -156,6 +156,7 @@ class _SparseEmbeddingNet(torch.nn.Module):
 def test_sparse_embedding_gradients_are_planned_and_measured(optimizer):
     # SparseAdam refused the steady-state set-up's dense zero gradients (planning stopped where
     # training runs), and MemTracker raised on the sparse gradients of every measured step.
+    # Planned and measured now, bitwise; the sparse bytes themselves are not predicted.
     import copy
 
     from planner import solve_sac
@@ -177,8 +178,12 @@ def test_sparse_embedding_gradients_are_planned_and_measured(optimizer):
     assert plan.checkpointed
     planned = copy.deepcopy(model)
     apply_plan(planned, plan)
+    assert any(n.startswith("sparse gradients (emb.weight) are not counted") for n in plan.notes)
     ref, got = (measure_steps(m, step, n_steps=3) for m in (model, planned))
-    assert [s.peak_bytes for s in ref[1:]] == [plan.baseline_peak_bytes] * 2
-    assert [s.peak_bytes for s in got[1:]] == [plan.predicted_peak_bytes] * 2
     assert [s.loss for s in got] == [s.loss for s in ref]
     assert torch.equal(planned.emb.weight, model.emb.weight)
+    # Not predicted (see the note), but never more under than the sparse gradient's bytes: 128
+    # lookups, an int64 index and 32 float32 values each.
+    sparse_bytes = 128 * (8 + 32 * 4)
+    for measured, predicted in ((ref, plan.baseline_peak_bytes), (got, plan.predicted_peak_bytes)):
+        assert all(predicted <= s.peak_bytes <= predicted + sparse_bytes for s in measured[1:])
