@@ -316,7 +316,10 @@ class StepTracer(TorchDispatchMode):
                 st = _storage_of(t)
                 if st is not None and self._sid(st) is None:
                     new_sids.append(self._new_storage(st, alloc_op=index))
-        if facts.is_random or (self._drawn and not self._drawn.isdisjoint(arg_sids)):
+        # A drawn value stays one through ops on drawn values alone (``torch.rand([]) < p``);
+        # mixed with data (a dropout mask times the activations) it is data.
+        if ((facts.is_random and "dropout" not in func.__name__)
+                or (self._drawn and arg_sids and self._drawn.issuperset(arg_sids))):
             self._note_drawn(flat_out)
         call = self._current_call()
         runtime_ms = self.runtime_model.op_runtime_ms(func, args, kwargs, out)
@@ -343,8 +346,8 @@ class StepTracer(TorchDispatchMode):
         return out
 
     def _note_drawn(self, flat_out: list) -> None:
-        """Small outputs of a random op, or of an op on one, are drawn values (a drop decision, a
-        random index); big ones (dropout's output) are data, not decisions."""
+        """Small outputs of a random op, or of an op on drawn values only, are drawn values (a
+        drop decision, a random index); big ones (a random init) are data, not decisions."""
         for t in flat_out:
             if isinstance(t, torch.Tensor) and t.numel() <= _DRAWN_NUMEL:
                 st = _storage_of(t)

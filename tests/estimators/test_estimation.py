@@ -434,6 +434,17 @@ def test_a_real_trace_that_branches_on_torch_draws_warns():
     with warnings.catch_warnings():  # dropout and drop-path masks are drawn but never branched on
         warnings.simplefilter("error", DrawnControlFlowWarning)
         estimate(_LayerDrop(0.0), inputs=(torch.randn(8, 16),), options=opts)
+        # A NaN guard on a loss computed through a 64-element dropout (a small classifier head)
+        # reads data, not a draw (it warned: the mask's taint went through the multiply).
+        head = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 2))
+
+        def guarded(out, _):
+            loss = out.pow(2).mean()
+            if not torch.isfinite(loss):
+                raise FloatingPointError
+            return loss
+
+        estimate(head, step=TrainStep(inputs=(torch.randn(2, 16),), loss_fn=guarded), options=opts)
 
 
 def test_optimizers_that_make_state_in_their_constructor_trace_in_fake_mode():
