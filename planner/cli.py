@@ -3,7 +3,8 @@
 With no arguments it runs the built-in example end to end on this machine: trace one step of a
 small GPT in fake mode, solve for a budget between the smallest reachable peak and the no-AC peak,
 print the plan, apply it, check that the planned step gives bitwise the unplanned loss and
-gradients, run one real training step and print the predicted peak beside the measured one.
+gradients, run three real training steps (the first of a fresh run, then the steady state the
+plan is made for) and print the predicted peak beside each measured one.
 
     python -m planner.apply
     python -m planner.apply --model examples:convnet_demo --budget-gib 0.011
@@ -170,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"MODULE:FACTORY returning (model, inputs) or (model, inputs, loss_fn) (default {DEFAULT_MODEL})")
     p.add_argument("--loss-fn", metavar="MODULE:FN", help="loss_fn(output, inputs) -> scalar tensor (default: the factory's, else model.loss_fn, else the planner's default)")
     p.add_argument("--budget-gib", type=_positive_gib("--budget-gib"), help="memory budget per GPU in GiB (default: halfway between the smallest reachable peak and the no-AC peak)")
-    p.add_argument("--device", default="cpu", choices=sorted(DEVICE_SPECS), help="target device the step is planned for (default cpu: this machine, so --verify compares like with like)")
+    p.add_argument("--device", choices=sorted(DEVICE_SPECS), help="target device the step is planned for (default cpu: this machine, so --verify compares like with like; with --plan-in, the plan's)")
     p.add_argument("--optimizer", help="adam, adamw, sgd, or none (its state is counted) (default adam; with --plan-in, the plan's)")
     p.add_argument("--micro-batches", type=_positive_int, help="forward/backward passes per optimizer step (gradient accumulation) (default 1; with --plan-in, the plan's)")
     p.add_argument("--autocast", choices=sorted(_AUTOCAST), help="forward and loss under torch.autocast with this dtype (default none; with --plan-in, the plan's)")
@@ -181,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=[m.value for m in TraceMode], default="fake", help="trace with fake tensors (default) or real ones")
     p.add_argument("--plan-out", help="write the plan as JSON here")
     p.add_argument("--plan-in", help="skip solving: load this plan and apply/verify it")
-    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True, help="check the plan on real tensors: the planned step's loss and gradients against the unplanned step's (bitwise), then one real training step with its measured peak (default on)")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True, help="check the plan on real tensors: the planned step's loss and gradients against the unplanned step's (bitwise), then three real training steps with their measured peaks (default on)")
     p.add_argument("--json", action="store_true", help="print one JSON object (plan, gradient check, measurement) instead of tables")
     p.add_argument("--offload", action="store_true", help="plan keep / recompute / offload to host memory (least step time on the step timeline), not recompute alone; --verify then also compares the bytes copied to host per step with the prediction")
     p.add_argument("--host-budget-gib", type=_positive_gib("--host-budget-gib"), help="with --offload: host memory per rank for offloaded activations, in GiB (default: not limited)")
@@ -316,10 +317,14 @@ def _verify(args, plan: Plan, model, inputs, loss_fn
     the plan offloads nothing)."""
     if any(p.device.type == "meta" for p in model.parameters()):
         return None, None, "the model is on the meta device: nothing to run (use --no-verify)", None
-    spec = get_device_spec(args.device)
+    spec = get_device_spec(plan.device)
     note = None
     if spec.name != "cpu" and next(model.parameters()).device.type == "cpu":
         note = f"plan made for {spec.name} but verified on this CPU: peaks are not comparable"
+    elif plan.world_size > 1:
+        note = (f"plan made per rank for {plan.world_size} ranks but verified in this one process, "
+                "which holds every rank's parameters, gradients and optimizer state: peaks are not "
+                "comparable")
     # First the same forward + backward with and without the plan, from the same state and seed
     # (the model is left as it was), then real training steps with the plan.
     check = check_gradients(model, plan, inputs, loss_fn=loss_fn, seed=args.seed, keep_output=args.keep_output,
@@ -380,9 +385,16 @@ def _run(args) -> int:
             plan = Plan.load(args.plan_in)
         except OSError as e:
             raise CLIError(f"--plan-in {args.plan_in}: cannot read it ({e.strerror or e})") from e
+        if args.device is not None and args.device != plan.device:
+            # It was checked against another device's figures: an h100 plan re-checked on the
+            # CPU as "cpu" failed at +22.67 %, and a cpu plan as "h100" skipped the budget check.
+            raise CLIError(f"--device {args.device}: the plan in {args.plan_in} was made for "
+                           f"{plan.device}; --plan-in checks it for that device (drop --device)")
+        args.device = plan.device
         _settle_step(args, plan)
         plan.check_step(_step(args, inputs, loss_fn))  # the flags above make them agree
     else:
+        args.device = args.device or "cpu"
         _settle_step(args, None)
         plan = _solve(args, model, inputs, loss_fn)
     if args.plan_out:

@@ -317,3 +317,26 @@ def test_cli_budget_in_bytes_gets_the_gib_figure(capsys):
     assert main(["--model", "examples:convnet_demo", "--quiet", "--budget-gib", "80000000000"]) == 2
     line = _error_line(capsys)
     assert "--budget-gib is in GiB" in line and "--budget-gib=74.51" in line
+
+
+def test_plan_in_checks_the_plan_for_the_device_it_was_made_for(tmp_path, capsys):
+    # --plan-in verified against --device: a cpu plan re-checked "for h100" skipped its budget
+    # check (and passed a step 3.17 % over), an h100 plan re-checked without --device failed.
+    out = tmp_path / "h100.json"
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--device", "h100", "--no-verify",
+                 "--plan-out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--plan-in", str(out), "--device", "cpu"]) == 2
+    line = _error_line(capsys)
+    assert "--device cpu: the plan in" in line and "was made for h100" in line
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--plan-in", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "plan made for h100 but verified on this CPU" in report["note"]
+
+
+def test_a_per_rank_plan_verified_in_one_process_is_not_compared(capsys):
+    # --world-size 2: the per-rank figure was compared with an unsharded step: "+28.00% ABOVE",
+    # exit 1, "check failed".
+    assert main(["--model", "examples:convnet_demo", "--quiet", "--json", "--world-size", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "per rank for 2 ranks" in report["note"] and report["gradient_check"]["equal"]
