@@ -32,10 +32,11 @@ one rule per op, each measured against the real CPU kernel (tests/estimators/tes
    output, where the meta kernel kept the transposed strides. PatchTST normalises behind a
    transpose: the fake trace saw a view where the next ``Linear`` copies, 6,144 B under.
 
-7. ``_embedding_bag`` on the CPU: ``offset2bag`` in mean / max mode, and ``bag_size`` with
-   ``include_last_offset``, sit on storages of one element more than their shape (the kernel
-   allocates ``numel + 1`` and narrows): 8 B under per bag layer, measured on an
-   ``nn.EmbeddingBag(mode="mean")`` net.
+7. ``_embedding_bag`` (and its forward-only form) on the CPU: ``offset2bag`` is empty on the
+   sum fast path, which the meta kernel takes for float32 weights only (a bf16 bag was 768 B
+   over), and otherwise sits on ``numel + 1`` elements, as ``bag_size`` with
+   ``include_last_offset`` does on ``bags + 1`` (the kernel allocates one more and narrows): 8 B
+   under per bag layer, measured on an ``nn.EmbeddingBag(mode="mean")`` net.
 
 Any other meta kernel that raises is reported by :class:`FakeKernelError`, naming the op and its
 arguments and saying what the real kernel does with the same arguments (run on zeros where they
@@ -113,19 +114,33 @@ def _batch_norm(out, args, kwargs, cuda: bool):
     return tuple(out)
 
 
-def _embedding_bag(out, args, kwargs, cuda: bool):
-    """The CPU kernel's index tensors: ``offset2bag`` (mean / max modes) is allocated with one
-    element more than it shows, ``bag_size`` too with ``include_last_offset``."""
+def _embedding_bag(out, args, kwargs, cuda: bool, forward_only: bool = False):
+    """The CPU kernel's index tensors (measured over dtypes, modes, padding_idx, per-sample
+    weights and include_last_offset): ``offset2bag`` is empty on the sum fast path (float32 /
+    bf16 / fp16 weights, no padding_idx; the meta kernel takes it for float32 only) and
+    otherwise sits on ``numel + 1`` elements; ``bag_size`` with ``include_last_offset`` on
+    ``bags + 1``; the forward-only op's ``max_indices`` of a sum has ``bags + 1`` elements."""
     if cuda:
         return out
+    weight, offsets = args[0], args[2]
     mode = _arg(args, kwargs, 4, "mode") or 0
     last = bool(_arg(args, kwargs, 7, "include_last_offset"))
+    pad = _arg(args, kwargs, 8, "padding_idx")
+    bags = offsets.shape[0] - (1 if last else 0)
     out = list(out)
-    if mode in (1, 2) and out[1].dim() == 1:
-        out[1] = _one_more(out[1])
-    if last and out[2].dim() == 1:
-        out[2] = _one_more(out[2])
+    if mode == 0 and (pad is None or pad < 0) and weight.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        out[1] = torch.empty(0, dtype=out[1].dtype, device=out[1].device)
+    elif out[1].dim() == 1:
+        out[1] = _one_more(torch.empty(args[1].numel(), dtype=out[1].dtype, device=out[1].device))
+    if last and out[2].dim() == 1 and not (forward_only and mode == 0):  # that one shows bags + 1
+        out[2] = _one_more(torch.empty(bags, dtype=out[2].dtype, device=out[2].device))
+    if forward_only and mode == 0 and last and out[3].dim() == 1 and out[3].shape[0] == bags:
+        out[3] = torch.empty(bags + 1, dtype=out[3].dtype, device=out[3].device)
     return tuple(out)
+
+
+def _embedding_bag_forward_only(out, args, kwargs, cuda: bool):
+    return _embedding_bag(out, args, kwargs, cuda, forward_only=True)
 
 
 def _one_more(t: torch.Tensor) -> torch.Tensor:
@@ -135,6 +150,7 @@ def _one_more(t: torch.Tensor) -> torch.Tensor:
 
 _OUTPUT_RULES = {
     aten._embedding_bag.default: _embedding_bag,
+    aten._embedding_bag_forward_only.default: _embedding_bag_forward_only,
     aten.native_batch_norm.default: _batch_norm,
     aten._native_batch_norm_legit.default: _batch_norm,
     aten._native_batch_norm_legit_functional.default: _batch_norm,

@@ -165,13 +165,22 @@ def test_batch_norm_behind_a_transpose_is_predicted_to_the_byte():
     assert fake == real == measured
 
 
-@pytest.mark.parametrize("mode, last", [(0, False), (0, True), (1, False), (1, True), (2, False), (2, True)])
-def test_embedding_bag_index_tensors_have_the_real_kernels_storage(mode, last):
-    # offset2bag (mean, max) and bag_size (include_last_offset) sit on numel + 1 elements.
-    w, ids = torch.randn(64, 32), torch.randint(0, 64, (96,))
+_BAGS = [(mode, last, pad, psw) for mode in (0, 1, 2) for last in (False, True) for pad in (-1, 5)
+         for psw in (False, True) if not (psw and mode)]
+
+
+@pytest.mark.parametrize("func", [aten._embedding_bag.default, aten._embedding_bag_forward_only.default])
+@pytest.mark.parametrize("dtype", [torch.float32, bf16])
+@pytest.mark.parametrize("mode, last, pad, psw", _BAGS)
+def test_embedding_bag_index_tensors_have_the_real_kernels_storage(func, dtype, mode, last, pad, psw):
+    # offset2bag sits on numel + 1 elements off the sum fast path (mean, max, padding_idx) and is
+    # empty on it (bf16 too: the meta kernel gave a bf16 sum 96); bag_size with
+    # include_last_offset on bags + 1.
+    w, ids = torch.randn(64, 32, dtype=dtype), torch.randint(0, 64, (96,))
     offsets = torch.arange(0, 96 + (3 if last else 0), 3)
-    args = (w, ids, offsets, False, mode, False, None, last)
-    real, fake = aten._embedding_bag(*args), _fake_run(aten._embedding_bag, *args)
+    weights = torch.rand(96, dtype=dtype) if psw else None
+    args = (w, ids, offsets, False, mode, False, weights, last, pad)
+    real, fake = func(*args), _fake_run(func, *args)
     assert _layout(fake) == _layout(real)
     assert [t.untyped_storage().nbytes() for t in fake] == [t.untyped_storage().nbytes() for t in real]
 
