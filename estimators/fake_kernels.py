@@ -109,7 +109,9 @@ def _batch_norm(out, args, kwargs, cuda: bool):
     fmt = suggest_memory_format(x)
     if not out[0].is_contiguous(memory_format=fmt):
         out[0] = torch.empty(out[0].shape, dtype=out[0].dtype, device=out[0].device, memory_format=fmt)
-    if x.dtype in _LOW and (cuda or _mixed(x, weight, bias)) and out[1].dtype != torch.float32:
+    # Mixed also by float32 running statistics alone (affine=False): measured on the CPU.
+    stats = _arg(args, kwargs, 3, "running_mean"), _arg(args, kwargs, 4, "running_var")
+    if x.dtype in _LOW and (cuda or _mixed(x, weight, bias, *stats)) and out[1].dtype != torch.float32:
         out[1], out[2] = _like(out[1], torch.float32), _like(out[2], torch.float32)
     return tuple(out)
 

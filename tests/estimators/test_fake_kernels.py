@@ -42,6 +42,8 @@ CASES = {
     "group_norm no affine": (aten.native_group_norm, lambda: (torch.randn(2, 8, 4, 4, dtype=bf16), None, None, 2, 8, 16, 2, 1e-5)),
     # BatchNorm2d under bf16 autocast on CPU: bf16 activations, float32 weight and running stats.
     "batch_norm mixed": (aten.native_batch_norm, lambda: (torch.randn(2, 8, 4, 4, dtype=bf16), torch.randn(8), torch.randn(8), torch.zeros(8), torch.ones(8), True, 0.1, 1e-5)),
+    # affine=False: float32 running statistics alone make it mixed (bf16 statistics before).
+    "batch_norm mixed by its statistics": (aten.native_batch_norm, lambda: (torch.randn(2, 8, 4, 4, dtype=bf16), None, None, torch.zeros(8), torch.ones(8), True, 0.1, 1e-5)),
     # Behind a transpose (PatchTST's batch norm over [batch, d_model, patches]): a contiguous
     # output, where the meta kernel kept the input's strides; channels_last stays channels_last.
     "batch_norm transposed": (aten.native_batch_norm, lambda: (torch.randn(2, 32, 16).transpose(1, 2), torch.randn(16), torch.randn(16), torch.zeros(16), torch.ones(16), True, 0.1, 1e-5)),
