@@ -118,6 +118,7 @@ def _mod_stats(
         param_bytes=trace.param_bytes_by_module.get(fqn, 0),
         grad_bytes=trace.grad_bytes_by_module.get(fqn, 0),
         input_bytes=_sum_bytes(trace, first.input_sids),
+        input_numel=max(c.input_numel for c in calls),
         output_bytes=_sum_bytes(trace, first.output_sids),
         act_fw_bytes=_sum_bytes(trace, set().union(*(saved.get(c.cid, set()) for c in calls))),
         act_total_bytes=int(live_act[last.fw_last_op]),

@@ -265,6 +265,9 @@ class ModStats:
     """Op index of the module's first backward op; -1 if it has no backward."""
     bw_post_op: int = -1
     """Op index of the module's last backward op."""
+    input_numel: int = 0
+    """Elements of the tensors the module's calls take (the largest call's), as traced: what a
+    planned module compares its inputs with (a bigger batch or sequence outgrows the plan)."""
     sac_blocker: str = ""
     """Why checkpointing this module would be unsafe ("" when it is not): its forward mutates in
     place a tensor made before the call (the recompute would mutate it again), or its calls in

@@ -97,6 +97,7 @@ class ModuleCall:
     input_sids: tuple[int, ...] = ()
     output_sids: tuple[int, ...] = ()
     post_rank: int = -1  # order in which forward post hooks fired
+    input_numel: int = 0  # elements of the tensors the call was given
 
 
 @dataclass
@@ -120,6 +121,11 @@ _VALUE_READS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.
 """Ops by which Python code reads a tensor's value (``.item()``, ``bool()``, ``if t:``)."""
 _DRAWN_NUMEL = 64
 """Outputs of random ops up to this many elements are decisions a model may branch on."""
+
+
+def tensor_numel(obj: Any) -> int:
+    """Elements of the tensors in ``obj`` (a module call's arguments), however nested."""
+    return sum(int(t.numel()) for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor))
 
 
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -457,6 +463,7 @@ class StepTracer(TorchDispatchMode):
                 seq_start=self._peek_seq(),
                 fw_first_op=len(self.ops),
                 input_sids=self._tensor_sids((args, kwargs)),
+                input_numel=tensor_numel((args, kwargs)),
             )
             self.calls.append(call)
             self._stack.append(call.cid)

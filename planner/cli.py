@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from estimators.device import DEVICE_SPECS, get_device_spec
-from estimators.estimation import EstimateOptions, TraceMode, estimate
+from estimators.estimation import DEFAULT_DEVICE, EstimateOptions, TraceMode, estimate
 from estimators.step import StepError, TrainStep, ZeroGrad
 from planner.checkpointing import AlreadyCheckpointedError, PlanMismatchError, apply_plan, hf_cache_off
 from planner.gradcheck import GradientCheck, check_gradients
@@ -377,6 +377,18 @@ def _report(args, plan: Plan, check: GradientCheck | None, measured: list[Measur
         print(f"  note: {note}")
 
 
+def target_device(args, plan: Plan | None) -> str:
+    """``--device``; with ``--plan-in``, the plan's (another ``--device`` is refused: checked
+    against another device's figures, an h100 plan re-checked as "cpu" failed at +22.67 % and a
+    cpu plan as "h100" skipped the budget check); else ``DEFAULT_DEVICE``."""
+    if plan is None:
+        return args.device or DEFAULT_DEVICE
+    if args.device is not None and args.device != plan.device:
+        raise CLIError(f"--device {args.device}: the plan in {args.plan_in} was made for "
+                       f"{plan.device}; --plan-in checks it for that device (drop --device)")
+    return plan.device
+
+
 def _run(args) -> int:
     _check_args(args)
     model, inputs, loss_fn = _build(args.model, args.loss_fn)
@@ -385,16 +397,11 @@ def _run(args) -> int:
             plan = Plan.load(args.plan_in)
         except OSError as e:
             raise CLIError(f"--plan-in {args.plan_in}: cannot read it ({e.strerror or e})") from e
-        if args.device is not None and args.device != plan.device:
-            # It was checked against another device's figures: an h100 plan re-checked on the
-            # CPU as "cpu" failed at +22.67 %, and a cpu plan as "h100" skipped the budget check.
-            raise CLIError(f"--device {args.device}: the plan in {args.plan_in} was made for "
-                           f"{plan.device}; --plan-in checks it for that device (drop --device)")
-        args.device = plan.device
+        args.device = target_device(args, plan)
         _settle_step(args, plan)
         plan.check_step(_step(args, inputs, loss_fn))  # the flags above make them agree
     else:
-        args.device = args.device or "cpu"
+        args.device = target_device(args, None)
         _settle_step(args, None)
         plan = _solve(args, model, inputs, loss_fn)
     if args.plan_out:

@@ -72,7 +72,7 @@ def offload_module_plan(stats: ModStats, offload_bytes: int, min_bytes: int,
     rank = {(op_key(op.func), op.occurrence): i for i, op in enumerate(stats.ops)}
     chosen = sorted(((op_key(op.func), op.occurrence) for op in ops), key=rank.__getitem__)
     plan = ModulePlan(fqn=stats.fqn, discard_ratio=0.0, full=False, offloaded_ops=tuple(chosen),
-                      offloaded_bytes=total)
+                      offloaded_bytes=total, input_numel=stats.input_numel)
     return plan, total
 
 

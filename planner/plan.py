@@ -142,6 +142,10 @@ class ModulePlan:
     """Bytes the planner predicts ``offloaded_ops`` send to host per micro-batch (one forward),
     over all calls of the module, in its memory model (``ModStats`` op bytes); 0: none, or a
     hand-written plan that does not say."""
+    input_numel: int = 0
+    """Elements of the tensors the module was traced with (its largest call); a planned forward
+    given more (a bigger batch, a longer sequence) warns that the plan no longer holds. 0: not
+    recorded (a hand-written plan, or one saved before this field)."""
 
     def __post_init__(self) -> None:
         w = f"module {self.fqn!r}" if isinstance(self.fqn, str) else "module"
@@ -162,6 +166,7 @@ class ModulePlan:
             raise PlanFormatError(f"{w}: op {list(min(both))} is both saved and recomputed")
         set_("offloaded_ops", _op_keys(f"{w}: offloaded_ops", self.offloaded_ops))
         set_("offloaded_bytes", _int(f"{w}: offloaded_bytes", self.offloaded_bytes))
+        set_("input_numel", _int(f"{w}: input_numel", self.input_numel))
         if self.full and self.offloaded_ops:
             raise PlanFormatError(
                 f"{w}: full checkpointing keeps no op output to offload, but offloaded_ops lists "

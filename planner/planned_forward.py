@@ -63,6 +63,7 @@ from torch.utils.checkpoint import (
 
 from planner import offload
 from estimators.host_rng import HostRng
+from estimators.trace import tensor_numel
 from planner.plan import ModulePlan, op_key
 
 __all__ = ["PlannedForward", "CheckpointDivergenceWarning", "StalePlanWarning"]
@@ -433,12 +434,14 @@ class PlannedForward:
             raise RuntimeError(f"the module planned as {self.mp.fqn} no longer exists")
         return m
 
-    def _warn_if_stale(self) -> None:
-        """Once per module: the model changed since the plan was applied in a way its trace did
-        not see. Seen: ``.to(torch.bfloat16)`` after apply measured 1,349,884 B against the
-        fp32 plan's 2,123,932 B; HF gradient checkpointing enabled after apply nested a second
-        checkpoint around the plan's (2,009,500 B measured, 2,123,932 B predicted)."""
+    def _warn_if_stale(self, args: tuple, kwargs: dict) -> None:
+        """Once per module: the model or its inputs changed since the plan was made in a way its
+        trace did not see. Seen: ``.to(torch.bfloat16)`` after apply measured 1,349,884 B against
+        the fp32 plan's 2,123,932 B; HF gradient checkpointing enabled after apply nested a second
+        checkpoint around the plan's (2,009,500 B measured, 2,123,932 B predicted); a bigger
+        batch than planned grows every activation with it, silently over the budget."""
         module, why = self.module, None
+        numel = tensor_numel((args, kwargs)) if self.mp.input_numel else 0
         if self._dtypes is None:
             self._dtypes = _param_dtypes(module)
         # Under FSDP2 a mixed-precision policy swaps in parameters of another dtype for the forward.
@@ -450,11 +453,15 @@ class PlannedForward:
         elif getattr(module, "gradient_checkpointing", False) is True:
             why = ("Hugging Face gradient checkpointing is on for it (gradient_checkpointing_enable() "
                    "after apply_plan): it is checkpointed twice")
+        elif numel > self.mp.input_numel:
+            why = (f"its inputs have {numel:,} elements, {self.mp.input_numel:,} when it was planned "
+                   "(a bigger batch or a longer sequence: activations grow with them)")
         if why is not None:
             self._stale_warned = True
             warnings.warn(f"the plan for {self.mp.fqn} no longer matches the model: {why}; its "
                           "predicted peak no longer holds. remove_plan(model) and plan again "
-                          "(HF: gradient_checkpointing_disable() first)", StalePlanWarning, stacklevel=3)
+                          "(with the inputs it trains on; HF: gradient_checkpointing_disable() "
+                          "first)", StalePlanWarning, stacklevel=3)
 
     def bound_original(self) -> Callable:
         module = self.module
@@ -471,7 +478,7 @@ class PlannedForward:
         # Offload runs in the eager forward only: not in a recompute (backward), not compiled.
         eager = not torch.compiler.is_compiling() and not offload.in_recompute()
         if eager and not self._stale_warned:
-            self._warn_if_stale()
+            self._warn_if_stale(args, kwargs)
         claimed = offload.take_pending() if eager else []  # this module's backward prefetches them
         store = offload.CallStore(self.offload_counter) if eager and self._offloaded else None
         if not self.checkpointed:

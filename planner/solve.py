@@ -95,6 +95,7 @@ def module_plan(stats: ModStats, discarded_bytes: int, options: SolverOptions | 
         recomputed_ops=tuple(recomputed),
         discarded_bytes=op_plan.discarded_bytes,
         recompute_ms=recompute_ms_with_saved(stats, frozenset(saved)),
+        input_numel=stats.input_numel,
     )
 
 

@@ -207,6 +207,18 @@ def test_offloaded_ops_round_trip_and_old_files_load(plan, tmp_path):
     assert Plan.load(p) == plan and all(m.offloaded_ops == () for m in Plan.load(p).modules)
 
 
+def test_input_numel_round_trips_and_old_files_load(plan, tmp_path):
+    assert all(m.input_numel > 0 for m in plan.modules)  # recorded from the trace
+    p = tmp_path / "p.json"
+    plan.save(p)
+    assert Plan.load(p) == plan
+    d = plan.to_dict()
+    for md in d["modules"]:
+        del md["input_numel"]  # a file written before the field existed: nothing to compare with
+    p.write_text(json.dumps(d))
+    assert all(m.input_numel == 0 for m in Plan.load(p).modules)
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [

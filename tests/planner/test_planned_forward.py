@@ -356,6 +356,28 @@ def test_a_model_changed_after_apply_says_its_plan_no_longer_holds():
     remove_plan(model)
 
 
+def test_a_bigger_batch_than_planned_says_the_plan_no_longer_holds():
+    # Planned at batch 8, trained at batch 16: every activation doubles and the step goes over
+    # the budget with no word. The same or a smaller batch, and no-grad forwards, stay quiet.
+    from planner.planned_forward import StalePlanWarning
+
+    torch.manual_seed(0)
+    model = _CallsTheEmbeddingFirst()
+    step = TrainStep(inputs=(torch.randint(0, 100, (8, 64)),), optimizer="adamw")
+    plan = _plan_at(model, step, 0.5)
+    assert all(m.input_numel > 0 for m in plan.modules)
+    apply_plan(model, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StalePlanWarning)
+        model(step.inputs[0]).sum().backward()
+        model(torch.randint(0, 100, (4, 64))).sum().backward()
+        with torch.no_grad():
+            model(torch.randint(0, 100, (16, 64)))
+    with pytest.warns(StalePlanWarning, match=r"no longer matches the model: its inputs have 16,384 "
+                                              r"elements, 8,192 when it was planned \(a bigger batch"):
+        model(torch.randint(0, 100, (16, 64))).sum().backward()
+
+
 class _Gate(nn.Module):
     def __init__(self) -> None:
         super().__init__()

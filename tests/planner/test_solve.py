@@ -134,13 +134,13 @@ def test_one_default_target_everywhere():
     import inspect
 
     from estimators.estimation import DEFAULT_DEVICE
-    from planner.cli import build_parser
+    from planner.cli import build_parser, target_device
     from planner.distributed import solve_sac_distributed
     from planner.tradeoff import tradeoff_curve
 
     for fn in (estimate, solve_sac, tradeoff_curve, solve_sac_distributed):
         assert inspect.signature(fn).parameters["device"].default == DEFAULT_DEVICE, fn.__name__
-    assert build_parser().get_default("device") == DEFAULT_DEVICE
+    assert target_device(build_parser().parse_args([]), None) == DEFAULT_DEVICE  # no --plan-in
 
 
 def test_step_and_shorthand_give_the_same_plan():
