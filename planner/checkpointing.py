@@ -292,6 +292,9 @@ def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan]) ->
     try:
         for mod, mp in targets:
             mod.forward = _planned_forward(mod, mp)
+            name = _root_relative(mp.fqn, root)
+            parts = name.split(".") if name else []
+            mod.forward.set_ancestors([model.get_submodule(".".join(parts[:d])) for d in range(len(parts))])
             done.append(mod)
         _hook_siblings(model, targets)
         # Even for a plan with no module: its peak was traced with the cache off (a bf16 T5 whose

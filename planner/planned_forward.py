@@ -406,6 +406,13 @@ class PlannedForward:
         # still being built (deepcopy and unpickling make this object before its parameters).
         self._dtypes = _param_dtypes(module) if "_parameters" in module.__dict__ else None
         self._stale_warned = False
+        self._ancestors: list[weakref.ref] = []  # the modules above it, root first
+
+    def set_ancestors(self, modules: list[torch.nn.Module]) -> None:
+        """The modules that contain this one: HF gradient checkpointing turned on for any of
+        them (Trainer(gradient_checkpointing=True) sets it on every decoder layer) nests a
+        checkpoint around this module's."""
+        self._ancestors = [weakref.ref(m) for m in modules]
 
     @property
     def checkpointed(self) -> bool:
@@ -422,6 +429,7 @@ class PlannedForward:
         new = PlannedForward(new_module, self.mp, copy.deepcopy(self.original, memo))
         new.fallback = self.fallback
         new._dtypes = self._dtypes
+        new._ancestors = [weakref.ref(memo.get(id(a()), a())) for a in self._ancestors if a() is not None]
         return new
 
     def __reduce__(self):
@@ -450,9 +458,11 @@ class PlannedForward:
         if dtypes != self._dtypes:
             names = lambda ds: "/".join(sorted(str(d).replace("torch.", "") for d in ds))  # noqa: E731
             why = f"its parameters are {names(dtypes)} now, {names(self._dtypes)} when it was applied"
-        elif getattr(module, "gradient_checkpointing", False) is True:
-            why = ("Hugging Face gradient checkpointing is on for it (gradient_checkpointing_enable() "
-                   "after apply_plan): it is checkpointed twice")
+        elif any(getattr(m, "gradient_checkpointing", False) is True
+                 for m in [module, *(a() for a in self._ancestors)] if m is not None):
+            why = ("Hugging Face gradient checkpointing is on for it or a module around it "
+                   "(gradient_checkpointing_enable() after apply_plan, Trainer(gradient_checkpointing="
+                   "True)): it is checkpointed twice")
         elif numel > self.mp.input_numel:
             why = (f"its inputs have {numel:,} elements, {self.mp.input_numel:,} when it was planned "
                    "(a bigger batch or a longer sequence: activations grow with them)")

@@ -354,6 +354,17 @@ def test_a_model_changed_after_apply_says_its_plan_no_longer_holds():
     with pytest.warns(StalePlanWarning, match="Hugging Face gradient checkpointing is on for it"):
         model(ids).sum().backward()
     remove_plan(model)
+    # On a module around the planned one (HF sets it on decoder layers; the plan may hold their
+    # MLPs): no word before, and the measured peak moved off the prediction.
+    model.lm.gradient_checkpointing = False
+    apply_plan(model, plan)
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        m.gradient_checkpointing = True
+        with pytest.warns(StalePlanWarning, match=r"\.lm no longer matches the model: Hugging Face "
+                                                  r"gradient checkpointing is on for it or a module around it"):
+            m(ids).sum().backward()
+    remove_plan(model)
 
 
 def test_a_bigger_batch_than_planned_says_the_plan_no_longer_holds():
