@@ -431,6 +431,7 @@ def _trace_step(
             raise TraceError(str(e)) from e
         finally:
             tracer.detach()
+            tracer.restore_foreign_grads()
             for h in grad_hooks:
                 h.remove()
             _undo(applied)

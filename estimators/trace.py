@@ -207,6 +207,13 @@ class StepTracer(TorchDispatchMode):
         self._packing = False  # inside pack_hook: its own alias is not an op of the step
         self._output_sids: tuple[int, ...] = ()  # the root call's output, with what pytree does not open
         self._fake_mode = fake_mode
+        self._own_leaves = {id(p) for p in model.parameters()}
+        self._foreign: dict[int, tuple[weakref.ref, torch.Tensor | None, torch.Tensor | None]] = {}
+        """Leaves that require grad outside the model (another module the loss runs: a GAN's
+        discriminator in the generator's step), by weak reference (a strong one kept the step's
+        own leaves alive, and the trace counted them longer), with the ``.grad`` each had
+        before the step and, in a real trace (whose backward adds into it in place), a copy of
+        its values."""
         self._drawn: set[int] = set()  # sids of small tensors computed from torch's RNG draws
         self.random_value_reads: list[str] = []
         """Modules (fqns) whose Python code read the value of a small tensor drawn from torch's
@@ -305,6 +312,10 @@ class StepTracer(TorchDispatchMode):
         in_tensors = [a for a in flat_in if isinstance(a, torch.Tensor)]
         arg_sids = []
         for t in in_tensors:
+            if t.requires_grad and t.is_leaf and id(t) not in self._own_leaves and id(t) not in self._foreign:
+                grad = t.grad
+                values = grad.detach().clone() if grad is not None and self._fake_mode is None else None
+                self._foreign[id(t)] = (weakref.ref(t), grad, values)
             st = _storage_of(t)
             sid = self._sid(st) if st is not None else None
             if sid is None and st is not None:
@@ -350,6 +361,22 @@ class StepTracer(TorchDispatchMode):
             where = self.calls[call].fqn if call >= 0 else "-"
             self.progress(f"{self.phase.name.lower()}: {index} ops, in {where}")
         return out
+
+    def restore_foreign_grads(self) -> int:
+        """Put back the ``.grad`` of every leaf outside the model that the step's backward
+        reached: the trace's backward accumulated into them (fake tensors in a fake trace, and
+        the user's next real step trained on them). How many there were."""
+        for ref, grad, values in self._foreign.values():
+            t = ref()
+            if t is None:
+                continue
+            if values is not None:
+                with torch.no_grad():
+                    grad.copy_(values)
+            t.grad = grad
+        n = len(self._foreign)
+        self._foreign.clear()
+        return n
 
     def _note_drawn(self, flat_out: list) -> None:
         """Small outputs of a random op, or of an op on drawn values only, are drawn values (a

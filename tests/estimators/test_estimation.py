@@ -447,6 +447,28 @@ def test_a_real_trace_that_branches_on_torch_draws_warns():
         estimate(head, step=TrainStep(inputs=(torch.randn(2, 16),), loss_fn=guarded), options=opts)
 
 
+@pytest.mark.parametrize("mode", [TraceMode.FAKE, TraceMode.REAL])
+@pytest.mark.parametrize("had_grads", [False, True])
+def test_a_module_the_loss_runs_keeps_its_gradients(mode, had_grads):
+    # A GAN's generator step: the loss runs the discriminator. Its parameters were left with the
+    # trace's gradients (fake tensors in fake mode), and the user's next discriminator step,
+    # zeroing after its optimizer step, trained on them (weights 0.0017 off the reference).
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    disc = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LeakyReLU(0.2), torch.nn.Linear(64, 1))
+    if had_grads:
+        disc(torch.randn(4, 32)).sum().backward()
+    before = [None if p.grad is None else p.grad.clone() for p in disc.parameters()]
+
+    def g_loss(out, _):
+        return torch.nn.functional.softplus(-disc(out)).mean()
+
+    estimate(gen, step=TrainStep(inputs=(torch.randn(8, 16),), loss_fn=g_loss, optimizer="adam"),
+             options=EstimateOptions(mode=mode))
+    for p, g in zip(disc.parameters(), before):
+        assert (p.grad is None) if g is None else (type(p.grad) is torch.Tensor and torch.equal(p.grad, g))
+
+
 def test_optimizers_that_make_state_in_their_constructor_trace_in_fake_mode():
     # Adagrad makes its step counts in __init__; built outside the fake mode they were real, and
     # its step's .item() on them raised torch's bare DataDependentOutputException.
