@@ -310,7 +310,8 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {
     "cpu": DeviceSpec(
         name="cpu",
         kind="cpu",
-        peak_flops_per_s={torch.float32: 0.2 * _TF, torch.bfloat16: 0.1 * _TF},
+        # float16 as bfloat16: CPUs without native half matmuls convert both to float32.
+        peak_flops_per_s={torch.float32: 0.2 * _TF, torch.bfloat16: 0.1 * _TF, torch.float16: 0.1 * _TF},
         memory_bandwidth_bytes_per_s=20 * _GB,
         memory_bytes=24 * _GiB,
         compute_efficiency=0.5,

@@ -39,18 +39,21 @@ def test_fields_are_keyword_only_and_frozen():
 
 def test_a_dtype_the_target_cannot_run():
     step = TrainStep(autocast_dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"float16 cannot run on the target 'cpu'.*autocast_dtype=torch.bfloat16"):
-        step.check_target(get_device_spec("cpu"))
+    no_fp16 = get_device_spec("cpu").replace(name="bf16-cpu", peak_flops_per_s={torch.float32: 2e11, torch.bfloat16: 1e11})
+    with pytest.raises(ValueError, match=r"float16 cannot run on the target 'bf16-cpu'.*autocast_dtype=torch.bfloat16"):
+        step.check_target(no_fp16)
     step.check_target(get_device_spec("h100"))  # CUDA targets run both
+    step.check_target(get_device_spec("cpu"))  # and torch's CPU autocast
     no_bf16 = get_device_spec("cpu").replace(name="old-cpu", peak_flops_per_s={torch.float32: 1e11})
     with pytest.raises(ValueError, match=r"bfloat16 cannot run on the target 'old-cpu'.*drop autocast_dtype"):
         TrainStep(autocast_dtype=torch.bfloat16).check_target(no_bf16)
 
 
-def test_estimate_refuses_fp16_for_the_cpu_target():
+def test_estimate_refuses_a_dtype_the_target_cannot_run():
     model, inputs = EXAMPLES["gpt_tiny"]()
-    with pytest.raises(ValueError, match=r"float16 cannot run on the target 'cpu'"):
-        estimate(model, step=TrainStep(inputs=inputs, autocast_dtype=torch.float16))
+    no_fp16 = get_device_spec("cpu").replace(name="bf16-cpu", peak_flops_per_s={torch.float32: 2e11, torch.bfloat16: 1e11})
+    with pytest.raises(ValueError, match=r"float16 cannot run on the target 'bf16-cpu'"):
+        estimate(model, step=TrainStep(inputs=inputs, autocast_dtype=torch.float16), device=no_fp16)
 
 
 def test_step_and_loose_arguments_together_are_refused():
