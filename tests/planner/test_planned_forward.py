@@ -96,6 +96,20 @@ def test_a_full_checkpoint_recomputes_from_the_buffers_the_forward_started_from(
         assert torch.equal(planned.state_dict()[n], b), n
 
 
+def _same_adamw_steps(ref: nn.Module, planned: nn.Module, x: torch.Tensor, n_steps: int = 3) -> None:
+    """Train both with AdamW on ``x.sum()`` side by side; every step's gradients bitwise equal."""
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, planned)]
+    for step in range(n_steps):
+        grads = []
+        for m, opt in zip((ref, planned), opts):
+            m(x).sum().backward()
+            grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for n, g in grads[0].items():
+            assert torch.equal(grads[1][n], g), (step, n)
+
+
 class _RunningCentre(nn.Module):
     """A block that keeps a running mean and a call counter by rebinding its buffers
     (``self.mu = 0.9 * self.mu + ...``), then reads the new mean."""
@@ -126,16 +140,7 @@ def test_a_recompute_reads_the_buffers_the_forward_started_from_when_the_forward
     saved = () if full else (("aten.addmm", 0),)
     apply_module_plans(planned, [ModulePlan(fqn="Sequential.0", discard_ratio=1.0 if full else 0.5,
                                             full=full, saved_ops=saved)])
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, planned)]
-    for step in range(3):
-        grads = []
-        for m, opt in zip((ref, planned), opts):
-            m(x).sum().backward()
-            grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        for n, g in grads[0].items():
-            assert torch.equal(grads[1][n], g), (step, n)
+    _same_adamw_steps(ref, planned, x)
     assert int(planned[0].count) == 3
     for n, b in ref.state_dict().items():
         assert torch.equal(planned.state_dict()[n], b), n
@@ -183,17 +188,7 @@ def test_a_recompute_sees_the_buffer_table_the_forward_started_from(block):
     ref = nn.Sequential(block(), nn.Linear(16, 2))
     planned = copy.deepcopy(ref)
     apply_module_plans(planned, [ModulePlan(fqn="Sequential.0", discard_ratio=1.0, full=True)])
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, planned)]
-    x = torch.randn(4, 16)
-    for step in range(3):
-        grads = []
-        for m, opt in zip((ref, planned), opts):
-            m(x).sum().backward()
-            grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        for n, g in grads[0].items():
-            assert torch.equal(grads[1][n], g), (step, n)
+    _same_adamw_steps(ref, planned, torch.randn(4, 16))
     assert dict(ref.named_buffers()).keys() == dict(planned.named_buffers()).keys()
     for n, b in ref.named_buffers():
         assert torch.equal(dict(planned.named_buffers())[n], b), n
