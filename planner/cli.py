@@ -317,7 +317,7 @@ def _verify(args, plan: Plan, model, inputs, loss_fn
     the plan offloads nothing)."""
     if any(p.device.type == "meta" for p in model.parameters()):
         return None, None, "the model is on the meta device: nothing to run (use --no-verify)", None
-    spec = get_device_spec(plan.device)
+    spec = get_device_spec(args.device)  # the plan's, or the one named for a custom spec's plan
     note = None
     if spec.name != "cpu" and next(model.parameters()).device.type == "cpu":
         note = f"plan made for {spec.name} but verified on this CPU: peaks are not comparable"
@@ -368,7 +368,7 @@ def _report(args, plan: Plan, check: GradientCheck | None, measured: list[Measur
         print(gradient_check_text(check))
     if measured is not None:
         print(f"\n{len(measured)} real training steps with the plan applied:")
-        print(steps_vs_prediction(plan, measured))
+        print(steps_vs_prediction(plan, measured, comparable=note is None))
     if host is not None:
         same = "as predicted" if host == plan.host_bytes_per_step else "DIFFERS from the prediction"
         print(f"  host copies      {fmt_bytes(host)} ({host:,} B) per step to host memory, predicted "
@@ -380,8 +380,11 @@ def _report(args, plan: Plan, check: GradientCheck | None, measured: list[Measur
 def target_device(args, plan: Plan | None) -> str:
     """``--device``; with ``--plan-in``, the plan's (another ``--device`` is refused: checked
     against another device's figures, an h100 plan re-checked as "cpu" failed at +22.67 % and a
-    cpu plan as "h100" skipped the budget check); else ``DEFAULT_DEVICE``."""
+    cpu plan as "h100" skipped the budget check), unless the plan was made for a DeviceSpec of
+    the user's own, which the command line cannot name; else ``DEFAULT_DEVICE``."""
     if plan is None:
+        return args.device or DEFAULT_DEVICE
+    if plan.device not in DEVICE_SPECS:  # a DeviceSpec of the user's own: checked as --device
         return args.device or DEFAULT_DEVICE
     if args.device is not None and args.device != plan.device:
         raise CLIError(f"--device {args.device}: the plan in {args.plan_in} was made for "

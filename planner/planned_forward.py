@@ -429,11 +429,13 @@ class PlannedForward:
         new = PlannedForward(new_module, self.mp, copy.deepcopy(self.original, memo))
         new.fallback = self.fallback
         new._dtypes = self._dtypes
-        new._ancestors = [weakref.ref(memo.get(id(a()), a())) for a in self._ancestors if a() is not None]
+        # Only ancestors copied with it: a block copied out of its model is no longer inside it.
+        new._ancestors = [weakref.ref(memo[id(a())]) for a in self._ancestors if id(a()) in memo]
         return new
 
     def __reduce__(self):
-        return (_rebuild, (self._module(), self.mp, self.original, self.fallback, self._dtypes))
+        ancestors = [a() for a in self._ancestors if a() is not None]
+        return (_rebuild, (self._module(), self.mp, self.original, self.fallback, self._dtypes, ancestors))
 
     @property
     def module(self) -> torch.nn.Module:
@@ -465,7 +467,8 @@ class PlannedForward:
                    "True)): it is checkpointed twice")
         elif numel > self.mp.input_numel:
             why = (f"its inputs have {numel:,} elements, {self.mp.input_numel:,} when it was planned "
-                   "(a bigger batch or a longer sequence: activations grow with them)")
+                   "(a bigger batch, a longer sequence, or an input it was planned without, such as "
+                   "an attention mask: activations grow with them)")
         if why is not None:
             self._stale_warned = True
             warnings.warn(f"the plan for {self.mp.fqn} no longer matches the model: {why}; its "
@@ -554,10 +557,11 @@ class PlannedForward:
         warnings.warn(warning, stacklevel=2)
 
 
-def _rebuild(module, mp, original, fallback, dtypes=None) -> PlannedForward:
+def _rebuild(module, mp, original, fallback, dtypes=None, ancestors=()) -> PlannedForward:
     pf = PlannedForward(module, mp, original)
     pf.fallback = fallback
     pf._dtypes = dtypes
+    pf.set_ancestors(list(ancestors))
     return pf
 
 

@@ -126,9 +126,10 @@ def prediction_vs_measurement(plan: "Plan", measured: "MeasuredStep") -> str:
     )
 
 
-def steps_vs_prediction(plan: "Plan", measured: "Sequence[MeasuredStep]") -> str:
+def steps_vs_prediction(plan: "Plan", measured: "Sequence[MeasuredStep]", comparable: bool = True) -> str:
     """Each real step's measured peak beside the prediction (step 1: the first step of a fresh
-    run; later ones: the steady state)."""
+    run; later ones: the steady state). ``comparable`` False (a GPU plan or a per-rank one
+    measured in this process): no verdict against the budget."""
     tracker = measured[0].tracker if measured else ""
     first = plan.first_step_peak_bytes
     lines = [
@@ -141,7 +142,7 @@ def steps_vs_prediction(plan: "Plan", measured: "Sequence[MeasuredStep]") -> str
         # Step 1 against the first step's own prediction (no optimizer state before its update).
         want = first if i == 1 and first is not None else plan.predicted_peak_bytes
         err = (m.peak_bytes - want) / want
-        within = "within" if m.peak_bytes <= plan.usable_budget_bytes else "ABOVE"
+        within = ("within" if m.peak_bytes <= plan.usable_budget_bytes else "ABOVE") if comparable else "-"
         lines.append(
             f"  {i:>4}  {fmt_bytes(m.peak_bytes):>10} ({m.peak_bytes:>11,} B)  {err:>+12.2%}  "
             f"{within:>16}  {m.loss}"

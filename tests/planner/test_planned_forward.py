@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -353,8 +354,13 @@ def test_a_model_changed_after_apply_says_its_plan_no_longer_holds():
     # MLPs): no word before, and the measured peak moved off the prediction.
     model.lm.gradient_checkpointing = False
     apply_plan(model, plan)
-    twin = copy.deepcopy(model)
-    for m in (model, twin):
+    twin, pickled = copy.deepcopy(model), pickle.loads(pickle.dumps(model))  # they keep the ancestors
+    block = copy.deepcopy(model.lm)  # copied out of its model: no longer inside it
+    model.gradient_checkpointing = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StalePlanWarning)
+        block(block.embed(ids)).sum().backward()
+    for m in (model, twin, pickled):
         m.gradient_checkpointing = True
         with pytest.warns(StalePlanWarning, match=r"\.lm no longer matches the model: Hugging Face "
                                                   r"gradient checkpointing is on for it or a module around it"):
