@@ -82,27 +82,21 @@ def test_a_full_checkpoint_recomputes_from_the_buffers_the_forward_started_from(
     ref, x = _SpectralBlocks(), torch.randn(4, 3, 8, 8)
     planned = copy.deepcopy(ref)
     apply_module_plans(planned, [ModulePlan(fqn="_SpectralBlocks.blocks", discard_ratio=1.0, full=True)])
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, planned)]
-    for step in range(3):
-        grads = []
-        for m, opt in zip((ref, planned), opts):
-            torch.manual_seed(step)
-            m(x).sum().backward()
-            grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        for n, g in grads[0].items():
-            assert torch.equal(grads[1][n], g), (step, n)
+    _same_adamw_steps(ref, planned, x, seeded=True)
     for n, b in ref.state_dict().items():
         assert torch.equal(planned.state_dict()[n], b), n
 
 
-def _same_adamw_steps(ref: nn.Module, planned: nn.Module, x: torch.Tensor, n_steps: int = 3) -> None:
-    """Train both with AdamW on ``x.sum()`` side by side; every step's gradients bitwise equal."""
+def _same_adamw_steps(ref: nn.Module, planned: nn.Module, x: torch.Tensor, n_steps: int = 3,
+                      seeded: bool = False) -> None:
+    """Train both with AdamW on ``x.sum()`` side by side (``seeded``: torch's seed set to the step
+    number before each forward); every step's gradients bitwise equal."""
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, planned)]
     for step in range(n_steps):
         grads = []
         for m, opt in zip((ref, planned), opts):
+            if seeded:
+                torch.manual_seed(step)
             m(x).sum().backward()
             grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
             opt.step()
