@@ -362,10 +362,10 @@ class StepTracer(TorchDispatchMode):
             self.progress(f"{self.phase.name.lower()}: {index} ops, in {where}")
         return out
 
-    def restore_foreign_grads(self) -> int:
+    def restore_foreign_grads(self) -> None:
         """Put back the ``.grad`` of every leaf outside the model that the step's backward
         reached: the trace's backward accumulated into them (fake tensors in a fake trace, and
-        the user's next real step trained on them). How many there were."""
+        the user's next real step trained on them)."""
         for ref, grad, values in self._foreign.values():
             t = ref()
             if t is None:
@@ -374,24 +374,16 @@ class StepTracer(TorchDispatchMode):
                 with torch.no_grad():
                     grad.copy_(values)
             t.grad = grad
-        n = len(self._foreign)
         self._foreign.clear()
-        return n
 
     def _note_drawn(self, flat_out: list) -> None:
         """Small outputs of a random op, or of an op on drawn values only, are drawn values (a
         drop decision, a random index); big ones (a random init) are data, not decisions."""
-        for t in flat_out:
-            if isinstance(t, torch.Tensor) and t.numel() <= _DRAWN_NUMEL:
-                st = _storage_of(t)
-                sid = self._sid(st) if st is not None else None
-                if sid is not None:
-                    self._drawn.add(sid)
+        small = [t for t in flat_out if isinstance(t, torch.Tensor) and t.numel() <= _DRAWN_NUMEL]
+        self._drawn.update(self._tensor_sids(small))
 
     def _note_value_read(self, args: tuple) -> None:
-        t = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        st = _storage_of(t) if t is not None else None
-        if st is not None and self._sid(st) in self._drawn:
+        if not self._drawn.isdisjoint(self._tensor_sids(args[:1])):
             call = self._stack[-1] if self._stack else -1
             fqn = self.calls[call].fqn if call >= 0 else self.root_name
             if fqn not in self.random_value_reads:

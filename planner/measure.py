@@ -13,7 +13,6 @@ estimators, so a prediction checked against it is checked against an independent
 from __future__ import annotations
 
 import contextlib
-
 import time
 from dataclasses import dataclass
 from typing import Any

@@ -31,6 +31,7 @@ from estimators.estimation import (
     as_train_step,
     estimate,
     first_step_module_info,
+    sparse_grad_params,
 )
 from estimators.module_info import ModStats
 from estimators.sac_groups import cached_if_saved
@@ -372,8 +373,6 @@ def _real_trace_note(model: torch.nn.Module, est: Estimate) -> str | None:
 
 def _sparse_note(model: torch.nn.Module) -> str | None:
     """Sparse gradients are not in the figures: say so, with the parameters that have them."""
-    from estimators.estimation import sparse_grad_params
-
     ids = sparse_grad_params(model)
     names = [n for n, p in model.named_parameters() if id(p) in ids and p.requires_grad]
     if not names:
@@ -663,16 +662,14 @@ def _shared_note(info, shared: list[str]) -> str:
 
 
 def _allowed_units(info, ac_units) -> tuple[list[str] | None, dict[str, str]]:
-    """The modules the MILP may checkpoint, and the candidates left out with the reason why
-    (a module that mutates its inputs in place would crash in the recompute; one whose calls
-    run different ops cannot be given one per-call plan)."""
+    """The modules the MILP may checkpoint (``ac_units`` as given), and the candidates it
+    leaves out itself (``ModStats.sac_blocker``, see ``solver.milp``) with the reason why, for
+    the notes: a module that mutates its inputs in place would crash in the recompute; one whose
+    calls run different ops cannot be given one per-call plan."""
     excluded = {
         s.fqn: s.sac_blocker
         for s in info.mod_stats
         if s.sac_blocker and not s.is_leaf and s.sac_memory_bytes > 0
         and (ac_units is None or s.fqn in set(ac_units))
     }
-    if not excluded:
-        return (list(ac_units) if ac_units is not None else None), {}
-    names = list(ac_units) if ac_units is not None else [s.fqn for s in info.mod_stats]
-    return [f for f in names if f not in excluded], excluded
+    return (list(ac_units) if ac_units is not None else None), excluded
