@@ -27,20 +27,18 @@ from estimators.estimation import (
     DEFAULT_DEVICE,
     Estimate,
     EstimateOptions,
-    TraceMode,
     as_train_step,
     estimate,
     first_step_module_info,
-    sparse_grad_params,
 )
 from estimators.module_info import ModStats
 from estimators.sac_groups import cached_if_saved
 from estimators.sac import replay_ms
-from estimators.step import TrainStep, mode_changes
+from estimators.step import TrainStep
 from planner.floor import PeakBreakdown, lowering_hints, peak_breakdown
 from planner.fsdp import fsdp_module_info
 from planner.plan import GiB, ModulePlan, Plan, StepRecord, model_fingerprint, op_key
-from planner import verification
+from planner import plan_notes, verification
 from planner.report import floor_text, fmt_bytes
 from planner.verification import RecomputeDivergedError
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes, solve_op_milp
@@ -307,23 +305,8 @@ def plan_for_budget(
         plan = dataclasses.replace(plan, notes=(*plan.notes, (
             f"the usable budget ({fmt_bytes(plan.usable_budget_bytes)}) holds the step without "
             f"checkpointing (peak {fmt_bytes(plan.predicted_peak_bytes)}): nothing to checkpoint"),
-            *_unit_slip_note(plan.budget_bytes, plan.baseline_peak_bytes)))
+            *plan_notes.unit_slip_note(plan.budget_bytes, plan.baseline_peak_bytes)))
     return plan
-
-
-_UNIT_SLIP = 512
-"""A budget this many times the step's no-AC peak is more likely a figure in MiB typed as GiB
-(1,024x) than a budget: planning succeeds with nothing to checkpoint, so say it."""
-
-
-def _unit_slip_note(budget_bytes: int, peak_bytes: int) -> tuple[str, ...]:
-    if budget_bytes < _UNIT_SLIP * peak_bytes:
-        return ()
-    note = (f"the budget ({fmt_bytes(budget_bytes)}) is {budget_bytes / peak_bytes:,.0f}x the step's "
-            f"peak ({fmt_bytes(peak_bytes)}); budget_gib is in GiB: for {budget_bytes / GiB:g} MiB "
-            f"pass budget_gib={budget_bytes / GiB / 1024:.6g}")
-    logger.warning("%s", note)
-    return (note,)
 
 
 def unplanned_peak_bytes(model: torch.nn.Module, est: Estimate) -> int | None:
@@ -337,68 +320,6 @@ def unplanned_peak_bytes(model: torch.nn.Module, est: Estimate) -> int | None:
         return None
     opts = dataclasses.replace(est.options, progress=False)
     return estimate(model, step=est.step, device=est.spec, options=opts).module_info.peak_bytes
-
-
-_OUTPUT_NOTE_FRACTION = 0.01
-"""A dropped model output at least this share of the peak is named in the plan's notes."""
-
-
-def _output_note(info, step: TrainStep) -> str | None:
-    """The step drops the model output before backward (``keep_output=False``, the default); a
-    loop that holds it (``out = model(**batch); out.loss.backward()``) peaks higher by up to its
-    size and nothing else would say so (a Qwen2: 262,144 B of logits, 8 %, over budget)."""
-    root = info.stats(info.mod_order.fw_pre_order[0]) if info.mod_order.fw_pre_order else None
-    if step.keep_output or root is None or root.output_bytes < _OUTPUT_NOTE_FRACTION * info.peak_bytes:
-        return None
-    return (f"the step drops the model output ({fmt_bytes(root.output_bytes)}) once the loss is "
-            "computed, as `loss = model(**batch).loss` and `loss = loss_fn(model(x), y)` do; a loop "
-            "that holds it through backward (`out = model(**batch); out.loss.backward()`) peaks up "
-            "to that much higher: plan it with TrainStep(keep_output=True)")
-
-
-def _real_trace_note(model: torch.nn.Module, est: Estimate) -> str | None:
-    """What a real-mode trace stands for: this batch's run on the model's own tensors."""
-    if est.options.mode is not TraceMode.REAL:
-        return None
-    note = ("traced in real mode: the figures follow this batch's run, and data-dependent paths "
-            "(MoE routing, nonzero) may peak differently on other batches")
-    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    if est.spec.is_cuda and on_cpu and not est.options.cuda_semantics:
-        note += (f"; the model ran on the CPU, so memory is the CPU's (its kernels' saved tensors, "
-                 f"no {est.spec.name} allocation rounding), not {est.spec.name}'s: plan {est.spec.name} "
-                 "with a fake trace where the model allows (figures 22 % apart on a ResNet)")
-        logger.warning("%s", note)
-    return note
-
-
-def _sparse_note(model: torch.nn.Module) -> str | None:
-    """Sparse gradients are not in the figures: say so, with the parameters that have them."""
-    ids = sparse_grad_params(model)
-    names = [n for n, p in model.named_parameters() if id(p) in ids and p.requires_grad]
-    if not names:
-        return None
-    note = (f"sparse gradients ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) are not "
-            "counted: a sparse tensor's size depends on its values, which the trace does not see, "
-            "so the measured peak can exceed the prediction by their indices and values (8,704 B "
-            "per micro-batch for 64 lookups of a 32-wide float32 embedding)")
-    logger.warning("%s", note)
-    return note
-
-
-def _mode_note(model: torch.nn.Module, step: TrainStep) -> str | None:
-    """Say which modules in eval mode were planned in train mode (``TrainStep.train_mode``)."""
-    switched = mode_changes(model, step.train_mode)
-    if switched and not model.training:
-        logger.warning("the model is in eval mode: planned in train mode (dropout, BatchNorm batch "
-                       "statistics), as its training loop runs it; TrainStep(train_mode=False) "
-                       "plans it as it is")
-        return ("the model is in eval mode: planned in train mode, as model.train() runs it "
-                "(TrainStep(train_mode=False): as it is)")
-    if switched:
-        return f"{switched} module(s) in eval mode: planned in train mode (TrainStep(train_mode=True))"
-    if not model.training:
-        return "planned in eval mode (TrainStep(train_mode=False)): dropout off, BatchNorm running statistics"
-    return None
 
 
 def _plan_for_budget(
@@ -433,12 +354,13 @@ def _plan_for_budget(
     first_info = first_step_module_info(info)
     t0 = time.perf_counter()
     notes: list[str] = [est.step.describe()] + [
-        n for n in (hf_cache_note(model), _mode_note(model, est.step), _output_note(info, est.step),
-                    _real_trace_note(model, est), _sparse_note(model)) if n]
+        n for n in (hf_cache_note(model), plan_notes.mode_note(model, est.step),
+                    plan_notes.output_note(info, est.step), plan_notes.real_trace_note(model, est),
+                    plan_notes.sparse_note(model)) if n]
     allowed, excluded = _allowed_units(info, ac_units)
     notes += [f"{fqn} not checkpointed: {why}" for fqn, why in excluded.items()]
     shared_fqns = _shared_modules(info, allowed, excluded)
-    shared = _shared_note(info, shared_fqns)
+    shared = plan_notes.shared_note(info, shared_fqns)
     notes += [shared] if shared else []
     if offload:
         from planner.offload_solve import plan_offload
@@ -616,7 +538,7 @@ def _shared_full_plan(model, est: Estimate, info, milp: SACMilp, shared: list[st
     """The MILP's min-peak plan with the ``shared`` modules fully checkpointed instead (their
     descendants and ancestors dropped), traced: (result, module plans, estimate), or None when
     it cannot be traced. The memory model under-rates a module called more than once (one
-    window, see :func:`_shared_note`); the trace does not."""
+    window, see :func:`planner.plan_notes.shared_note`); the trace does not."""
     res = milp.solve(milp.min_reachable_peak_bytes())
 
     def related(f: str) -> bool:
@@ -637,28 +559,6 @@ def _shared_full_plan(model, est: Estimate, info, milp: SACMilp, shared: list[st
         predicted_peak_bytes=predict_peak_bytes(info, discarded),
         recompute_ms=sum(m.recompute_ms for m in modules))
     return res, modules, planned
-
-
-def _shared_note(info, shared: list[str]) -> str:
-    """What the planner says of candidates that run more than once per step, "" if none.
-
-    The memory model gives a module one window, from its last call's forward end to its first
-    call's backward start (``ModStats.fw_post_op`` / ``bw_pre_op``); the activations of its other
-    calls, which a checkpoint discards too, count as kept before and after it. Plans with such a
-    module are traced, so their prediction holds, but its checkpoint is under-rated: a tiny
-    AlbertForMaskedLM (4 calls of its layer) was given a smallest reachable peak of 4,897,912 B
-    while a full checkpoint of the shared layer traces and measures 2,339,192 B."""
-    outer = [info.stats(f) for f in shared]
-    if not outer:
-        return ""
-    names = ", ".join(f"{s.fqn} ({s.n_calls} calls)" for s in outer)
-    return (f"{names} {'runs' if len(outer) == 1 else 'run'} more than once per step (shared weights): "
-            "the memory model credits a checkpoint of such a module only from its last call's forward "
-            "end to its first call's backward start, not the activations its other calls discard, so "
-            "it is planned where that pays (the plan is traced: its prediction holds) but under-rated; "
-            "below the MILP's smallest reachable peak the planner traces its min-peak plan with "
-            f"{'it' if len(outer) == 1 else 'them'} fully checkpointed instead (not optimal: a "
-            "per-call window in the MILP is not built)")
 
 
 def _allowed_units(info, ac_units) -> tuple[list[str] | None, dict[str, str]]:
