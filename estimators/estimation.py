@@ -47,7 +47,6 @@ import contextlib
 import copy
 import dataclasses
 import enum
-import inspect
 import logging
 import time
 import warnings
@@ -67,9 +66,11 @@ from estimators.device import DeviceSpec, get_device_spec
 from estimators.memory import MemoryTimeline, build_timeline
 from estimators.runtime import RuntimeKind, make_runtime_model
 from estimators import fake_leaks
-from estimators.step import StepError, TrainStep, run_step, step_mode, values_read_in
-from estimators.module_info import ModuleInfo, Phase
-from estimators.trace import InplaceModifiedError, StepTrace, StepTracer, StorageKind
+from estimators.step import StepError, TrainStep, run_step, step_mode
+from estimators.module_info import ModuleInfo
+from estimators.optimizer import check_optimizer_params, param_groups, resolve_optimizer
+from estimators.steady_state import first_step_module_info, first_step_peak, steady_state
+from estimators.trace import InplaceModifiedError, StepTrace, StepTracer
 
 __all__ = [
     "DEFAULT_DEVICE",
@@ -93,7 +94,6 @@ DEFAULT_DEVICE = "cpu"
 """The target every entry point plans for unless told otherwise (``estimate``, ``solve_sac``,
 ``tradeoff_curve``, the CLI...): this machine's CPU, so a plan can be checked here like for like.
 Pass ``device="h100"`` (or another DeviceSpec name) to plan for a GPU."""
-_OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
 
 class TraceError(StepError):
@@ -149,39 +149,6 @@ class Estimate:
     def binding_step(self) -> str:
         """``"steady state"`` or ``"first step"``: which one has the larger peak."""
         return "first step" if self.first_step_peak_bytes > self.steady_peak_bytes else "steady state"
-
-
-def resolve_optimizer(
-    optimizer: Any, params_by_group: list[dict], spec: DeviceSpec, fake: bool
-) -> torch.optim.Optimizer | None:
-    """Build the optimizer over the traced parameters from a name, a class/factory or an instance."""
-    if optimizer is None:
-        return None
-    if isinstance(optimizer, str):
-        cls = _OPTIMIZERS.get(optimizer.lower())
-        if cls is None:
-            raise ValueError(
-                f"unknown optimizer {optimizer!r}; use one of {sorted(_OPTIMIZERS)}, "
-                "an optimizer class, or a torch.optim.Optimizer instance"
-            )
-        kw = {"foreach": True} if spec.is_cuda and fake and cls is not torch.optim.SGD else {}
-        return cls(params_by_group, **kw)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        groups = []
-        for g, src in zip(params_by_group, optimizer.param_groups):
-            hyper = {k: v for k, v in src.items() if k != "params"}
-            if fake and spec.is_cuda and hyper.get("foreach") is None and "foreach" in hyper:
-                hyper["foreach"] = True  # what torch picks for CUDA tensors
-            groups.append({**hyper, "params": g["params"]})
-        # Never the user's instance: its state and step count stay as they are. The groups carry
-        # every hyper-parameter; defaults go only where the constructor takes them (AdamW's
-        # defaults hold ``decoupled_weight_decay``, which its __init__ does not accept).
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        kw = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        return type(optimizer)(groups, **kw)
-    if callable(optimizer):
-        return optimizer(params_by_group)
-    raise TypeError(f"optimizer must be a name, a class, or an Optimizer, got {type(optimizer)}")
 
 
 def _default_inputs(model: torch.nn.Module) -> Any:
@@ -329,7 +296,7 @@ def estimate(
     logger.info("traced %d ops, %d module calls in %.2f s", len(trace.ops), len(trace.calls), dt)
     return Estimate(
         trace=trace, timeline=timeline, module_info=info, spec=spec, trace_time_s=dt, step=step,
-        options=options, first_step_peak_bytes=_first_step_peak(trace, timeline, step),
+        options=options, first_step_peak_bytes=first_step_peak(trace, timeline, step),
     )
 
 
@@ -386,14 +353,14 @@ def _trace_step(
             # itself (Reformer calls torch.seed() in train mode): planning leaves them as they were.
             cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
             restore.enter_context(torch.random.fork_rng(devices=cuda))
-        groups = _param_groups(model, step.optimizer, mapping)
+        groups = param_groups(model, step.optimizer, mapping)
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             # Built in the mode: a constructor that makes state (Adagrad's step count) makes it
             # fake, with the value fake tensors keep for constants (a real one read by .item()
             # inside the fake step raised DataDependentOutputException).
             opt = resolve_optimizer(step.optimizer, groups, spec, fake)
             try:
-                _steady_state(traced, opt, step, without_grad)
+                steady_state(traced, opt, step, without_grad)
             except StepError as e:
                 raise TraceError(str(e)) from e.__cause__
         tracer = StepTracer(
@@ -495,43 +462,6 @@ def _undo(applied: Any) -> None:
         remove()
 
 
-def _steady_state(
-    model: torch.nn.Module, opt: torch.optim.Optimizer | None, step: TrainStep, without_grad: frozenset[str] = frozenset(),
-) -> None:
-    """Give the traced model the state the loop's binding micro-batch starts with: optimizer
-    state created (one step on zero gradients), gradients allocated or not (see TrainStep).
-    Parameters named in ``without_grad`` never get a gradient, so neither gradient nor state."""
-    params = [p for n, p in model.named_parameters() if p.requires_grad and n not in without_grad]
-    sparse = sparse_grad_params(model)
-    with torch.no_grad():
-        for p in params:
-            p.grad = _empty_sparse_like(p) if id(p) in sparse else torch.zeros_like(p)
-    if opt is not None:
-        with values_read_in(f"the optimizer step ({type(opt).__name__})"):
-            opt.step()
-    for p in params:
-        if step.grads_alive_at_start:
-            p.grad.zero_()
-        else:
-            p.grad = None
-
-
-def sparse_grad_params(model: torch.nn.Module) -> set[int]:
-    """Parameters whose gradient is sparse: the weights of ``Embedding`` / ``EmbeddingBag`` with
-    ``sparse=True``. Their steady-state gradient is sparse too, and ``SparseAdam`` refuses a
-    dense one ("does not support dense gradients", planning stopped where training runs)."""
-    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
-    return {id(m.weight) for m in model.modules() if isinstance(m, kinds) and m.sparse}
-
-
-def _empty_sparse_like(p: torch.Tensor) -> torch.Tensor:
-    """A sparse COO gradient of ``p``'s shape with no rows: what the optimizer sees for an
-    embedding none of whose rows were looked up."""
-    rows = torch.zeros((1, 0), dtype=torch.long, device=p.device)
-    values = torch.zeros((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
-    return torch.sparse_coo_tensor(rows, values, p.shape, is_coalesced=True, check_invariants=False)
-
-
 @contextlib.contextmanager
 def _restored(model: torch.nn.Module):
     """Real mode: parameters, buffers and gradients (the same objects, the same bits) and the RNG
@@ -556,57 +486,3 @@ def _restored(model: torch.nn.Module):
                 p.grad = g
 
 
-def _first_step_peak(trace: StepTrace, timeline: MemoryTimeline, step: TrainStep) -> int:
-    """The steady-state timeline without what the first step of a fresh run does not hold yet."""
-    total = timeline.total.copy()
-    if not len(total):
-        return 0
-    state = sum(s.nbytes for s in trace.storages if s.alloc_op < 0 and s.kind is StorageKind.OPTIMIZER)
-    grads = sum(s.nbytes for s in trace.storages if s.alloc_op < 0 and s.kind is StorageKind.GRAD)
-    optim = next((op.index for op in trace.ops if op.phase is Phase.OPTIM), len(total))
-    total[:optim] -= state
-    if step.micro_batches == 1 and grads:
-        # The only micro-batch of step 1 starts with no gradient: none in its forward.
-        bw = next((op.index for op in trace.ops if op.phase is Phase.BW), len(total))
-        total[:bw] -= grads
-    if step.micro_batches == 1:
-        # ... and with no previous output held (a later micro-batch has its predecessor's).
-        for sid in trace.previous_output_sids:
-            s = trace.storages[sid]
-            total[: s.free_op + 1] -= s.nbytes
-    return int(total.max())
-
-
-def first_step_module_info(info: ModuleInfo) -> ModuleInfo:
-    """The first step's view of a steady-state ModuleInfo, for the solver: no optimizer state at
-    forward and backward points (optimizer-phase points keep it: torch's optimizers create it
-    before their update math). With it, ``predict_peak_bytes`` gives a plan's first-step peak."""
-    points = tuple(
-        dataclasses.replace(p, optimizer_bytes=0) if p.phase in (Phase.FW, Phase.BW) else p
-        for p in info.memory_points
-    )
-    return dataclasses.replace(info, memory_points=points)
-
-
-def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer, known: Any,
-                           use: str, why: str = "") -> None:
-    """Raise if ``optimizer`` holds parameters whose ``id`` is not in ``known`` (the model's): an
-    optimizer built over another copy of the model. ``use``: what is done with the model ("plan",
-    "measure"); ``why``: what would go wrong, said after the fix."""
-    held = [p for g in optimizer.param_groups for p in g["params"]]
-    foreign = sum(id(p) not in known for p in held)
-    if foreign:
-        raise ValueError(
-            f"the optimizer instance holds {foreign} of its {len(held)} parameters that are not "
-            f"this {type(model).__name__}'s parameters; build it over model.parameters() (of "
-            f"the model you {use}), or pass its name (\"adamw\") or class{why}"
-        )
-
-
-def _param_groups(model: torch.nn.Module, optimizer: Any, mapping: dict) -> list[dict]:
-    if isinstance(optimizer, torch.optim.Optimizer):
-        # Their state would silently go uncounted.
-        check_optimizer_params(model, optimizer, mapping, "plan")
-        return [{"params": [mapping[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
-    params = [mapping[id(p)] for p in model.parameters() if p.requires_grad]
-    return [{"params": params}]

@@ -21,7 +21,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from estimators.device import get_device_spec
-from estimators.estimation import check_optimizer_params, resolve_optimizer
+from estimators.optimizer import check_optimizer_params, resolve_optimizer
 from estimators.step import TrainStep, run_step, step_mode, zero_grads
 from estimators.trace import held_tensors
 

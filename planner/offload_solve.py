@@ -24,7 +24,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from estimators.device import DeviceSpec
-from estimators.estimation import Estimate, first_step_module_info
+from estimators.estimation import Estimate
+from estimators.steady_state import first_step_module_info
 from estimators.module_info import ModStats, ModuleInfo
 from estimators.timeline import StepLayout, StepTimeline, UnitComm, step_layout
 from planner.plan import GiB, ModulePlan, Plan, StepRecord, model_fingerprint, op_key

@@ -8,7 +8,8 @@ import logging
 
 import torch
 
-from estimators.estimation import Estimate, TraceMode, sparse_grad_params
+from estimators.estimation import Estimate, TraceMode
+from estimators.steady_state import sparse_grad_params
 from estimators.step import TrainStep, mode_changes
 from planner.plan import GiB
 from planner.report import fmt_bytes

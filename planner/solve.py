@@ -29,9 +29,9 @@ from estimators.estimation import (
     EstimateOptions,
     as_train_step,
     estimate,
-    first_step_module_info,
 )
 from estimators.module_info import ModStats
+from estimators.steady_state import first_step_module_info
 from estimators.sac_groups import cached_if_saved
 from estimators.sac import replay_ms
 from estimators.step import TrainStep
