@@ -30,13 +30,13 @@ from estimators.module_info import ModStats, ModuleInfo
 from estimators.timeline import StepLayout, StepTimeline, UnitComm, step_layout
 from planner.plan import GiB, ModulePlan, Plan, StepRecord, model_fingerprint, op_key
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions
-from solver.offload_milp import (
+from solver.offload_cost import (
     DEFAULT_MIN_OFFLOAD_BYTES,
-    OffloadMilp,
     offload_take,
     offloadable_bytes,
     predict_offload_peak_bytes,
 )
+from solver.offload_milp import OffloadMilp
 
 __all__ = ["plan_offload", "offload_module_plan", "plan_timeline", "min_offload_bytes", "step_layout_of"]
 

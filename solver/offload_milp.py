@@ -56,7 +56,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from estimators.module_info import lower_hull_segments
-from estimators.sac_groups import cached_if_saved
 from solver.errors import InfeasibleBudgetError, SolverTimeoutError
 from solver.graph import Graph
 from solver.milp import _candidates, _check_budget, _check_units, _safe, _solver_unit
@@ -66,12 +65,20 @@ from solver.plan_cost import (
     fixed_discard_bytes,
     growth_table,
     module_recompute_ms,
-    prefix_sums,
+)
+from solver.offload_cost import (
+    DEFAULT_MIN_OFFLOAD_BYTES,
+    offload_curve,
+    offload_ops,
+    offload_take,
+    offloadable_bytes,
+    point_bytes,
+    predict_offload_peak_bytes,
 )
 from solver.options import SolverOptions, SolveStatus, run_backend
 
 if TYPE_CHECKING:  # only types
-    from estimators.module_info import ModStats, ModuleInfo, SACOp
+    from estimators.module_info import ModStats, ModuleInfo
     from estimators.timeline import StepLayout, StepTimeline
 
 __all__ = ["OffloadMilp", "OffloadResult", "offloadable_bytes", "offload_ops", "offload_take",
@@ -89,55 +96,8 @@ def _new_var(prob: Any, name: str, low: float | None, up: float | None = None,
 
     return pulp.LpVariable(name, low, up, cat)
 
-DEFAULT_MIN_OFFLOAD_BYTES = 1
-"""Empty outputs are never offloaded (nothing to free). Small ones are not excluded by a size
-rule: each copy pays ``DeviceSpec.host_copy_latency_s`` on the copy stream, so the MILP takes
-them only where the copy window hides that cost, and last (``offload_ops``'s order)."""
 
 _TIE = 1e-6
-
-
-def offload_ops(s: ModStats, min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES) -> list[SACOp]:
-    """Ops of ``s`` whose saved outputs may go to host (saved, not views, not cached-only, at
-    least ``min_offload_bytes``), largest first (forward order among equals): with a fixed
-    latency per copy, the order that moves the most bytes per ms of copy stream, so the copy
-    time of the first x bytes is a convex function of x (``offload_curve``)."""
-    ops = [op for op in s.ops if cached_if_saved(op) and op.memory_bytes >= min_offload_bytes]
-    return sorted(ops, key=lambda op: -op.memory_bytes)  # stable: forward order among equals
-
-
-def offloadable_bytes(s: ModStats, min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES) -> int:
-    """Bytes of ``s``'s saved outputs that may go to host (``offload_ops``), over all its calls."""
-    return sum(op.memory_bytes for op in offload_ops(s, min_offload_bytes)) * max(1, s.n_calls)
-
-
-def offload_take(s: ModStats, nbytes: int, min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
-                 cap_bytes: int | None = None) -> tuple[list[SACOp], int]:
-    """The ops ``offload_ops`` takes first to offload at least ``nbytes`` (over all calls),
-    skipping any that would pass ``cap_bytes`` (what is left of a host budget), and the bytes
-    they really offload."""
-    calls, out, total = max(1, s.n_calls), [], 0
-    for op in offload_ops(s, min_offload_bytes):
-        if total >= nbytes:
-            break
-        if cap_bytes is not None and total + op.memory_bytes * calls > cap_bytes:
-            continue
-        out.append(op)
-        total += op.memory_bytes * calls
-    return out, total
-
-
-def offload_curve(s: ModStats, copy_bytes_per_s: float, copy_latency_s: float,
-                  min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES) -> list[tuple[int, float]]:
-    """Breakpoints (bytes, ms) of one direction's copy time as ``s`` offloads more bytes in
-    ``offload_ops`` order, over all calls (one copy per op and call); starts at (0, 0), convex."""
-    calls = max(1, s.n_calls)
-    pts, x, t = [(0, 0.0)], 0, 0.0
-    for op in offload_ops(s, min_offload_bytes):
-        x += op.memory_bytes * calls
-        t += calls * 1e3 * (op.memory_bytes / copy_bytes_per_s + copy_latency_s)
-        pts.append((x, t))
-    return pts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,30 +161,6 @@ def _offload_blocks(layout: StepLayout, stats: Mapping[str, ModStats], min_bytes
             continue
         out.append(_Block(b, s, h, back))
     return out
-
-
-def predict_offload_peak_bytes(
-    info: ModuleInfo,
-    discarded_bytes: Mapping[str, int],
-    offloaded: Mapping[str, tuple[int, int, int]],
-    *,
-    world_size: int = 1,
-) -> int:
-    """Peak of the memory model with checkpoints ``discarded_bytes`` and offloads
-    ``{fqn: (bytes, fw_post_op, back_op)}``: the bytes are gone from ``fw_post_op`` (inclusive)
-    to ``back_op`` (exclusive)."""
-    return max(_point_bytes(MemoryModel(info, world_size), discarded_bytes, offloaded), default=0)
-
-
-def _point_bytes(model: MemoryModel, discarded: Mapping[str, int],
-                 offloaded: Mapping[str, tuple[int, int, int]]) -> list[int]:
-    mem = model.point_bytes(discarded)
-    starts = sorted((a, nb) for nb, a, _ in offloaded.values())
-    ends = sorted((b, nb) for nb, _, b in offloaded.values())
-    sk, sc = prefix_sums(starts)
-    ek, ec = prefix_sums(ends)
-    return [m - sc[bisect.bisect_right(sk, p.op_index)] + ec[bisect.bisect_right(ek, p.op_index)]
-            for m, p in zip(mem, model.points)]
 
 
 class OffloadMilp:
@@ -535,7 +471,7 @@ class OffloadMilp:
 
     def peak_bytes(self, discarded: Mapping[str, int], offloaded: Mapping[str, int]) -> int:
         """Exact peak of the memory model for a plan of this MILP's candidates."""
-        return max(_point_bytes(self._memory, discarded, self._offload_windows(offloaded)), default=0)
+        return max(point_bytes(self._memory, discarded, self._offload_windows(offloaded)), default=0)
 
     def timeline(self, discarded: Mapping[str, int], offloaded: Mapping[str, int]) -> StepTimeline:
         """The step on the timeline with each module's exact recompute curve."""
