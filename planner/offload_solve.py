@@ -28,7 +28,7 @@ from estimators.estimation import Estimate
 from estimators.steady_state import first_step_module_info
 from estimators.module_info import ModStats, ModuleInfo
 from estimators.timeline import StepLayout, StepTimeline, UnitComm, step_layout
-from planner.plan import GiB, ModulePlan, Plan, StepRecord, model_fingerprint, op_key
+from planner.plan import GiB, ModulePlan, Plan, StepRecord, model_fingerprint, model_shape, op_key
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions
 from solver.offload_cost import (
     DEFAULT_MIN_OFFLOAD_BYTES,
@@ -233,6 +233,7 @@ def plan_offload(
     tl = plan_timeline(layout, info, modules, spec.host_copy_bytes_per_s, spec.host_copy_latency_s)
     return Plan(
         modules=modules, model_name=type(model).__name__, model_fingerprint=model_fingerprint(model),
+        trainable_numel=model_shape(model).trainable_numel,
         device=spec.name, world_size=world_size, budget_bytes=budget_bytes, reserve_bytes=reserve_bytes,
         predicted_peak_bytes=max(first, steady),
         solver_peak_bytes=max(solver_first, res.predicted_peak_bytes),

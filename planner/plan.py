@@ -293,6 +293,10 @@ class Plan:
     step_ms: float = 0.0
     """Predicted step time: compute + recompute + exposed comm + exposed copies (0: not costed,
     e.g. a plan file written before the timeline existed)."""
+    trainable_numel: int = 0
+    """Elements of the parameters that required grad when planned: their gradients and optimizer
+    state are in the figures (0: a plan file written before this field existed). The fingerprint
+    leaves ``requires_grad`` out; ``apply_plan`` warns where more train now."""
     step: StepRecord | None = None
     """The training step the plan was made for (optimizer, micro-batches, zero_grad, autocast,
     keep_output); None: a plan file written before plans recorded it."""
@@ -330,6 +334,7 @@ class Plan:
             set_(name, _float(name, getattr(self, name)))
         set_("host_peak_bytes", _int("host_peak_bytes", self.host_peak_bytes))
         set_("host_bytes_per_step", _int("host_bytes_per_step", self.host_bytes_per_step))
+        set_("trainable_numel", _int("trainable_numel", self.trainable_numel))
         notes = self.notes
         if isinstance(notes, (str, bytes)) or not isinstance(notes, (list, tuple)):
             raise PlanFormatError(f"notes must be a list of strings, got {notes!r}")
@@ -464,6 +469,43 @@ def _check_version(v: Any) -> None:
             f"plan version {v} is newer than this SAC Planner reads ({PLAN_VERSION}); "
             "upgrade sac-planner or re-plan with this version"
         )
+
+
+def dtype_names(dtypes) -> str:
+    """``float32/bfloat16``-style text of a set of dtypes."""
+    return "/".join(sorted(str(d).replace("torch.", "") for d in dtypes))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What of a model's parameters moves a plan's figures without renaming a module: how many
+    elements, how many train (gradients and optimizer state grow with them), which dtypes."""
+
+    numel: int
+    trainable_numel: int
+    dtypes: frozenset[str]
+
+    def change(self, now: "ModelShape", *, dtypes: bool = True) -> str | None:
+        """What differs in ``now`` that makes a plan made at this shape over-run, or None.
+        Fewer trainable elements (a backbone frozen mid-run) only lowers the peak: not named."""
+        if now.numel != self.numel:
+            return (f"the model has {now.numel:,} parameter elements, {self.numel:,} when the plan "
+                    "was applied (resized embeddings, added or removed layers)")
+        if now.trainable_numel > self.trainable_numel:
+            return (f"{now.trainable_numel - self.trainable_numel:,} more parameter elements require "
+                    "grad than when the plan was applied (unfrozen layers: their gradients and "
+                    "optimizer state are not in the plan)")
+        if dtypes and now.dtypes != self.dtypes:
+            return (f"the model's parameters are {dtype_names(now.dtypes)} now, "
+                    f"{dtype_names(self.dtypes)} when the plan was applied")
+        return None
+
+
+def model_shape(model: torch.nn.Module) -> ModelShape:
+    params = list(model.parameters())
+    return ModelShape(numel=sum(p.numel() for p in params),
+                      trainable_numel=sum(p.numel() for p in params if p.requires_grad),
+                      dtypes=frozenset(str(p.dtype).replace("torch.", "") for p in params))
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

@@ -37,7 +37,7 @@ from estimators.sac import replay_ms
 from estimators.step import TrainStep
 from planner.floor import PeakBreakdown, lowering_hints, peak_breakdown
 from planner.fsdp import fsdp_module_info
-from planner.plan import GiB, ModulePlan, Plan, StepRecord, model_fingerprint, op_key
+from planner.plan import GiB, ModulePlan, Plan, StepRecord, model_fingerprint, model_shape, op_key
 from planner import plan_notes, verification
 from planner.report import floor_text, fmt_bytes
 from planner.verification import RecomputeDivergedError
@@ -486,6 +486,7 @@ def _plan_for_budget(
         modules=modules,
         model_name=type(model).__name__,
         model_fingerprint=model_fingerprint(model),
+        trainable_numel=model_shape(model).trainable_numel,
         device=est.spec.name,
         world_size=world_size,
         budget_bytes=budget_bytes,

@@ -57,6 +57,31 @@ def test_remove_and_context_manager_restore_the_model():
         assert m.forward == forwards[n] and "forward" not in m.__dict__
 
 
+def test_an_old_handle_leaves_a_newer_plan_alone():
+    # h1.remove() after remove_plan and another apply undid 2 of the new plan's 3 modules:
+    # measured 13 % over the new plan's predicted peak, no word.
+    name = "gpt_demo"
+    mid, low = plan_at(name, budgets(name, 3)[1]), plan_at(name, budgets(name, 3)[2])
+    model, _ = EXAMPLES[name]()
+    old = apply_plan(model, mid)
+    assert old.applied
+    remove_plan(model)
+    assert not old.applied
+    new = apply_plan(model, low)
+    planned = {n for n, m in model.named_modules() if "forward" in m.__dict__}
+    old.remove()
+    with old:  # a leftover context manager of the old plan: nothing either
+        pass
+    assert {n for n, m in model.named_modules() if "forward" in m.__dict__} == planned and new.applied
+    new.remove()
+    assert not new.applied and all("forward" not in m.__dict__ for m in model.modules())
+    new.remove()  # twice: nothing
+    again = apply_plan(model, mid)
+    new.remove()
+    assert again.applied and len(again.modules) == len(mid.modules)
+    remove_plan(model)
+
+
 def _state(model):
     return {n: (m.__dict__.get("forward"), dict(m.__dict__)) for n, m in model.named_modules()}
 

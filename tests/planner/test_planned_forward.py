@@ -335,3 +335,91 @@ def test_a_buffer_the_caller_updates_after_the_call_keeps_the_reader_unplanned()
     with pytest.raises(PlanningError, match=r"_UpdatesItsCentre\.blocks\.0 \(reads a tensor the caller "
                                             r"later overwrites in place"):
         solve_sac(ref, 0.9 * peak / 2**30, step=step)
+
+
+class _Attn(nn.Module):
+    """Parameter-free attention core: a plan of it has no parameters of its own to watch."""
+
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) / 4.0, -1) @ v
+
+
+class _AttnNet(nn.Module):
+    def __init__(self, vocab: int = 16, d: int = 16, n: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(n))
+        self.cores = nn.ModuleList(_Attn() for _ in range(n))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for qkv, core in zip(self.qkv, self.cores):
+            x = x + core(*qkv(x).chunk(3, -1))
+        return self.head(x)
+
+
+def _apply_cores(model):
+    """Full checkpoints of the parameter-free attention cores only."""
+    from planner.checkpointing import apply_module_plans
+    from planner.plan import ModulePlan
+
+    return apply_module_plans(model, [ModulePlan(fqn=f"_AttnNet.cores.{i}", discard_ratio=1.0, full=True)
+                                      for i in range(3)])
+
+
+def test_a_model_changed_elsewhere_after_apply_says_its_plan_no_longer_holds():
+    # Measured before: .double() on a model whose planned modules hold no parameters, +97 % over
+    # the prediction; resize_token_embeddings, +592 %; unfrozen layers, +46 %: no word.
+    from planner import remove_plan
+    from planner.planned_forward import StalePlanWarning
+
+    torch.manual_seed(0)
+    model = _AttnNet()
+    step = TrainStep(inputs=(torch.randint(0, 16, (4, 64)),), optimizer="adamw")
+    ids = step.inputs[0]
+
+    def quiet(m, x=ids):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", StalePlanWarning)
+            m(x).float().sum().backward()
+
+    with _apply_cores(model):
+        quiet(model)
+        model.head.requires_grad_(False)  # freezing only lowers the peak: no word
+        quiet(model)
+        model.head.requires_grad_(True)
+    cases = [
+        (lambda m: m.double(), r"the model's parameters are float64 now, float32 when the plan was applied"),
+        (lambda m: setattr(m, "embed", nn.Embedding(4096, 16)),
+         r"the model has [\d,]+ parameter elements, [\d,]+ when the plan was applied"),
+    ]
+    for change, message in cases:
+        torch.manual_seed(0)
+        changed = _AttnNet()
+        with _apply_cores(changed):
+            change(changed)
+            with pytest.warns(StalePlanWarning, match=r"no longer matches the model: " + message):
+                changed(ids).float().sum().backward()
+            twin = copy.deepcopy(changed)  # the copy warns once too: it knows what was applied
+            with pytest.warns(StalePlanWarning, match=message):
+                twin(ids).float().sum().backward()
+    # Planned with the head frozen, trained with it unfrozen: warned at apply and in the step.
+    torch.manual_seed(0)
+    model, ids = _CallsTheEmbeddingFirst(), torch.randint(0, 100, (8, 64))
+    model.head.requires_grad_(False)
+    frozen_plan = _plan_at(model, TrainStep(inputs=(ids,), optimizer="adamw"), 0.5)
+    assert frozen_plan.modules
+    model.head.requires_grad_(True)
+    with pytest.warns(StalePlanWarning, match=r"68 more parameter elements of this _CallsTheEmbeddingFirst "
+                                              r"require grad than when the plan was made"):
+        handle = apply_plan(model, frozen_plan)
+    handle.remove()
+    model.head.requires_grad_(False)
+    with apply_plan(model, frozen_plan):
+        quiet(model, ids)
+        model.head.requires_grad_(True)
+        with pytest.warns(StalePlanWarning, match=r"68 more parameter elements require grad than when the "
+                                                  r"plan was applied"):
+            model(ids).sum().backward()
+    remove_plan(model)
