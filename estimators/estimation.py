@@ -371,6 +371,8 @@ def _trace_step(
             previous_output=step.keep_output, held=step.held_tensors(), fake_mode=fake_mode,
         )
         applied = prepare(traced) if prepare is not None else None
+        if fake:  # the user's model itself must not run in the step (see _refuse_the_model_itself)
+            restore.callback(_refuse_calls_of(model))
         graded: set[str] = set()
         trainable = {n: p for n, p in traced.named_parameters() if p.requires_grad}
         grad_hooks = [p.register_post_accumulate_grad_hook(lambda _, n=n: graded.add(n)) for n, p in trainable.items()]
@@ -398,10 +400,16 @@ def _trace_step(
             raise TraceError(str(e)) from e
         finally:
             tracer.detach()
+            own = {id(p) for p in model.parameters()} if fake else set()
+            read = [t for t in tracer.foreign_leaves() if id(t) in own]
             tracer.restore_foreign_grads()
             for h in grad_hooks:
                 h.remove()
             _undo(applied)
+        if read:
+            names = [n for n, p in model.named_parameters() if any(p is t for t in read)]
+            raise _TheModelItself(f"reads the model's own parameters ({', '.join(names[:3])}"
+                                  f"{', ...' if len(names) > 3 else ''}), from loss_fn or a hook")
         trace = tracer.finish()
         got_no_grad = frozenset(n for n in trainable if n not in graded)
         drawn_reads = tracer.random_value_reads
@@ -424,6 +432,31 @@ def _trace_step(
             "such a model with every layer running (HF: config.layerdrop = 0.0 while planning).",
             DrawnControlFlowWarning, stacklevel=3)
     return trace, got_no_grad
+
+
+class _TheModelItself(TraceError):
+    """A fake trace runs a copy of the model; the step used the model itself (loss_fn holds it)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"the step {what}: a fake trace runs a copy of the model, so the user's model would "
+            "run on fake tensors and the copy's figures would miss it (a SimCLR projection head "
+            "called from loss_fn: 48 % under the measured peak). Compute it in the model's forward, "
+            "or trace in real mode, which runs the model itself: solve_sac(..., estimate_options="
+            "EstimateOptions(mode=TraceMode.REAL)), --mode real on the command line")
+
+
+def _refuse_calls_of(model: torch.nn.Module) -> Callable[[], None]:
+    """Forward pre-hooks on every module of the user's model that refuse the call before its
+    forward runs (a BatchNorm there would count a batch of fake values into the user's
+    statistics); returns their removal."""
+    names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
+
+    def refuse(module, _args):
+        raise _TheModelItself(f"calls {names[id(module)]} of the model itself, from loss_fn or a hook")
+
+    hooks = [m.register_forward_pre_hook(refuse) for m in model.modules()]
+    return lambda: [h.remove() for h in hooks]
 
 
 class HostRandomnessWarning(UserWarning):

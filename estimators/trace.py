@@ -362,6 +362,10 @@ class StepTracer(TorchDispatchMode):
             self.progress(f"{self.phase.name.lower()}: {index} ops, in {where}")
         return out
 
+    def foreign_leaves(self) -> list[torch.Tensor]:
+        """The leaves outside the model that the step's ops read with ``requires_grad`` (alive)."""
+        return [t for t in (ref() for ref, _, _ in self._foreign.values()) if t is not None]
+
     def restore_foreign_grads(self) -> None:
         """Put back the ``.grad`` of every leaf outside the model that the step's backward
         reached: the trace's backward accumulated into them (fake tensors in a fake trace, and

@@ -486,3 +486,40 @@ def test_a_step_whose_own_backward_fails_is_refused_by_the_trace():
     for options in (EstimateOptions(), REAL):
         with pytest.raises(TraceError, match=r"modified in place after the forward saved it .*dropout\(inplace=False\)"):
             estimate(model, (x,), optimizer="adamw", options=options)
+
+
+class _WithHead(torch.nn.Module):
+    """SimCLR-style: a projection head kept on the model but applied by the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.GELU())
+        self.proj = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 8))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("how", ["calls a submodule", "reads parameters"])
+def test_a_loss_that_uses_the_model_itself_is_refused_in_fake_mode_and_traced_in_real_mode(how):
+    # The fake trace runs a copy: the loss's model.proj(out) ran the user's own head outside it,
+    # predicted 48 % under the measured peak (an L2 penalty over model.parameters(): 32 % over),
+    # and a no-grad forward of the model in the loss counted a batch into its BatchNorm.
+    torch.manual_seed(0)
+    model = _WithHead()
+    if how == "calls a submodule":
+        def loss(out, _):
+            return model.proj(out).pow(2).mean()
+    else:
+        def loss(out, _):
+            return out.pow(2).mean() + 1e-4 * sum(p.pow(2).sum() for p in model.proj.parameters())
+    step = TrainStep(inputs=(torch.randn(16, 16),), loss_fn=loss, optimizer="adamw")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    match = r"calls proj of the model itself" if how == "calls a submodule" else r"reads the model's own parameters \(proj\.0\.weight"
+    with pytest.raises(TraceError, match=match + r".*trace in real mode"):
+        estimate(model, step=step)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # BatchNorm counters too
+    est = estimate(model, step=step, options=REAL)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    measured = [m.peak_bytes for m in measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)]
+    assert est.steady_peak_bytes == measured[1] == measured[2]
