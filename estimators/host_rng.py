@@ -9,8 +9,8 @@ puts them back after its step and warns where the step drew from them (:class:`D
 
 numpy's global generator is read with ``get_state(legacy=False)``, which also works after
 ``np.random.set_bit_generator`` (the legacy tuple form is MT19937-only). Not covered:
-``numpy.random.Generator`` and ``random.Random`` objects a model owns (its own state, as torch's
-own generators objects are not covered by torch's checkpoint either), the compiled path (a
+generator objects reachable only outside the module's attributes (a global ``random.Random``
+of the user's script, a generator in a closure), the compiled path (a
 compiled forward's recompute is torch's), and draws other threads make while a recompute has
 set the states back (torch's ``fork_rng`` has the same limit). Cost: reading and comparing the
 states costs 25-90 us per checkpointed forward on this 2-core CPU.
@@ -25,7 +25,8 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["Draws", "HostRng", "get_state", "set_state", "same", "seed_all", "preserved"]
+__all__ = ["Draws", "HostRng", "get_state", "set_state", "same", "seed_all", "preserved", "owned_generators", "owned_states",
+           "set_owned_states"]
 
 State = tuple[Any, Any]
 
@@ -90,31 +91,103 @@ def preserved() -> Iterator[None]:
         set_state(state)
 
 
-class HostRng:
-    """The host states a checkpointed forward started from, kept only if it drew from them."""
+def owned_generators(module: torch.nn.Module) -> list[Any]:
+    """Generator objects held as attributes of ``module`` or its submodules: ``torch.Generator``
+    (torch's checkpoint replays only the default generators), ``random.Random``,
+    ``numpy.random.Generator`` / ``RandomState``."""
+    npr = _numpy_random()
+    kinds: tuple = (torch.Generator, random.Random)
+    if npr is not None:
+        kinds += (npr.Generator, npr.RandomState)
+    seen, out = set(), []
+    for m in module.modules():
+        for v in vars(m).values():
+            if isinstance(v, kinds) and id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+    return out
 
-    __slots__ = ("start",)
+
+def _gen_state(g: Any) -> Any:
+    if isinstance(g, torch.Generator):
+        return g.get_state()
+    if isinstance(g, random.Random):
+        return g.getstate()
+    if hasattr(g, "bit_generator"):  # numpy Generator
+        return g.bit_generator.state
+    return g.get_state(legacy=False)  # numpy RandomState
+
+
+def _set_gen_state(g: Any, state: Any) -> None:
+    if isinstance(g, torch.Generator):
+        g.set_state(state)
+    elif isinstance(g, random.Random):
+        g.setstate(state)
+    elif hasattr(g, "bit_generator"):
+        g.bit_generator.state = state
+    else:
+        g.set_state(state)
+
+
+def _same_gen_state(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        # A torch.Generator's state: a fake tensor inside a fake trace, whose bytes cannot be
+        # read. Kept as drawn (5,056 B per CPU generator); replaying an undrawn state is a no-op.
+        return False
+    return _equal(a, b)
+
+
+def owned_states(module: torch.nn.Module) -> list[tuple[Any, Any]]:
+    """(generator, state) of every generator object ``module`` owns (``owned_generators``)."""
+    return [(g, _gen_state(g)) for g in owned_generators(module)]
+
+
+def set_owned_states(states: list[tuple[Any, Any]]) -> None:
+    for g, st in states:
+        _set_gen_state(g, st)
+
+
+class HostRng:
+    """The host states a checkpointed forward started from, kept only if it drew from them; and
+    the states of the generator objects the module owns (``owned_generators``) that it drew
+    from: a block drawing its dropout mask from ``self.gen = torch.Generator()`` recomputed
+    another mask (5 of 16 gradients off, up to 1.29), one owning a ``random.Random`` drew twice
+    per step (the next step's forward differed)."""
+
+    __slots__ = ("start", "owned")
 
     def __init__(self) -> None:
         self.start: State | None = None
+        self.owned: list[tuple[Any, Any]] = []
 
     @contextlib.contextmanager
-    def forward(self) -> Iterator[None]:
+    def forward(self, module: torch.nn.Module | None = None) -> Iterator[None]:
         before = get_state()
+        gens = owned_generators(module) if module is not None else []
+        at_start = [_gen_state(g) for g in gens]
         yield
         # Most modules draw nothing on the host: keep nothing (``random``'s state is ~24 KB).
         self.start = None if same(before, get_state()) else before
+        self.owned = [(g, st) for g, st in zip(gens, at_start) if not _same_gen_state(st, _gen_state(g))]
 
     @contextlib.contextmanager
     def recompute(self) -> Iterator[None]:
         """Replay the forward's draws, then leave the host states as the recompute found them
         (what torch's checkpoint does for torch's generators)."""
-        if self.start is None:
+        if self.start is None and not self.owned:
             yield
             return
-        with preserved():
-            set_state(self.start)
-            yield
+        now = [(g, _gen_state(g)) for g, _ in self.owned]
+        try:
+            with preserved() if self.start is not None else contextlib.nullcontext():
+                if self.start is not None:
+                    set_state(self.start)
+                for g, st in self.owned:
+                    _set_gen_state(g, st)
+                yield
+        finally:
+            for g, st in now:
+                _set_gen_state(g, st)
 
 
 class Draws:

@@ -80,7 +80,7 @@ class _StateKeeper:
             unread = _batchnorm_statistics(self.module)
             with _Bookkeeping(), torch.no_grad():
                 start = [None if id(b) in unread else b.detach().clone() for b in bufs]
-            with self.host_rng.forward():
+            with self.host_rng.forward(self.module):
                 out = self.forward(*args, **kwargs)
             self.mutated = [b for b, v in zip(bufs, versions) if b._version != v or id(b) in quiet]
             self.at_forward = [(b, c) for b, v, c in zip(bufs, versions, start)

@@ -221,3 +221,52 @@ def test_a_list_argument_the_caller_appends_to_reaches_the_recompute_as_the_forw
     assert any(m.fqn.startswith("_DenseBlock.layers.") for m in plan.modules)
     measured = _train_side_by_side(copy.deepcopy(ref), copy.deepcopy(ref), plan, step, n_steps=2)
     assert measured[1].peak_bytes == plan.predicted_peak_bytes
+
+
+class _OwnNoise(nn.Module):
+    """A block drawing its dropout mask from a generator object it owns."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        import random
+
+        import numpy as np
+
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.kind = kind
+        self.gen = {"torch": lambda: torch.Generator().manual_seed(7), "random": lambda: random.Random(7),
+                    "numpy": lambda: np.random.default_rng(7)}[kind]()
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.fc1(x))
+        if self.kind == "torch":
+            keep = torch.rand(h.shape, generator=self.gen) > 0.2
+        else:
+            draw = self.gen.random() if self.kind == "random" else float(self.gen.random())
+            keep = torch.arange(h.shape[-1]) % 5 != int(draw * 5)
+        return x + self.fc2(h * keep)
+
+
+@pytest.mark.parametrize("kind", ["torch", "random", "numpy"])
+def test_a_generator_the_module_owns_is_replayed_in_the_recompute(kind):
+    # A block's own torch.Generator: the recompute drew another mask, 5 of 16 gradients off (up
+    # to 1.29), no word; its own random.Random drew twice per step, the next step's forward
+    # differed. check_gradients compared runs that drew from different states.
+    from planner import check_gradients
+    from planner.checkpointing import apply_module_plans
+    from planner.plan import ModulePlan
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(_OwnNoise(kind), _OwnNoise(kind), nn.Linear(16, 4))
+    planned = copy.deepcopy(ref)
+    handle = apply_module_plans(planned, [ModulePlan(fqn=f"Sequential.{i}", discard_ratio=1.0, full=True)
+                                          for i in range(2)])
+    x = torch.randn(512, 16)
+    _same_adamw_steps(ref, planned, x)
+    handle.remove()
+    torch.manual_seed(0)
+    model = nn.Sequential(_OwnNoise(kind), _OwnNoise(kind), nn.Linear(16, 4))
+    step = TrainStep(inputs=(x,), optimizer="adamw")
+    plan = _plan_at(model, step, 0.0)
+    assert plan.modules
+    assert check_gradients(model, plan, (x,)).equal

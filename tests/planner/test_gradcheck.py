@@ -142,3 +142,26 @@ def test_numpy_draws_are_seeded_and_the_rng_streams_go_on(modules):
     check = check_gradients(model, plan, (x,))
     assert check.equal, check.differing
     assert (torch.rand(1).item(), np.random.rand(), random.random()) == expected
+
+
+def test_nan_gradients_of_the_same_bits_are_equal():
+    # torch.equal calls NaN != NaN: a step whose gradients are NaN in both runs, bit for bit,
+    # was reported "equal=False" with every parameter listed, and the CLI blamed the plan.
+    class _Log(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
+        def forward(self, x):
+            return torch.log(self.inner(x) - 1e6)  # NaN loss and gradients
+
+    torch.manual_seed(0)
+    model, x = _Log(), torch.randn(4, 8)
+    plan = Plan(
+        modules=(ModulePlan(fqn="_Log.inner", discard_ratio=1.0, full=True),), model_name="_Log",
+        model_fingerprint=model_fingerprint(model), device="cpu", world_size=1, budget_bytes=1,
+        reserve_bytes=0, predicted_peak_bytes=0, solver_peak_bytes=0, baseline_peak_bytes=0,
+        recompute_ms=0.0, baseline_step_ms=0.0,
+    )
+    check = check_gradients(model, plan, (x,))
+    assert check.equal and check.differing == () and check.n_params_compared == 4
