@@ -214,6 +214,8 @@ class RealKernelsMode(TorchDispatchMode):
             # Not the meta kernel first: its CUDA-only checks fail (and torch logs every failure)
             # on what the CPU kernel runs.
             return replace(args, kwargs)
+        if func in _SAME_DTYPE:
+            _check_same_dtype(func, args)
         try:
             out = func(*args, **kwargs)
         except Exception as e:
@@ -222,6 +224,28 @@ class RealKernelsMode(TorchDispatchMode):
             raise FakeKernelError(_explain(func, args, kwargs, e)) from e
         rule = _OUTPUT_RULES.get(func)
         return rule(out, args, kwargs, self.cuda) if rule is not None else out
+
+
+_aten = torch.ops.aten
+_SAME_DTYPE = frozenset({
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten.addbmm.default, _aten.mv.default, _aten.addmv.default, _aten.dot.default,
+})
+"""Ops whose CPU and CUDA kernels refuse operands of different dtypes ("expected m1 and m2 to have
+the same dtype") where the meta kernel checks shapes only: a float32 batch into a bfloat16 model,
+or token ids into a Linear, were planned (17,320 B and 22,328 B) for a step that cannot run."""
+
+
+def _check_same_dtype(func, args: tuple) -> None:
+    dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
+    if len(dtypes) > 1:
+        names = " and ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
+        raise FakeKernelError(
+            f"{func} gets {names} operands ({_describe(args, {})}); the real kernel refuses mixed "
+            "dtypes (\"expected m1 and m2 to have the same dtype\"), so this step cannot run: give "
+            "the model inputs of its parameters' dtype (batch.to(torch.bfloat16) for a bfloat16 "
+            "model; token ids go to an embedding, not a Linear), or run the step under autocast "
+            "(TrainStep(autocast_dtype=...))")
 
 
 def _quiet_meta_failures(record: logging.LogRecord) -> bool:

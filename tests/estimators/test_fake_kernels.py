@@ -279,3 +279,29 @@ def test_inputs_the_real_kernel_refuses_too_are_named_as_wrong_inputs():
     assert "real CPU kernel raises too" in msg
     assert "most likely does not run: check the inputs against the model" in msg
     assert msg.index("check the inputs") < msg.index("TraceMode.REAL")
+
+
+@pytest.mark.parametrize("case", ["float32 batch, bfloat16 model", "token ids into a Linear", "bmm"])
+def test_operands_of_different_dtypes_are_refused_as_the_real_kernel_refuses_them(case):
+    # The meta kernels of mm / addmm / bmm check shapes only: both steps were planned (17,320 B
+    # and 22,328 B) though the real forward raises "mat1 and mat2 must have the same dtype".
+    if case == "bmm":
+        class _Bmm(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.randn(2, 8, 8))
+
+            def forward(self, x):
+                return torch.bmm(x, self.w)
+
+        model, x = _Bmm(), torch.randn(2, 4, 8, dtype=torch.float64)
+    elif case == "token ids into a Linear":
+        model, x = torch.nn.Linear(8, 4), torch.randint(0, 8, (16, 8))
+    else:
+        model, x = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).bfloat16(), torch.randn(4, 8)
+    with pytest.raises(RuntimeError):
+        model(x)  # the real step
+    with pytest.raises(TraceError, match=r"operands .*the real kernel refuses mixed dtypes"):
+        estimate(model, (x,))
+    if case == "float32 batch, bfloat16 model":  # under autocast the operands agree
+        estimate(model, step=TrainStep(inputs=(x,), autocast_dtype=torch.bfloat16))
