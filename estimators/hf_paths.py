@@ -17,9 +17,13 @@ real run passes no mask to SDPA (``_ignore_causal_mask_sdpa`` / ``_ignore_bidire
 read ``padding_mask.all()``), but ``is_tracing`` is true for a fake tensor, so the trace built a
 boolean mask: a tiny BERT checkpointed layer kept it as an input through its backward, and the
 plan's peak was 2,048 B (one layer) to 18,432 B over the measured one. While tracing those two
-checks are asked about an all-ones mask of the fake mask's shape, as the real run is, when every
-attention mask the step passes is all ones in its real values; so is Mamba-2's
-``create_recurrent_attention_mask`` (None for all ones: no padding multiply; 8,192 B over before).
+checks are asked about an all-ones mask of the fake mask's shape, as the real run is, where the
+fake mask stands for ones: the step passes no mask, or the fake mask has the shape of passed masks
+that are all ones in their real values; so is Mamba-2's ``create_recurrent_attention_mask`` (None
+for all ones: no padding multiply; 8,192 B over before). A mask of another shape is one the model
+built from other inputs (Pix2Struct's decoder mask from labels padded with -100): it is asked
+about as it is, and the trace builds it (a decoded all-ones one then costs a few hundred bytes
+over; answering "ones" for it was 256 B under the measured peak).
 """
 
 from __future__ import annotations
@@ -43,22 +47,46 @@ def _position_ids(inputs: Any) -> list[torch.Tensor] | None:
     return []  # positional inputs: HF models take position_ids by keyword in practice
 
 
-def _masks_all_ones(inputs: Any) -> bool:
-    """Every attention mask the step passes is all ones in its real values (or none is passed);
-    False when that cannot be known (meta tensors, masks passed positionally)."""
+class _AnyShape(frozenset):
+    """Every shape: the step passes no mask."""
+
+
+_ANY = _AnyShape()
+
+
+def _all_ones_shapes(inputs: Any) -> set[tuple[int, ...]] | None:
+    """Shapes of the attention masks the step passes, where every passed mask of that shape is all
+    ones in its real values; None when that cannot be known (meta tensors, 4D custom masks,
+    masks passed positionally)."""
     if isinstance(inputs, dict):
         masks = [v for k, v in inputs.items() if "attention_mask" in k and v is not None]
     else:
         tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
         if len(tensors) > 1:
-            return False  # a positional mask cannot be told from other inputs
+            return None  # a positional mask cannot be told from other inputs
         masks = []
+    if not masks:
+        return _ANY  # none passed: every mask the model makes is its own, of ones
+    ones: dict[tuple[int, ...], bool] = {}
     for m in masks:
         if not isinstance(m, torch.Tensor) or m.device.type == "meta" or m.dim() != 2:
-            return False  # a 4D custom mask, or values unknown
-        if not bool(m.bool().all()):
-            return False
-    return True
+            return None  # a 4D custom mask, or values unknown
+        shape = tuple(m.shape)
+        ones[shape] = ones.get(shape, True) and bool(m.bool().all())
+    return {shape for shape, all_ones in ones.items() if all_ones}
+
+
+def _answered_as_ones(mask: Any, shapes: set[tuple[int, ...]] | None) -> bool:
+    """A fake mask the check is asked about stands for real ones: no mask passed at all (the
+    model's own ones), or a passed mask's shape whose passed masks are all ones. A mask of
+    another shape is one the model built (Pix2Struct's decoder mask from labels padded with
+    -100: answering "ones" for it left out a mask the real run builds, 256 B under), so the
+    check is asked about the fake mask itself: it builds the mask, high rather than low."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if not (isinstance(mask, torch.Tensor) and is_fake(mask)):
+        return False
+    return shapes is _ANY or tuple(mask.shape) in shapes
 
 
 class hf_real_paths:
@@ -94,15 +122,16 @@ class hf_real_paths:
                 return _fn(position_ids)
 
             self._patch(mu, "find_packed_sequence_indices", not_packed_when_fake)
-        if _masks_all_ones(self.inputs):
+        shapes = _all_ones_shapes(self.inputs)
+        if shapes is not None and (shapes or shapes is _ANY):
             for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
                 if callable(getattr(mu, name, None)):
-                    self._patch(mu, name, _asked_of_ones(getattr(mu, name)))
+                    self._patch(mu, name, _asked_of_ones(getattr(mu, name), shapes))
             recurrent = getattr(mu, "create_recurrent_attention_mask", None)
             if callable(recurrent):
                 # Mamba-2 / linear-attention models import it by name: patch every holder.
                 # A tiny Mamba-2 was over-predicted by 8,192 B with an all-ones mask passed.
-                replacement = _no_mask_when_ones(recurrent)
+                replacement = _no_mask_when_ones(recurrent, shapes)
                 for module in list(sys.modules.values()):
                     if getattr(module, "create_recurrent_attention_mask", None) is recurrent:
                         self._patch(module, "create_recurrent_attention_mask", replacement)
@@ -114,12 +143,13 @@ class hf_real_paths:
         self.restore = []
 
 
-def _asked_of_ones(check: Any) -> Any:
-    """``check(padding_mask, ...)`` asked, for a fake mask, about real ones of its shape."""
-    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+def _asked_of_ones(check: Any, shapes: set[tuple[int, ...]]) -> Any:
+    """``check(padding_mask, ...)`` asked, for a fake mask that stands for ones
+    (``_answered_as_ones``), about real ones of its shape."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     def on_real_ones(padding_mask: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(padding_mask, torch.Tensor) and is_fake(padding_mask):
+        if _answered_as_ones(padding_mask, shapes):
             with unset_fake_temporarily():
                 ones = torch.ones(tuple(padding_mask.shape), dtype=torch.bool)
                 return check(ones, *args, **kwargs)
@@ -128,14 +158,14 @@ def _asked_of_ones(check: Any) -> Any:
     return on_real_ones
 
 
-def _no_mask_when_ones(create: Any) -> Any:
+def _no_mask_when_ones(create: Any, shapes: set[tuple[int, ...]]) -> Any:
     """``create_recurrent_attention_mask(config, inputs_embeds, attention_mask, ...)`` returns None
     for an all-ones 2D mask in the real run (the consumer then skips the multiply); asked about a
     fake mask of a step whose masks are all ones, it answers as for real ones of its shape."""
-    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     def as_for_ones(config: Any, inputs_embeds: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(attention_mask, torch.Tensor) and is_fake(attention_mask) and attention_mask.ndim == 2:
+        if _answered_as_ones(attention_mask, shapes) and attention_mask.ndim == 2:
             with unset_fake_temporarily():
                 ones = torch.ones(tuple(attention_mask.shape), dtype=attention_mask.dtype)
             seq = int(inputs_embeds.shape[1])

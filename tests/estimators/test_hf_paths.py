@@ -51,3 +51,17 @@ def test_an_all_ones_attention_mask_is_skipped_as_in_the_real_run():
     assert not _mask_skipped_on_fake({"input_ids": ones, "attention_mask": padded}, padded)
     assert not _mask_skipped_on_fake((ones, padded), padded)  # positional: unknowable, unpatched
     assert mu._ignore_bidirectional_mask_sdpa is original
+
+
+def test_a_mask_the_model_builds_in_another_shape_is_asked_about_as_it_is():
+    # Pix2Struct builds its decoder mask from labels (-100 padding gives zeros) while the step
+    # passes an all-ones encoder mask: answering "ones" for every fake mask left out the
+    # decoder mask the real run builds, 256 B under the measured peak.
+    enc, dec = torch.ones(2, 8, dtype=torch.long), torch.tensor([[1] * 4, [1, 1, 0, 0]])
+    both = {"input_ids": enc, "attention_mask": enc}
+    assert _mask_skipped_on_fake(both, torch.ones(2, 8))  # a passed shape, all ones
+    assert not _mask_skipped_on_fake(both, dec)  # another shape: built, as transformers does
+    assert not _mask_skipped_on_fake(both, torch.ones(2, 4))  # (high, never low, where unknown)
+    # Two passed masks of one shape: ones only if both are.
+    mixed = {"attention_mask": enc, "decoder_attention_mask": torch.tensor([[1] * 8, [1] * 7 + [0]])}
+    assert not _mask_skipped_on_fake(mixed, torch.ones(2, 8))
