@@ -14,7 +14,8 @@ from estimators.step import TrainStep, mode_changes
 from planner.plan import GiB
 from planner.report import fmt_bytes
 
-__all__ = ["unit_slip_note", "output_note", "real_trace_note", "sparse_note", "mode_note", "shared_note"]
+__all__ = ["unit_slip_note", "output_note", "real_trace_note", "sparse_note", "mode_note", "shared_note",
+           "no_optimizer_note"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,3 +117,16 @@ def shared_note(info, shared: list[str]) -> str:
             "below the MILP's smallest reachable peak the planner traces its min-peak plan with "
             f"{'it' if len(outer) == 1 else 'them'} fully checkpointed instead (not optimal: a "
             "per-call window in the MILP is not built)")
+
+
+def no_optimizer_note(step: TrainStep) -> str | None:
+    """A step planned without an optimizer holds no optimizer state; ``solve_sac``'s default. A
+    loop that trains with one peaks higher by its state (AdamW: twice the trainable parameters'
+    bytes: 5,246,584 B measured against a 4,294,967 B budget on a small model), so say so."""
+    if step.optimizer is not None:
+        return None
+    note = ("planned without an optimizer (optimizer=None, the default): no optimizer state is in the "
+            "figures; a loop that steps one holds its state too (AdamW/Adam: twice the trainable "
+            "parameters' bytes). Pass optimizer=\"adamw\" (a name, a class, a factory or your instance)")
+    logger.warning("%s", note)
+    return note

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import time
 from typing import Any, Iterable
 
@@ -107,15 +108,35 @@ def recompute_ms_with_saved(stats: ModStats, saved: frozenset) -> float:
 def check_budget_gib(budget_gib: Any, name: str = "budget_gib", hint: str = "") -> float:
     """A positive, finite number of GiB, or a PlanningError that names the argument (``name``)
     and says what to pass (``hint`` appended)."""
-    if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)):
+    # numbers.Real: numpy's scalars too (np.float32(40) was refused as "not a number").
+    if isinstance(budget_gib, bool) or not isinstance(budget_gib, numbers.Real):
         raise PlanningError(f"{name} must be a number of GiB, got {budget_gib!r}{hint}")
+    budget_gib = float(budget_gib)
     if not math.isfinite(budget_gib) or budget_gib <= 0:
         raise PlanningError(f"{name} must be a positive finite number of GiB, got {budget_gib}{hint}")
     if budget_gib >= _PIB_IN_GIB:  # bytes typed where GiB are asked for (9_000_000 planned nothing)
+        nbytes = f"{budget_gib:.0f}" if budget_gib < 1e18 else f"{budget_gib:g}"
         raise PlanningError(
-            f"{name} is in GiB: {budget_gib:g} GiB is {budget_gib / _PIB_IN_GIB:.1f} PiB per rank, more "
-            f"than any device holds; for {budget_gib:.0f} bytes pass {name}={budget_gib / GiB:.4g}{hint}")
-    return float(budget_gib)
+            f"{name} is in GiB: {budget_gib:g} GiB is {budget_gib / _PIB_IN_GIB:.3g} PiB per rank, more "
+            f"than any device holds; for {nbytes} bytes pass {name}={budget_gib / GiB:.4g}{hint}")
+    return budget_gib
+
+
+def _check_reserve_gib(reserve_gib: Any, budget_gib: float) -> None:
+    """``reserve_gib``: None, or a finite number of GiB from 0 up to below the budget."""
+    if reserve_gib is None:
+        return
+    ok = isinstance(reserve_gib, numbers.Real) and not isinstance(reserve_gib, bool)
+    if not ok or not math.isfinite(reserve_gib) or not 0 <= reserve_gib < budget_gib:
+        raise PlanningError(
+            f"reserve_gib must be a number of GiB from 0 up to below the budget ({budget_gib:g} GiB), "
+            f"got {reserve_gib!r}; it is held back for the CUDA context and fragmentation (None: "
+            "the default for the device, 0: plan the budget as given)")
+
+
+def _check_unit_names(names: Any, what: str) -> None:
+    if isinstance(names, (str, bytes)):
+        raise PlanningError(f"{what} must be a list of module names, e.g. [{names!r}], not the string {names!r}")
 
 
 _PIB_IN_GIB = 2**20
@@ -244,10 +265,18 @@ def solve_sac(
     """
     from planner.checkpointing import check_plannable, hf_cache_off, unwrap_compiled
 
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"solve_sac plans a torch.nn.Module, got {type(model).__name__}")
     model = unwrap_compiled(model)  # plan what torch.compile wraps; the compiled module is untouched
     check_plannable(model)  # before anything touches the model
     budget = int(check_budget_gib(budget_gib) * GiB)
-    host_budget = None if host_budget_gib is None else int(check_budget_gib(  # before the trace
+    _check_reserve_gib(reserve_gib, budget / GiB)  # all before the trace, which can take minutes
+    _check_unit_names(ac_units, "ac_units")
+    _check_unit_names(fsdp_units, "fsdp_units")
+    if host_budget_gib is not None and not offload:
+        raise PlanningError("host_budget_gib only applies with offload=True (host memory for "
+                            "offloaded activations); pass offload=True or drop it")
+    host_budget = None if host_budget_gib is None else int(check_budget_gib(
         host_budget_gib, "host_budget_gib",
         "; pass None for no host limit, or offload=False to keep everything on the device") * GiB)
     spec = get_device_spec(device)
@@ -356,7 +385,7 @@ def _plan_for_budget(
     notes: list[str] = [est.step.describe()] + [
         n for n in (hf_cache_note(model), plan_notes.mode_note(model, est.step),
                     plan_notes.output_note(info, est.step), plan_notes.real_trace_note(model, est),
-                    plan_notes.sparse_note(model)) if n]
+                    plan_notes.sparse_note(model), plan_notes.no_optimizer_note(est.step)) if n]
     allowed, excluded = _allowed_units(info, ac_units)
     notes += [f"{fqn} not checkpointed: {why}" for fqn, why in excluded.items()]
     shared_fqns = _shared_modules(info, allowed, excluded)

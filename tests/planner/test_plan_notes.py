@@ -54,3 +54,13 @@ def test_a_real_mode_plan_says_what_its_figures_stand_for(caplog):
     assert "plan h100 with a fake trace" in caplog.text
     fake = solve_sac(model, budget_gib=0.01, inputs=inputs, optimizer="adamw", verify=False)
     assert not any("real mode" in n for n in fake.notes)
+
+
+def test_a_plan_without_an_optimizer_says_its_state_is_not_in_the_figures():
+    # solve_sac's default is no optimizer: a plan made that way, trained with AdamW, measured
+    # 5,246,584 B against a 4,294,967 B budget, and only "optimizer None" said why.
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    bare = solve_sac(model, budget_gib=0.01, inputs=inputs, loss_fn=model.loss_fn, verify=False)
+    assert any(n.startswith("planned without an optimizer (optimizer=None, the default)") for n in bare.notes)
+    adamw = solve_sac(model, budget_gib=0.01, inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw", verify=False)
+    assert not any("planned without an optimizer" in n for n in adamw.notes)

@@ -106,6 +106,39 @@ def test_bad_host_budget_names_host_budget_and_fails_before_tracing(bad, monkeyp
         solve_sac(model, 40, inputs, offload=True, host_budget_gib=bad)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"reserve_gib": float("nan")}, r"^reserve_gib must be a number of GiB from 0 up to below the budget"),
+    ({"reserve_gib": float("inf")}, r"^reserve_gib must be"),
+    ({"reserve_gib": 41}, r"^reserve_gib must be .*\(40 GiB\), got 41"),
+    ({"ac_units": "GPT.blocks.0"}, r"^ac_units must be a list of module names, e\.g\. \['GPT\.blocks\.0'\]"),
+    ({"host_budget_gib": 1}, r"^host_budget_gib only applies with offload=True"),
+])
+def test_bad_arguments_are_refused_before_tracing(kwargs, message, monkeypatch):
+    # Each was found after a full trace (reserve_gib=nan: a bare ValueError), iterated per
+    # character (ac_units="...": "module '.' does not exist"), or silently ignored (host_budget_gib).
+    import planner.solve
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced before the arguments were checked")
+
+    monkeypatch.setattr(planner.solve, "estimate", no_trace)
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    with pytest.raises(PlanningError, match=message):
+        solve_sac(model, 40, inputs, **kwargs)
+    with pytest.raises(TypeError, match="solve_sac plans a torch.nn.Module, got str"):
+        solve_sac("model", 40, inputs)
+
+
+def test_numpy_numbers_are_budgets():
+    import numpy as np
+
+    from planner.solve import check_budget_gib
+
+    assert check_budget_gib(np.float32(0.5)) == 0.5 and check_budget_gib(np.int64(40)) == 40.0
+    with pytest.raises(PlanningError, match=r"for 1e\+300 bytes pass budget_gib=9\.313e\+290$"):
+        check_budget_gib(1e300)
+
+
 def test_cuda_reserve_is_stated():
     model, inputs = EXAMPLES["gpt_tiny"]()
     plan = solve_sac(model, 40, inputs, loss_fn=model.loss_fn, device="h100")
