@@ -298,6 +298,12 @@ def run_backend(prob: "pulp.LpProblem", options: SolverOptions, *, rel_gap: floa
     if options.write_lp_path is not None:
         prob.writeLP(str(options.write_lp_path))
     gap_req = options.rel_gap if rel_gap is None else rel_gap
+    if options.backend is Backend.HIGHS:
+        # PuLP makes its own HiGHS instance: the first one of the process prints HiGHS' banner
+        # on stdout whatever its options (the CLI's --offload --json printed invalid JSON).
+        from solver.lp_model import _stop_highs_threads_at_exit
+
+        _stop_highs_threads_at_exit()
     with tempfile.TemporaryDirectory(prefix="sac_milp_") as tmp:
         log_path = os.path.join(tmp, "cbc.log")
         solver = _make_pulp_solver(options, gap_req, log_path, tight, start)

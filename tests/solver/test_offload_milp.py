@@ -155,3 +155,17 @@ def test_an_overshooting_plan_is_repaired_with_its_binaries_fixed(monkeypatch):
     assert "M.b.0" in res.offloaded_bytes and "M.b.1" in res.discarded_bytes
     assert res.predicted_peak_bytes <= 250 * MiB - 5 * MiB
     assert all(v.lowBound == 0 and v.upBound == 1 for v in m._c + m._m)  # bounds restored
+
+
+def test_the_first_highs_of_a_process_prints_nothing_on_stdout():
+    # PuLP's own HiGHS instance printed HiGHS' banner on stdout: `--offload --json` output was
+    # not JSON. A fresh process: the banner comes with the first instance only.
+    import subprocess
+    import sys
+
+    code = ("from tests.solver.test_offload_milp import MiB, milp\n"
+            "res = milp().solve(250 * MiB)\n"
+            "print('ok', res.predicted_peak_bytes <= 250 * MiB)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "ok True\n"
