@@ -47,7 +47,8 @@ from estimators.step import StepError, TrainStep, ZeroGrad
 from planner.checkpointing import AlreadyCheckpointedError, PlanMismatchError, apply_plan, hf_cache_off
 from planner.gradcheck import GradientCheck, check_gradients
 from planner.measure import MeasuredStep, measure_steps
-from planner.plan import TRAIN_MODES, GiB, Plan, PlanFormatError, StepMismatchError
+from planner.fsdp import original_class_name
+from planner.plan import TRAIN_MODES, GiB, Plan, PlanFormatError, StepMismatchError, model_fingerprint
 from planner.report import fmt_bytes, gradient_check_text, steps_vs_prediction
 from planner.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget, unplanned_peak_bytes
 from solver import SolverOptions, min_reachable_peak_bytes
@@ -204,6 +205,12 @@ def _check_args(args) -> None:
         raise CLIError("--host-budget-gib only applies with --offload; add --offload or drop it")
     if args.plan_in and args.offload:
         raise CLIError("--offload has no effect with --plan-in (the plan is already made); drop one")
+    if args.plan_in:  # flags that only shape the planning: silently ignored before
+        for flag, given in (("--world-size", args.world_size != 1), ("--reserve-gib", args.reserve_gib is not None),
+                            ("--mode", args.mode != "fake"), ("--time-limit-s", args.time_limit_s != 60.0)):
+            if given:
+                raise CLIError(f"{flag} has no effect with --plan-in (the plan is already made, with its "
+                               "own); drop one")
     if args.optimizer is not None and args.optimizer.lower() not in _OPTIMIZER_NAMES:
         raise CLIError(f"--optimizer must be adam, adamw, sgd or none, got {args.optimizer!r}")
 
@@ -400,6 +407,14 @@ def _run(args) -> int:
             plan = Plan.load(args.plan_in)
         except OSError as e:
             raise CLIError(f"--plan-in {args.plan_in}: cannot read it ({e.strerror or e})") from e
+        fingerprint = model_fingerprint(model)
+        name = original_class_name(model)
+        if plan.model_name != name or plan.model_fingerprint != fingerprint:
+            # Before anything else, --no-verify included: a plan for another model was printed
+            # and exit 0 ("the README's 70B re-check flow").
+            raise CLIError(f"--plan-in {args.plan_in}: the plan was made for {plan.model_name} "
+                           f"(fingerprint {plan.model_fingerprint}), not this {name} "
+                           f"(fingerprint {fingerprint}); re-plan for it (drop --plan-in)")
         args.device = target_device(args, plan)
         _settle_step(args, plan)
         plan.check_step(_step(args, inputs, loss_fn))  # the flags above make them agree

@@ -318,6 +318,22 @@ def test_cli_budget_in_bytes_gets_the_gib_figure(capsys):
     assert "--budget-gib is in GiB" in line and "--budget-gib=74.51" in line
 
 
+def test_plan_in_checks_the_model_first_and_refuses_flags_it_ignores(tmp_path, capsys):
+    # With --no-verify a plan for another model was printed with exit 0 (no fingerprint check
+    # ran), and --world-size / --reserve-gib / --mode / --time-limit-s were silently ignored.
+    out = tmp_path / "gpt.json"
+    assert main(["--model", "examples:gpt_tiny", "--quiet", "--no-verify", "--plan-out", str(out)]) == 0
+    capsys.readouterr()
+    for verify in ("--no-verify", "--verify"):
+        assert main(["--model", "examples:convnet_tiny", "--quiet", "--plan-in", str(out), verify]) == 2
+        err = capsys.readouterr().err
+        assert re.search(r"the plan was made for GPT \(fingerprint \w+\), not this ConvNet", err)
+    for flag in (["--world-size", "4"], ["--reserve-gib", "0.5"], ["--mode", "real"], ["--time-limit-s", "5"]):
+        assert main(["--model", "examples:gpt_tiny", "--quiet", "--plan-in", str(out), "--no-verify", *flag]) == 2
+        assert f"{flag[0]} has no effect with --plan-in" in capsys.readouterr().err
+    assert main(["--model", "examples:gpt_tiny", "--quiet", "--plan-in", str(out), "--no-verify"]) == 0
+
+
 def test_plan_in_checks_the_plan_for_the_device_it_was_made_for(tmp_path, capsys):
     # --plan-in verified against --device: a cpu plan re-checked "for h100" skipped its budget
     # check (and passed a step 3.17 % over), an h100 plan re-checked without --device failed.
