@@ -418,7 +418,8 @@ def _forward_hint(model: torch.nn.Module, e: Exception, kwargs: dict | None = No
                      "trace follows that one draw; set it to 0.0 while planning to count every layer")
     else:
         hint = (_encoder_decoder_hint(model, kwargs or {})
-                or "check that inputs match the model's forward signature")
+                or "check that the inputs match the model's forward signature; if the model alone "
+                   "raises this on them (model(**inputs)), its config or code is at fault, not the planner")
     return f"{type(model).__name__}.forward raised {name}: {e} — {hint}"
 
 

@@ -100,7 +100,10 @@ def _build(spec: str, loss_spec: str | None) -> tuple[torch.nn.Module, Any, Any]
     except Exception as e:
         raise CLIError(f"--model {spec}: the factory raised {type(e).__name__}: {e}") from e
     if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], torch.nn.Module)):
-        got = f"a tuple of {len(made)}" if isinstance(made, tuple) else type(made).__name__
+        if isinstance(made, tuple) and len(made) in (2, 3):
+            got = f"a tuple whose first element is a {type(made[0]).__name__}, not a torch.nn.Module"
+        else:
+            got = f"a tuple of {len(made)}" if isinstance(made, tuple) else type(made).__name__
         raise CLIError(f"--model {spec} must return (model, inputs) or (model, inputs, loss_fn); got {got}")
     model, inputs = made[0], made[1]
     if loss_spec is not None:

@@ -164,7 +164,7 @@ def test_step_errors_say_what_to_change():
     frozen = torch.nn.Linear(3, 2).requires_grad_(False)
     with pytest.raises(StepError, match=r"the loss does not require grad"):
         run_step(frozen, (x,), None, None)
-    with pytest.raises(StepError, match=r"Linear.forward raised RuntimeError: .* check that inputs match") as e:
+    with pytest.raises(StepError, match=r"Linear.forward raised RuntimeError: .* check that the inputs match") as e:
         run_step(lin, (torch.randn(4, 5),), None, None)
     assert isinstance(e.value.__cause__, RuntimeError)  # the original error stays attached
 
