@@ -66,16 +66,20 @@ class _Net(nn.Module):
         return self.b(torch.relu(h))
 
 
-def test_a_recompute_that_differs_is_caught():
-    torch.manual_seed(0)
-    model, x = _Net(), torch.randn(4, 8)
-    plan = Plan(
-        modules=(ModulePlan(fqn="_Net.a", discard_ratio=1.0, full=True),), model_name="_Net",
+def _full_plan(model: nn.Module, fqn: str) -> Plan:
+    """A plan that fully checkpoints one module (figures not traced: the check needs none)."""
+    return Plan(
+        modules=(ModulePlan(fqn=fqn, discard_ratio=1.0, full=True),), model_name=type(model).__name__,
         model_fingerprint=model_fingerprint(model), device="cpu", world_size=1, budget_bytes=1,
         reserve_bytes=0, predicted_peak_bytes=0, solver_peak_bytes=0, baseline_peak_bytes=0,
         recompute_ms=0.0, baseline_step_ms=0.0,
     )
-    check = check_gradients(model, plan, (x,))
+
+
+def test_a_recompute_that_differs_is_caught():
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(4, 8)
+    check = check_gradients(model, _full_plan(model, "_Net.a"), (x,))
     assert not check.equal and check.loss_planned == check.loss_reference  # same forward
     assert "a.lin.weight" in check.differing and check.max_abs_diff > 0
     assert check.n_params_compared == 4
@@ -157,11 +161,5 @@ def test_nan_gradients_of_the_same_bits_are_equal():
 
     torch.manual_seed(0)
     model, x = _Log(), torch.randn(4, 8)
-    plan = Plan(
-        modules=(ModulePlan(fqn="_Log.inner", discard_ratio=1.0, full=True),), model_name="_Log",
-        model_fingerprint=model_fingerprint(model), device="cpu", world_size=1, budget_bytes=1,
-        reserve_bytes=0, predicted_peak_bytes=0, solver_peak_bytes=0, baseline_peak_bytes=0,
-        recompute_ms=0.0, baseline_step_ms=0.0,
-    )
-    check = check_gradients(model, plan, (x,))
+    check = check_gradients(model, _full_plan(model, "_Log.inner"), (x,))
     assert check.equal and check.differing == () and check.n_params_compared == 4
