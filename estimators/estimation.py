@@ -447,15 +447,21 @@ class _TheModelItself(TraceError):
 
 
 def _refuse_calls_of(model: torch.nn.Module) -> Callable[[], None]:
-    """Forward pre-hooks on every module of the user's model that refuse the call before its
-    forward runs (a BatchNorm there would count a batch of fake values into the user's
-    statistics); returns their removal."""
+    """Forward pre-hooks on the modules of the user's model that hold parameters or buffers,
+    refusing the call before its forward runs (a BatchNorm there would count a batch of fake
+    values into the user's statistics); returns their removal. Stateless ones (a criterion kept
+    on the model, ``model.criterion = nn.CrossEntropyLoss()``, called from loss_fn) run on fake
+    tensors as the copy's would: nothing of theirs is missed."""
     names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
 
     def refuse(module, _args):
-        raise _TheModelItself(f"calls {names[id(module)]} of the model itself, from loss_fn or a hook")
+        raise _TheModelItself(f"calls {names[id(module)]} of the model itself, from loss_fn, a hook, "
+                              "or a reference the model's code keeps to itself (deepcopy shares "
+                              "functions and their closures)")
 
-    hooks = [m.register_forward_pre_hook(refuse) for m in model.modules()]
+    stateful = [m for m in model.modules() if next(m.parameters(), None) is not None
+                or next(m.buffers(), None) is not None]
+    hooks = [m.register_forward_pre_hook(refuse) for m in stateful]
     return lambda: [h.remove() for h in hooks]
 
 

@@ -214,7 +214,7 @@ class RealKernelsMode(TorchDispatchMode):
             # Not the meta kernel first: its CUDA-only checks fail (and torch logs every failure)
             # on what the CPU kernel runs.
             return replace(args, kwargs)
-        if func in _SAME_DTYPE:
+        if func in _SAME_DTYPE and not (self.cuda and func in _CUDA_AUTOCAST_ONLY):
             _check_same_dtype(func, args)
         try:
             out = func(*args, **kwargs)
@@ -236,6 +236,12 @@ the same dtype") where the meta kernel checks shapes only: a float32 batch into 
 or token ids into a Linear, were planned (17,320 B and 22,328 B) for a step that cannot run."""
 
 
+_CUDA_AUTOCAST_ONLY = frozenset({_aten.mv.default, _aten.addmv.default})
+"""On CUDA's autocast list, not on CPU's: a fake trace for a CUDA target runs CPU autocast, which
+leaves their operands as they are where CUDA's would cast them (``torch.mv(w_fp32, h_bf16)``
+runs on an h100 under autocast)."""
+
+
 def _check_same_dtype(func, args: tuple) -> None:
     dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
     if len(dtypes) > 1:
@@ -245,7 +251,7 @@ def _check_same_dtype(func, args: tuple) -> None:
             "dtypes (\"expected m1 and m2 to have the same dtype\"), so this step cannot run: give "
             "the model inputs of its parameters' dtype (batch.to(torch.bfloat16) for a bfloat16 "
             "model; token ids go to an embedding, not a Linear), or run the step under autocast "
-            "(TrainStep(autocast_dtype=...))")
+            "(TrainStep(autocast_dtype=...)) where the op is on autocast's list")
 
 
 def _quiet_meta_failures(record: logging.LogRecord) -> bool:

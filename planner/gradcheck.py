@@ -141,11 +141,13 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype or a.layout != b.layout:
+    """Equal values, or the same bits (NaN where both hold the same NaN)."""
+    if torch.equal(a, b):
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype or a.layout is not torch.strided or b.layout is not torch.strided:
         return False
-    if a.layout is not torch.strided:
-        return torch.equal(a, b)
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    # reshape(-1): a 0-dim tensor (CLIP's logit_scale) cannot be viewed as bytes.
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def _bits(x: float) -> bytes:

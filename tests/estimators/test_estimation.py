@@ -523,3 +523,16 @@ def test_a_loss_that_uses_the_model_itself_is_refused_in_fake_mode_and_traced_in
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     measured = [m.peak_bytes for m in measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)]
     assert est.steady_peak_bytes == measured[1] == measured[2]
+
+
+def test_a_stateless_module_kept_on_the_model_may_be_called_from_the_loss():
+    # model.criterion = nn.CrossEntropyLoss() called from loss_fn holds nothing the copy misses.
+    torch.manual_seed(0)
+    model = _WithHead()
+    model.criterion = torch.nn.CrossEntropyLoss()
+    step = TrainStep(inputs=(torch.randn(32, 16),), optimizer="adamw",
+                     loss_fn=lambda out, _: model.criterion(out, torch.zeros(32, dtype=torch.long)))
+    model.proj.requires_grad_(False)  # unused here: no gradient, no optimizer state either way
+    est = estimate(model, step=step)
+    measured = [m.peak_bytes for m in measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)]
+    assert est.steady_peak_bytes == measured[1] == measured[2]

@@ -305,3 +305,20 @@ def test_operands_of_different_dtypes_are_refused_as_the_real_kernel_refuses_the
         estimate(model, (x,))
     if case == "float32 batch, bfloat16 model":  # under autocast the operands agree
         estimate(model, step=TrainStep(inputs=(x,), autocast_dtype=torch.bfloat16))
+
+
+def test_ops_only_cuda_autocast_casts_are_not_refused_for_a_cuda_target():
+    # torch.mv is on CUDA's autocast list, not CPU's: the fake trace for an h100 (CPU autocast)
+    # saw a bf16 vector and an fp32 matrix and refused a step that runs on CUDA.
+    class _Mv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.w = torch.nn.Linear(16, 16), torch.nn.Parameter(torch.randn(4, 16))
+
+        def forward(self, x):
+            return torch.stack([torch.mv(self.w, r) for r in self.lin(x)])
+
+    step = TrainStep(inputs=(torch.randn(3, 16),), autocast_dtype=torch.bfloat16)
+    assert estimate(_Mv(), step=step, device="h100").steady_peak_bytes > 0
+    with pytest.raises(TraceError, match="aten.mv.default gets bfloat16 and float32 operands"):
+        estimate(_Mv(), step=step)  # the cpu target: CPU autocast leaves mv alone, as the real step does

@@ -155,11 +155,12 @@ def test_nan_gradients_of_the_same_bits_are_equal():
         def __init__(self):
             super().__init__()
             self.inner = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+            self.scale = nn.Parameter(torch.tensor(2.0))  # 0-dim (CLIP's logit_scale): viewed as bytes
 
         def forward(self, x):
-            return torch.sqrt(self.inner(x) - 1e6)  # NaN loss and gradients
+            return torch.sqrt(self.inner(x) * self.scale - 1e6)  # NaN loss and gradients
 
     torch.manual_seed(0)
     model, x = _Log(), torch.randn(4, 8)
     check = check_gradients(model, _full_plan(model, "_Log.inner"), (x,))
-    assert check.equal and check.differing == () and check.n_params_compared == 4
+    assert check.equal and check.differing == () and check.n_params_compared == 5
