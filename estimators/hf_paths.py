@@ -22,8 +22,11 @@ fake mask stands for ones: the step passes no mask, or the fake mask has the sha
 that are all ones in their real values; so is Mamba-2's ``create_recurrent_attention_mask`` (None
 for all ones: no padding multiply; 8,192 B over before). A mask of another shape is one the model
 built from other inputs (Pix2Struct's decoder mask from labels padded with -100): it is asked
-about as it is, and the trace builds it (a decoded all-ones one then costs a few hundred bytes
-over; answering "ones" for it was 256 B under the measured peak).
+about as it is, and the trace builds it (answering "ones" for it was 256 B under the measured
+peak; where the real one is all ones, as Pix2Struct's with unpadded labels, or a passed mask the
+model extends, BLIP-2's query tokens, the trace is that much over). Still low: a mask the model
+builds with zeros in the shape of a passed all-ones mask (equal encoder and decoder lengths), or
+with no mask passed at all; the shape is what the trace can tell, not where values came from.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ Supported with a plan applied:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import warnings
@@ -190,20 +191,31 @@ class AppliedPlan:
     number: int = 0
     """This handle's number, kept on the model while its plan is applied."""
 
+    def _mine(self) -> list[torch.nn.Module]:
+        """The planned modules still running this handle's plan (each PlannedForward carries the
+        number of the handle that installed it: remove_plan on a submodule and a new apply there
+        leave other forwards in those modules)."""
+        return [m for m in self.modules if getattr(m.__dict__.get("forward"), "handle", None) == self.number]
+
     @property
     def applied(self) -> bool:
         """Whether this handle's plan is on the model (not removed, by it or by ``remove_plan``)."""
-        return self.number != 0 and self.model.__dict__.get(_APPLIED) == self.number
+        if self.number == 0:
+            return False
+        if self.modules:
+            return bool(self._mine())
+        return self.model.__dict__.get(_APPLIED) == self.number  # a plan with no module
 
     def remove(self) -> None:
         if self.applied:
-            for mod in self.modules:
+            for mod in self._mine():
                 _restore(mod)
             for mod in self.model.modules():
                 offload.remove_sibling_hooks(mod)
             _restore_caches(self.model)
             offload.clear_pending()
-            del self.model.__dict__[_APPLIED]
+            if self.model.__dict__.get(_APPLIED) == self.number:
+                del self.model.__dict__[_APPLIED]
         self.modules = []
 
     def _planned_forwards(self) -> list[PlannedForward]:
@@ -294,12 +306,13 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = 
             "grad than when the plan was made (layers unfrozen since): their gradients and "
             "optimizer state are not in the plan's figures, its predicted peak no longer holds. "
             "Re-plan with solve_sac(model, ...) as the model now trains", StalePlanWarning, stacklevel=2)
-    handle = apply_module_plans(model, plan.modules)
+    handle = apply_module_plans(model, plan.modules, planned_trainable_numel=plan.trainable_numel)
     handle.plan = plan
     return handle
 
 
-def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan]) -> AppliedPlan:
+def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan], *,
+                       planned_trainable_numel: int = 0) -> AppliedPlan:
     """Checkpoint ``model``'s modules as the module plans say (no fingerprint check: the planner's
     own verification trace uses it on the fake copy it traces). Atomic."""
     _check_not_compiled(model)
@@ -320,12 +333,17 @@ def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan]) ->
     _check_offload(targets)
     done: list[torch.nn.Module] = []
     shape = model_shape(model)
+    # A lazy module grows its parameters at its first call: not a change to warn about.
+    lazy = any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in model.parameters())
+    if planned_trainable_numel > shape.trainable_numel:
+        # Applied during a freeze the plan was not made with: unfreezing back is in its figures.
+        shape = dataclasses.replace(shape, trainable_numel=planned_trainable_numel)
     try:
         for (mod, mp), name in zip(targets, names):
             mod.forward = _planned_forward(mod, mp)
             parts = name.split(".") if name else []
             mod.forward.set_ancestors([model.get_submodule(".".join(parts[:d])) for d in range(len(parts))])
-            if not done:  # one module per step checks the whole model (see PlannedForward.watch)
+            if not done and not lazy:  # one module per step checks the whole model (PlannedForward.watch)
                 mod.forward.watch(shape)
             done.append(mod)
         _hook_siblings(model, targets)
@@ -344,6 +362,8 @@ def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan]) ->
         raise
     handle = AppliedPlan(model=model, plan=None, modules=done, number=next(_HANDLES))
     model.__dict__[_APPLIED] = handle.number
+    for mod in done:
+        mod.forward.handle = handle.number
     return handle
 
 

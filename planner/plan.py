@@ -502,7 +502,11 @@ class ModelShape:
 
 
 def model_shape(model: torch.nn.Module) -> ModelShape:
-    params = list(model.parameters())
+    """Lazy modules' parameters not materialised yet (``nn.LazyLinear`` before its first call)
+    have no size: left out."""
+    from torch.nn.parameter import UninitializedParameter
+
+    params = [p for p in model.parameters() if not isinstance(p, UninitializedParameter)]
     return ModelShape(numel=sum(p.numel() for p in params),
                       trainable_numel=sum(p.numel() for p in params if p.requires_grad),
                       dtypes=frozenset(str(p.dtype).replace("torch.", "") for p in params))

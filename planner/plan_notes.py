@@ -125,8 +125,8 @@ def no_optimizer_note(step: TrainStep) -> str | None:
     bytes: 5,246,584 B measured against a 4,294,967 B budget on a small model), so say so."""
     if step.optimizer is not None:
         return None
-    note = ("planned without an optimizer (optimizer=None, the default): no optimizer state is in the "
-            "figures; a loop that steps one holds its state too (AdamW/Adam: twice the trainable "
+    note = ("planned without an optimizer (solve_sac's default; --optimizer none): no optimizer state is "
+            "in the figures; a loop that steps one holds its state too (AdamW/Adam: twice the trainable "
             "parameters' bytes). Pass optimizer=\"adamw\" (a name, a class, a factory or your instance)")
     logger.warning("%s", note)
     return note

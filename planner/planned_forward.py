@@ -212,6 +212,7 @@ class PlannedForward:
         self._stale_warned = False
         self._ancestors: list[weakref.ref] = []  # the modules above it, root first
         self._watch: ModelShape | None = None  # the whole model as applied (see watch)
+        self.handle = 0  # the number of the AppliedPlan that installed it (planner.checkpointing)
 
     def set_ancestors(self, modules: list[torch.nn.Module]) -> None:
         """The modules that contain this one: HF gradient checkpointing turned on for any of
@@ -245,6 +246,7 @@ class PlannedForward:
         # The whole model is watched only in a copy of the whole model, not in a block copied out.
         root_copied = not self._ancestors or id(self._ancestors[0]()) in memo
         new._watch = self._watch if root_copied else None
+        new.handle = self.handle
         # Only ancestors copied with it: a block copied out of its model is no longer inside it.
         new._ancestors = [weakref.ref(memo[id(a())]) for a in self._ancestors if id(a()) in memo]
         return new

@@ -497,3 +497,35 @@ def test_numpy_and_python_random_draws_are_replayed_in_the_recompute(full):
                                                           _host_seeded_step(ref_model, x, seed))
         _assert_same(got, ref)
         assert (np_next, py_next) == (np_ref, py_ref)
+
+
+def test_an_old_handle_leaves_a_plan_applied_to_a_submodule_since_alone():
+    # apply to the model, remove_plan(model.body), apply to model.body: the old handle's remove()
+    # undid all three new modules, and the new handle still said applied.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3)]),
+                          nn.Linear(8, 2))
+    plans = [ModulePlan(fqn=f"Sequential.0.{i}", discard_ratio=1.0, full=True) for i in range(3)]
+    old = apply_module_plans(model, plans)
+    assert remove_plan(model[0]) == 3 and not old.applied
+    new = apply_module_plans(model[0], [dataclasses.replace(p, fqn=p.fqn.replace("Sequential.0.", "Sequential."))
+                                        for p in plans])
+    old.remove()
+    assert new.applied and sum("forward" in m.__dict__ for m in model.modules()) == 3
+    new.remove()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_lazy_model_is_planned_applied_and_trained_without_a_false_alarm():
+    # model_shape read the size of an uninitialised LazyLinear parameter: apply raised ValueError;
+    # and its first call grows the parameters, which is no change to warn about.
+    from planner.planned_forward import StalePlanWarning
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.LazyLinear(16), nn.GELU(), nn.Linear(16, 16)), nn.Linear(16, 2))
+    handle = apply_module_plans(model, [ModulePlan(fqn="Sequential.0", discard_ratio=1.0, full=True)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StalePlanWarning)
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+    handle.remove()

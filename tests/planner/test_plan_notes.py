@@ -61,6 +61,6 @@ def test_a_plan_without_an_optimizer_says_its_state_is_not_in_the_figures():
     # 5,246,584 B against a 4,294,967 B budget, and only "optimizer None" said why.
     model, inputs = EXAMPLES["gpt_tiny"]()
     bare = solve_sac(model, budget_gib=0.01, inputs=inputs, loss_fn=model.loss_fn, verify=False)
-    assert any(n.startswith("planned without an optimizer (optimizer=None, the default)") for n in bare.notes)
+    assert any(n.startswith("planned without an optimizer (solve_sac's default; --optimizer none)") for n in bare.notes)
     adamw = solve_sac(model, budget_gib=0.01, inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw", verify=False)
     assert not any("planned without an optimizer" in n for n in adamw.notes)

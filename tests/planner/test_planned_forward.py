@@ -407,6 +407,12 @@ def test_a_model_changed_elsewhere_after_apply_says_its_plan_no_longer_holds():
     # Planned with the head frozen, trained with it unfrozen: warned at apply and in the step.
     torch.manual_seed(0)
     model, ids = _CallsTheEmbeddingFirst(), torch.randint(0, 100, (8, 64))
+    full_plan = _plan_at(model, TrainStep(inputs=(ids,), optimizer="adamw"), 0.5)
+    model.head.requires_grad_(False)  # a warm-up freeze, applied during it, then unfrozen back:
+    with apply_plan(model, full_plan):  # the plan counted the head's gradients: no word
+        quiet(model, ids)
+        model.head.requires_grad_(True)
+        quiet(model, ids)
     model.head.requires_grad_(False)
     frozen_plan = _plan_at(model, TrainStep(inputs=(ids,), optimizer="adamw"), 0.5)
     assert frozen_plan.modules
