@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_map
 
 from estimators import host_rng
@@ -447,22 +447,45 @@ class _TheModelItself(TraceError):
 
 
 def _refuse_calls_of(model: torch.nn.Module) -> Callable[[], None]:
-    """Forward pre-hooks on the modules of the user's model that hold parameters or buffers,
-    refusing the call before its forward runs (a BatchNorm there would count a batch of fake
-    values into the user's statistics); returns their removal. Stateless ones (a criterion kept
-    on the model, ``model.criterion = nn.CrossEntropyLoss()``, called from loss_fn) run on fake
-    tensors as the copy's would: nothing of theirs is missed."""
+    """Forward pre-hooks on the user's modules, for the step's calls outside the traced copy:
+    one that holds parameters is refused before its forward runs with grad on (its gradients and
+    optimizer state would be the user's, not the copy's: a SimCLR head called from loss_fn, 48 %
+    under); under no_grad it runs, its parameters counted as the step's inputs (FixMatch's
+    pseudo-label forward: 65,192 B over, where a refusal leaves no plan at all).
+    One that holds only buffers runs as the copy's would (``CrossEntropyLoss(weight=...)`` kept
+    on the model, a plain criterion), its buffers put back afterwards (a no-grad forward of a
+    BatchNorm counts a batch into its statistics). Returns the removal of the hooks."""
     names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
+    kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def refuse(module, _args):
+    def refuse(module, args):
+        if not torch.is_grad_enabled():  # a no-grad forward (FixMatch's pseudo-labels): nothing of
+            return keep_buffers(module, args)  # it trains; its parameters count as inputs (high)
         raise _TheModelItself(f"calls {names[id(module)]} of the model itself, from loss_fn, a hook, "
                               "or a reference the model's code keeps to itself (deepcopy shares "
                               "functions and their closures)")
 
-    stateful = [m for m in model.modules() if next(m.parameters(), None) is not None
-                or next(m.buffers(), None) is not None]
-    hooks = [m.register_forward_pre_hook(refuse) for m in stateful]
-    return lambda: [h.remove() for h in hooks]
+    def keep_buffers(module, _args):
+        if id(module) not in kept:
+            with torch.no_grad(), unset_fake_temporarily():
+                kept[id(module)] = [(b, b.detach().clone()) for b in module.buffers()]
+
+    hooks = []
+    for m in model.modules():
+        if next(m.parameters(), None) is not None:
+            hooks.append(m.register_forward_pre_hook(refuse))
+        elif next(m.buffers(), None) is not None:
+            hooks.append(m.register_forward_pre_hook(keep_buffers))
+
+    def remove() -> None:
+        for h in hooks:
+            h.remove()
+        with torch.no_grad(), unset_fake_temporarily():
+            for pairs in kept.values():
+                for b, value in pairs:
+                    b.copy_(value)
+
+    return remove
 
 
 class HostRandomnessWarning(UserWarning):

@@ -312,7 +312,8 @@ class StepTracer(TorchDispatchMode):
         in_tensors = [a for a in flat_in if isinstance(a, torch.Tensor)]
         arg_sids = []
         for t in in_tensors:
-            if t.requires_grad and t.is_leaf and id(t) not in self._own_leaves and id(t) not in self._foreign:
+            if (t.requires_grad and t.is_leaf and id(t) not in self._own_leaves and id(t) not in self._foreign
+                    and torch.is_grad_enabled()):  # under no_grad nothing accumulates into it
                 grad = t.grad
                 values = grad.detach().clone() if grad is not None and self._fake_mode is None else None
                 self._foreign[id(t)] = (weakref.ref(t), grad, values)

@@ -525,14 +525,39 @@ def test_a_loss_that_uses_the_model_itself_is_refused_in_fake_mode_and_traced_in
     assert est.steady_peak_bytes == measured[1] == measured[2]
 
 
-def test_a_stateless_module_kept_on_the_model_may_be_called_from_the_loss():
-    # model.criterion = nn.CrossEntropyLoss() called from loss_fn holds nothing the copy misses.
+def test_a_criterion_kept_on_the_model_may_be_called_from_the_loss():
+    # model.criterion = nn.CrossEntropyLoss(weight=...) called from loss_fn holds only a buffer it
+    # reads: nothing the copy misses (refused at first, the review and a re-run trial found).
     torch.manual_seed(0)
     model = _WithHead()
-    model.criterion = torch.nn.CrossEntropyLoss()
+    model.criterion = torch.nn.CrossEntropyLoss(weight=torch.rand(32))
     step = TrainStep(inputs=(torch.randn(32, 16),), optimizer="adamw",
                      loss_fn=lambda out, _: model.criterion(out, torch.zeros(32, dtype=torch.long)))
     model.proj.requires_grad_(False)  # unused here: no gradient, no optimizer state either way
     est = estimate(model, step=step)
     measured = [m.peak_bytes for m in measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)]
-    assert est.steady_peak_bytes == measured[1] == measured[2]
+    # The weight, made before the step, counts as the step's own tensor in the trace (as a
+    # target does, README): high, by 2 x its 128 B here, never low.
+    assert measured[1] == measured[2] <= est.steady_peak_bytes <= measured[1] + 2 * 128
+
+
+def test_a_no_grad_forward_of_the_model_in_the_loss_is_planned_and_leaves_its_statistics():
+    # FixMatch: pseudo-labels from a no-grad forward of the model itself inside the loss. Refusing
+    # it left no plan at all (real mode cannot checkpoint that model either); running it on fake
+    # tensors counted a batch into the user's BatchNorm (num_batches_tracked 0 -> 1).
+    torch.manual_seed(0)
+    model = _WithHead()
+
+    def loss(out, inputs):
+        with torch.no_grad():
+            target = model(inputs[0] + 0.1).argmax(-1)
+        return torch.nn.functional.cross_entropy(out, target)
+
+    step = TrainStep(inputs=(torch.randn(16, 16),), loss_fn=loss, optimizer="adamw")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    est = estimate(model, step=step)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    measured = [m.peak_bytes for m in measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)]
+    # The user's parameters and buffers it reads count as the step's tensors: high (4,528 B of
+    # 31,936 here; 70,944 B of 1.3 MB on a ResNet-D), never low.
+    assert measured[1] == measured[2] <= est.steady_peak_bytes <= 1.15 * measured[1]
