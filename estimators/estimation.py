@@ -371,7 +371,7 @@ def _trace_step(
             previous_output=step.keep_output, held=step.held_tensors(), fake_mode=fake_mode,
         )
         applied = prepare(traced) if prepare is not None else None
-        if fake:  # the user's model itself must not run in the step (see _refuse_the_model_itself)
+        if fake:  # the user's model itself must not train in the step (see _refuse_calls_of)
             restore.callback(_refuse_calls_of(model))
         graded: set[str] = set()
         trainable = {n: p for n, p in traced.named_parameters() if p.requires_grad}

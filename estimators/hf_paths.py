@@ -53,6 +53,12 @@ def _position_ids(inputs: Any) -> list[torch.Tensor] | None:
 class _AnyShape(frozenset):
     """Every shape: the step passes no mask."""
 
+    def __contains__(self, shape: object) -> bool:
+        return True
+
+    def __bool__(self) -> bool:
+        return True
+
 
 _ANY = _AnyShape()
 
@@ -79,7 +85,7 @@ def _all_ones_shapes(inputs: Any) -> set[tuple[int, ...]] | None:
     return {shape for shape, all_ones in ones.items() if all_ones}
 
 
-def _answered_as_ones(mask: Any, shapes: set[tuple[int, ...]] | None) -> bool:
+def _answered_as_ones(mask: Any, shapes: set[tuple[int, ...]]) -> bool:
     """A fake mask the check is asked about stands for real ones: no mask passed at all (the
     model's own ones), or a passed mask's shape whose passed masks are all ones. A mask of
     another shape is one the model built (Pix2Struct's decoder mask from labels padded with
@@ -89,7 +95,7 @@ def _answered_as_ones(mask: Any, shapes: set[tuple[int, ...]] | None) -> bool:
 
     if not (isinstance(mask, torch.Tensor) and is_fake(mask)):
         return False
-    return shapes is _ANY or tuple(mask.shape) in shapes
+    return tuple(mask.shape) in shapes
 
 
 class hf_real_paths:
@@ -126,7 +132,7 @@ class hf_real_paths:
 
             self._patch(mu, "find_packed_sequence_indices", not_packed_when_fake)
         shapes = _all_ones_shapes(self.inputs)
-        if shapes is not None and (shapes or shapes is _ANY):
+        if shapes:  # None (unknowable) or no all-ones shape: nothing to answer
             for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
                 if callable(getattr(mu, name, None)):
                     self._patch(mu, name, _asked_of_ones(getattr(mu, name), shapes))

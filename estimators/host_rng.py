@@ -163,12 +163,11 @@ class HostRng:
     @contextlib.contextmanager
     def forward(self, module: torch.nn.Module | None = None) -> Iterator[None]:
         before = get_state()
-        gens = owned_generators(module) if module is not None else []
-        at_start = [_gen_state(g) for g in gens]
+        at_start = owned_states(module) if module is not None else []
         yield
         # Most modules draw nothing on the host: keep nothing (``random``'s state is ~24 KB).
         self.start = None if same(before, get_state()) else before
-        self.owned = [(g, st) for g, st in zip(gens, at_start) if not _same_gen_state(st, _gen_state(g))]
+        self.owned = [(g, st) for g, st in at_start if not _same_gen_state(st, _gen_state(g))]
 
     @contextlib.contextmanager
     def recompute(self) -> Iterator[None]:
@@ -182,12 +181,10 @@ class HostRng:
             with preserved() if self.start is not None else contextlib.nullcontext():
                 if self.start is not None:
                     set_state(self.start)
-                for g, st in self.owned:
-                    _set_gen_state(g, st)
+                set_owned_states(self.owned)
                 yield
         finally:
-            for g, st in now:
-                _set_gen_state(g, st)
+            set_owned_states(now)
 
 
 class Draws:

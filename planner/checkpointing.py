@@ -277,6 +277,13 @@ def _check_not_compiled(model: torch.nn.Module) -> None:
         )
 
 
+def other_model(model: torch.nn.Module, plan: Plan) -> tuple[str, str] | None:
+    """``(name, fingerprint)`` of ``model`` where they are not the ones ``plan`` was made for;
+    None where the plan is this model's (``apply_plan`` and the CLI's ``--plan-in`` ask)."""
+    name, fp = original_class_name(model), model_fingerprint(model)
+    return None if (plan.model_name, plan.model_fingerprint) == (name, fp) else (name, fp)
+
+
 def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = True) -> AppliedPlan:
     """Checkpoint ``model``'s modules as ``plan`` says. Atomic: on any error the model is unchanged.
 
@@ -291,14 +298,13 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = 
     plan.validate()  # e.g. a module listed twice would be wrapped twice and never removed
     _check_not_compiled(model)
     root = original_class_name(model)  # fully_shard renames GPT to FSDPGPT
-    if check_fingerprint:
-        fp = model_fingerprint(model)
-        if plan.model_name != root or plan.model_fingerprint != fp:
-            raise PlanMismatchError(
-                f"this plan was made for {plan.model_name} (fingerprint {plan.model_fingerprint}), "
-                f"not for this {root} (fingerprint {fp}): module names, parameter shapes or dtypes "
-                "differ. Re-plan with solve_sac(model, ...)"
-            )
+    other = other_model(model, plan) if check_fingerprint else None
+    if other is not None:
+        raise PlanMismatchError(
+            f"this plan was made for {plan.model_name} (fingerprint {plan.model_fingerprint}), "
+            f"not for this {other[0]} (fingerprint {other[1]}): module names, parameter shapes or "
+            "dtypes differ. Re-plan with solve_sac(model, ...)"
+        )
     trainable = model_shape(model).trainable_numel
     if plan.trainable_numel and trainable > plan.trainable_numel:
         warnings.warn(
@@ -332,10 +338,10 @@ def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan], *,
         names.append(name)
     _check_offload(targets)
     done: list[torch.nn.Module] = []
-    shape = model_shape(model)
-    # A lazy module grows its parameters at its first call: not a change to warn about.
+    # A lazy module grows its parameters at its first call: not a change to watch for.
     lazy = any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in model.parameters())
-    if planned_trainable_numel > shape.trainable_numel:
+    shape = None if lazy else model_shape(model)
+    if shape is not None and planned_trainable_numel > shape.trainable_numel:
         # Applied during a freeze the plan was not made with: unfreezing back is in its figures.
         shape = dataclasses.replace(shape, trainable_numel=planned_trainable_numel)
     try:
@@ -343,7 +349,7 @@ def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan], *,
             mod.forward = _planned_forward(mod, mp)
             parts = name.split(".") if name else []
             mod.forward.set_ancestors([model.get_submodule(".".join(parts[:d])) for d in range(len(parts))])
-            if not done and not lazy:  # one module per step checks the whole model (PlannedForward.watch)
+            if not done and shape is not None:  # one module checks the whole model (PlannedForward.watch)
                 mod.forward.watch(shape)
             done.append(mod)
         _hook_siblings(model, targets)

@@ -44,11 +44,10 @@ import torch
 from estimators.device import DEVICE_SPECS, get_device_spec
 from estimators.estimation import DEFAULT_DEVICE, EstimateOptions, TraceMode, estimate
 from estimators.step import StepError, TrainStep, ZeroGrad
-from planner.checkpointing import AlreadyCheckpointedError, PlanMismatchError, apply_plan, hf_cache_off
+from planner.checkpointing import AlreadyCheckpointedError, PlanMismatchError, apply_plan, hf_cache_off, other_model
 from planner.gradcheck import GradientCheck, check_gradients
 from planner.measure import MeasuredStep, measure_steps
-from planner.fsdp import original_class_name
-from planner.plan import TRAIN_MODES, GiB, Plan, PlanFormatError, StepMismatchError, model_fingerprint
+from planner.plan import TRAIN_MODES, GiB, Plan, PlanFormatError, StepMismatchError
 from planner.report import fmt_bytes, gradient_check_text, steps_vs_prediction
 from planner.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget, unplanned_peak_bytes
 from solver import SolverOptions, min_reachable_peak_bytes
@@ -410,14 +409,13 @@ def _run(args) -> int:
             plan = Plan.load(args.plan_in)
         except OSError as e:
             raise CLIError(f"--plan-in {args.plan_in}: cannot read it ({e.strerror or e})") from e
-        fingerprint = model_fingerprint(model)
-        name = original_class_name(model)
-        if plan.model_name != name or plan.model_fingerprint != fingerprint:
+        other = other_model(model, plan)
+        if other is not None:
             # Before anything else, --no-verify included: a plan for another model was printed
             # and exit 0 ("the README's 70B re-check flow").
             raise CLIError(f"--plan-in {args.plan_in}: the plan was made for {plan.model_name} "
-                           f"(fingerprint {plan.model_fingerprint}), not this {name} "
-                           f"(fingerprint {fingerprint}); re-plan for it (drop --plan-in)")
+                           f"(fingerprint {plan.model_fingerprint}), not this {other[0]} "
+                           f"(fingerprint {other[1]}); re-plan for it (drop --plan-in)")
         args.device = target_device(args, plan)
         _settle_step(args, plan)
         plan.check_step(_step(args, inputs, loss_fn))  # the flags above make them agree
