@@ -434,9 +434,15 @@ def test_peak_no_ac_is_the_model_as_it_runs_unplanned_with_hf_use_cache_on():
     assert model.config.use_cache is True  # planning left it as it was
     unplanned = _hf_loop_peaks(copy.deepcopy(model), batch)
     assert unplanned[1:] == [plan.baseline_peak_bytes] * 2
-    cache = 2 * 2 * 4 * 2 * 64 * 16 * 4  # layers x (K, V) x batch x kv heads x seq x head dim x float32 (as HF keeps them here)
+    # The no-AC figure of the note is the model's step with use_cache off, measured (how much
+    # the cache adds depends on how the transformers version keeps it: 131,072 B when this test
+    # was written, 98,304 B with transformers 5.24).
+    off = copy.deepcopy(model)
+    off.config.use_cache = False
+    no_cache = _hf_loop_peaks(off, batch)
+    assert no_cache[1:] == [no_cache[1]] * 2 and no_cache[1] < plan.baseline_peak_bytes
     assert f"use_cache on ({plan.baseline_peak_bytes:,} B)" in plan.notes[-1]
-    assert f"no-AC peak is {plan.baseline_peak_bytes - cache:,} B" in plan.notes[-1]
+    assert f"no-AC peak is {no_cache[1]:,} B" in plan.notes[-1]
     planned = copy.deepcopy(model)
     with apply_plan(planned, plan):
         assert _hf_loop_peaks(planned, batch)[1:] == [plan.predicted_peak_bytes] * 2

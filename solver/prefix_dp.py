@@ -1,0 +1,365 @@
+"""The module-level MILP solved exactly by dynamic programming, where the step is a clean nest.
+
+Why
+---
+In a step whose backward visits modules in the reverse order of their forward ends (every stack
+of blocks, every tree the benchmarks draw, most traces), the modules whose discards are gone at a
+memory point are always a *prefix* of the candidates sorted by ``fw_post_op``: in the forward,
+those that have finished; in the backward, those whose backward has not begun. Every memory row
+of the MILP then reads ``C_a >= need`` with ``C_a`` the bytes discarded by the first ``a``
+candidates. Sorted that way (a post-order of the module tree), a candidate's checkpointable
+descendants are the block of candidates just before it. So the MILP is a chain:
+
+    G_a(C)  = least cost over the first a candidates discarding at least C bytes, every memory
+              row of prefixes <= a met;
+    G_i+1   = trunc_N(i+1)( min( G_i ,                                   candidate i not planned
+                                 trunc_Q(i)(Gpre_s(i)) [+] f_i ) )       i planned, its block not
+
+``trunc_N`` (``x -> G(max(x, N))``) holds a row's need ``N``; ``[+]`` is the infimal convolution
+with i's cost (the lower hull of its curve plus the tie-break: the MILP's own objective), shifted
+by its forced discards; ``s(i)`` is where i's block starts and ``Q(i)`` the needs of the rows
+inside it with i planned: its recompute point with its recompute term, the points where the
+inputs its checkpoint holds are alive. The functions are piecewise linear (``solver/pwl.py``) and
+computed exactly; the plan is read back from the stored functions.
+
+It shares nothing with the backend, so it checks HiGHS: on small stacks of blocks HiGHS has
+returned plans as optimal that cost 8.8 % more than the optimum this finds
+(``tests/solver/test_prefix_dp.py``). It does not scale: the value functions are lower envelopes
+of one convex piece per useful combination of choices, and their breakpoints grow exponentially
+(195,000 on a 100-module random tree), so ``SACMilp`` tries it on small models only, under a
+work cap.
+
+When
+----
+``PrefixDP.build`` checks the structure on the data (each point's discards a prefix, each
+candidate's descendants the block before it, each conditional row inside its candidate's block)
+and says why not otherwise. A recompute growth that varies with the ratio
+(``recompute_growth_bytes``) is handled by two runs: with its least value (a relaxation: a lower
+bound) and with its greatest (a plan of the MILP); the first plan is taken where it meets the
+real rows, else the second with the first's value as its bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from estimators.module_info import lower_hull_segments
+from solver.plan_cost import fixed_discard_bytes, growth_table, module_recompute_ms
+from solver.pwl import Pwl, envelope, infconv_convex, point, truncate_left
+
+if TYPE_CHECKING:
+    from estimators.module_info import ModStats
+    from solver.milp import SACMilp
+    from solver.plan_cost import MemoryModel
+
+__all__ = ["PrefixDP", "DpOutcome", "ProgramTooLarge"]
+
+logger = logging.getLogger(__name__)
+
+_RUN_WORK = 40
+"""Work units a convex run of a value function costs in the convolution (its numpy calls),
+against one per breakpoint: measured, 20,000 units took 0.45 s on a random 100-module tree
+(thousands of short runs) and 0.05 s on a 1,000-module one (long runs) before this weight."""
+
+_TIE = 1e-9
+"""Relative slack under which two values of the program are equal when a plan is read back."""
+
+
+class ProgramTooLarge(RuntimeError):
+    """The value functions outgrew the caller's cap (their breakpoints can grow exponentially
+    with the number of candidates: 195,000 on one 100-module random tree)."""
+
+
+@dataclass(frozen=True)
+class DpOutcome:
+    discarded: dict[int, float]
+    """Candidate index -> bytes discarded on its curve (the ratio times its size)."""
+    objective: float
+    """The MILP objective of the plan (recompute ms on the envelopes, tie-break included)."""
+    lower_bound: float
+    """No plan of the MILP costs less (equal to ``objective`` where exact)."""
+
+
+@dataclass(frozen=True)
+class _Extra:
+    """Candidate k's recompute-point term as a convex function of its ratio: segments (a, b)."""
+
+    segs: tuple[tuple[float, float], ...]
+
+    def at(self, r: float) -> float:
+        return max(a * r + b for a, b in self.segs)
+
+    @property
+    def low(self) -> float:
+        pts = [0.0, 1.0] + [(b0 - b1) / (a1 - a0) for (a0, b0), (a1, b1) in zip(self.segs, self.segs[1:])
+                            if a1 != a0]
+        return min(self.at(min(1.0, max(0.0, r))) for r in pts)
+
+    @property
+    def high(self) -> float:
+        return max(self.at(0.0), self.at(1.0))
+
+    @property
+    def constant(self) -> bool:
+        return self.high == self.low
+
+
+class PrefixDP:
+    """The chain program of one MILP, built once and solved for any budget."""
+
+    def __init__(self, n: int, order: np.ndarray, start: np.ndarray,
+                 curves: list[tuple[np.ndarray, np.ndarray]], shift: np.ndarray, sizes: np.ndarray, need: np.ndarray, point_cnt: np.ndarray,
+                 point_base: np.ndarray, block_need: list[tuple[float, float]],
+                 extras: list[_Extra | None], held: list[tuple[np.ndarray, float]],
+                 recompute: list[np.ndarray]) -> None:
+        self.n = n
+        self.order = order
+        """Candidate index at each position (forward-end order)."""
+        self.start = start
+        """Position where the block of each position's candidate begins (its descendants)."""
+        self.curves = curves
+        """Per position: (bytes discarded on the curve, MILP cost) at the envelope's vertices."""
+        self.shift = shift
+        """Per position: forced discards net of held inputs (bytes any checkpoint adds)."""
+        self.sizes = sizes
+        self.need = need
+        """Per prefix length: the highest base of the points there (bytes; -inf: no point)."""
+        self.point_cnt, self.point_base = point_cnt, point_base
+        self.block_need = block_need
+        """Per position: the highest base in its block with it planned, as (every point but its
+        recompute points, held inputs added; its recompute points) -- the second gets the
+        recompute term, which may be a range (``_Extra``)."""
+        self.extras = extras
+        self.held, self.recompute = held, recompute
+        self.exact = all(e is None or e.constant for e in extras)
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def build(cls, stats: Sequence[ModStats], tie_y: Sequence[float], tie_r: Sequence[float],
+              nested_below: Sequence[set[int]], memory: MemoryModel) -> PrefixDP | str:
+        """The program for candidates ``stats`` (the MILP's, in its order) with their tie-break
+        costs, ``nested_below[k]`` the candidates under k, or why the MILP is not a chain (a
+        sentence)."""
+        n = len(stats)
+        if n == 0:
+            return "no candidates"
+        fw = np.array([s.fw_post_op for s in stats], dtype=np.int64)
+        bw = np.array([s.bw_pre_op if s.bw_pre_op != -1 else np.iinfo(np.int64).max for s in stats],
+                      dtype=np.int64)
+        order = np.array(sorted(range(n), key=lambda k: (fw[k], k)), dtype=np.int64)
+        pos = np.empty(n, dtype=np.int64)
+        pos[order] = np.arange(n)
+        t = np.array([p.op_index for p in memory.points], dtype=np.int64)
+        active = (fw[order][None, :] <= t[:, None]) & (t[:, None] < bw[order][None, :])
+        cnt = active.sum(axis=1)
+        if not np.array_equal(active, np.arange(n)[None, :] < cnt[:, None]):
+            return "the modules whose discards are gone at some point are not the first ones to end their forward"
+        start = np.empty(n, dtype=np.int64)
+        for k in range(n):
+            below = sorted(int(pos[j]) for j in nested_below[k])
+            i = int(pos[k])
+            if below != list(range(i - len(below), i)):
+                return f"the checkpointable modules under {stats[k].fqn} are not the ones just before it"
+            start[i] = i - len(below)
+        base = np.array(memory.base, dtype=np.float64)
+        index = {s.fqn: k for k, s in enumerate(stats)}
+        recompute: list[list[int]] = [[] for _ in range(n)]
+        for p_i, p in enumerate(memory.points):
+            k = index.get(p.recompute_of) if p.recompute_of is not None else None
+            if k is not None:
+                if cnt[p_i] != pos[k]:
+                    return f"the recompute point of {stats[k].fqn} sees other discards than its block's"
+                recompute[k].append(p_i)
+        held: list[tuple[np.ndarray, float]] = []
+        for k, s in enumerate(stats):
+            pts = np.array(memory.held_points(s.fqn), dtype=np.int64)
+            if len(pts) and ((cnt[pts] < start[pos[k]]) | (cnt[pts] > pos[k])).any():
+                return f"the inputs {s.fqn}'s checkpoint holds are alive outside its block"
+            held.append((pts, float(s.checkpoint_retain_bytes)))
+        extras = [_extra(s) if recompute[k] else None for k, s in enumerate(stats)]
+        need = np.full(n + 1, -np.inf)
+        np.maximum.at(need, cnt, base)
+        block_need = []
+        for i in range(n):
+            k = int(order[i])
+            inside = (cnt >= start[i]) & (cnt <= i)
+            vals = base.copy()
+            pts, retain = held[k]
+            if len(pts):
+                vals[pts] += retain
+            rec = np.array(recompute[k], dtype=np.int64)
+            rec_base = float(base[rec].max()) if len(rec) else -np.inf
+            vals[rec] = -np.inf
+            rest = float(vals[inside].max()) if inside.any() else -np.inf
+            block_need.append((rest, rec_base))
+        curves, shift, sizes = [], np.empty(n), np.empty(n)
+        for i in range(n):
+            k = int(order[i])
+            curves.append(_curve(stats[k], tie_y[k], tie_r[k]))
+            shift[i] = fixed_discard_bytes(stats[k])
+            sizes[i] = stats[k].sac_memory_bytes
+        return cls(n, order, start, curves, shift, sizes, need, cnt, base, block_need,
+                   [extras[int(order[i])] for i in range(n)],
+                   [held[int(order[i])] for i in range(n)],
+                   [np.array(recompute[int(order[i])], dtype=np.int64) for i in range(n)])
+
+    @classmethod
+    def from_milp(cls, milp: SACMilp) -> PrefixDP | str:
+        """The program of ``milp``'s model (its candidates, memory model and objective)."""
+        cands = milp._cands
+        if not cands:
+            return "no candidates"
+        cost = np.zeros(milp.n_variables)
+        for j, v in milp._recompute_objective:
+            cost[j] += v
+        index = {c.node.fqn: k for k, c in enumerate(cands)}
+        below = [{index[d.fqn] for d in milp.graph.descendants(c.node.fqn) if d.fqn in index}
+                 for c in cands]
+        return cls.build([c.stats for c in cands], [cost[j] for j in milp._y], [cost[j] for j in milp._r], below, milp._memory)
+
+    # ------------------------------------------------------------------ solve
+    def solve(self, budget: float, max_work: int = 200_000) -> DpOutcome | None:
+        """The least-cost plan within ``budget`` bytes, or None where no plan fits. Where a
+        recompute growth varies with the ratio, ``objective`` is the plan's and
+        ``lower_bound`` the relaxation's (equal where the relaxation's plan meets the rows).
+        Raises ``ProgramTooLarge`` when the work (breakpoints of the value functions and
+        ``_RUN_WORK`` per convex run convolved, summed over the candidates) passes ``max_work``:
+        a count, not a clock, so the same input gives the same answer."""
+        low = self._run(budget, "low", max_work)
+        if low is None:
+            return None  # even the relaxation has no plan
+        if self.exact or self.model_peak(low[1]) <= budget:
+            return DpOutcome(low[1], low[0], low[0])
+        high = self._run(budget, "high", max_work)
+        if high is None:
+            return DpOutcome({}, math.inf, low[0])
+        return DpOutcome(high[1], high[0], low[0])
+
+    def _block_need(self, i: int, which: str) -> float:
+        rest, rec_base = self.block_need[i]
+        e = self.extras[i]
+        if e is None or rec_base == -np.inf:
+            return rest
+        return max(rest, rec_base + (e.low if which == "low" else e.high))
+
+    def _run(self, budget: float, which: str, max_work: int
+             ) -> tuple[float, dict[int, float]] | None:
+        n = self.n
+        need = self.need - budget
+        qs = np.array([self._block_need(i, which) for i in range(n)]) - budget
+        top = max(float(np.max(need)), float(np.max(qs)))
+        cap = top + float(np.sum(np.maximum(0.0, -self.shift)))
+        g_pre: list[Pwl] = [point(0.0, 0.0)]
+        g = [truncate_left(g_pre[0], need[0])]
+        work = 0
+        for i in range(n):
+            s = int(self.start[i])
+            base = truncate_left(g_pre[s], qs[i])
+            cx, cy = self.curves[i]
+            yes, runs = infconv_convex(base, cx, cy, float(self.shift[i]), cap)
+            pre = envelope([g[i], yes])
+            # A convex run costs a few numpy calls, about _RUN_WORK breakpoints' worth of time.
+            work += len(pre.xs) + len(base.xs) + _RUN_WORK * runs
+            if work > max_work:
+                raise ProgramTooLarge(f"{work} units of work by candidate {i + 1} of {n} "
+                                      f"(cap {max_work})")
+            g_pre.append(pre)
+            g.append(truncate_left(pre, need[i + 1]))
+        if g[n].empty:
+            return None
+        value = g[n].lowest
+        plan = self._read_back(g_pre, g, need, qs, float(g[n].xs[0]))
+        return value, plan
+
+    def _read_back(self, g_pre: list[Pwl], g: list[Pwl], need: np.ndarray, qs: np.ndarray,
+                   target: float) -> dict[int, float]:
+        """The plan behind ``g[n]`` at ``target``: walk back through the stored functions,
+        taking at each position the branch whose value is the function's value there."""
+        plan: dict[int, float] = {}
+        a, c, truncated = self.n, target, True
+        while a > 0:
+            if truncated:  # G_a = Gpre_a held to the need of prefix a
+                c = max(c, need[a])
+            i = a - 1
+            v = float(g_pre[a].value(c))
+            if float(g[i].value(c)) <= v + _TIE * max(1.0, abs(v)):
+                a, truncated = i, True  # not planned: G_i at c
+                continue
+            s = int(self.start[i])
+            base = truncate_left(g_pre[s], qs[i])
+            cx, cy = self.curves[i]
+            shift = float(self.shift[i])
+            # The best discard lies on a vertex of the curve or where the rest hits a vertex.
+            ds = np.concatenate([cx, c - shift - base.xs])
+            ds = ds[(ds >= cx[0]) & (ds <= cx[-1])]
+            total = np.interp(ds, cx, cy) + base.value(c - shift - ds)
+            d = float(ds[int(np.argmin(total))])
+            plan[int(self.order[i])] = d
+            # planned: its block discards nothing, Gpre_s at what is left (its block's needs met)
+            a, c, truncated = s, max(c - shift - d, qs[i]), False
+        return plan
+
+    # ------------------------------------------------------------------ checks
+    def model_peak(self, plan: dict[int, float]) -> float:
+        """Highest memory of ``plan`` in the MILP's model (envelopes, hull of the growth)."""
+        pos_of = {int(k): i for i, k in enumerate(self.order)}
+        gone = np.zeros(self.n)
+        for k, d in plan.items():
+            i = pos_of[k]
+            gone[i] = d + self.shift[i]
+        prefix = np.concatenate([[0.0], np.cumsum(gone)])
+        mem = self.point_base - prefix[self.point_cnt]
+        for k, d in plan.items():
+            i = pos_of[k]
+            pts, retain = self.held[i]
+            if len(pts):
+                mem[pts] += retain
+            e = self.extras[i]
+            rec = self.recompute[i]
+            if e is not None and len(rec):
+                mem[rec] += e.at(d / self.sizes[i] if self.sizes[i] else 0.0)
+        return float(mem.max())
+
+
+def _curve(stats: ModStats, tie_y: float, tie_r: float) -> tuple[np.ndarray, np.ndarray]:
+    """Vertices (bytes, ms) of the MILP's cost of a candidate: the lower convex hull of its curve
+    as ``solver.plan_cost.cost_envelope`` takes it, plus the tie-break (``tie_y`` once, ``tie_r``
+    per unit of ratio). Taken from the curve's own points, not from the envelope's lines: a
+    line of slope 2e9 ms evaluated at its end is off by 1e-7 ms (cancellation), and that error
+    spread over the segment before it."""
+    size, curve = stats.sac_memory_bytes, stats.tradeoff
+    fixed = getattr(stats, "recompute_fixed_ms", 0.0)
+    pts = {0: module_recompute_ms(stats, 0), size: module_recompute_ms(stats, size)}
+    for x, ms in zip(curve.discarded_bytes, curve.recompute_ms):
+        if 0 < x < size:
+            pts[x] = min(pts.get(x, math.inf), fixed + ms)
+    hull: list[tuple[int, float]] = []
+    for p in sorted(pts.items()):
+        while len(hull) >= 2 and _turn(hull[-2], hull[-1], p) <= 0:
+            hull.pop()
+        hull.append(p)
+    xs = np.array([x for x, _ in hull], dtype=np.float64)
+    ys = np.array([y for _, y in hull]) + tie_y + tie_r * xs / size
+    return xs, ys
+
+
+def _turn(o: tuple[int, float], a: tuple[int, float], b: tuple[int, float]) -> float:
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
+
+
+def _extra(s: ModStats) -> _Extra:
+    """The MILP's term at the recompute point: the legacy transient, or the lower hull of the
+    recompute growth less what was discarded, net of the forced discards (``SACMilp``)."""
+    growth = growth_table(s)
+    if not growth:
+        return _Extra(((0.0, float(s.recompute_transient_bytes)),))
+    size = s.sac_memory_bytes
+    pts = [(x / size, float(g - x)) for x, g in zip(s.tradeoff.discarded_bytes, growth)]
+    segs = lower_hull_segments(pts) or [(0.0, pts[0][1])]
+    fixed = fixed_discard_bytes(s)
+    return _Extra(tuple((a, b - fixed) for a, b in segs))
