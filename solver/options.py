@@ -133,7 +133,8 @@ class SolverOptions:
     dynamic_program: bool = True
     """Solve small models whose step is a clean nest exactly by dynamic programming
     (``solver/prefix_dp.py``) before asking the backend: on small stacks of blocks HiGHS has
-    called plans optimal that cost 15 % more than the optimum (tests/solver/test_prefix_dp.py).
+    called plans optimal that cost 8.8 % and 15 % more than the optimum
+    (tests/solver/test_prefix_dp.py).
     Models the program cannot take, or that outgrow its work cap, go to the backend as before.
     False: the backend alone."""
     threads: int = 1

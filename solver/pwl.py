@@ -43,36 +43,27 @@ class Pwl:
 
     def value(self, q: np.ndarray | float) -> np.ndarray:
         """Values at ``q`` (the lower value at a jump)."""
-        q = np.asarray(q, dtype=np.float64)
-        out = np.full(q.shape, np.inf)
-        if self.empty:
-            return out
-        xs, ys = self.xs, self.ys
-        i = np.searchsorted(xs, q, side="left")
-        left = i == 0
-        out[left] = ys[0]
-        inner = (i > 0) & (i < len(xs))
-        ii = i[inner]
-        qq = q[inner]
-        x0, x1, y0, y1 = xs[ii - 1], xs[ii], ys[ii - 1], ys[ii]
-        at = x1 == qq
-        span = np.where(at, 1.0, x1 - x0)
-        out[inner] = np.where(at, y1, y0 + (y1 - y0) * (qq - x0) / span)
-        return out
+        return self._at(q, "left")
 
     def right(self, q: np.ndarray | float) -> np.ndarray:
         """Limits just right of ``q`` (the upper value at a jump; +inf at the domain's end)."""
+        return self._at(q, "right")
+
+    def _at(self, q: np.ndarray | float, side: str) -> np.ndarray:
+        # "left": i is the first breakpoint >= q, so at a jump the first (lower) y is taken;
+        # "right": the first breakpoint > q, so the segment starts after the jump.
         q = np.asarray(q, dtype=np.float64)
         out = np.full(q.shape, np.inf)
         if self.empty:
             return out
         xs, ys = self.xs, self.ys
-        j = np.searchsorted(xs, q, side="right")
-        out[j == 0] = ys[0]
-        inner = (j > 0) & (j < len(xs))
-        jj = j[inner]
-        x0, x1, y0, y1 = xs[jj - 1], xs[jj], ys[jj - 1], ys[jj]
-        out[inner] = y0 + (y1 - y0) * (q[inner] - x0) / (x1 - x0)
+        i = np.searchsorted(xs, q, side=side)
+        out[i == 0] = ys[0]
+        inner = (i > 0) & (i < len(xs))
+        ii, qq = i[inner], q[inner]
+        x0, x1, y0, y1 = xs[ii - 1], xs[ii], ys[ii - 1], ys[ii]
+        span = np.where(x1 > x0, x1 - x0, 1.0)
+        out[inner] = np.where(x1 == qq, y1, y0 + (y1 - y0) * (qq - x0) / span)
         return out
 
 
