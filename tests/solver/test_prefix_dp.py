@@ -8,8 +8,8 @@ identical blocks with recompute growth and forced discards) checks both.
 
 from __future__ import annotations
 
-import itertools
 import math
+import os
 import random
 
 import numpy as np
@@ -21,12 +21,13 @@ from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, 
 from solver import SACMilp, SolverOptions, predict_peak_bytes
 from solver.plan_cost import module_recompute_ms
 from solver.prefix_dp import PrefixDP, ProgramTooLarge
-from solver.pwl import Pwl, envelope, infconv_convex, point, truncate_left
+from solver.pwl import Pwl, envelope, infconv_convex, truncate_left
 from tests.solver.test_milp_properties import module_infos
 from tests.solver.test_symmetry import stacked_infos
 
 HIGHS = SolverOptions(dynamic_program=False)
-MANY = settings(max_examples=int(__import__("os").environ.get("SAC_PROPERTY_EXAMPLES", "0")) or 120, deadline=None, derandomize=True,
+MANY = settings(max_examples=int(os.environ.get("SAC_PROPERTY_EXAMPLES", "0")) or 120, deadline=None,
+                derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -83,9 +84,10 @@ def test_envelope_and_infconv_match_brute_force(seed: int) -> None:
 
 # ----------------------------------------------------------------------------- the program
 def _check(info: ModuleInfo, frac: float) -> str:
-    """The program against ``SACMilp.solve`` (HiGHS, default options) at one budget: the MILP
-    objective HiGHS proves within ``rel_gap`` is within ``rel_gap`` of the program's exact one,
-    and never below it; both plans, made exact in bytes, fit and cost the same within it."""
+    """The program against ``SACMilp.solve`` with HiGHS alone (symmetry rows and count branching
+    on, ``dynamic_program=False``) at one budget: the MILP objective HiGHS proves within
+    ``rel_gap`` is within ``rel_gap`` of the program's exact one, and never below it; both plans,
+    made exact in bytes, fit and cost the same within it."""
     m = SACMilp(info, options=HIGHS)
     if m._prob is None:
         return "nothing to plan"
@@ -111,11 +113,7 @@ def _check(info: ModuleInfo, frac: float) -> str:
     assert short == 0 and predict_peak_bytes(info, plan) <= budget
     ms = sum(module_recompute_ms(info.stats(f), d) for f, d in plan.items())
     assert out.objective <= res.milp_objective * (1 + 1e-9) + slack, (out.objective, res.milp_objective)
-    if res.milp_objective > out.objective * (1 + gap) + slack:
-        import os
-        if os.environ.get("DUMP"):
-            info.to_json(os.environ["DUMP"]); open(os.environ["DUMP"] + ".budget", "w").write(str(budget))
-    assert res.milp_objective <= out.objective * (1 + gap) + slack, (out.objective, res.milp_objective, ms, res.recompute_ms)
+    assert res.milp_objective <= out.objective * (1 + gap) + slack, (out.objective, res.milp_objective)
     assert abs(ms - res.recompute_ms) <= gap * max(ms, res.recompute_ms) + 1e-6, (ms, res.recompute_ms)
     assert dp.solve(budget).discarded == out.discarded  # deterministic
     return "equal"
@@ -145,7 +143,6 @@ def test_most_graphs_are_decided_by_the_program() -> None:
         outcomes[kind] = outcomes.get(kind, 0) + 1
 
     run()
-    print(outcomes)
     assert outcomes.get("equal", 0) >= 40, outcomes
 
 
