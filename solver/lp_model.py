@@ -327,8 +327,10 @@ class LinearModel:
         lower[ints] = upper[ints] = np.round(loose.values[ints])
         h = _new_highs(options)
         integrality, lp.integrality_ = lp.integrality_, []
-        h.passModel(lp)
-        lp.integrality_ = integrality
+        try:
+            h.passModel(lp)
+        finally:  # the cached model keeps its integers whatever happens
+            lp.integrality_ = integrality
         h.changeColsBounds(len(ints), ints.astype(np.int32), lower[ints], upper[ints])
         h.setOptionValue("primal_feasibility_tolerance", _INT_TOL)
         if options.time_limit_s is not None:

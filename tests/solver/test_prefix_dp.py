@@ -82,6 +82,18 @@ def test_envelope_and_infconv_match_brute_force(seed: int) -> None:
     assert np.allclose(h.value(xs), want, rtol=1e-9, atol=1e-9)
 
 
+def test_a_concave_kink_of_tiny_slopes_is_not_taken_as_convex() -> None:
+    """Slopes are ms per byte: a concave kink of 2e-8 -> 2e-8 - 9e-13 ms/B must split the runs
+    (an absolute tolerance of 1e-12 merged them and the convolution came out 3.6e-3 ms low)."""
+    w = 4e9
+    s1, s2 = 2.0e-8, 2.0e-8 - 9e-13
+    f = Pwl(np.array([0.0, w, 2 * w]), np.array([0.0, s1 * w, s1 * w + s2 * w]))
+    cx, cy = np.array([0.0, w]), np.array([0.0, 1.0e-8 * w])
+    h, runs = infconv_convex(f, cx, cy, 0.0, cap=math.inf)
+    assert runs == 2
+    assert float(h.value(2 * w)) == pytest.approx(_brute(f, cx, cy, 0.0, 2 * w), rel=1e-12)
+
+
 # ----------------------------------------------------------------------------- the program
 def _check(info: ModuleInfo, frac: float) -> str:
     """The program against ``SACMilp.solve`` with HiGHS alone (symmetry rows and count branching
@@ -208,3 +220,38 @@ def test_a_stack_highs_called_optimal_at_nine_percent_over() -> None:
         res = SACMilp(info, options=options).solve(budget)
         assert res.predicted_peak_bytes <= budget
         assert res.recompute_ms == pytest.approx(9.1875, abs=1e-4), options
+
+
+def test_three_blocks_with_slopes_near_1e_10_ms_per_byte() -> None:
+    """Review of round 14: three sibling 4 GB blocks whose curves rise 1e-10 ms/B; discarding
+    1e9 B costs 0.1005 ms through M.a, 0.10055 ms through M.c. With the slopes compared to an
+    absolute 1e-12, the program called M.c's plan optimal and stated 0.100328 ms, under the
+    optimum."""
+    g = 4 * 10**9
+
+    def mod(f, curve=None, fw=-1, bw=-1):
+        if curve is None:
+            return ModStats(fqn=f, is_leaf=True, fw_post_op=fw, bw_pre_op=bw)
+        xs, ys = zip(*curve)
+        tc = TradeoffCurve(discarded_bytes=xs, recompute_ms=ys)
+        return ModStats(fqn=f, is_leaf=False, sac_memory_bytes=g, sac_runtime_ms=tc.total_ms,
+                        tradeoff=tc, fw_post_op=fw, bw_pre_op=bw)
+
+    sa, sb, sc = 1e-10, 1e-10 + 9.9e-13, 1e-10 + 4.5e-13
+    stats = [mod("M"),
+             mod("M.a", ((0, 0.0), (0, 0.0005), (g, 0.0005 + sa * g)), 10, 60), mod("M.a.x"),
+             mod("M.b", ((0, 0.0), (g, sb * g)), 20, 50), mod("M.b.x"),
+             mod("M.c", ((0, 0.0), (0, 0.0001), (g, 0.0001 + sc * g)), 30, 40), mod("M.c.x")]
+    pts = [MemoryPoint(op_index=35, phase="fw", activation_bytes=3 * g + 10**9),
+           MemoryPoint(op_index=40, phase="bw", activation_bytes=3 * g),
+           MemoryPoint(op_index=50, phase="bw", activation_bytes=2 * g),
+           MemoryPoint(op_index=60, phase="bw", activation_bytes=g)]
+    names = tuple(s.fqn for s in stats)
+    info = ModuleInfo(mod_order=ModOrder(fw_pre_order=names, fw_post_order=(), bw_pre_order=(),
+                                         bw_post_order=()),
+                      mod_stats=tuple(stats), memory_points=tuple(pts), peak_bytes=3 * g + 10**9)
+    for options in (SolverOptions(), SolverOptions(rel_gap=0.0)):
+        res = SACMilp(info, options=options).solve(3 * g)
+        assert res.discarded_bytes == {"M.a": 10**9}
+        assert res.recompute_ms == pytest.approx(0.1005, rel=1e-9)
+        assert res.milp_objective >= 0.1005 * (1 - 1e-9)
