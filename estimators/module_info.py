@@ -175,14 +175,21 @@ class TradeoffCurve:
         return ys[i - 1] + t * (ys[i] - ys[i - 1])
 
 
-def lower_hull_segments(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """(slope, intercept) of each segment of the lower convex hull of ``points``, left to right
-    (Andrew's monotone chain); vertical steps are dropped. Torch-free, for the solver too."""
+def lower_hull(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Vertices of the lower convex hull of ``points``, left to right (Andrew's monotone chain).
+    Torch-free, for the solver too."""
     hull: list[tuple[float, float]] = []
     for p in sorted(set(points)):
         while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
             hull.pop()
         hull.append(p)
+    return hull
+
+
+def lower_hull_segments(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(slope, intercept) of each segment of the lower convex hull of ``points``, left to right;
+    vertical steps are dropped."""
+    hull = lower_hull(points)
     segs = []
     for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
         if x1 - x0 > 1e-15:

@@ -316,21 +316,15 @@ class LinearModel:
         contains the 1e-8 one, so its bound holds for both).
 
         Why: on a stack of four blocks HiGHS at 1e-8 called a count box "infeasible" three times
-        (light presolve too) while the 1e-6 solve proved 9.1875 ms there with rows 1e-7 off; the
+        (light presolve too) while the 1e-6 solve proved 9.1875 ms there with rows 3e-8 off; the
         box was lost and 10.0 ms called optimal. The same integers at 1e-8: 9.1875 ms, a plan
         (tests/solver/data/highs_above_the_optimum_stack.json)."""
         import highspy
 
-        lp = self._highs_lp()
         ints = np.flatnonzero(np.asarray(self.col_integer, dtype=bool))
         lower, upper = np.array(self.col_lower), np.array(self.col_upper)
         lower[ints] = upper[ints] = np.round(loose.values[ints])
-        h = _new_highs(options)
-        integrality, lp.integrality_ = lp.integrality_, []
-        try:
-            h.passModel(lp)
-        finally:  # the cached model keeps its integers whatever happens
-            lp.integrality_ = integrality
+        h = self._relaxed_highs(options)
         h.changeColsBounds(len(ints), ints.astype(np.int32), lower[ints], upper[ints])
         h.setOptionValue("primal_feasibility_tolerance", _INT_TOL)
         if options.time_limit_s is not None:
@@ -350,6 +344,18 @@ class LinearModel:
         proven = loose.outcome.proven and gap <= rel_gap + _slack(obj) / max(abs(obj), 1e-12)
         logger.debug("HiGHS: the 1e-6 plan's integers at 1e-8: %s (1e-6: %s)", obj, loose.objective)
         return LpSolution(_BackendOutcome(True, proven, False, gap, seconds), values, obj)
+
+    def _relaxed_highs(self, options: SolverOptions) -> Any:
+        """A HiGHS instance holding the model without its integrality (the cached ``HighsLp``
+        keeps its integers whatever happens)."""
+        lp = self._highs_lp()
+        h = _new_highs(options)
+        integrality, lp.integrality_ = lp.integrality_, []
+        try:
+            h.passModel(lp)
+        finally:
+            lp.integrality_ = integrality
+        return h
 
     def _run_highs(self, options: SolverOptions, rel_gap: float, tol: float,
                    presolve: str = "full", cutoff: float | None = None, write: bool = True) -> LpSolution:
@@ -508,10 +514,7 @@ class LinearModel:
         lp = self._highs_lp()
         lower, upper = np.array(self.row_lower), np.array(self.row_upper)
         if self._relax is None or self._relax[1] is not lp:
-            h = _new_highs(options)
-            integrality, lp.integrality_ = lp.integrality_, []
-            h.passModel(lp)
-            lp.integrality_ = integrality
+            h = self._relaxed_highs(options)
             self._relax = [h, lp, lower, upper, self.cost.copy()]
         else:
             h, _, old_lower, old_upper, old_cost = self._relax

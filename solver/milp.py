@@ -52,11 +52,10 @@ import numbers
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from estimators.module_info import lower_hull_segments
 from solver.count_branch import CountBrancher, kind_groups
 from solver.errors import InfeasibleBudgetError, SolverError, SolverTimeoutError
 from solver.graph import Graph, Node
@@ -68,7 +67,7 @@ from solver.plan_cost import (
     check_world_size,
     cost_envelope,
     fixed_discard_bytes,
-    growth_table,
+    growth_hull_segments,
     has_window,
     module_recompute_ms,
     predict_peak_bytes,
@@ -327,15 +326,9 @@ class SACMilp:
         change is convex in r (the exact evaluation of the plan catches the rest)."""
         self._extra: dict[int, Any] = {}
         for k, c in enumerate(self._cands):
-            st = c.stats
-            growth = growth_table(st)
-            if not growth:
+            segs = growth_hull_segments(c.stats, self._unit)
+            if not segs:
                 continue
-            size = st.sac_memory_bytes
-            pts = [(x / size, self._units(g - x)) for x, g in zip(st.tradeoff.discarded_bytes, growth)]
-            segs = lower_hull_segments(pts)
-            if not segs:  # a single breakpoint: extra = h(0) y
-                segs = [(0.0, pts[0][1])]
             tag = f"{c.node.index}_{_safe(c.node.fqn)}"
             self._extra[k] = self._prob.add_var(f"recompute_extra{tag}", None)
             for sidx, (a, b) in enumerate(segs):
@@ -429,16 +422,20 @@ class SACMilp:
         self._prob.set_row_upper(self._budget, budget_units)
 
     def _read_plan(self, values: Any) -> dict[str, int]:
+        ratios = {k: min(1.0, max(0.0, float(values[self._r[k]])))
+                  for k in range(len(self._cands)) if round(float(values[self._y[k]])) == 1}
+        return self._plan_of({k: r * self._cands[k].stats.sac_memory_bytes for k, r in ratios.items()})
+
+    def _plan_of(self, discarded: Mapping[int, float]) -> dict[str, int]:
+        """{fqn: whole bytes} of checkpointed candidates (index -> bytes on the curve)."""
         plan = {}
-        for k, c in enumerate(self._cands):
-            if round(float(values[self._y[k]])) != 1:
-                continue
-            r = min(1.0, max(0.0, float(values[self._r[k]])))
-            d = round(r * c.stats.sac_memory_bytes)
+        for k, d in discarded.items():
+            st = self._cands[k].stats
+            d = min(st.sac_memory_bytes, max(0, round(d)))
             # Checkpointing that discards nothing only costs time and transients; at ratio 0 a
             # checkpoint still discards its forced bytes, which the budget may need.
-            if d > 0 or fixed_discard_bytes(c.stats) > 0:
-                plan[c.node.fqn] = d
+            if d > 0 or fixed_discard_bytes(st) > 0:
+                plan[self._cands[k].node.fqn] = d
         return plan
 
     def objective_of(self, values: Any) -> float:
@@ -524,13 +521,7 @@ class SACMilp:
         gap = (out.objective - out.lower_bound) / max(abs(out.objective), 1e-12)
         if not gap <= self.options.rel_gap:  # a varying recompute growth left it open
             return None
-        read = {}
-        for k, d in out.discarded.items():
-            st = self._cands[k].stats
-            d = min(st.sac_memory_bytes, max(0, round(d)))
-            if d > 0 or fixed_discard_bytes(st) > 0:  # as _read_plan: a checkpoint must do something
-                read[self._cands[k].node.fqn] = d
-        plan, short = self._exact.settle(read, budget, budget)
+        plan, short = self._exact.settle(self._plan_of(out.discarded), budget, budget)
         if short:
             return None
         res = self._result(plan, budget, SolveStatus.OPTIMAL, max(0.0, gap), t0)

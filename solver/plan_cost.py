@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MemoryModel", "predict_peak_bytes", "recompute_extra_bytes", "module_recompute_ms",
-    "cost_envelope", "has_window", "fixed_discard_bytes", "growth_table", "prefix_sums",
+    "cost_envelope", "has_window", "fixed_discard_bytes", "growth_table", "growth_hull_segments",
+    "prefix_sums",
     "check_world_size", "unknown_module_error",
 ]
 
@@ -98,6 +99,18 @@ def fixed_discard_bytes(s: ModStats) -> int:
 def growth_table(s: ModStats) -> tuple[int, ...]:
     g = tuple(getattr(s, "recompute_growth_bytes", ()) or ())
     return g if len(g) == len(s.tradeoff.discarded_bytes) else ()
+
+
+def growth_hull_segments(s: ModStats, unit: float = 1.0) -> list[tuple[float, float]]:
+    """(slope, intercept) over the ratio of the lower convex hull of the recompute's memory
+    change (growth less what was discarded) at the curve's breakpoints, in ``unit`` bytes; [] for
+    stats without a growth table. A single breakpoint gives the flat line through it."""
+    growth = growth_table(s)
+    if not growth:
+        return []
+    size = s.sac_memory_bytes
+    pts = [(x / size, (g - x) / unit) for x, g in zip(s.tradeoff.discarded_bytes, growth)]
+    return lower_hull_segments(pts) or [(0.0, pts[0][1])]
 
 
 def recompute_extra_bytes(s: ModStats, discarded_bytes: int) -> int:

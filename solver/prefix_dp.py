@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from estimators.module_info import lower_hull_segments
-from solver.plan_cost import fixed_discard_bytes, growth_table, module_recompute_ms
+from estimators.module_info import lower_hull
+from solver.plan_cost import fixed_discard_bytes, growth_hull_segments, module_recompute_ms
 from solver.pwl import Pwl, envelope, infconv_convex, point, truncate_left
 
 if TYPE_CHECKING:
@@ -113,7 +113,8 @@ class PrefixDP:
     """The chain program of one MILP, built once and solved for any budget."""
 
     def __init__(self, n: int, order: np.ndarray, start: np.ndarray,
-                 curves: list[tuple[np.ndarray, np.ndarray]], shift: np.ndarray, sizes: np.ndarray, need: np.ndarray, point_cnt: np.ndarray,
+                 curves: list[tuple[np.ndarray, np.ndarray]], shift: np.ndarray, sizes: np.ndarray,
+                 need: np.ndarray, point_cnt: np.ndarray,
                  point_base: np.ndarray, block_need: list[tuple[float, float]],
                  extras: list[_Extra | None], held: list[tuple[np.ndarray, float]],
                  recompute: list[np.ndarray]) -> None:
@@ -158,7 +159,8 @@ class PrefixDP:
         active = (fw[order][None, :] <= t[:, None]) & (t[:, None] < bw[order][None, :])
         cnt = active.sum(axis=1)
         if not np.array_equal(active, np.arange(n)[None, :] < cnt[:, None]):
-            return "the modules whose discards are gone at some point are not the first ones to end their forward"
+            return ("the modules whose discards are gone at some point are not the first ones to "
+                    "end their forward")
         start = np.empty(n, dtype=np.int64)
         for k in range(n):
             below = sorted(int(pos[j]) for j in nested_below[k])
@@ -220,7 +222,8 @@ class PrefixDP:
         index = {c.node.fqn: k for k, c in enumerate(cands)}
         below = [{index[d.fqn] for d in milp.graph.descendants(c.node.fqn) if d.fqn in index}
                  for c in cands]
-        return cls.build([c.stats for c in cands], [cost[j] for j in milp._y], [cost[j] for j in milp._r], below, milp._memory)
+        return cls.build([c.stats for c in cands], [cost[j] for j in milp._y],
+                         [cost[j] for j in milp._r], below, milp._memory)
 
     # ------------------------------------------------------------------ solve
     def solve(self, budget: float, max_work: int = 200_000) -> DpOutcome | None:
@@ -338,28 +341,17 @@ def _curve(stats: ModStats, tie_y: float, tie_r: float) -> tuple[np.ndarray, np.
     for x, ms in zip(curve.discarded_bytes, curve.recompute_ms):
         if 0 < x < size:
             pts[x] = min(pts.get(x, math.inf), fixed + ms)
-    hull: list[tuple[int, float]] = []
-    for p in sorted(pts.items()):
-        while len(hull) >= 2 and _turn(hull[-2], hull[-1], p) <= 0:
-            hull.pop()
-        hull.append(p)
+    hull = lower_hull(pts.items())
     xs = np.array([x for x, _ in hull], dtype=np.float64)
     ys = np.array([y for _, y in hull]) + tie_y + tie_r * xs / size
     return xs, ys
 
 
-def _turn(o: tuple[int, float], a: tuple[int, float], b: tuple[int, float]) -> float:
-    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
-
-
 def _extra(s: ModStats) -> _Extra:
     """The MILP's term at the recompute point: the legacy transient, or the lower hull of the
     recompute growth less what was discarded, net of the forced discards (``SACMilp``)."""
-    growth = growth_table(s)
-    if not growth:
+    segs = growth_hull_segments(s)
+    if not segs:
         return _Extra(((0.0, float(s.recompute_transient_bytes)),))
-    size = s.sac_memory_bytes
-    pts = [(x / size, float(g - x)) for x, g in zip(s.tradeoff.discarded_bytes, growth)]
-    segs = lower_hull_segments(pts) or [(0.0, pts[0][1])]
     fixed = fixed_discard_bytes(s)
     return _Extra(tuple((a, b - fixed) for a, b in segs))

@@ -42,7 +42,7 @@ def _random_nondecreasing(rng: random.Random, n: int) -> Pwl:
 def _brute(f: Pwl, cx: np.ndarray, cy: np.ndarray, shift: float, x: float) -> float:
     """min over t of c(t) + f(x - t - shift): a PWL in t, least at a vertex of c or where
     x - t - shift is a breakpoint of f (just right of it too, at a jump)."""
-    at_c = np.interp(cx, cx, cy) + f.value(x - shift - cx)
+    at_c = cy + f.value(x - shift - cx)
     ts = x - shift - f.xs  # f at its own breakpoints exactly (no rounding across a jump)
     ok = (ts >= cx[0]) & (ts <= cx[-1])
     at_f = np.interp(ts[ok], cx, cy) + f.ys[ok]
