@@ -312,7 +312,8 @@ def bench_size(n: int, fractions: list[float], torch_limit: float, skip_torch: b
         try:
             res = solve_milp(info, budget, options=_OPTIONS)
             row.update(ours_s=time.perf_counter() - t0, ours_ms=res.recompute_ms,
-                       ours_peak=res.predicted_peak_bytes, size=f"{res.n_variables}/{res.n_constraints}",
+                       ours_peak=res.predicted_peak_bytes, size=("program" if res.solved_by == "program"
+                             else f"{res.solved_by} {res.n_variables}/{res.n_constraints}"),
                        ours_n=len(res.checkpointed), status=res.status.value, gap=res.gap)
         except InfeasibleBudgetError as e:
             row.update(ours_s=time.perf_counter() - t0, infeasible=e.min_reachable_peak_bytes)
@@ -347,7 +348,7 @@ def _fmt_row(r: dict) -> str:
             f"{r['budget'] / GiB:>8.2f} "
             f"{r['ours_s']:>8.2f} {proof:>12} {f(t_s, '>8.2f')}{cap} {speed:>8} {r['ours_ms']:>10.2f} "
             f"{f(r.get('torch_ms'), '>10.2f')} {r['ours_peak'] / GiB:>9.2f} "
-            f"{f(r['torch_peak'] / GiB if 'torch_peak' in r else None, '>9.2f')} {r['size']:>12}{over}")
+            f"{f(r['torch_peak'] / GiB if 'torch_peak' in r else None, '>9.2f')} {r['size']:>18}{over}")
 
 
 def verdicts(rows: list[dict]) -> list[str]:
@@ -416,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         _OPTIONS = SolverOptions(count_branching=False)
 
     print("   kind modules points budget    GiB  ours_s    proof/gap  torch_s   speedup    ours_ms   "
-          "torch_ms ours_peak torch_peak   vars/cons")
+          "torch_ms ours_peak torch_peak          solved by")
     rows = []
     for kind in args.kinds:
         for n in args.sizes:

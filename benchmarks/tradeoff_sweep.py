@@ -165,6 +165,7 @@ def model_write_seconds(info: ModuleInfo, args, options: SolverOptions) -> tuple
     """(SACMilp build, one array hand-over to HiGHS) in seconds: the Python side of a solve."""
     t0 = time.perf_counter()
     milp = SACMilp(info, world_size=args.world_size, options=options)
+    milp._model()  # the MILP itself, which the constructor leaves to the first solve needing it
     build = time.perf_counter() - t0
     import highspy
 

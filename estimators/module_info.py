@@ -32,7 +32,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -178,11 +178,29 @@ class TradeoffCurve:
 def lower_hull(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """Vertices of the lower convex hull of ``points``, left to right (Andrew's monotone chain).
     Torch-free, for the solver too."""
-    hull: list[tuple[float, float]] = []
-    for p in sorted(set(points)):
-        while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
+    pts = sorted(set(points))
+    return [pts[k] for k in lower_hull_indices([x for x, _ in pts], [y for _, y in pts])]
+
+
+def lower_hull_indices(xs: Sequence[float], ys: Sequence[float], i: int = 0,
+                       j: int | None = None) -> list[int]:
+    """Indices of the lower convex hull's vertices among points ``i..j`` (default: all) of
+    ``(xs, ys)``, x nondecreasing, left to right; of points with equal x only the lowest counts.
+    Python lists are several times faster here than numpy arrays (scalar access)."""
+    hull: list[int] = []
+    for k in range(i, len(xs) if j is None else j + 1):
+        xk, yk = xs[k], ys[k]
+        if hull and xs[hull[-1]] == xk:
+            if yk >= ys[hull[-1]]:
+                continue
             hull.pop()
-        hull.append(p)
+        while len(hull) >= 2:
+            o, a = hull[-2], hull[-1]
+            if (xs[a] - xs[o]) * (yk - ys[o]) - (ys[a] - ys[o]) * (xk - xs[o]) <= 0:
+                hull.pop()
+            else:
+                break
+        hull.append(k)
     return hull
 
 
@@ -196,10 +214,6 @@ def lower_hull_segments(points: Iterable[tuple[float, float]]) -> list[tuple[flo
             slope = (y1 - y0) / (x1 - x0)
             segs.append((slope, y0 - slope * x0))
     return segs
-
-
-def _cross(o: tuple[float, float], a: tuple[float, float], b: tuple[float, float]) -> float:
-    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,6 +45,7 @@ the exact peak does not need are given back (``solver.rounding.ExactPlans``).
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import logging
 import math
@@ -96,18 +97,29 @@ def _solver_unit(peak_bytes: int) -> tuple[int, str]:
     peak is under 1 GiB, so coefficients stay near 1 and well above the backend's tolerances."""
     return next(((u, name) for u, name in _UNITS if peak_bytes >= u), _UNITS[-1])
 
-_LOUD_VARIABLES = 1000
-"""Models at least this big log the start and end of each solve at INFO (they may take seconds
-to the whole time limit; the CLI shows INFO as progress)."""
+_LOUD_CANDIDATES = 300
+"""Models of at least this many candidates (about 1,000 variables) log the start and end of
+each solve at INFO (they may take seconds to the whole time limit; the CLI shows INFO as
+progress)."""
 
 _DP_CANDIDATES = 48
-_DP_WORK = 10_000
-"""The exact program (``solver/prefix_dp.py``) is tried on models of at most this many
-candidates, and given up past this much work (then HiGHS solves the model, and the program is
-not tried again on it). Its value functions can grow exponentially. Measured: 194 of 194 random
-trees and stacks of the property tests need under 5,000 units; a 100-module decoder (19
-candidates) 300,000-400,000 at 50-70 % budgets (0.5-0.8 s, HiGHS: 0.006-0.03 s): giving up
-at 10,000 costs it about 0.03 s, at 20,000 0.05-0.08 s."""
+_DP_WORK = 20_000
+_DP_WORK_PER_CANDIDATE = 2_000
+"""The program (``solver/prefix_dp.py``) is tried on every model of at most ``_DP_CANDIDATES``
+candidates and on bigger ones without repeated blocks (stacks of blocks go to HiGHS with count
+branching, which proves them in tenths of a second where the program takes seconds: a
+1,000-module synthetic decoder 2-4 s). It is given up past ``max(_DP_WORK,
+_DP_WORK_PER_CANDIDATE * candidates)`` units of work (then HiGHS solves the model, and the
+program is not tried again on it). Measured with functions held within ``_DP_REL_TOL``: random
+module trees of 1,000 modules (617 candidates) need 220,000-340,000 units (0.2-0.5 s; HiGHS
+2.7-4.9 s), of 2,000 modules 0.84-1.3 million (0.7-1.7 s; HiGHS 13-16 s); 100-module decoders
+1,800-7,000."""
+
+_DP_REL_TOL = (1e-5, 1e-7)
+"""Relative tolerances of the program's value functions (``PrefixDP.solve``'s ``rel_tol``), each
+tried in turn until its plan is proven within ``rel_gap`` (the plan's cost against the bound):
+rel_gap 1e-4 is reached at the first on every random tree and decoder of
+benchmarks/solver_scaling.py (gaps of 1e-16 to 8e-9)."""
 
 _R_NOISE = 1e-9
 """A discard ratio this close to 0 or to y is that bound: backend noise (1e-13 seen), not a plan."""
@@ -217,16 +229,36 @@ class SACMilp:
         self._exact = ExactPlans(self._memory, {n.fqn: n.index for n in self.graph})
         self._min_peak: tuple[int, dict[str, int]] | None = None
         self._program: PrefixDP | str | None = None
-        """The exact program of this model, or why there is none (built at the first solve)."""
-        self._prob: Any = None
+        """The program of this model, or why there is none (built at the first solve)."""
+        self._groups = kind_groups([c.node.fqn for c in self._cands])
+        """Candidates of one kind by name (numbered blocks), for count branching."""
+        curves = collections.Counter((c.stats.sac_memory_bytes, c.segments) for c in self._cands)
+        self._repeated = bool(self._groups) or any(v > 1 for v in curves.values())
+        """Repeated blocks, by name or by data (equal curves): a stack, which the program
+        solves slower than HiGHS does (26 equal blocks named a..z: 0.3 s against 0.05 s)."""
+        self._prob: LinearModel | None = None
+        """The MILP, built where a solve needs it (``_model``): not where the program solves."""
         self._counter: CountBrancher | None = None
-        self.n_symmetry_pairs = 0
-        """Pairs of identical candidates ordered by symmetry-breaking constraints."""
-        if self._cands:
-            self._build()
+        self._n_symmetry_pairs = 0
         self.build_time_s = time.perf_counter() - t0
 
+    @property
+    def n_symmetry_pairs(self) -> int:
+        """Pairs of identical candidates ordered by symmetry-breaking constraints."""
+        if self._cands:
+            self._model()
+        return self._n_symmetry_pairs
+
     # ------------------------------------------------------------------ build
+    def _model(self) -> LinearModel:
+        """The MILP (candidates needed), built at the first call; its time is added to
+        ``build_time_s``."""
+        if self._prob is None:
+            t0 = time.perf_counter()
+            self._build()
+            self.build_time_s += time.perf_counter() - t0
+        return self._prob
+
     def _build(self) -> None:
         self._prob = LinearModel("sac_milp")
         self._add_variables()
@@ -237,9 +269,8 @@ class SACMilp:
         self._add_memory_constraints()
         if self.options.break_symmetry:
             self._add_symmetry_constraints()
-        groups = kind_groups([c.node.fqn for c in self._cands])
-        if self.options.count_branching and self.options.backend is Backend.HIGHS and groups:
-            self._counter = CountBrancher(self._prob, self._y, groups)
+        if self.options.count_branching and self.options.backend is Backend.HIGHS and self._groups:
+            self._counter = CountBrancher(self._prob, self._y, self._groups)
         self._add_budget_constraint()
         self._recompute_objective = self._make_recompute_objective()
 
@@ -371,7 +402,7 @@ class SACMilp:
             if pair.touched_order:
                 terms = [(self._y[k], 1.0) for k in sorted(nested[a] | {a})] + [(self._y[b], -1.0)]
                 self._add(terms, GE, 0.0, f"symmetry_touched_{a}_{b}")
-        self.n_symmetry_pairs = len(pairs)
+        self._n_symmetry_pairs = len(pairs)
 
     def _point_groups(self) -> dict[tuple[int, int, int, tuple[int, ...]], tuple[int, int]]:
         """Points keyed by (#fw_post <= t, #bw_pre <= t, recomputed candidate, candidates whose
@@ -399,24 +430,32 @@ class SACMilp:
         self._budget = self._add([(self._peak, 1.0)], LE,
                                  self._units(self.no_ac_peak_bytes), "budget")
 
-    def _make_recompute_objective(self) -> Any:
+    def tie_break_ms(self) -> tuple[list[float], list[float]]:
+        """Per candidate, the tie-break's cost of checkpointing it (y = 1) and of discarding all
+        it can (r = 1), in the objective's ms: ``_TIE_Y`` / ``_TIE_R``, weighted by position."""
         scale = max((max(a + b for a, b in c.segments) for c in self._cands if c.segments), default=1.0)
         scale = scale if scale > 0 else 1.0
-        terms = [(v, 1.0) for v in self._rct]
         n = len(self._cands)
-        for k, c in enumerate(self._cands):
-            w = 1.0 + c.node.index / max(1, len(self.graph))
-            terms += [(self._y[k], _TIE_Y * scale * w / n), (self._r[k], _TIE_R * scale * w / n)]
+        w = [1.0 + c.node.index / max(1, len(self.graph)) for c in self._cands]
+        return ([_TIE_Y * scale * wk / n for wk in w], [_TIE_R * scale * wk / n for wk in w])
+
+    def _make_recompute_objective(self) -> Any:
+        tie_y, tie_r = self.tie_break_ms()
+        terms = [(v, 1.0) for v in self._rct]
+        for k in range(len(self._cands)):
+            terms += [(self._y[k], tie_y[k]), (self._r[k], tie_r[k])]
         return terms
 
     # ------------------------------------------------------------------ solve
     @property
     def n_variables(self) -> int:
-        return self._prob.n_cols if self._prob is not None else 0
+        """Columns of the MILP (built by this call if it was not yet)."""
+        return self._model().n_cols if self._cands else 0
 
     @property
     def n_constraints(self) -> int:
-        return self._prob.n_rows if self._prob is not None else 0
+        """Rows of the MILP (built by this call if it was not yet)."""
+        return self._model().n_rows if self._cands else 0
 
     def _set_budget(self, budget_units: float) -> None:
         self._prob.set_row_upper(self._budget, budget_units)
@@ -459,22 +498,24 @@ class SACMilp:
         t0 = time.perf_counter()
         budget = _check_budget(budget_bytes)
         if budget >= self.no_ac_peak_bytes:
-            return self._result({}, budget, SolveStatus.OPTIMAL, 0.0, t0)
-        if self._prob is None:
+            return self._result({}, budget, SolveStatus.OPTIMAL, 0.0, t0, "nothing to plan")
+        if not self._cands:
             raise InfeasibleBudgetError(budget, self.no_ac_peak_bytes, self.world_size)
         target = budget
-        loud = self.n_variables >= _LOUD_VARIABLES
+        loud = len(self._cands) >= _LOUD_CANDIDATES
         if loud:  # big graphs can take the whole time limit: say so before, and how it ended
-            logger.info("solving the SAC MILP for a %.2f GiB budget: %d variables, %d constraints, "
-                        "%s, gap %g, time limit %s s", budget / 2**30, self.n_variables,
-                        self.n_constraints, self.options.backend.value, self.options.rel_gap,
-                        self.options.time_limit_s)
+            logger.info("planning %d candidate modules for a %.2f GiB budget (%s, gap %g, time "
+                        "limit %s s)", len(self._cands), budget / 2**30,
+                        self.options.backend.value, self.options.rel_gap, self.options.time_limit_s)
         exact = self._solve_by_program(budget, t0)
         if exact is not None:
             if loud:
-                logger.info("SAC MILP: %s in %.2f s (exact program), recompute %.3f ms",
+                logger.info("SAC MILP: %s in %.2f s (program), recompute %.3f ms",
                             exact.status.value, exact.solve_time_s, exact.recompute_ms)
             return exact
+        if loud:
+            logger.info("SAC MILP: %d variables, %d constraints", self.n_variables, self.n_constraints)
+        self._model()
         for _ in range(3):  # re-solve with a tighter target if rounding cannot be repaired
             self._set_budget(self._units(target))
             self._prob.set_cost(self._recompute_objective)
@@ -500,31 +541,39 @@ class SACMilp:
         if not self.options.dynamic_program:
             return None
         if self.options.write_lp_path is not None:  # the model the program solves, as documented
+            self._model()
             self._set_budget(self._units(budget))
             self._prob.set_cost(self._recompute_objective)
             self._prob.write(self.options)
         if self._program is None:
-            self._program = (PrefixDP.from_milp(self) if len(self._cands) <= _DP_CANDIDATES
-                             else f"more than {_DP_CANDIDATES} candidates")
+            if len(self._cands) > _DP_CANDIDATES and self._repeated:
+                self._program = f"more than {_DP_CANDIDATES} candidates, in repeated blocks"
+            else:
+                self._program = PrefixDP.from_milp(self)
             if isinstance(self._program, str):
                 logger.debug("no exact program: %s", self._program)
         if not isinstance(self._program, PrefixDP):
             return None
-        try:
-            out = self._program.solve(budget, max_work=_DP_WORK)
-        except ProgramTooLarge as e:
-            logger.debug("exact program given up: %s", e)
-            self._program = str(e)
-            return None
-        if out is None:  # no plan fits: the backend path says so with the smallest budget
-            return None
-        gap = (out.objective - out.lower_bound) / max(abs(out.objective), 1e-12)
-        if not gap <= self.options.rel_gap:  # a varying recompute growth left it open
+        max_work = max(_DP_WORK, _DP_WORK_PER_CANDIDATE * len(self._cands))
+        for rel_tol in _DP_REL_TOL:
+            try:
+                out = self._program.solve(budget, max_work=max_work, rel_tol=rel_tol)
+            except ProgramTooLarge as e:
+                logger.debug("exact program given up: %s", e)
+                self._program = str(e)
+                return None
+            if out is None:  # no plan fits: the backend path says so with the smallest budget
+                return None
+            gap = (out.objective - out.lower_bound) / max(abs(out.objective), 1e-12)
+            if gap <= self.options.rel_gap:
+                break
+            logger.debug("program at rel_tol %g: gap %g", rel_tol, gap)
+        else:  # not proven (a varying recompute growth, or functions held too loosely)
             return None
         plan, short = self._exact.settle(self._plan_of(out.discarded), budget, budget)
         if short:
             return None
-        res = self._result(plan, budget, SolveStatus.OPTIMAL, max(0.0, gap), t0)
+        res = self._result(plan, budget, SolveStatus.OPTIMAL, max(0.0, gap), t0, "program")
         return dataclasses.replace(res, milp_objective=out.objective)
 
     def _solve_backend(self, t0: float) -> Any:
@@ -562,7 +611,7 @@ class SACMilp:
         # The min-peak plan discards all it can; the budget may need much less (a byte under
         # the unplanned peak: 1.0 ms where 0.6 ms fits a smaller budget).
         plan = self._exact.polish(self._exact.trim(plan, budget, max(plan.values(), default=0)), budget)
-        fallback = self._result(plan, budget, SolveStatus.FEASIBLE, None, t0)
+        fallback = self._result(plan, budget, SolveStatus.FEASIBLE, None, t0, "min-peak plan")
         other = self._cbc_plan(budget, t0)
         if other is not None and other.recompute_ms < fallback.recompute_ms:
             logger.info("no plan from HiGHS at budget %d (within its tolerance of the smallest "
@@ -595,13 +644,15 @@ class SACMilp:
         if not sol.outcome.has_solution:
             return None
         plan, short = self._exact_plan(sol.values, budget, budget)
-        return None if short else self._solved(plan, budget, sol, t0)
+        return None if short else self._solved(plan, budget, sol, t0, Backend.CBC)
 
-    def _solved(self, plan: dict[str, int], budget: int, sol: Any, t0: float) -> SolveResult:
+    def _solved(self, plan: dict[str, int], budget: int, sol: Any, t0: float,
+                backend: Backend | None = None) -> SolveResult:
         """The result of a backend solution's exact ``plan``: optimal where the backend proved
         its MILP, with the plan's MILP objective."""
         status = SolveStatus.OPTIMAL if sol.outcome.proven else SolveStatus.FEASIBLE
-        res = self._result(plan, budget, status, sol.outcome.gap, t0)
+        res = self._result(plan, budget, status, sol.outcome.gap, t0,
+                           (backend or self.options.backend).value)
         return dataclasses.replace(res, milp_objective=self.objective_of(sol.values))
 
     # ------------------------------------------------------------------ min peak
@@ -615,9 +666,10 @@ class SACMilp:
     def _solve_min_peak(self) -> tuple[int, dict[str, int]]:
         if self._min_peak is not None:
             return self._min_peak
-        if self._prob is None:
+        if not self._cands:
             self._min_peak = (self.no_ac_peak_bytes, {})
             return self._min_peak
+        self._model()
         self._set_budget(self._units(self.no_ac_peak_bytes) + 1.0)  # not binding
         self._prob.set_cost([(self._peak, 1.0)])
         sol = self._prob.solve(self.options, rel_gap=0.0, feasible=True)
@@ -644,7 +696,7 @@ class SACMilp:
 
     # ------------------------------------------------------------------ result
     def _result(self, plan: dict[str, int], budget: int, status: SolveStatus, gap: float | None,
-                t0: float) -> SolveResult:
+                t0: float, solved_by: str) -> SolveResult:
         order = sorted(plan, key=lambda f: self.graph.node(f).index)
         peak = self._memory.peak(plan)
         if peak > budget:  # guaranteed by ExactPlans.repair; a failure here is a bug, not bad input
@@ -657,7 +709,8 @@ class SACMilp:
             no_ac_peak_bytes=self.no_ac_peak_bytes, recompute_ms=rct,
             solve_time_s=time.perf_counter() - t0, gap=gap, budget_bytes=budget,
             world_size=self.world_size, backend=self.options.backend,
-            n_variables=self.n_variables, n_constraints=self.n_constraints,
+            n_variables=self._prob.n_cols if self._prob is not None else 0,
+            n_constraints=self._prob.n_rows if self._prob is not None else 0, solved_by=solved_by,
         )
 
 

@@ -24,10 +24,18 @@ computed exactly; the plan is read back from the stored functions.
 
 It shares nothing with the backend, so it checks HiGHS: on small stacks of blocks HiGHS has
 returned plans as optimal that cost 8.8 % more than the optimum this finds
-(``tests/solver/test_prefix_dp.py``). It does not scale: the value functions are lower envelopes
-of one convex piece per useful combination of choices, and their breakpoints grow exponentially
-(195,000 on a 100-module random tree), so ``SACMilp`` tries it on small models only, under a
-work cap.
+(``tests/solver/test_prefix_dp.py``).
+
+Exact, it does not scale: the value functions are lower envelopes of one convex piece per
+useful combination of choices, and their breakpoints grow exponentially (195,000 on a
+100-module random tree). Most of those pieces differ by next to nothing, so ``solve(rel_tol=)``
+holds each function from below within ``rel_tol`` of its value (``solver.pwl.under_within``):
+every value stays a lower bound on the plans it stands for, the plan read back is a plan of the
+MILP, and the distance between its cost and the bound is the proof. At 1e-5 the bound met the
+plan's cost to 1e-8 on every random tree of benchmarks/solver_scaling.py, with at most 1,000
+breakpoints a function: 1,000 modules in 0.2-0.5 s, 2,000 in 0.7-1.7 s (HiGHS: 2.7-4.9 s and
+13-16 s). Stacks of identical blocks keep many distinct near-ties (a 1,000-module decoder:
+2-4 s), so ``SACMilp`` leaves big stacks to count branching.
 
 When
 ----
@@ -50,7 +58,7 @@ import numpy as np
 
 from estimators.module_info import lower_hull
 from solver.plan_cost import fixed_discard_bytes, growth_hull_segments, module_recompute_ms
-from solver.pwl import Pwl, envelope, infconv_convex, point, truncate_left
+from solver.pwl import Pwl, envelope, infconv_convex, point, truncate_left, under_within
 
 if TYPE_CHECKING:
     from estimators.module_info import ModStats
@@ -174,7 +182,9 @@ class PrefixDP:
         for p_i, p in enumerate(memory.points):
             k = index.get(p.recompute_of) if p.recompute_of is not None else None
             if k is not None:
-                if cnt[p_i] != pos[k]:
+                # Its own block may be partly back already (a child whose backward starts at the
+                # same op, seen in traces): with k planned that block discards nothing anyway.
+                if not start[pos[k]] <= cnt[p_i] <= pos[k]:
                     return f"the recompute point of {stats[k].fqn} sees other discards than its block's"
                 recompute[k].append(p_i)
         held: list[tuple[np.ndarray, float]] = []
@@ -216,32 +226,36 @@ class PrefixDP:
         cands = milp._cands
         if not cands:
             return "no candidates"
-        cost = np.zeros(milp.n_variables)
-        for j, v in milp._recompute_objective:
-            cost[j] += v
+        tie_y, tie_r = milp.tie_break_ms()
         index = {c.node.fqn: k for k, c in enumerate(cands)}
         below = [{index[d.fqn] for d in milp.graph.descendants(c.node.fqn) if d.fqn in index}
                  for c in cands]
-        return cls.build([c.stats for c in cands], [cost[j] for j in milp._y],
-                         [cost[j] for j in milp._r], below, milp._memory)
+        return cls.build([c.stats for c in cands], tie_y, tie_r, below, milp._memory)
 
     # ------------------------------------------------------------------ solve
-    def solve(self, budget: float, max_work: int = 200_000) -> DpOutcome | None:
-        """The least-cost plan within ``budget`` bytes, or None where no plan fits. Where a
-        recompute growth varies with the ratio, ``objective`` is the plan's and
+    def solve(self, budget: float, max_work: int = 200_000, rel_tol: float = 0.0) -> DpOutcome | None:
+        """The least-cost plan within ``budget`` bytes, or None where no plan fits.
+
+        ``rel_tol`` 0: exact. Above 0, every value function is replaced by one under it by at
+        most ``rel_tol`` of its value (``solver.pwl.under_within``): ``lower_bound`` stays a
+        bound on every plan, ``objective`` is the cost of the plan read back, and their distance
+        is the proof (measured: random 1,000-module trees come out exact at 1e-5, in 0.2-0.5 s,
+        where the exact functions grow past 195,000 breakpoints at 100 modules).
+        Where a recompute growth varies with the ratio, ``objective`` is the plan's and
         ``lower_bound`` the relaxation's (equal where the relaxation's plan meets the rows).
         Raises ``ProgramTooLarge`` when the work (breakpoints of the value functions and
         ``_RUN_WORK`` per convex run convolved, summed over the candidates) passes ``max_work``:
         a count, not a clock, so the same input gives the same answer."""
-        low = self._run(budget, "low", max_work)
+        low = self._run(budget, "low", max_work, rel_tol)
         if low is None:
             return None  # even the relaxation has no plan
-        if self.exact or self.model_peak(low[1]) <= budget:
-            return DpOutcome(low[1], low[0], low[0])
-        high = self._run(budget, "high", max_work)
+        bound, plan, cost = low
+        if self.exact or self.model_peak(plan) <= budget:
+            return DpOutcome(plan, cost, min(bound, cost))
+        high = self._run(budget, "high", max_work, rel_tol)
         if high is None:
-            return DpOutcome({}, math.inf, low[0])
-        return DpOutcome(high[1], high[0], low[0])
+            return DpOutcome({}, math.inf, bound)
+        return DpOutcome(high[1], high[2], min(bound, high[2]))
 
     def _block_need(self, i: int, which: str) -> float:
         rest, rec_base = self.block_need[i]
@@ -250,8 +264,9 @@ class PrefixDP:
             return rest
         return max(rest, rec_base + (e.low if which == "low" else e.high))
 
-    def _run(self, budget: float, which: str, max_work: int
-             ) -> tuple[float, dict[int, float]] | None:
+    def _run(self, budget: float, which: str, max_work: int, rel_tol: float
+             ) -> tuple[float, dict[int, float], float] | None:
+        """(least value of the last function: a lower bound, the plan read back, its cost)."""
         n = self.n
         need = self.need - budget
         qs = np.array([self._block_need(i, which) for i in range(n)]) - budget
@@ -265,7 +280,7 @@ class PrefixDP:
             base = truncate_left(g_pre[s], qs[i])
             cx, cy = self.curves[i]
             yes, runs = infconv_convex(base, cx, cy, float(self.shift[i]), cap)
-            pre = envelope([g[i], yes])
+            pre = under_within(envelope([g[i], yes]), rel_tol)
             # A convex run costs a few numpy calls, about _RUN_WORK breakpoints' worth of time.
             work += len(pre.xs) + len(base.xs) + _RUN_WORK * runs
             if work > max_work:
@@ -275,24 +290,23 @@ class PrefixDP:
             g.append(truncate_left(pre, need[i + 1]))
         if g[n].empty:
             return None
-        value = g[n].lowest
-        plan = self._read_back(g_pre, g, need, qs, float(g[n].xs[0]))
-        return value, plan
+        plan, cost = self._read_back(g_pre, g, need, qs, float(g[n].xs[0]))
+        return g[n].lowest, plan, cost
 
     def _read_back(self, g_pre: list[Pwl], g: list[Pwl], need: np.ndarray, qs: np.ndarray,
-                   target: float) -> dict[int, float]:
-        """The plan behind ``g[n]`` at ``target``: walk back through the stored functions,
-        taking at each position the branch whose value is the function's value there."""
+                   target: float) -> tuple[dict[int, float], float]:
+        """The plan behind ``g[n]`` at ``target`` and its cost: walk back through the stored
+        functions, taking at each position the cheaper branch by their values (exact functions:
+        the branch whose value is the function's; functions under the exact ones: still a plan
+        that meets every row, since each step keeps what is left to discard inside the chosen
+        branch's domain)."""
         plan: dict[int, float] = {}
+        cost = 0.0
         a, c, truncated = self.n, target, True
         while a > 0:
             if truncated:  # G_a = Gpre_a held to the need of prefix a
                 c = max(c, need[a])
             i = a - 1
-            v = float(g_pre[a].value(c))
-            if float(g[i].value(c)) <= v + _TIE * max(1.0, abs(v)):
-                a, truncated = i, True  # not planned: G_i at c
-                continue
             s = int(self.start[i])
             base = truncate_left(g_pre[s], qs[i])
             cx, cy = self.curves[i]
@@ -301,11 +315,17 @@ class PrefixDP:
             ds = np.concatenate([cx, c - shift - base.xs])
             ds = ds[(ds >= cx[0]) & (ds <= cx[-1])]
             total = np.interp(ds, cx, cy) + base.value(c - shift - ds)
+            yes = float(total.min()) if len(total) else math.inf
+            no = float(g[i].value(c))
+            if no <= yes + _TIE * max(1.0, abs(yes)):
+                a, truncated = i, True  # not planned: G_i at c
+                continue
             d = float(ds[int(np.argmin(total))])
             plan[int(self.order[i])] = d
+            cost += float(np.interp(d, cx, cy))
             # planned: its block discards nothing, Gpre_s at what is left (its block's needs met)
             a, c, truncated = s, max(c - shift - d, qs[i]), False
-        return plan
+        return plan, cost
 
     # ------------------------------------------------------------------ checks
     def model_peak(self, plan: dict[int, float]) -> float:

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Pwl", "EMPTY", "point", "envelope", "infconv_convex", "truncate_left", "cap_right"]
+from estimators.module_info import lower_hull_indices
+
+__all__ = ["Pwl", "EMPTY", "point", "envelope", "infconv_convex", "truncate_left", "cap_right",
+           "under_within"]
 
 _REL = 1e-12
 """Relative slack under which two slopes are equal (a concave kink smaller than this is not a
@@ -212,3 +215,42 @@ def infconv_convex(f: Pwl, cx: np.ndarray, cy: np.ndarray, shift: float, cap: fl
         part = cap_right(_simplified(xs, ys), cap)
         parts.append(part)
     return envelope(parts), len(runs)
+
+
+def under_within(f: Pwl, rel_tol: float) -> Pwl:
+    """A function with fewer convex runs that is nowhere above ``f`` and nowhere more than
+    ``rel_tol * |f|`` under it (at ``f``'s breakpoints, jumps' upper values included), on the same
+    domain. ``rel_tol`` 0: ``f`` itself.
+
+    Divide and conquer: a stretch of ``f`` is replaced by the lower convex hull of its points
+    where that hull is within the tolerance of every point, else it is split at the point
+    farthest above the hull (at a jump: between its two values). The hull of a stretch's points
+    lies under the stretch, so the result is under ``f`` everywhere; joined at shared points it is
+    continuous except at the jumps kept.
+
+    Why: the lower envelopes of the dynamic program gather pieces that differ by next to nothing
+    (combinations of choices of almost equal cost); merging them below keeps every value a lower
+    bound while the number of pieces stops growing exponentially."""
+    n = len(f.xs)
+    if n <= 2 or rel_tol <= 0:
+        return f
+    xs, ys = f.xs.tolist(), f.ys.tolist()
+    keep: list[int] = []
+    stack = [(0, n - 1)]
+    while stack:
+        i, j = stack.pop()
+        hull = lower_hull_indices(xs, ys, i, j)
+        seg_x, seg_y = f.xs[i:j + 1], f.ys[i:j + 1]
+        err = seg_y - np.interp(seg_x, f.xs[hull], f.ys[hull])
+        m = int(np.argmax(err - rel_tol * np.abs(seg_y)))
+        if err[m] <= rel_tol * abs(seg_y[m]) or j - i <= 1:
+            keep += hull
+            continue
+        m += i
+        if xs[m] == xs[m - 1]:  # the upper value of a jump: split between its two values
+            stack += [(m, j), (i, m - 1)]
+        else:
+            m = min(max(m, i + 1), j - 1)
+            stack += [(m, j), (i, m)]
+    idx = np.unique(np.array(keep, dtype=np.int64))
+    return Pwl(f.xs[idx], f.ys[idx])

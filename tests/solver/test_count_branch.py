@@ -47,7 +47,7 @@ def _values(info, frac: float, *, monkeypatch=None, groups=None) -> None:
     counted, plain = SACMilp(info, options=EXACT), SACMilp(info, options=EXACT_PLAIN)
     lo, hi = plain.min_reachable_peak_bytes(), plain.no_ac_peak_bytes
     budget = lo + int(frac * (hi - lo))
-    if plain._prob is None:
+    if not plain._cands:
         return
     # A budget within 1e-6 of either end is a sliver too: a byte under the no-AC peak (9.5e-7
     # of a MiB unit) needs r ~ 1e-8 of a module, where HiGHS at 1e-8 says "infeasible" (seen at
@@ -56,6 +56,7 @@ def _values(info, frac: float, *, monkeypatch=None, groups=None) -> None:
     inside = lo + 1e-6 * hi < budget < hi - 1e-6 * hi
     values = []
     for m in (counted, plain):
+        m._model()
         m._set_budget(m._units(budget))
         m._prob.set_cost(m._recompute_objective)
         sol = m._solve_backend(time.perf_counter())
@@ -125,6 +126,8 @@ def test_stacks_get_count_rows_and_trees_without_numbered_modules_do_not() -> No
     def check(info):
         m = SACMilp(info, options=EXACT)
         kinds = kind_groups([c.node.fqn for c in m._cands])
+        if m._cands:
+            m._model()
         assert (m._counter is not None) == bool(kinds)
         assert m.n_constraints == SACMilp(info, options=EXACT_PLAIN).n_constraints + len(kinds)
 
@@ -137,6 +140,7 @@ def test_out_of_time_keeps_the_incumbent_without_a_proof() -> None:
     from tests.solver.test_milp import chain
 
     m = SACMilp(chain(), options=SolverOptions(count_branching=False))
+    m._model()
     m._set_budget(m._units(400 * 2**20))
     m._prob.set_cost(m._recompute_objective)
     incumbent = m._prob.solve(m.options)
@@ -161,7 +165,7 @@ def test_warm_relaxation_matches_a_cold_one_after_bound_and_cost_changes() -> No
     from tests.solver.test_milp import chain
 
     m = SACMilp(chain(), options=SolverOptions(count_branching=False))
-    prob = m._prob
+    prob = m._model()
     brancher = CountBrancher(prob, m._y, [list(range(len(m._cands)))])
     n = len(m._cands)
     steps = [(400, (0, n), True), (300, (1, n), True), (300, (0, 1), True), (500, (0, n), False),

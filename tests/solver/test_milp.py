@@ -418,14 +418,15 @@ def test_big_models_log_the_start_and_end_of_a_solve(monkeypatch, caplog) -> Non
 
     import solver.milp as milp_module
 
-    monkeypatch.setattr(milp_module, "_LOUD_VARIABLES", 0)
+    monkeypatch.setattr(milp_module, "_LOUD_CANDIDATES", 0)
     with caplog.at_level(logging.INFO, logger="solver.milp"):
         solve_milp(chain(), 400 * MiB)
     msgs = [r.getMessage() for r in caplog.records]
-    assert any(m.startswith("solving the SAC MILP for a 0.39 GiB budget") for m in msgs), msgs
+    assert any(m.startswith("planning ") and "candidate modules for a 0.39 GiB budget" in m
+               for m in msgs), msgs
     assert any(m.startswith("SAC MILP: optimal in") and m.endswith("recompute 5.000 ms")
                for m in msgs), msgs
-    monkeypatch.setattr(milp_module, "_LOUD_VARIABLES", 10**9)
+    monkeypatch.setattr(milp_module, "_LOUD_CANDIDATES", 10**9)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="solver.milp"):
         solve_milp(chain(), 400 * MiB)

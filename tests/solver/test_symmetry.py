@@ -136,8 +136,9 @@ def _milp_value(m: SACMilp, budget: int) -> float | None:
     """The MILP's optimal recompute time at ``budget`` (None: infeasible), straight from the
     backend: the theorem is about this value, before ``solve`` rounds ratios to bytes (and, a
     byte over, re-solves under a tighter target)."""
-    if m._prob is None:
+    if not m._cands:
         return None
+    m._model()
     m._set_budget(m._units(budget))
     m._prob.set_cost(m._recompute_objective)
     sol = m._prob.solve(m.options)
