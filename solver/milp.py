@@ -115,6 +115,10 @@ module trees of 1,000 modules (617 candidates) need 220,000-340,000 units (0.2-0
 2.7-4.9 s), of 2,000 modules 0.84-1.3 million (0.7-1.7 s; HiGHS 13-16 s); 100-module decoders
 1,800-7,000."""
 
+_DP_ROUNDING = 1e-12
+"""Relative difference of the program's bound and its plan's cost that is float rounding (seen:
+1e-16 to 4e-16 on exact programs; rel_gap 0 refused them)."""
+
 _DP_REL_TOL = (1e-5, 1e-7)
 """Relative tolerances of the program's value functions (``PrefixDP.solve``'s ``rel_tol``), each
 tried in turn until its plan is proven within ``rel_gap`` (the plan's cost against the bound):
@@ -251,12 +255,10 @@ class SACMilp:
 
     # ------------------------------------------------------------------ build
     def _model(self) -> LinearModel:
-        """The MILP (candidates needed), built at the first call; its time is added to
-        ``build_time_s``."""
+        """The MILP (candidates needed), built at the first call (inside a solve, its time is
+        the solve's; ``build_time_s`` is the constructor's)."""
         if self._prob is None:
-            t0 = time.perf_counter()
             self._build()
-            self.build_time_s += time.perf_counter() - t0
         return self._prob
 
     def _build(self) -> None:
@@ -555,17 +557,19 @@ class SACMilp:
         if not isinstance(self._program, PrefixDP):
             return None
         max_work = max(_DP_WORK, _DP_WORK_PER_CANDIDATE * len(self._cands))
-        for rel_tol in _DP_REL_TOL:
+        for attempt, rel_tol in enumerate(_DP_REL_TOL):
             try:
                 out = self._program.solve(budget, max_work=max_work, rel_tol=rel_tol)
             except ProgramTooLarge as e:
-                logger.debug("exact program given up: %s", e)
-                self._program = str(e)
+                logger.debug("program given up: %s", e)
+                if attempt == 0:  # too big for this model: not tried again on it
+                    self._program = str(e)
                 return None
             if out is None:  # no plan fits: the backend path says so with the smallest budget
                 return None
             gap = (out.objective - out.lower_bound) / max(abs(out.objective), 1e-12)
-            if gap <= self.options.rel_gap:
+            # The plan's cost and the bound are summed apart: equal optima differ by rounding.
+            if gap <= self.options.rel_gap + _DP_ROUNDING:
                 break
             logger.debug("program at rel_tol %g: gap %g", rel_tol, gap)
         else:  # not proven (a varying recompute growth, or functions held too loosely)

@@ -249,7 +249,7 @@ def test_a_backward_out_of_reverse_order_is_refused_with_a_reason() -> None:
 def test_benchmark_trees_are_planned_by_the_program_at_the_backend_s_optimum(seed: int) -> None:
     """Random trees of benchmarks/solver_scaling.py (60-240 modules, no repeated blocks): the
     default solve is the program's (functions held within 1e-5), proven, and costs what HiGHS
-    alone proves within rel_gap; the exact program outgrows its cap on all of these."""
+    alone proves within rel_gap; the exact program outgrows its cap on the 120-240-module ones."""
     import sys
     from pathlib import Path
 
@@ -298,6 +298,36 @@ def test_big_stacks_go_to_the_backend_whether_their_blocks_are_numbered_or_not()
         res = m.solve(int(0.5 * info.peak_bytes))
         assert res.solved_by == "highs" and res.status.value == "optimal"
         assert m._program == "more than 48 candidates, in repeated blocks"
+
+
+def test_the_program_decides_at_rel_gap_zero() -> None:
+    """Its plan's cost and its bound are summed apart, 1e-16 off on an exact program
+    (2.123137584924017 against 2.1231375849240166): at rel_gap 0 that was no proof, and about
+    30 % of small models went to HiGHS, the backend the program is there to check."""
+    from pathlib import Path
+
+    info = ModuleInfo.from_json(Path(__file__).parent / "data" / "program_rel_gap_zero.json")
+    for options in (SolverOptions(), SolverOptions(rel_gap=0.0)):
+        res = SACMilp(info, options=options).solve(158_866_925)
+        assert res.solved_by == "program", options
+
+
+def test_a_plan_at_the_smallest_reachable_peak_follows_the_domain_ends() -> None:
+    """At the smallest reachable peak the plan runs along the ends of the value functions'
+    domains, where sums of byte counts near 1e10 differ by 1e-6 with their order: every branch
+    of the read-back was +inf on this 300-module tree and the plan came out 34 GB over (caught
+    in exact bytes; HiGHS then took the budget). Now the program plans it, and it fits."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from solver_scaling import _random_tree, module_info_of
+
+    m = SACMilp(module_info_of(_random_tree(300, seed=0)))
+    lo = m.min_reachable_peak_bytes()
+    res = m.solve(lo)
+    assert res.solved_by == "program" and res.status.value == "optimal"
+    assert res.predicted_peak_bytes <= lo
 
 
 def test_value_functions_past_the_cap_raise() -> None:
