@@ -75,7 +75,8 @@ against one per breakpoint: measured, 20,000 units took 0.45 s on a random 100-m
 (thousands of short runs) and 0.05 s on a 1,000-module one (long runs) before this weight."""
 
 _EDGE = 1e-12
-"""Relative distance past a value function's domain end that is float rounding, not outside."""
+"""Distance past a value function's domain end that is float rounding, not outside: relative to
+the largest memory point (1e-12 of 1e11 B is 0.1 B; plans are whole bytes, settled exactly)."""
 
 _TIE = 1e-9
 """Relative slack under which two values of the program are equal when a plan is read back."""
@@ -305,6 +306,8 @@ class PrefixDP:
         branch's domain)."""
         plan: dict[int, float] = {}
         cost = 0.0
+        # Byte counts near the peak's size are summed in different orders along the way.
+        slack = _EDGE * max(1.0, float(np.max(np.abs(self.point_base))))
         a, c, truncated = self.n, target, True
         while a > 0:
             if truncated:  # G_a = Gpre_a held to the need of prefix a
@@ -317,9 +320,9 @@ class PrefixDP:
             # The best discard lies on a vertex of the curve or where the rest hits a vertex.
             ds = np.concatenate([cx, c - shift - base.xs])
             ds = ds[(ds >= cx[0]) & (ds <= cx[-1])]
-            total = np.interp(ds, cx, cy) + _value_near(base, c - shift - ds)
+            total = np.interp(ds, cx, cy) + _value_near(base, c - shift - ds, slack)
             yes = float(total.min()) if len(total) else math.inf
-            no = float(_value_near(g[i], c))
+            no = float(_value_near(g[i], c, slack))
             if not math.isfinite(min(no, yes)):  # a bug, not an input: HiGHS decides
                 logger.warning("program read-back left the value functions' domain at position "
                                "%d of %d; the backend solves this budget", i, self.n)
@@ -356,17 +359,17 @@ class PrefixDP:
         return float(mem.max())
 
 
-def _value_near(f: Pwl, q: np.ndarray | float) -> np.ndarray:
-    """``f`` at ``q``, arguments past the domain's end by float rounding (``_EDGE`` of their
-    size) taken at the end: a plan at the smallest reachable peak runs along the ends of the
-    domains, where a sum of byte counts near 1e10 comes out 1e-6 short of the same sum taken in
-    another order (every branch was +inf there on a random 1,000-module tree)."""
+def _value_near(f: Pwl, q: np.ndarray | float, slack: float) -> np.ndarray:
+    """``f`` at ``q``, arguments past the domain's end by at most ``slack`` (float rounding)
+    taken at the end: a plan at the smallest reachable peak runs along the ends of the domains,
+    where a sum of byte counts near 1e10 comes out 1e-6 short of the same sum taken in another
+    order (every branch was +inf there on a random 300-module tree); what is left to discard
+    before the first candidate, 0 exactly, came out 1e-7 (a 40-module tree)."""
     q = np.asarray(q, dtype=np.float64)
     if f.empty:
         return f.value(q)
     end = f.xs[-1]
-    near = (q > end) & (q - end <= _EDGE * np.maximum(1.0, np.abs(q)))
-    return f.value(np.where(near, end, q))
+    return f.value(np.where((q > end) & (q - end <= slack), end, q))
 
 
 def _curve(stats: ModStats, tie_y: float, tie_r: float) -> tuple[np.ndarray, np.ndarray]:

@@ -330,6 +330,27 @@ def test_a_plan_at_the_smallest_reachable_peak_follows_the_domain_ends() -> None
     assert res.predicted_peak_bytes <= lo
 
 
+def test_the_read_back_never_leaves_the_domains(caplog) -> None:
+    """What is left to discard before the first candidate, 0 exactly, came out 1e-7 B on this
+    80-module tree (a slack relative to that 1e-7 was no slack): the read-back warned and handed
+    the budget to its second pass. Its slack is now relative to the step's peak."""
+    import logging
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from solver_scaling import _random_tree, module_info_of
+
+    info = module_info_of(_random_tree(80, seed=122))
+    m = SACMilp(info)
+    lo = m.min_reachable_peak_bytes()
+    with caplog.at_level(logging.WARNING, logger="solver.prefix_dp"):
+        for frac in (0.0, 0.0298, 0.3):
+            res = m.solve(lo + int(frac * (info.peak_bytes - lo)))
+            assert res.solved_by == "program"
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
 def test_value_functions_past_the_cap_raise() -> None:
     import sys
     from pathlib import Path
