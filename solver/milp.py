@@ -537,6 +537,17 @@ class SACMilp:
             target -= short + 1024
         return self._fallback(budget, t0, timed_out=False)
 
+    def _program_of_model(self) -> PrefixDP | str:
+        """The program of this model, or why there is none (built at the first call)."""
+        if self._program is None:
+            if len(self._cands) > _DP_CANDIDATES and self._repeated:
+                self._program = f"more than {_DP_CANDIDATES} candidates, in repeated blocks"
+            else:
+                self._program = PrefixDP.from_milp(self)
+            if isinstance(self._program, str):
+                logger.debug("no program: %s", self._program)
+        return self._program
+
     def _solve_by_program(self, budget: int, t0: float) -> SolveResult | None:
         """The plan of the exact program where this model is one it takes (see
         ``_DP_CANDIDATES``), proven within ``rel_gap``; None: the backend decides."""
@@ -547,14 +558,7 @@ class SACMilp:
             self._set_budget(self._units(budget))
             self._prob.set_cost(self._recompute_objective)
             self._prob.write(self.options)
-        if self._program is None:
-            if len(self._cands) > _DP_CANDIDATES and self._repeated:
-                self._program = f"more than {_DP_CANDIDATES} candidates, in repeated blocks"
-            else:
-                self._program = PrefixDP.from_milp(self)
-            if isinstance(self._program, str):
-                logger.debug("no exact program: %s", self._program)
-        if not isinstance(self._program, PrefixDP):
+        if not isinstance(self._program_of_model(), PrefixDP):
             return None
         max_work = max(_DP_WORK, _DP_WORK_PER_CANDIDATE * len(self._cands))
         for attempt, rel_tol in enumerate(_DP_REL_TOL):
@@ -663,8 +667,9 @@ class SACMilp:
     def min_reachable_peak_bytes(self) -> int:
         """Smallest peak any allowed plan reaches (the smallest feasible budget), in bytes.
 
-        The number is reached by a concrete plan; that no plan goes lower is proven up to the
-        backend's tolerance, about 1e-6 of the peak."""
+        The number is reached by a concrete plan. Where the program takes the model, no plan
+        goes lower, to the byte (``PrefixDP.min_budget``, the plan: the least recompute there);
+        else that is proven up to the backend's tolerance, about 1e-6 of the peak."""
         return self._solve_min_peak()[0]
 
     def _solve_min_peak(self) -> tuple[int, dict[str, int]]:
@@ -672,6 +677,10 @@ class SACMilp:
             return self._min_peak
         if not self._cands:
             self._min_peak = (self.no_ac_peak_bytes, {})
+            return self._min_peak
+        by_program = self._min_peak_by_program()
+        if by_program is not None:
+            self._min_peak = by_program
             return self._min_peak
         self._model()
         self._set_budget(self._units(self.no_ac_peak_bytes) + 1.0)  # not binding
@@ -697,6 +706,20 @@ class SACMilp:
         peak = self._memory.peak(plan)
         self._min_peak = (peak, plan) if peak < self.no_ac_peak_bytes else (self.no_ac_peak_bytes, {})
         return self._min_peak
+
+    def _min_peak_by_program(self) -> tuple[int, dict[str, int]] | None:
+        """(peak, plan) at the program's least budget, or None: the backend decides (no
+        program, its two runs disagree, or its plan there does not settle in bytes)."""
+        if not self.options.dynamic_program or not isinstance(self._program_of_model(), PrefixDP):
+            return None
+        least = self._program.min_budget()
+        if least is None or least >= self.no_ac_peak_bytes:
+            return None
+        res = self._solve_by_program(least, time.perf_counter())
+        if res is None:
+            logger.debug("the program's least budget %d did not settle; HiGHS decides", least)
+            return None
+        return res.predicted_peak_bytes, dict(res.discarded_bytes)
 
     # ------------------------------------------------------------------ result
     def _result(self, plan: dict[str, int], budget: int, status: SolveStatus, gap: float | None,

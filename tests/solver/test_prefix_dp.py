@@ -130,6 +130,13 @@ def _check(info: ModuleInfo, frac: float) -> str:
     if isinstance(dp, str):
         return "refused"
     lo, hi = m.min_reachable_peak_bytes(), m.no_ac_peak_bytes
+    # The program's smallest budget (bisection on its domains, its plan there): a plan's exact
+    # peak, never above HiGHS' (a plan's too), under it by at most HiGHS' tolerance.
+    by_program = SACMilp(info)
+    least = by_program.min_reachable_peak_bytes()
+    assert least <= lo and lo - least <= 1e-6 * hi, (least, lo)
+    if by_program._prob is None:  # the program gave it
+        assert predict_peak_bytes(info, by_program._min_peak[1]) == least
     budget = lo + int(frac * (hi - lo))
     if budget - lo <= 1e-6 * hi or budget >= hi:
         return "skipped"  # the smallest peak's sliver is HiGHS' tolerance (test_symmetry.py)
