@@ -45,7 +45,6 @@ the exact peak does not need are given back (``solver.rounding.ExactPlans``).
 from __future__ import annotations
 
 import bisect
-import collections
 import dataclasses
 import logging
 import math
@@ -236,8 +235,8 @@ class SACMilp:
         """The program of this model, or why there is none (built at the first solve)."""
         self._groups = kind_groups([c.node.fqn for c in self._cands])
         """Candidates of one kind by name (numbered blocks), for count branching."""
-        curves = collections.Counter((c.stats.sac_memory_bytes, c.segments) for c in self._cands)
-        self._repeated = bool(self._groups) or any(v > 1 for v in curves.values())
+        curves = {(c.stats.sac_memory_bytes, c.segments) for c in self._cands}
+        self._repeated = bool(self._groups) or len(curves) < len(self._cands)
         """Repeated blocks, by name or by data (equal curves): a stack, which the program
         solves slower than HiGHS does (26 equal blocks named a..z: 0.3 s against 0.05 s)."""
         self._prob: LinearModel | None = None

@@ -153,8 +153,6 @@ class PrefixDP:
         self.extras = extras
         self.held, self.recompute = held, recompute
         self.exact = all(e is None or e.constant for e in extras)
-        self.curve_ends = [float(cx[-1]) for cx, _ in curves]
-        """Per position: the most its candidate can discard on its curve (bytes)."""
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -281,7 +279,7 @@ class PrefixDP:
             if not self._reaches(hi, which):
                 return None  # the unplanned step itself does not fit its own peak: no program
             # No plan peaks under the lowest base less every byte any checkpoint can discard.
-            lo = int(math.floor(float(np.min(self.point_base)) - sum(self.curve_ends)
+            lo = int(math.floor(float(np.min(self.point_base)) - float(np.sum(self.sizes))
                                 - float(np.sum(np.maximum(0.0, self.shift))))) - 1
             while hi - lo > 1:  # invariant: lo has no plan, hi has one
                 mid = (lo + hi) // 2
@@ -292,19 +290,24 @@ class PrefixDP:
     def _reaches(self, budget: float, which: str) -> bool:
         """Whether ``_run`` at ``budget`` ends with a nonempty function: the same recurrence on
         the functions' domain ends only (-inf: empty)."""
-        need = self.need - budget
-        qs = np.array([self._block_need(i, which) for i in range(self.n)]) - budget
-        cap = max(float(np.max(need)), float(np.max(qs))) + float(np.sum(np.maximum(0.0, -self.shift)))
+        need, qs, cap = self._rows(budget, which)
         ends_pre = [0.0]  # point(0, 0)
         end = 0.0 if need[0] <= 0.0 else -math.inf
-        top = self.curve_ends
-        for i in range(self.n):
+        for i in range(self.n):  # a curve's domain ends at its size
             base = ends_pre[int(self.start[i])]
-            yes = min(base + self.shift[i] + top[i], cap) if base >= qs[i] else -math.inf
+            yes = min(base + self.shift[i] + self.sizes[i], cap) if base >= qs[i] else -math.inf
             pre = max(end, yes)
             ends_pre.append(pre)
             end = pre if pre >= need[i + 1] else -math.inf
         return end > -math.inf
+
+    def _rows(self, budget: float, which: str) -> tuple[np.ndarray, np.ndarray, float]:
+        """At ``budget``: each prefix's need, each position's need with it planned (bytes to
+        discard), and the cap past which no function needs to reach."""
+        need = self.need - budget
+        qs = np.array([self._block_need(i, which) for i in range(self.n)]) - budget
+        top = max(float(np.max(need)), float(np.max(qs)))
+        return need, qs, top + float(np.sum(np.maximum(0.0, -self.shift)))
 
     def _block_need(self, i: int, which: str) -> float:
         rest, rec_base = self.block_need[i]
@@ -317,10 +320,7 @@ class PrefixDP:
              ) -> tuple[float, dict[int, float], float] | None:
         """(least value of the last function: a lower bound, the plan read back, its cost)."""
         n = self.n
-        need = self.need - budget
-        qs = np.array([self._block_need(i, which) for i in range(n)]) - budget
-        top = max(float(np.max(need)), float(np.max(qs)))
-        cap = top + float(np.sum(np.maximum(0.0, -self.shift)))
+        need, qs, cap = self._rows(budget, which)
         g_pre: list[Pwl] = [point(0.0, 0.0)]
         g = [truncate_left(g_pre[0], need[0])]
         work = 0
