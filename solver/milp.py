@@ -114,6 +114,13 @@ module trees of 1,000 modules (617 candidates) need 220,000-340,000 units (0.2-0
 2.7-4.9 s), of 2,000 modules 0.84-1.3 million (0.7-1.7 s; HiGHS 13-16 s); 100-module decoders
 1,800-7,000."""
 
+_DP_STACK_WORK_PER_CANDIDATE = 20_000
+"""The program's work cap per candidate on a big stack of blocks, where count branching gave up
+and HiGHS on the whole model is left (it ran into a 20 s limit, gap 0.17-0.48 %, on traced
+GPT-2 / BERT stacks, and 60 s on a T5-large, gap 0.04 %). Measured: GPT-2-medium (74
+candidates) 50,000-380,000 units, 0.1-1.1 s; BERT-large (151) 27,000-145,000; T5-large (291)
+up to about 3.3 million, 10 s."""
+
 _DP_ROUNDING = 1e-12
 """Relative difference of the program's bound and its plan's cost that is float rounding (seen:
 1e-16 to 4e-16 on exact programs; rel_gap 0 refused them)."""
@@ -517,10 +524,24 @@ class SACMilp:
         if loud:
             logger.info("SAC MILP: %d variables, %d constraints", self.n_variables, self.n_constraints)
         self._model()
+        stack_tried = False
         for _ in range(3):  # re-solve with a tighter target if rounding cannot be repaired
             self._set_budget(self._units(target))
             self._prob.set_cost(self._recompute_objective)
-            sol = self._solve_backend(t0)
+            sol = self._count_search(t0)
+            if sol is None and not stack_tried:  # count branching found the search too wide
+                stack_tried = True
+                exact = self._solve_by_program(budget, t0, stack=True)
+                if exact is not None:
+                    if loud:
+                        logger.info("SAC MILP: %s in %.2f s (program, after count branching), "
+                                    "recompute %.3f ms", exact.status.value, exact.solve_time_s,
+                                    exact.recompute_ms)
+                    return exact
+                self._set_budget(self._units(target))  # the program may have written the LP
+                self._prob.set_cost(self._recompute_objective)
+            if sol is None:
+                sol = self._solve_whole(t0)
             out = sol.outcome
             if not out.has_solution:
                 return self._fallback(budget, t0, timed_out=not out.infeasible)
@@ -539,18 +560,24 @@ class SACMilp:
     def _program_of_model(self) -> PrefixDP | str:
         """The program of this model, or why there is none (built at the first call)."""
         if self._program is None:
-            if len(self._cands) > _DP_CANDIDATES and self._repeated:
-                self._program = f"more than {_DP_CANDIDATES} candidates, in repeated blocks"
-            else:
-                self._program = PrefixDP.from_milp(self)
+            self._program = PrefixDP.from_milp(self)
             if isinstance(self._program, str):
                 logger.debug("no program: %s", self._program)
         return self._program
 
-    def _solve_by_program(self, budget: int, t0: float) -> SolveResult | None:
+    @property
+    def _program_first(self) -> bool:
+        """Whether the program is tried before the backend: small models and models without
+        repeated blocks. Big stacks go to count branching first (tenths of a second where it
+        proves them, the program seconds: a 1,000-module synthetic decoder 2-4 s) and to the
+        program only where count branching gives up (see ``_DP_CANDIDATES``)."""
+        return len(self._cands) <= _DP_CANDIDATES or not self._repeated
+
+    def _solve_by_program(self, budget: int, t0: float, *, stack: bool = False) -> SolveResult | None:
         """The plan of the exact program where this model is one it takes (see
-        ``_DP_CANDIDATES``), proven within ``rel_gap``; None: the backend decides."""
-        if not self.options.dynamic_program:
+        ``_DP_CANDIDATES``), proven within ``rel_gap``; None: the backend decides. ``stack``:
+        the program's turn on a big stack of blocks, after count branching."""
+        if not self.options.dynamic_program or not (stack or self._program_first):
             return None
         if self.options.write_lp_path is not None:  # the model the program solves, as documented
             self._model()
@@ -559,7 +586,8 @@ class SACMilp:
             self._prob.write(self.options)
         if not isinstance(self._program_of_model(), PrefixDP):
             return None
-        max_work = max(_DP_WORK, _DP_WORK_PER_CANDIDATE * len(self._cands))
+        per = _DP_STACK_WORK_PER_CANDIDATE if stack else _DP_WORK_PER_CANDIDATE
+        max_work = max(_DP_WORK, per * len(self._cands))
         for attempt, rel_tol in enumerate(_DP_REL_TOL):
             try:
                 out = self._program.solve(budget, max_work=max_work, rel_tol=rel_tol)
@@ -587,17 +615,25 @@ class SACMilp:
         """The backend's solution for the current budget: HiGHS alone, or branching on counts
         (measured: a 50-node HiGHS probe first cost 2.5-10 s on the Llama-3-70B graph, more than
         the whole count search, which proves easy budgets there in 0.4-0.6 s too)."""
+        sol = self._count_search(t0)
+        return sol if sol is not None else self._solve_whole(t0)
+
+    def _count_search(self, t0: float) -> Any:
+        """Count branching's solution, HiGHS' on the whole model where there is no count
+        search, or None where the search is too wide for count branching."""
         if self._counter is None:
             return self._prob.solve(self.options)
         limit = self.options.time_limit_s
-        deadline = None if limit is None else t0 + limit
-        sol = self._counter.solve(self.options, None, deadline, self.options.rel_gap)
-        # None: a search too wide for count branching. Every box refused: at a budget on the
-        # smallest reachable peak a fixed-count MILP may refuse what HiGHS' tolerances accept on
-        # the whole model. Either way HiGHS solves the whole model.
-        if sol is None or sol.outcome.infeasible:
-            return self._prob.solve(options_until(self.options, deadline))
-        return sol
+        sol = self._counter.solve(self.options, None, None if limit is None else t0 + limit,
+                                  self.options.rel_gap)
+        # Every box refused: at a budget on the smallest reachable peak a fixed-count MILP may
+        # refuse what HiGHS' tolerances accept on the whole model, which HiGHS then solves.
+        return self._solve_whole(t0) if sol is not None and sol.outcome.infeasible else sol
+
+    def _solve_whole(self, t0: float) -> Any:
+        """HiGHS' branch and bound on the whole model, within what is left of the time limit."""
+        limit = self.options.time_limit_s
+        return self._prob.solve(options_until(self.options, None if limit is None else t0 + limit))
 
     def _exact_plan(self, values: Any, budget: int, target: int) -> tuple[dict[str, int], int]:
         """The backend's plan in exact bytes: (plan, bytes still over ``budget``). Read, repaired
@@ -709,7 +745,8 @@ class SACMilp:
     def _min_peak_by_program(self) -> tuple[int, dict[str, int]] | None:
         """(peak, plan) at the program's least budget, or None: the backend decides (no
         program, its two runs disagree, or its plan there does not settle in bytes)."""
-        if not self.options.dynamic_program or not isinstance(self._program_of_model(), PrefixDP):
+        if (not self.options.dynamic_program or not self._program_first
+                or not isinstance(self._program_of_model(), PrefixDP)):
             return None
         least = self._program.min_budget()
         if least is None or least >= self.no_ac_peak_bytes:

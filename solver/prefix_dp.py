@@ -167,7 +167,8 @@ class PrefixDP:
         fw = np.array([s.fw_post_op for s in stats], dtype=np.int64)
         bw = np.array([s.bw_pre_op if s.bw_pre_op != -1 else np.iinfo(np.int64).max for s in stats],
                       dtype=np.int64)
-        order = np.array(sorted(range(n), key=lambda k: (fw[k], k)), dtype=np.int64)
+        # A module ends with its last child (same op): children first, a post-order.
+        order = np.array(sorted(range(n), key=lambda k: (fw[k], len(nested_below[k]), k)), dtype=np.int64)
         pos = np.empty(n, dtype=np.int64)
         pos[order] = np.arange(n)
         t = np.array([p.op_index for p in memory.points], dtype=np.int64)
