@@ -77,3 +77,33 @@ def test_a_trace_that_leaves_nothing_costs_no_scan(monkeypatch):
     monkeypatch.setattr(fake_leaks, "_clear", lambda mode, report: scans.append(mode))
     estimate(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), (torch.randn(2, 8),), optimizer="adamw")
     assert scans == []
+
+
+class _RaisesMidForward(torch.nn.Module):
+    """Many fake tensors alive when the forward raises (a T5 without decoder_start_token_id)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(40))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        raise AttributeError("config has no attribute 'decoder_start_token_id'")
+
+
+def test_a_trace_that_raises_scans_the_heap_once_a_level_not_once_a_tensor(monkeypatch):
+    # The traceback keeps the whole fake trace alive; one gc.get_referrers call per fake tensor
+    # (each a scan of the heap) took 4 minutes on a T5-large before the error reached the user.
+    import gc
+
+    calls = []
+    real = gc.get_referrers
+    monkeypatch.setattr(fake_leaks.gc, "get_referrers", lambda *objs: calls.append(len(objs)) or real(*objs))
+    _positions.cache_clear()
+    _positions(16)  # a real entry, left alone
+    with pytest.raises(Exception, match="decoder_start_token_id"):
+        estimate(_RaisesMidForward(), (torch.randn(2, 8),), optimizer="adamw")
+    assert calls and max(calls) > 40  # the fake parameters, at least, in one call
+    assert len(calls) <= fake_leaks._CACHE_SEARCH_DEPTH
+    assert _positions.cache_info().currsize == 1
