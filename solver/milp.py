@@ -104,10 +104,11 @@ progress)."""
 _DP_CANDIDATES = 48
 _DP_WORK = 20_000
 _DP_WORK_PER_CANDIDATE = 2_000
-"""The program (``solver/prefix_dp.py``) is tried on every model of at most ``_DP_CANDIDATES``
-candidates and on bigger ones without repeated blocks (stacks of blocks go to HiGHS with count
-branching, which proves them in tenths of a second where the program takes seconds: a
-1,000-module synthetic decoder 2-4 s). It is given up past ``max(_DP_WORK,
+"""The program (``solver/prefix_dp.py``) is tried first on every model of at most
+``_DP_CANDIDATES`` candidates and on bigger ones without repeated blocks (stacks of blocks go to
+HiGHS with count branching, which proves them in tenths of a second where the program takes
+seconds: a 1,000-module synthetic decoder 2-4 s; and to the program where count branching gives
+up, ``_DP_STACK_WORK_PER_CANDIDATE``). It is given up past ``max(_DP_WORK,
 _DP_WORK_PER_CANDIDATE * candidates)`` units of work (then HiGHS solves the model, and the
 program is not tried again on it). Measured with functions held within ``_DP_REL_TOL``: random
 module trees of 1,000 modules (617 candidates) need 220,000-340,000 units (0.2-0.5 s; HiGHS
