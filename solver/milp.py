@@ -612,29 +612,26 @@ class SACMilp:
         res = self._result(plan, budget, SolveStatus.OPTIMAL, max(0.0, gap), t0, "program")
         return dataclasses.replace(res, milp_objective=out.objective)
 
-    def _solve_backend(self, t0: float) -> Any:
-        """The backend's solution for the current budget: HiGHS alone, or branching on counts
-        (measured: a 50-node HiGHS probe first cost 2.5-10 s on the Llama-3-70B graph, more than
-        the whole count search, which proves easy budgets there in 0.4-0.6 s too)."""
-        sol = self._count_search(t0)
-        return sol if sol is not None else self._solve_whole(t0)
+    def _deadline(self, t0: float) -> float | None:
+        """When the time limit of a solve begun at ``t0`` runs out (perf_counter), or None."""
+        limit = self.options.time_limit_s
+        return None if limit is None else t0 + limit
 
     def _count_search(self, t0: float) -> Any:
-        """Count branching's solution, HiGHS' on the whole model where there is no count
-        search, or None where the search is too wide for count branching."""
+        """Count branching's solution for the current budget (measured: a 50-node HiGHS probe
+        first cost 2.5-10 s on the Llama-3-70B graph, more than the whole count search, which
+        proves easy budgets there in 0.4-0.6 s too); HiGHS' on the whole model where there is
+        no count search; None where the search is too wide for count branching."""
         if self._counter is None:
             return self._prob.solve(self.options)
-        limit = self.options.time_limit_s
-        sol = self._counter.solve(self.options, None, None if limit is None else t0 + limit,
-                                  self.options.rel_gap)
+        sol = self._counter.solve(self.options, None, self._deadline(t0), self.options.rel_gap)
         # Every box refused: at a budget on the smallest reachable peak a fixed-count MILP may
         # refuse what HiGHS' tolerances accept on the whole model, which HiGHS then solves.
         return self._solve_whole(t0) if sol is not None and sol.outcome.infeasible else sol
 
     def _solve_whole(self, t0: float) -> Any:
         """HiGHS' branch and bound on the whole model, within what is left of the time limit."""
-        limit = self.options.time_limit_s
-        return self._prob.solve(options_until(self.options, None if limit is None else t0 + limit))
+        return self._prob.solve(options_until(self.options, self._deadline(t0)))
 
     def _exact_plan(self, values: Any, budget: int, target: int) -> tuple[dict[str, int], int]:
         """The backend's plan in exact bytes: (plan, bytes still over ``budget``). Read, repaired
@@ -675,9 +672,8 @@ class SACMilp:
         19.53 ms, CBC 17.94 ms (tests/solver/test_symmetry.py)."""
         if self.options.backend is not Backend.HIGHS or self._prob.n_cols > _CROSS_CHECK_COLS:
             return None
-        limit = self.options.time_limit_s
         options = options_until(dataclasses.replace(self.options, backend=Backend.CBC),
-                                None if limit is None else t0 + limit)
+                                self._deadline(t0))
         self._set_budget(self._units(budget))
         self._prob.set_cost(self._recompute_objective)
         try:

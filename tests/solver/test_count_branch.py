@@ -59,7 +59,9 @@ def _values(info, frac: float, *, monkeypatch=None, groups=None) -> None:
         m._model()
         m._set_budget(m._units(budget))
         m._prob.set_cost(m._recompute_objective)
-        sol = m._solve_backend(time.perf_counter())
+        t0 = time.perf_counter()
+        sol = m._count_search(t0)  # None: too wide for count branching, the whole model then
+        sol = sol if sol is not None else m._solve_whole(t0)
         assert sol.outcome.proven or not sol.outcome.has_solution
         # The plan's objective, not the backend's: rct columns may carry slack its tolerances
         # allow (1.46e-6 ms under a segment of slope 9.3e6 ms at r = 1.6e-13, one plan from both).

@@ -31,6 +31,19 @@ MANY = settings(max_examples=int(os.environ.get("SAC_PROPERTY_EXAMPLES", "0")) o
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+def _scaling():
+    """benchmarks/solver_scaling.py, whose graphs (random trees, synthetic decoders) these
+    tests share with the benchmark."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module("solver_scaling")
+
+
 # ----------------------------------------------------------------------------- pwl
 def _random_nondecreasing(rng: random.Random, n: int) -> Pwl:
     xs = np.cumsum([rng.choice([0.0, rng.uniform(0.1, 3.0)]) if i else rng.uniform(-2, 2)
@@ -258,11 +271,8 @@ def test_benchmark_trees_are_planned_by_the_program_at_the_backend_s_optimum(see
     """Random trees of benchmarks/solver_scaling.py (60-240 modules, no repeated blocks): the
     default solve is the program's (functions held within 1e-5), proven, and costs what HiGHS
     alone proves within rel_gap; the exact program outgrows its cap on the 120-240-module ones."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from solver_scaling import _random_tree, module_info_of
+    sc = _scaling()
+    _random_tree, module_info_of = sc._random_tree, sc.module_info_of
 
     info = module_info_of(_random_tree(60 * (seed + 1), seed=seed))
     m, alone = SACMilp(info), SACMilp(info, options=HIGHS)
@@ -281,31 +291,21 @@ def test_benchmark_trees_are_planned_by_the_program_at_the_backend_s_optimum(see
             dp.solve(lo + int(0.6 * (info.peak_bytes - lo)), max_work=200_000)
 
 
-def _decoder_root(n_blocks: int):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from solver_scaling import _decoder, _walk, module_info_of
-
-    return _decoder(n_blocks), _walk, module_info_of
-
-
 def test_big_stacks_go_to_the_backend_whether_their_blocks_are_numbered_or_not() -> None:
     """A 17-block synthetic decoder (53 candidates): numbered blocks and the same blocks named
     block_a..block_q (equal curves, no numbers) are both left to the backend first, which proves
     stacks faster than the program (26 equal blocks named a..z: 0.05 s against 0.3 s)."""
     import string
 
-    numbered, _walk, module_info_of = _decoder_root(17)
-    named, _, _ = _decoder_root(17)
-    for m in _walk(named):
+    sc = _scaling()
+    numbered, named = sc._decoder(17), sc._decoder(17)
+    for m in sc._walk(named):
         for i, letter in enumerate(string.ascii_lowercase[:17]):
             m.fqn = m.fqn.replace(f"blocks.{i}.", f"block_{letter}.")
             if m.fqn.endswith(f"blocks.{i}"):
                 m.fqn = m.fqn[: -len(f"blocks.{i}")] + f"block_{letter}"
     for root in (numbered, named):
-        info = module_info_of(root)
+        info = sc.module_info_of(root)
         m = SACMilp(info)
         assert len(m._cands) > 48 and bool(m._groups) == (root is numbered)
         res = m.solve(int(0.5 * info.peak_bytes))
@@ -320,8 +320,8 @@ def test_a_stack_count_branching_gives_up_on_goes_to_the_program(monkeypatch) ->
     gives up on a 17-block decoder; the program's plan is HiGHS' optimum."""
     import solver.count_branch as count_branch
 
-    root, _, module_info_of = _decoder_root(17)
-    info = module_info_of(root)
+    sc = _scaling()
+    info = sc.module_info_of(sc._decoder(17))
     monkeypatch.setattr(count_branch, "_MAX_BOXES", 1)
     for frac in (0.3, 0.5, 0.7):
         budget = int(frac * info.peak_bytes)
@@ -342,8 +342,8 @@ def test_a_module_that_ends_with_its_last_child_is_after_it_in_the_chain() -> No
     just before it") and a traced T5-large went to HiGHS: 60 s, unproven. Children first."""
     import dataclasses
 
-    root, _, module_info_of = _decoder_root(3)
-    info = module_info_of(root)
+    sc = _scaling()
+    info = sc.module_info_of(sc._decoder(3))
     end = {s.fqn: s.fw_post_op for s in info.mod_stats}
     stats = tuple(dataclasses.replace(s, fw_post_op=end[f"{s.fqn}.mlp"])
                   if f"{s.fqn}.mlp" in end else s for s in info.mod_stats)
@@ -351,8 +351,7 @@ def test_a_module_that_ends_with_its_last_child_is_after_it_in_the_chain() -> No
     m = SACMilp(info)
     assert isinstance(PrefixDP.from_milp(m), PrefixDP)
     lo = m.min_reachable_peak_bytes()
-    assert lo == SACMilp(info, options=HIGHS).min_reachable_peak_bytes() or \
-        abs(lo - SACMilp(info, options=HIGHS).min_reachable_peak_bytes()) <= 1e-6 * info.peak_bytes
+    assert abs(lo - SACMilp(info, options=HIGHS).min_reachable_peak_bytes()) <= 1e-6 * info.peak_bytes
     for frac in (0.2, 0.5, 0.8):
         budget = lo + int(frac * (info.peak_bytes - lo))
         res = SACMilp(info).solve(budget)
@@ -378,11 +377,8 @@ def test_a_plan_at_the_smallest_reachable_peak_follows_the_domain_ends() -> None
     domains, where sums of byte counts near 1e10 differ by 1e-6 with their order: every branch
     of the read-back was +inf on this 300-module tree and the plan came out 34 GB over (caught
     in exact bytes; HiGHS then took the budget). Now the program plans it, and it fits."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from solver_scaling import _random_tree, module_info_of
+    sc = _scaling()
+    _random_tree, module_info_of = sc._random_tree, sc.module_info_of
 
     m = SACMilp(module_info_of(_random_tree(300, seed=0)))
     lo = m.min_reachable_peak_bytes()
@@ -396,11 +392,8 @@ def test_the_read_back_never_leaves_the_domains(caplog) -> None:
     80-module tree (a slack relative to that 1e-7 was no slack): the read-back warned and handed
     the budget to its second pass. Its slack is now relative to the step's peak."""
     import logging
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from solver_scaling import _random_tree, module_info_of
+    sc = _scaling()
+    _random_tree, module_info_of = sc._random_tree, sc.module_info_of
 
     info = module_info_of(_random_tree(80, seed=122))
     m = SACMilp(info)
@@ -413,11 +406,7 @@ def test_the_read_back_never_leaves_the_domains(caplog) -> None:
 
 
 def test_value_functions_past_the_cap_raise() -> None:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from solver_scaling import random_tree
+    random_tree = _scaling().random_tree
 
     info = random_tree(100)
     m = SACMilp(info)
