@@ -1,5 +1,5 @@
-"""solver/prefix_dp.py (the MILP as a chain program) against HiGHS on the MILP itself, and
-solver/pwl.py against brute force.
+"""solver/prefix_dp.py (the MILP as a chain program) against HiGHS on the MILP itself
+(solver/pwl.py, its functions, against brute force: tests/solver/test_pwl.py).
 
 The program shares no code with the MILP's backend: agreeing on hundreds of derandomized graphs
 (random trees with forced-recompute jumps, fixed costs, transients and held inputs; stacks of
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
 from solver import SACMilp, SolverOptions, predict_peak_bytes
 from solver.plan_cost import module_recompute_ms
+from solver import prefix_dp
 from solver.prefix_dp import PrefixDP, ProgramTooLarge
-from solver.pwl import Pwl, envelope, infconv_convex, truncate_left, under_within
 from tests.solver.test_milp_properties import module_infos
 from tests.solver.test_symmetry import stacked_infos
 
@@ -42,90 +42,6 @@ def _scaling():
     if bench not in sys.path:
         sys.path.insert(0, bench)
     return importlib.import_module("solver_scaling")
-
-
-# ----------------------------------------------------------------------------- pwl
-def _random_nondecreasing(rng: random.Random, n: int) -> Pwl:
-    xs = np.cumsum([rng.choice([0.0, rng.uniform(0.1, 3.0)]) if i else rng.uniform(-2, 2)
-                    for i in range(n)])
-    ys = np.cumsum([rng.uniform(0.0, 2.0) for _ in range(n)])
-    return Pwl(xs, ys)
-
-
-def _brute(f: Pwl, cx: np.ndarray, cy: np.ndarray, shift: float, x: float) -> float:
-    """min over t of c(t) + f(x - t - shift): a PWL in t, least at a vertex of c or where
-    x - t - shift is a breakpoint of f (just right of it too, at a jump)."""
-    at_c = cy + f.value(x - shift - cx)
-    ts = x - shift - f.xs  # f at its own breakpoints exactly (no rounding across a jump)
-    ok = (ts >= cx[0]) & (ts <= cx[-1])
-    at_f = np.interp(ts[ok], cx, cy) + f.ys[ok]
-    return float(np.concatenate([at_c, at_f]).min())
-
-
-def test_values_jumps_and_domain() -> None:
-    f = Pwl(np.array([0.0, 1.0, 1.0, 3.0]), np.array([1.0, 2.0, 5.0, 6.0]))
-    assert f.value(np.array([-5.0, 0.0, 0.5, 1.0, 2.0, 3.0, 3.5])).tolist() == [1, 1, 1.5, 2, 5.5, 6, math.inf]
-    assert f.right(np.array([-1.0, 1.0, 3.0])).tolist() == [1, 5, math.inf]
-    assert truncate_left(f, 1.0).value(np.array([0.0, 1.0, 2.0])).tolist() == [2, 2, 5.5]
-    assert truncate_left(f, 4.0).empty
-
-
-def test_envelope_of_crossing_lines_and_of_ends() -> None:
-    a = Pwl(np.array([0.0, 4.0]), np.array([0.0, 4.0]))
-    b = Pwl(np.array([0.0, 2.0]), np.array([2.0, 2.0]))
-    e = envelope([a, b])
-    xs = np.linspace(-1, 5, 61)
-    want = np.minimum(a.value(xs), b.value(xs))
-    assert np.allclose(e.value(xs), want)
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_envelope_and_infconv_match_brute_force(seed: int) -> None:
-    rng = random.Random(seed)
-    f, g = _random_nondecreasing(rng, rng.randint(1, 7)), _random_nondecreasing(rng, rng.randint(1, 7))
-    xs = np.linspace(-4, 25, 700)
-    assert np.allclose(envelope([f, g]).value(xs), np.minimum(f.value(xs), g.value(xs)))
-    widths = [rng.uniform(0.1, 2.0) for _ in range(rng.randint(1, 5))]
-    slopes = sorted(rng.uniform(0.0, 3.0) for _ in widths)
-    cx = np.concatenate([[0.0], np.cumsum(widths)])
-    cy = rng.uniform(0, 1) + np.concatenate([[0.0], np.cumsum(np.multiply(widths, slopes))])
-    shift = rng.uniform(-1.0, 1.0)
-    h, _ = infconv_convex(f, cx, cy, shift, cap=math.inf)
-    want = np.array([_brute(f, cx, cy, shift, x) for x in xs])
-    assert np.allclose(h.value(xs), want, rtol=1e-9, atol=1e-9)
-
-
-def test_a_concave_kink_of_tiny_slopes_is_not_taken_as_convex() -> None:
-    """Slopes are ms per byte: a concave kink of 2e-8 -> 2e-8 - 9e-13 ms/B must split the runs
-    (an absolute tolerance of 1e-12 merged them and the convolution came out 3.6e-3 ms low)."""
-    w = 4e9
-    s1, s2 = 2.0e-8, 2.0e-8 - 9e-13
-    f = Pwl(np.array([0.0, w, 2 * w]), np.array([0.0, s1 * w, s1 * w + s2 * w]))
-    cx, cy = np.array([0.0, w]), np.array([0.0, 1.0e-8 * w])
-    h, runs = infconv_convex(f, cx, cy, 0.0, cap=math.inf)
-    assert runs == 2
-    assert float(h.value(2 * w)) == pytest.approx(_brute(f, cx, cy, 0.0, 2 * w), rel=1e-12)
-
-
-@pytest.mark.parametrize("seed", range(40))
-@pytest.mark.parametrize("rel_tol", [1e-6, 1e-3, 0.2])
-def test_under_within_stays_under_and_within_the_tolerance(seed: int, rel_tol: float) -> None:
-    """At every argument (breakpoints, just right of jumps, and between): never above ``f``,
-    never more than ``rel_tol * f`` under it, the same domain; a tolerance of 0.2 must merge."""
-    rng = random.Random(seed)
-    f = _random_nondecreasing(rng, rng.randint(2, 40))
-    g = under_within(f, rel_tol)
-    xs = np.concatenate([f.xs, np.linspace(f.xs[0] - 1, f.xs[-1] + 1, 2000)])
-    for at in (f.value, f.right):
-        a, b = at(xs), (g.value if at == f.value else g.right)(xs)
-        inside = np.isfinite(a)
-        assert np.array_equal(inside, np.isfinite(b)), "the domain changed"
-        assert np.all(b[inside] <= a[inside] + 1e-12 * np.abs(a[inside]))
-        assert np.all(a[inside] - b[inside] <= rel_tol * np.abs(a[inside]) + 1e-12)
-    assert len(g.xs) <= len(f.xs)
-    if rel_tol == 0.2 and len(f.xs) > 10:
-        assert len(g.xs) < len(f.xs)
-    assert under_within(f, 0.0) is f
 
 
 # ----------------------------------------------------------------------------- the program
@@ -267,10 +183,12 @@ def test_a_backward_out_of_reverse_order_is_refused_with_a_reason() -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_benchmark_trees_are_planned_by_the_program_at_the_backend_s_optimum(seed: int) -> None:
+def test_benchmark_trees_are_planned_by_the_program_at_the_backend_s_optimum(seed: int, monkeypatch) -> None:
     """Random trees of benchmarks/solver_scaling.py (60-240 modules, no repeated blocks): the
     default solve is the program's (functions held within 1e-5), proven, and costs what HiGHS
-    alone proves within rel_gap; the exact program outgrows its cap on the 120-240-module ones."""
+    alone proves within rel_gap; the exact program's functions stay small (rounding is not a
+    breakpoint: the 60-module tree's had 11,858 points, 30 of them real) and its bound is its
+    plan's cost."""
     sc = _scaling()
     _random_tree, module_info_of = sc._random_tree, sc.module_info_of
 
@@ -285,10 +203,13 @@ def test_benchmark_trees_are_planned_by_the_program_at_the_backend_s_optimum(see
         assert a.predicted_peak_bytes <= budget
         assert abs(a.recompute_ms - b.recompute_ms) <= 1e-4 * max(a.recompute_ms, b.recompute_ms)
         assert m._prob is None  # the MILP was never built
-    if seed:
-        dp = PrefixDP.from_milp(m)
-        with pytest.raises(ProgramTooLarge):
-            dp.solve(lo + int(0.6 * (info.peak_bytes - lo)), max_work=200_000)
+    dp = PrefixDP.from_milp(m)
+    sizes = []
+    monkeypatch.setattr(prefix_dp, "under_within", lambda f, tol: sizes.append(len(f.xs)) or f)
+    out = dp.solve(lo + int(0.6 * (info.peak_bytes - lo)), max_work=200_000)
+    # Exact but for the read-back's ties (each step may take a branch _TIE dearer).
+    assert out.objective - out.lower_bound <= prefix_dp._TIE * dp.n * out.objective
+    assert max(sizes) <= 100, max(sizes)  # 19-90 measured; 11,858 before
 
 
 def test_big_stacks_go_to_the_backend_whether_their_blocks_are_numbered_or_not() -> None:
