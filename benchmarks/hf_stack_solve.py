@@ -11,7 +11,7 @@ rel_gap 1e-4, count branching, the program). Printed per budget: seconds, what m
 ("program" or "highs"), the status and gap; the verdict counts budgets proven within 1e-4 and
 the slowest solve.
 
-Why: these stacks wore count branching out (64 boxes, no proof), and HiGHS on the whole model
+Why: these stacks wore count branching out (64 boxes then, 24 now, no proof), and HiGHS on the whole model
 ran into its time limit (GPT-2-medium and BERT-large: 20 s, gap 0.17-0.48 %; T5-large: 60 s,
 gap 0.04 %); the program proves them. T5's blocks end with their last layer (same op), which the
 program had refused.

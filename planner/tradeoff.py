@@ -66,7 +66,9 @@ class PointStatus(str, enum.Enum):
     OPTIMAL = "optimal"
     """Least recompute time, proven within ``SolverOptions.rel_gap``."""
     FEASIBLE = "feasible"
-    """Fits, but the time limit stopped the search before optimality was proven (see ``gap``)."""
+    """Fits, but not proven least: the time limit stopped the search (see ``gap``), or a plan
+    traced below the MILP's smallest reachable peak (a module that runs more than once per step,
+    which the MILP under-rates: ``TradeoffTable.notes``)."""
     INFEASIBLE = "infeasible"
     """Below the smallest peak any plan reaches (``TradeoffTable.min_reachable_peak_bytes``)."""
     TIMEOUT = "timeout"
@@ -132,6 +134,9 @@ class TradeoffTable:
     """Building the MILP and finding the smallest reachable peak (paid once)."""
     sweep_time_s: float = 0.0
     """All the per-budget solves together."""
+    notes: tuple[str, ...] = ()
+    """What the table should be read with, e.g. a module called more than once per step whose
+    fully checkpointed plan, traced, peaks under the MILP's smallest reachable peak."""
 
     @property
     def feasible_rows(self) -> tuple[TradeoffPoint, ...]:
@@ -231,6 +236,11 @@ def _check_budgets(budgets: Sequence[float]) -> list[int]:
 def _module_info(model_or_info: Any, inputs, loss_fn, optimizer, device, step=None,
                  estimate_options=None) -> ModuleInfo:
     """A ModuleInfo as is, an Estimate's, or one traced from a model (once)."""
+    return _traced(model_or_info, inputs, loss_fn, optimizer, device, step, estimate_options)[0]
+
+
+def _traced(model_or_info: Any, inputs, loss_fn, optimizer, device, step=None, estimate_options=None):
+    """(ModuleInfo, the Estimate where a model was traced here or None)."""
     from estimators.estimation import Estimate
     from estimators.module_info import ModuleInfo
 
@@ -238,9 +248,9 @@ def _module_info(model_or_info: Any, inputs, loss_fn, optimizer, device, step=No
         raise ValueError("estimate_options says how to trace a model; this sweep was given a "
                          f"{type(model_or_info).__name__}, traced already: leave estimate_options out")
     if isinstance(model_or_info, ModuleInfo):
-        return model_or_info
+        return model_or_info, None
     if isinstance(model_or_info, Estimate):
-        return model_or_info.module_info
+        return model_or_info.module_info, None
     import torch
 
     if isinstance(model_or_info, torch.nn.Module):
@@ -250,7 +260,7 @@ def _module_info(model_or_info: Any, inputs, loss_fn, optimizer, device, step=No
         with hf_cache_off(model_or_info):  # trace the step as it runs once a plan is applied
             est = estimate(model_or_info, inputs, step=step, loss_fn=loss_fn, optimizer=optimizer,
                            device=device, options=estimate_options or EstimateOptions())
-        return est.module_info
+        return est.module_info, est
     raise TypeError(
         "tradeoff_curve needs a torch.nn.Module, an estimators Estimate or a ModuleInfo; got "
         f"{type(model_or_info).__name__}"
@@ -319,19 +329,28 @@ def tradeoff_curve(
     if checked is None:
         _check_n_points(n_points)  # before the trace and the min-peak solve
     extra = _budget_values(extra_budgets, "extra_budgets")
-    info = _module_info(model_or_module_info, inputs, loss_fn, optimizer, device, step, estimate_options)
+    info, est = _traced(model_or_module_info, inputs, loss_fn, optimizer, device, step, estimate_options)
     t0 = time.perf_counter()
     milp = SACMilp(info, world_size=world_size, options=solver_options)
     min_peak = milp.min_reachable_peak_bytes()
+    notes: list[str] = []
+    below = None  # a plan traced under the MILP's floor (shared modules), as a row
+    if est is not None and world_size == 1:
+        below, note = _shared_floor_row(model_or_module_info, est, milp, min_peak, step_ms=info.step_runtime_ms,
+                                        options=solver_options)
+        notes += [note] if note else []
+    else:
+        notes += _shared_untraced_note(info)
+    floor = below.predicted_peak_bytes if below is not None else min_peak
     build_s = time.perf_counter() - t0
-    if checked is not None and max(checked) * 2**20 <= min_peak:
+    if checked is not None and max(checked) * 2**20 <= floor:
         raise ValueError(
             f"every budget is over a million times below the smallest reachable peak "
-            f"({min_peak:,} bytes): budgets are bytes per rank, not GiB; pass "
+            f"({floor:,} bytes): budgets are bytes per rank, not GiB; pass "
             f"[int(g * 2**30) for g in budgets] (got {list(budgets)[:6]})"
         )
     if checked is None:
-        checked = default_budgets(min_peak, milp.no_ac_peak_bytes, n_points)
+        checked = default_budgets(floor, milp.no_ac_peak_bytes, n_points)
     checked = sorted(set(checked) | set(extra))
     step_ms = info.step_runtime_ms
     t1 = time.perf_counter()
@@ -343,6 +362,8 @@ def tradeoff_curve(
             # Optimal at a larger budget and fits this one: optimal here too (the least
             # recompute never falls as the budget shrinks), within the same proven gap.
             rows.append(replace(prev, budget_bytes=budget, solve_time_s=0.0))
+        elif below is not None and below.predicted_peak_bytes <= budget < min_peak:
+            rows.append(replace(below, budget_bytes=budget))  # under the MILP's floor: traced
         else:
             rows.append(_solve_point(milp, budget, min_peak, step_ms))
         logger.debug("budget %d: %s in %.3fs", budget, rows[-1].status.value, rows[-1].solve_time_s)
@@ -351,11 +372,61 @@ def tradeoff_curve(
         rows=mark_pareto(rows),
         step_ms=step_ms,
         no_ac_peak_bytes=milp.no_ac_peak_bytes,
-        min_reachable_peak_bytes=min_peak,
+        min_reachable_peak_bytes=floor,
         world_size=milp.world_size,
         build_time_s=build_s,
         sweep_time_s=time.perf_counter() - t1,
+        notes=tuple(notes),
     )
+
+
+def _shared_untraced_note(info) -> list[str]:
+    """The shared-module note where there is no model to trace (a ModuleInfo, an Estimate, or
+    world_size > 1): the floor stated is the MILP's, which may be above what is reachable."""
+    from planner import plan_notes
+    from planner.solve import _allowed_units, _shared_modules
+
+    allowed, excluded = _allowed_units(info, None)
+    note = plan_notes.shared_note(info, _shared_modules(info, allowed, excluded))
+    return [note + "; this table states the MILP's floor (pass the model, world_size 1, to trace "
+            "that plan)"] if note else []
+
+
+def _shared_floor_row(model, est, milp: SACMilp, min_peak: int, *, step_ms: float,
+                      options: SolverOptions | None) -> tuple[TradeoffPoint | None, str]:
+    """For a model with modules that run more than once per step, the plan ``solve_sac`` takes
+    under the MILP's floor (the min-peak plan with those modules fully checkpointed), traced:
+    a row where it peaks under ``min_peak``, and the note to read the table with. The MILP
+    prices such a module with one window, so its floor can sit above what is reachable: a
+    block applied 3 times stated 291,884 B where this plan measures 217,644 B."""
+    from planner import plan_notes
+    from planner.checkpointing import hf_cache_off
+    from planner.solve import _allowed_units, _shared_full_plan, _shared_modules
+
+    info = est.module_info
+    allowed, excluded = _allowed_units(info, None)
+    shared = _shared_modules(info, allowed, excluded)
+    if not shared:
+        return None, ""
+    note = plan_notes.shared_note(info, shared)
+    try:
+        with hf_cache_off(model):
+            found = _shared_full_plan(model, est, info, milp, shared, options)
+    except Exception as exc:  # the extra row must never cost the sweep itself
+        logger.warning("could not trace the plan with %s fully checkpointed: %s", ", ".join(shared), exc)
+        found = None
+    if found is None:
+        return None, note
+    _, modules, planned = found
+    peak = max(planned.first_step_peak_bytes, planned.steady_peak_bytes)
+    if peak >= min_peak:
+        return None, note
+    recompute = sum(m.recompute_ms for m in modules)
+    return TradeoffPoint(
+        budget_bytes=peak, status=PointStatus.FEASIBLE, predicted_peak_bytes=peak,
+        recompute_ms=recompute, recompute_pct_of_step=100.0 * recompute / step_ms if step_ms > 0 else None,
+        checkpointed=tuple(m.fqn for m in modules),
+    ), note + f"; rows from {peak:,} B to the MILP's floor ({min_peak:,} B) are that plan, traced"
 
 
 # ----------------------------------------------------------------------------- step time curves

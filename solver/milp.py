@@ -106,21 +106,21 @@ _DP_WORK = 20_000
 _DP_WORK_PER_CANDIDATE = 2_000
 """The program (``solver/prefix_dp.py``) is tried first on every model of at most
 ``_DP_CANDIDATES`` candidates and on bigger ones without repeated blocks (stacks of blocks go to
-HiGHS with count branching, which proves them in tenths of a second where the program takes
-seconds: a 1,000-module synthetic decoder 2-4 s; and to the program where count branching gives
-up, ``_DP_STACK_WORK_PER_CANDIDATE``). It is given up past ``max(_DP_WORK,
+HiGHS with count branching, which proves them faster: a 1,000-module synthetic decoder 0.1-0.3 s,
+the program 0.4-0.5 s; and to the program where count branching gives up,
+``_DP_STACK_WORK_PER_CANDIDATE``). It is given up past ``max(_DP_WORK,
 _DP_WORK_PER_CANDIDATE * candidates)`` units of work (then HiGHS solves the model, and the
 program is not tried again on it). Measured with functions held within ``_DP_REL_TOL``: random
-module trees of 1,000 modules (617 candidates) need 220,000-340,000 units (0.2-0.5 s; HiGHS
-2.7-4.9 s), of 2,000 modules 0.84-1.3 million (0.7-1.7 s; HiGHS 13-16 s); 100-module decoders
-1,800-7,000."""
+module trees of 1,000 modules (617 candidates) need 220,000-340,000 units (0.5-0.65 s; HiGHS
+2.7-4.9 s), of 2,000 modules 0.84-1.3 million (1.4-1.7 s; HiGHS 13-16 s); 100-module decoders,
+exact, 2,700-6,900."""
 
 _DP_STACK_WORK_PER_CANDIDATE = 20_000
 """The program's work cap per candidate on a big stack of blocks, where count branching gave up
 and HiGHS on the whole model is left (it ran into a 20 s limit, gap 0.17-0.48 %, on traced
-GPT-2 / BERT stacks, and 60 s on a T5-large, gap 0.04 %). Measured: GPT-2-medium (74
-candidates) 50,000-380,000 units, 0.1-1.1 s; BERT-large (151) 27,000-145,000; T5-large (291)
-up to about 3.3 million, 10 s."""
+GPT-2 / BERT stacks, and 60 s on a T5-large, gap 0.04 %). Measured, exact: GPT-2-medium (74
+candidates) 33,000-88,000 units, 0.1-0.15 s; BERT-large (151) 42,000-79,000; Whisper (124)
+76,000-103,000; T5-large (291) 236,000-950,000, 0.6-1.6 s."""
 
 _DP_ROUNDING = 1e-12
 """Relative difference of the program's bound and its plan's cost that is float rounding (seen:
@@ -575,7 +575,7 @@ class SACMilp:
     def _program_first(self) -> bool:
         """Whether the program is tried before the backend: small models and models without
         repeated blocks. Big stacks go to count branching first (tenths of a second where it
-        proves them, the program seconds: a 1,000-module synthetic decoder 2-4 s) and to the
+        proves them, the program 0.4-0.5 s on a 1,000-module synthetic decoder) and to the
         program only where count branching gives up (see ``_DP_CANDIDATES``)."""
         return len(self._cands) <= _DP_CANDIDATES or not self._repeated
 

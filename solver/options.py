@@ -119,7 +119,7 @@ class SolverOptions:
     ``solver.symmetry``) and searched by count (``count_branching``); graphs without repeated
     blocks are proven by the program (``dynamic_program``). Measured on a 2-core CPU: the traced
     Llama-3-70B graph proves each of 20 sweep budgets in <= 0.49 s, 1000-module synthetic
-    decoders in 0.1-0.3 s, random 1000-module trees (no repeated blocks) in 0.4-0.5 s. At
+    decoders in 0.1-0.3 s, random 1000-module trees (no repeated blocks) in 0.5-0.65 s. At
     ``time_limit_s`` the best plan found is returned with status FEASIBLE
     (benchmarks/solver_scaling.py, benchmarks/tradeoff_sweep.py)."""
     break_symmetry: bool = True
@@ -136,10 +136,10 @@ class SolverOptions:
     before asking the backend, proven within ``rel_gap`` by its own bound: every such model of
     at most 48 candidates (on small stacks of blocks HiGHS has called plans optimal that cost
     8.8 % and 15 % more than the optimum, tests/solver/test_prefix_dp.py) and bigger ones
-    without repeated blocks (random 1,000-module trees in 0.4-0.5 s, where HiGHS takes
+    without repeated blocks (random 1,000-module trees in 0.5-0.65 s, where HiGHS takes
     2.7-4.9 s). Stacks of blocks beyond 48 candidates go to count branching first and to the
-    program where it gives up (traced GPT-2-medium, BERT-large, T5-large: 0.5-10 s proven,
-    where HiGHS on the whole model ran into a 20-60 s limit); models the program cannot take,
+    program where it gives up (traced GPT-2-medium, BERT-large, Whisper, T5-large: 0.2-1.7 s
+    proven, where HiGHS on the whole model ran into a 20-60 s limit); models the program cannot take,
     and those that outgrow its work cap, go to the backend. False: the backend alone."""
     threads: int = 1
     """Backend threads. 1 keeps results reproducible run to run."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import math
@@ -318,3 +319,35 @@ def test_the_curve_leaves_out_the_modules_solve_sac_refuses_to_checkpoint():
     assert table.min_reachable_peak_bytes == table.no_ac_peak_bytes
     with pytest.raises(PlanningError, match="left out as unsafe|Left out as unsafe"):
         solve_sac(model, (table.no_ac_peak_bytes - 1024) / 2**30, step=step)
+
+
+def test_a_module_called_twice_gets_the_traced_floor_solve_sac_reaches():
+    """A block applied twice: the MILP prices it with one window, so its floor (3,101,632 B) sat
+    above what ``solve_sac`` reaches with the block fully checkpointed (2,578,368 B, measured).
+    The table states the reachable floor, fills the budgets under the MILP's floor with that
+    traced plan, and says why; given a ModuleInfo alone it says the floor is the MILP's."""
+    from planner import apply_plan, solve_sac
+    from planner.measure import measure_steps
+    from tests.planner.test_solve import _SharedBlockNet
+
+    torch.manual_seed(0)
+    model, x = _SharedBlockNet(), torch.randn(256, 64)
+    step = TrainStep(inputs=(x,), optimizer="adamw")
+    table = tradeoff_curve(model, step=step, n_points=4)
+    assert table.min_reachable_peak_bytes == 2_578_368
+    floor_row = table.rows[0]
+    assert floor_row.status is PointStatus.FEASIBLE and floor_row.predicted_peak_bytes == 2_578_368
+    assert "_SharedBlockNet.shared" in floor_row.checkpointed
+    milp_floor = SACMilp(estimate(model, step=step, device="cpu").module_info).min_reachable_peak_bytes()
+    assert milp_floor > 2_578_368
+    assert all(r.feasible and r.predicted_peak_bytes <= r.budget_bytes for r in table.rows)
+    assert any("_SharedBlockNet.shared (2 calls)" in n and f"{milp_floor:,} B" in n for n in table.notes)
+    plan = solve_sac(model, budget_gib=table.min_reachable_peak_bytes / 2**30, step=step, reserve_gib=0)
+    assert plan.predicted_peak_bytes == table.min_reachable_peak_bytes
+    mine = copy.deepcopy(model)
+    with apply_plan(mine, plan):
+        steps = measure_steps(mine, step, torch.optim.AdamW(mine.parameters()), n_steps=3)
+    assert [s.peak_bytes for s in steps[1:]] == [table.min_reachable_peak_bytes] * 2
+    untraced = tradeoff_curve(estimate(model, step=step, device="cpu").module_info, n_points=2)
+    assert untraced.min_reachable_peak_bytes == milp_floor
+    assert any("states the MILP's floor" in n for n in untraced.notes)
