@@ -319,6 +319,9 @@ def tradeoff_curve(
     Large models want ``SolverOptions(time_limit_s=...)``: every point pays up to that limit.
     ``estimate_options``: how a model is traced (``EstimateOptions``, as for ``solve_sac``), e.g.
     ``EstimateOptions(mode=TraceMode.REAL)`` for a model whose fake trace is refused.
+    A model with modules that run more than once per step (weight sharing) is traced once more,
+    with those fully checkpointed, as ``solve_sac`` does under the MILP's floor: the table's
+    floor is then what ``solve_sac`` reaches, and ``notes`` says so.
 
     Example::
 
@@ -336,8 +339,8 @@ def tradeoff_curve(
     notes: list[str] = []
     below = None  # a plan traced under the MILP's floor (shared modules), as a row
     if est is not None and world_size == 1:
-        below, note = _shared_floor_row(model_or_module_info, est, milp, min_peak, step_ms=info.step_runtime_ms,
-                                        options=solver_options)
+        below, note = _shared_floor_row(model_or_module_info, est, milp, min_peak,
+                                        step_ms=info.step_runtime_ms, options=solver_options)
         notes += [note] if note else []
     else:
         notes += _shared_untraced_note(info)
@@ -362,10 +365,12 @@ def tradeoff_curve(
             # Optimal at a larger budget and fits this one: optimal here too (the least
             # recompute never falls as the budget shrinks), within the same proven gap.
             rows.append(replace(prev, budget_bytes=budget, solve_time_s=0.0))
-        elif below is not None and below.predicted_peak_bytes <= budget < min_peak:
-            rows.append(replace(below, budget_bytes=budget))  # under the MILP's floor: traced
         else:
-            rows.append(_solve_point(milp, budget, min_peak, step_ms))
+            row = _solve_point(milp, budget, min_peak, step_ms)
+            if (below is not None and below.predicted_peak_bytes <= budget
+                    and (not row.feasible or below.recompute_ms < row.recompute_ms)):
+                row = replace(below, budget_bytes=budget)  # the traced plan fits, and for less
+            rows.append(row)
         logger.debug("budget %d: %s in %.3fs", budget, rows[-1].status.value, rows[-1].solve_time_s)
     rows.reverse()
     return TradeoffTable(
@@ -424,9 +429,11 @@ def _shared_floor_row(model, est, milp: SACMilp, min_peak: int, *, step_ms: floa
     recompute = sum(m.recompute_ms for m in modules)
     return TradeoffPoint(
         budget_bytes=peak, status=PointStatus.FEASIBLE, predicted_peak_bytes=peak,
-        recompute_ms=recompute, recompute_pct_of_step=100.0 * recompute / step_ms if step_ms > 0 else None,
+        recompute_ms=recompute,
+        recompute_pct_of_step=100.0 * recompute / step_ms if step_ms > 0 else None,
         checkpointed=tuple(m.fqn for m in modules),
-    ), note + f"; rows from {peak:,} B to the MILP's floor ({min_peak:,} B) are that plan, traced"
+    ), note + (f"; rows from {peak:,} B take that plan, traced, where the MILP has none (under its "
+               f"floor, {min_peak:,} B) or a dearer one")
 
 
 # ----------------------------------------------------------------------------- step time curves

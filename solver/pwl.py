@@ -102,14 +102,16 @@ def _simplified(xs: np.ndarray, ys: np.ndarray) -> Pwl:
         # Slopes within _REL, or the point off its neighbours' line (cross / (dx0 + dx1)) by
         # rounding: points a fraction of a byte apart carry slopes with a few digits only (dy is
         # a 1e-8 sliver of y), so the slope test alone kept collinear points by the thousand.
-        tol = np.maximum(_REL * (np.abs(dx0 * dy1) + np.abs(dy0 * dx1)), _ULPS * np.abs(ys[1:-1]) * (dx0 + dx1))
+        tol = np.maximum(_REL * (np.abs(dx0 * dy1) + np.abs(dy0 * dx1)),
+                         _ULPS * np.abs(ys[1:-1]) * (dx0 + dx1))
         straight = (dx0 > 0) & (dx1 > 0) & (cross <= tol)
         if not straight.any():
             break
         # Never two neighbours at once: each point is judged against points that stay, so the
         # drift is at most one tolerance per round (a round halves every stretch).
         i = np.arange(len(straight))
-        first = np.maximum.accumulate(np.where(straight & ~np.concatenate([[False], straight[:-1]]), i, 0))
+        starts = straight & ~np.concatenate([[False], straight[:-1]])
+        first = np.maximum.accumulate(np.where(starts, i, 0))
         drop = straight & ((i - first) % 2 == 0)
         keep = np.ones(len(xs), dtype=bool)
         keep[1:-1] = ~drop
@@ -269,7 +271,8 @@ def infconv_convex(f: Pwl, cx: np.ndarray, cy: np.ndarray, shift: float, cap: fl
     runs = _convex_runs(f)
     by_segments = len(c_s) * (_SLIDE_RUNS[0] + len(f.xs) / _SLIDE_RUNS[1])
     if by_segments >= len(runs) or (len(c_s) and c_s[0] < 0):
-        return _by_runs(f, runs, c_s, c_w, float(cx[0]) + shift, float(cy[0]), cap), float(len(runs))
+        out = _by_runs(f, runs, c_s, c_w, float(cx[0]) + shift, float(cy[0]), cap)
+        return out, float(len(runs))
     # A segment moves every argument right, so nothing past the cap matters on the way.
     g, reach = f, cap - float(cx[0]) - shift
     for slope, width in zip(c_s, c_w):
