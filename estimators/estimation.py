@@ -209,6 +209,9 @@ def _fake_copy(model: torch.nn.Module, mode: FakeTensorMode) -> tuple[torch.nn.M
     for b in model.buffers():
         if id(b) not in memo:
             memo[id(b)] = _fake_buffer(mode, b)
+    left = fake_leaks.left_behind()  # held through the copy: their ids stay theirs
+    for t in left:  # shared, not copied (see left_behind)
+        memo.setdefault(id(t), t)
     try:
         return copy.deepcopy(model, memo), mapping
     except Exception as e:  # noqa: BLE001 - user modules can hold anything

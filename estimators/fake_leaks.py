@@ -29,7 +29,18 @@ from typing import Iterator
 
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-__all__ = ["FakeTensorLeakWarning", "FakeTrace", "fake_trace_mode"]
+__all__ = ["FakeTensorLeakWarning", "FakeTrace", "fake_trace_mode", "left_behind"]
+
+_LEFT: "weakref.WeakValueDictionary[int, FakeTensor]" = weakref.WeakValueDictionary()
+"""Fake tensors earlier traces left in the process (reported), while something holds them."""
+
+
+def left_behind() -> list[FakeTensor]:
+    """The fake tensors earlier traces left behind and something still holds (a user's hook
+    that appends its output to a list on the model). A later trace must not deep-copy them: a
+    copy of a fake tensor whose trace is over crashed the process (segfault) on the third
+    ``solve_sac`` of such a model."""
+    return list(_LEFT.values())
 
 
 class FakeTensorLeakWarning(UserWarning):
@@ -111,6 +122,8 @@ def _clear(mode: FakeTensorMode, *, report: bool) -> None:
         gc.collect()
         left = _tensors_of(mode)
     if left:
+        for t in left:
+            _LEFT[id(t)] = t
         holders = sorted({_describe(r) for r in gc.get_referrers(*left) if r is not left})
         warnings.warn(
             f"the fake trace left {len(left)} fake tensor(s) in this process, held by "

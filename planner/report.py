@@ -223,6 +223,8 @@ def gradient_check_text(check: "GradientCheck") -> str:
     if check.differing:
         lines.append(f"  differing        {', '.join(check.differing[:8])}"
                      + (f" (+{len(check.differing) - 8} more)" if len(check.differing) > 8 else ""))
+    if check.equal_with_cache_off is not None:
+        lines.append(f"  use_cache off    {check.note}")
     return "\n".join(lines)
 
 
