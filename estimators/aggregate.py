@@ -168,6 +168,11 @@ def _sac_blocker(trace: StepTrace, calls: list[ModuleCall], last_fw_write: dict[
     seqs = set()
     for c in calls:
         ops = [trace.ops[k] for k in range(c.fw_first_op, c.fw_last_op + 1)]
+        # Buffers this call writes in place are given back to its recompute as the forward found
+        # them (planner.forward_state): a later write of one (BatchNorm's num_batches_tracked,
+        # updated again by a second call of a shared block) does not reach the recompute.
+        own_buffers = {sid for op in ops if op.phase is Phase.FW for sid in op.mutated_sids
+                       if trace.storages[sid].kind is StorageKind.BUFFER}
         for op in ops:
             if op.phase is not Phase.FW:
                 continue
@@ -185,7 +190,8 @@ def _sac_blocker(trace: StepTrace, calls: list[ModuleCall], last_fw_write: dict[
                 # Batch norm passes its running statistics only to update them (a shared one
                 # updates them again after this call); the recompute puts them back anyway.
                 if (later is not None and later[0] > c.fw_last_op and st.alloc_op < c.fw_first_op
-                        and not (st.kind is StorageKind.BUFFER and "batch_norm" in str(op.func))):
+                        and not (st.kind is StorageKind.BUFFER and "batch_norm" in str(op.func))
+                        and sid not in own_buffers):
                     return f"reads a tensor the caller later overwrites in place ({later[1]})"
         seqs.add(tuple(str(op.func) for op in ops if op.phase is Phase.FW))
     if len(seqs) > 1:

@@ -493,6 +493,53 @@ def test_a_module_called_twice_is_planned_exactly_and_fully_checkpointed_below_t
         solve_sac(model, budget_gib=2.5e6 / GiB, step=step)
 
 
+class _SharedBNBlock(torch.nn.Module):
+    def __init__(self, c: int, momentum) -> None:
+        super().__init__()
+        self.c1, self.b1 = torch.nn.Conv2d(c, c, 3, 1, 1, bias=False), torch.nn.BatchNorm2d(c, momentum=momentum)
+        self.c2, self.b2 = torch.nn.Conv2d(c, c, 3, 1, 1, bias=False), torch.nn.BatchNorm2d(c, momentum=momentum)
+
+    def forward(self, x):
+        return torch.relu(x + self.b2(self.c2(torch.relu(self.b1(self.c1(x))))))
+
+
+class _SharedBNNet(torch.nn.Module):
+    """A conv + BatchNorm block applied twice (weight sharing, as in a recurrent conv net)."""
+
+    def __init__(self, momentum) -> None:
+        super().__init__()
+        self.stem, self.blk, self.head = torch.nn.Conv2d(3, 16, 3, 1, 1), _SharedBNBlock(16, momentum), torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(self.blk(self.blk(self.stem(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_a_batchnorm_block_called_twice_is_checkpointed_with_its_statistics_as_unplanned(momentum):
+    # Each call's BatchNorm adds 1 to num_batches_tracked in place, so the first call read a
+    # buffer the second overwrote, and the block was refused ("reads a tensor the caller later
+    # overwrites in place (aten.add_.Tensor)"): floor = no-AC peak, 1,714,656 B. The recompute
+    # gets the buffers the forward started with, so the block is safe to checkpoint: loss,
+    # gradients and running statistics after 3 AdamW steps equal the unplanned run's.
+    from planner.gradcheck import check_gradients
+
+    torch.manual_seed(0)
+    model, x = _SharedBNNet(momentum), torch.randn(4, 3, 24, 24)
+    step = TrainStep(inputs=(x,), optimizer="adamw")
+    plan = solve_sac(model, budget_gib=1.3e6 / GiB, step=step, reserve_gib=0)
+    assert [m.fqn for m in plan.modules] == ["_SharedBNNet.blk"] and plan.module("_SharedBNNet.blk").full
+    assert not any("not checkpointed" in n for n in plan.notes)
+    assert check_gradients(model, plan, (x,)).equal
+    ref, mine = copy.deepcopy(model), copy.deepcopy(model)
+    ref_steps = measure_steps(ref, step, torch.optim.AdamW(ref.parameters()), n_steps=3)
+    with apply_plan(mine, plan):
+        steps = measure_steps(mine, step, torch.optim.AdamW(mine.parameters()), n_steps=3)
+    assert [s.peak_bytes for s in steps[1:]] == [plan.predicted_peak_bytes] * 2
+    assert plan.predicted_peak_bytes < min(s.peak_bytes for s in ref_steps[1:])
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), mine.state_dict().values()))
+    assert int(mine.blk.b1.num_batches_tracked) == 6  # 2 calls x 3 steps, not once more per recompute
+
+
 def test_albert_shared_layer_is_checkpointed_below_the_milp_floor():
     # AlbertForMaskedLM applies one layer 4 times: the MILP's smallest reachable peak was
     # 4,897,912 B; its min-peak plan with the shared layer group fully checkpointed traces and
