@@ -11,6 +11,7 @@ values, same ``.grad``, no plan applied; the RNG streams go on where they were.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -88,8 +89,25 @@ def check_gradients(
     # The user's RNG streams go on where they were: the check seeds every generator twice
     # (torch.manual_seed reseeds every CUDA device's, not only the model's).
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with step_mode(model, train_mode), torch.random.fork_rng(devices=devices), host_rng.preserved():
+    with step_mode(model, train_mode), torch.random.fork_rng(devices=devices), host_rng.preserved(), \
+            _configs_kept(model):
         return _check(model, plan, inputs, loss_fn, seed, keep_output, autocast_dtype)
+
+
+@contextlib.contextmanager
+def _configs_kept(model: torch.nn.Module):
+    """HF configs' attributes as they were: a classifier's first forward sets
+    ``config.problem_type`` (ViT, ConvNeXtV2, Swin: None -> 'single_label_classification'), and
+    the check must leave the model as it found it."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and hasattr(c, "__dict__") and type(c).__name__.endswith("Config")}
+    saved = {k: dict(c.__dict__) for k, c in configs.items()}
+    try:
+        yield
+    finally:
+        for k, c in configs.items():
+            c.__dict__.clear()
+            c.__dict__.update(saved[k])
 
 
 def _check(model: torch.nn.Module, plan: Plan, inputs: Any, loss_fn: Any, seed: int, keep_output: bool,

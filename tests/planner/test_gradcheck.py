@@ -193,3 +193,21 @@ def test_an_hf_model_whose_cached_step_rounds_otherwise_is_compared_with_the_cac
     # Not an HF model: a real difference is the plan's, and no cache run is made.
     net = _Net()
     assert check_gradients(net, _full_plan(net, "_Net.a"), (torch.randn(4, 8),)).equal_with_cache_off is None
+
+
+def test_an_hf_classifier_s_config_is_left_as_found():
+    """ViT's first forward with labels sets config.problem_type (None -> 'single_label_
+    classification'); the check puts the config back (found by a new-user helper)."""
+    transformers = pytest.importorskip("transformers")
+    from estimators.step import TrainStep
+    from planner import solve_sac
+
+    torch.manual_seed(0)
+    model = transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=16, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=64, num_labels=3)).train()
+    batch = {"pixel_values": torch.randn(2, 3, 16, 16), "labels": torch.tensor([0, 2])}
+    plan = solve_sac(model, 1.0, step=TrainStep(inputs=batch, optimizer="adamw"), reserve_gib=0)
+    before = dict(model.config.__dict__)
+    assert check_gradients(model, plan, batch).equal
+    assert model.config.__dict__ == before and model.config.problem_type is None
