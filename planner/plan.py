@@ -267,9 +267,11 @@ class Plan:
     baseline_peak_bytes: int
     """Peak without any checkpointing."""
     recompute_ms: float
-    """Predicted extra time per step spent recomputing."""
+    """Predicted extra time spent recomputing in one micro-batch's backward (the whole step's
+    with one micro-batch; a step of k micro-batches recomputes k times this)."""
     baseline_step_ms: float
-    """Predicted step time without checkpointing (forward + backward + optimizer)."""
+    """Predicted time without checkpointing of one micro-batch's forward + backward plus the
+    optimizer step (the whole step with one micro-batch)."""
     solver_status: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
     first_step_peak_bytes: int | None = None
@@ -291,8 +293,9 @@ class Plan:
     exposed_copy_ms: float = 0.0
     """Offload copy time the compute stream waits for."""
     step_ms: float = 0.0
-    """Predicted step time: compute + recompute + exposed comm + exposed copies (0: not costed,
-    e.g. a plan file written before the timeline existed)."""
+    """Predicted time of one micro-batch plus the optimizer step, as ``baseline_step_ms``:
+    compute + recompute + exposed comm + exposed copies (0: not costed, e.g. a plan file written
+    before the timeline existed)."""
     trainable_numel: int = 0
     """Elements of the parameters that required grad when planned: their gradients and optimizer
     state are in the figures (0: a plan file written before this field existed). The fingerprint

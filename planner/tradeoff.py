@@ -91,9 +91,12 @@ class TradeoffPoint:
     predicted_peak_bytes: int | None = None
     """Exact model peak of the plan (<= budget); None when there is no plan."""
     recompute_ms: float | None = None
-    """Recompute time of the plan per step; None when there is no plan."""
+    """Recompute time of the plan in one micro-batch (the step's with one micro-batch); None
+    when there is no plan."""
     recompute_pct_of_step: float | None = None
-    """``recompute_ms`` as a percentage of the no-AC step time (None without a plan or step time)."""
+    """``recompute_ms`` as a percentage of the no-AC ``TradeoffTable.step_ms`` (None without a
+    plan or step time): with several micro-batches both are one micro-batch's, plus the optimizer
+    step once."""
     checkpointed: tuple[str, ...] = ()
     """Checkpointed modules, in forward pre-order."""
     on_pareto: bool = False
@@ -122,7 +125,8 @@ class TradeoffTable:
 
     rows: tuple[TradeoffPoint, ...]
     step_ms: float
-    """Step time without checkpointing (forward + backward + optimizer), in ms."""
+    """Time without checkpointing of one micro-batch's forward + backward plus the optimizer
+    step (the whole step with one micro-batch), in ms."""
     no_ac_peak_bytes: int
     """Per-rank peak without checkpointing, of the step as it runs under a plan: for an HF model
     with ``use_cache`` on, traced with the cache off (``solve_sac``'s plan notes give the cache-on

@@ -144,3 +144,21 @@ def test_step_one_is_compared_with_the_first_steps_prediction():
     assert "; first step 900 B (900 B)" in text.splitlines()[0]
     assert "     1       900 B (        900 B)        +0.00%            within  2.5" in text
     assert "     2      1000 B (      1,000 B)        +0.00%            within  2.5" in text
+
+
+def test_times_of_a_step_of_several_micro_batches_say_they_are_one_micro_batch_s():
+    """The trace is one micro-batch's: with 2 or 4 micro-batches the plan's times are the same
+    per micro-batch figures, and the summary printed them as "ms/step" (found by a new-user
+    helper). It says per micro-batch, and what the step recomputes."""
+    from estimators.step import TrainStep
+    from planner.plan import StepRecord
+
+    def summary(k: int) -> str:
+        step = StepRecord.of(TrainStep(inputs=(), optimizer="adamw", micro_batches=k))
+        return plan_summary(_plan(step=step))
+
+    assert "  recompute        1.750 ms/step = 25.0% of the 7.000 ms step" in summary(1)
+    four = summary(4)
+    assert ("  recompute        1.750 ms per micro-batch (7.000 ms per step of 4) = 25.0% of the "
+            "7.000 ms of one micro-batch and the optimizer step") in four
+    assert "ms/step" not in four
