@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib
+import inspect
 import json
 import logging
 import math
@@ -81,9 +83,15 @@ def load_callable(spec: str, flag: str, example: str) -> Callable:
         raise CLIError(f"cannot import module {mod_name!r} for {flag}: {type(e).__name__}: {e}") from e
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
-        known = sorted(n for n in dir(mod) if not n.startswith("_") and callable(getattr(mod, n)))
-        raise CLIError(f"{mod_name} has no callable {fn_name!r} for {flag}; callables there: "
-                       f"{', '.join(known[:12]) or 'none'}")
+        # Its functions (not typing aliases or classes), the closest names first: a typo of
+        # llama_tiny was listed behind Callable, Factory, LossFn... and cut before it.
+        funcs = [n for n in dir(mod) if not n.startswith("_") and inspect.isfunction(getattr(mod, n))]
+        close = difflib.get_close_matches(fn_name, funcs, n=3, cutoff=0.5)
+        known = close + [n for n in sorted(funcs) if n not in close]
+        shown = ", ".join(known[:12]) + (f", ... ({len(known) - 12} more)" if len(known) > 12 else "")
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise CLIError(f"{mod_name} has no callable {fn_name!r} for {flag}{hint}; functions there: "
+                       f"{shown or 'none'}")
     return fn
 
 

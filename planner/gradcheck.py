@@ -20,7 +20,7 @@ import torch
 
 from estimators.step import run_step, step_mode
 from estimators import host_rng
-from planner.checkpointing import apply_plan, hf_cache_note, hf_cache_off
+from planner.checkpointing import apply_plan, hf_cache_note, hf_cache_off, unwrap_compiled
 from planner.plan import Plan
 
 __all__ = ["GradientCheck", "check_gradients"]
@@ -75,6 +75,10 @@ def check_gradients(
     ``torch.autocast`` with this dtype; ``"plan"`` (default): the plan's step's (an fp32 check
     of a bf16 plan compares other kernels than training runs). ``train_mode``: as
     ``TrainStep.train_mode``; ``"plan"`` (default): the plan's step's."""
+    if unwrap_compiled(model) is not model:
+        raise TypeError("check_gradients got a torch.compile'd model: check the original module, "
+                        "`check_gradients(compiled._orig_mod, plan, inputs)` (a plan is applied to it, "
+                        "then compiled)")
     if keep_output is None:
         keep_output = plan.step.keep_output if plan.step is not None else False
     if isinstance(autocast_dtype, str):

@@ -28,9 +28,12 @@ _UNIT_SLIP = 512
 def unit_slip_note(budget_bytes: int, peak_bytes: int) -> tuple[str, ...]:
     if budget_bytes < _UNIT_SLIP * peak_bytes:
         return ()
+    # The figure as typed: the budget in bytes is floored (0.001 GiB is 1,073,741 B, which reads
+    # back as 0.000999999), so 5 significant digits.
+    as_typed = float(f"{budget_bytes / GiB:.5g}")
     note = (f"the budget ({fmt_bytes(budget_bytes)}) is {budget_bytes / peak_bytes:,.0f}x the step's "
-            f"peak ({fmt_bytes(peak_bytes)}); budget_gib is in GiB: for {budget_bytes / GiB:g} MiB "
-            f"pass budget_gib={budget_bytes / GiB / 1024:.6g}")
+            f"peak ({fmt_bytes(peak_bytes)}); budget_gib is in GiB: for {as_typed:g} MiB "
+            f"pass budget_gib={as_typed / 1024:.6g}")
     logger.warning("%s", note)
     return (note,)
 

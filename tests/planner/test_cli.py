@@ -156,6 +156,8 @@ def test_cli_bad_budget_names_budget_gib(bad, capsys):
     (["--plan-in", "/nonexistent/plan.json"], "--plan-in /nonexistent/plan.json: cannot read it"),
     (["--plan-in", "p.json", "--budget-gib", "1"], "--budget-gib has no effect with --plan-in"),
     (["--model", "examples:nope"], "has no callable 'nope' for --model.*gpt_demo"),
+    # A typo gets the close name first, and only functions (not Callable, Factory, LossFn...).
+    (["--model", "examples:llama_tin"], r"\(did you mean 'llama_tiny'\?\); functions there: llama_tiny, "),
     (["--model", "examples.gpt_demo"], "--model must look like MODULE:NAME"),
     (["--model", "no_such_pkg:f"], "cannot import module 'no_such_pkg' for --model"),
     (["--loss-fn", "examples"], "--loss-fn must look like MODULE:NAME"),

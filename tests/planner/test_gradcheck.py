@@ -211,3 +211,11 @@ def test_an_hf_classifier_s_config_is_left_as_found():
     before = dict(model.config.__dict__)
     assert check_gradients(model, plan, batch).equal
     assert model.config.__dict__ == before and model.config.problem_type is None
+
+
+def test_a_compiled_model_is_refused_with_the_module_to_check():
+    """It named apply_plan, which the user did not call (found by a new-user helper)."""
+    net = _Net()
+    compiled = torch.compile(net)
+    with pytest.raises(TypeError, match=r"check_gradients got a torch.compile'd model.*_orig_mod"):
+        check_gradients(compiled, _full_plan(net, "_Net.a"), (torch.randn(4, 8),))

@@ -64,3 +64,11 @@ def test_a_plan_without_an_optimizer_says_its_state_is_not_in_the_figures():
     assert any(n.startswith("planned without an optimizer (solve_sac's default; --optimizer none)") for n in bare.notes)
     adamw = solve_sac(model, budget_gib=0.01, inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw", verify=False)
     assert not any("planned without an optimizer" in n for n in adamw.notes)
+
+
+def test_the_unit_slip_note_gives_the_figure_as_typed():
+    """0.001 GiB floors to 1,073,741 B, which read back as 0.000999999 (found by a new-user helper)."""
+    from planner.plan_notes import unit_slip_note
+
+    (note,) = unit_slip_note(int(0.001 * 2**30), 1_000)
+    assert "for 0.001 MiB pass budget_gib=9.76563e-07" in note
