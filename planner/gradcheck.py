@@ -123,17 +123,20 @@ def _check(model: torch.nn.Module, plan: Plan, inputs: Any, loss_fn: Any, seed: 
     # Generators the model owns start both runs alike (a block's own torch.Generator drew the
     # planned run's masks from where the reference run left it: "equal=False", 3.24 off).
     owned = host_rng.owned_states(model)
-    try:
-        ref_loss, ref = _run(model, inputs, loss_fn, seed, params, keep_output, autocast_dtype)
-        with apply_plan(model, plan):
-            _restore(model, state)
-            host_rng.set_owned_states(owned)
-            loss, got = _run(model, inputs, loss_fn, seed, params, keep_output, autocast_dtype)
-    finally:
+
+    def put_back() -> None:
         _restore(model, state)
         host_rng.set_owned_states(owned)
         for n, p in params:
             p.grad = grads[n]
+
+    try:
+        ref_loss, ref = _run(model, inputs, loss_fn, seed, params, keep_output, autocast_dtype)
+        with apply_plan(model, plan):
+            put_back()  # the planned run starts from the state the reference run started from
+            loss, got = _run(model, inputs, loss_fn, seed, params, keep_output, autocast_dtype)
+    finally:
+        put_back()
     differing, worst = _compare(params, loss, got, ref_loss, ref)
     equal = not differing and _bits(loss) == _bits(ref_loss)
     cache_off = None
@@ -143,10 +146,7 @@ def _check(model: torch.nn.Module, plan: Plan, inputs: Any, loss_fn: Any, seed: 
             with hf_cache_off(model):
                 off_loss, off = _run(model, inputs, loss_fn, seed, params, keep_output, autocast_dtype)
         finally:
-            _restore(model, state)
-            host_rng.set_owned_states(owned)
-            for n, p in params:
-                p.grad = grads[n]
+            put_back()
         cache_off = not _compare(params, loss, got, off_loss, off)[0] and _bits(loss) == _bits(off_loss)
     return GradientCheck(
         equal=equal, n_params_compared=len(params), max_abs_diff=worst, loss_planned=loss,

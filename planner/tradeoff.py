@@ -238,13 +238,9 @@ def _check_budgets(budgets: Sequence[float]) -> list[int]:
 
 # ----------------------------------------------------------------------------- the sweep
 def _module_info(model_or_info: Any, inputs, loss_fn, optimizer, device, step=None,
-                 estimate_options=None) -> ModuleInfo:
-    """A ModuleInfo as is, an Estimate's, or one traced from a model (once)."""
-    return _traced(model_or_info, inputs, loss_fn, optimizer, device, step, estimate_options)[0]
-
-
-def _traced(model_or_info: Any, inputs, loss_fn, optimizer, device, step=None, estimate_options=None):
-    """(ModuleInfo, the Estimate where a model was traced here or None)."""
+                 estimate_options=None) -> tuple[ModuleInfo, Any]:
+    """A ModuleInfo as is, an Estimate's, or one traced from a model (once); and the Estimate
+    where a model was traced here (None otherwise)."""
     from estimators.estimation import Estimate
     from estimators.module_info import ModuleInfo
 
@@ -336,15 +332,14 @@ def tradeoff_curve(
     if checked is None:
         _check_n_points(n_points)  # before the trace and the min-peak solve
     extra = _budget_values(extra_budgets, "extra_budgets")
-    info, est = _traced(model_or_module_info, inputs, loss_fn, optimizer, device, step, estimate_options)
+    info, est = _module_info(model_or_module_info, inputs, loss_fn, optimizer, device, step, estimate_options)
     t0 = time.perf_counter()
     milp = SACMilp(info, world_size=world_size, options=solver_options)
     min_peak = milp.min_reachable_peak_bytes()
     notes: list[str] = []
     below = None  # a plan traced under the MILP's floor (shared modules), as a row
     if est is not None and world_size == 1:
-        below, note = _shared_floor_row(model_or_module_info, est, milp, min_peak,
-                                        step_ms=info.step_runtime_ms, options=solver_options)
+        below, note = _shared_floor_row(model_or_module_info, est, milp, min_peak, solver_options)
         notes += [note] if note else []
     else:
         notes += _shared_untraced_note(info)
@@ -389,35 +384,39 @@ def tradeoff_curve(
     )
 
 
-def _shared_untraced_note(info) -> list[str]:
-    """The shared-module note where there is no model to trace (a ModuleInfo, an Estimate, or
-    world_size > 1): the floor stated is the MILP's, which may be above what is reachable."""
+def _shared(info) -> tuple[list[str], str]:
+    """The outermost candidates that run more than once per step, as ``solve_sac`` finds them,
+    and the plan note on them ("" if none)."""
     from planner import plan_notes
     from planner.solve import _allowed_units, _shared_modules
 
     allowed, excluded = _allowed_units(info, None)
-    note = plan_notes.shared_note(info, _shared_modules(info, allowed, excluded))
+    shared = _shared_modules(info, allowed, excluded)
+    return shared, plan_notes.shared_note(info, shared)
+
+
+def _shared_untraced_note(info) -> list[str]:
+    """The shared-module note where there is no model to trace (a ModuleInfo, an Estimate, or
+    world_size > 1): the floor stated is the MILP's, which may be above what is reachable."""
+    note = _shared(info)[1]
     return [note + "; this table states the MILP's floor (pass the model, world_size 1, to trace "
             "that plan)"] if note else []
 
 
-def _shared_floor_row(model, est, milp: SACMilp, min_peak: int, *, step_ms: float,
+def _shared_floor_row(model, est, milp: SACMilp, min_peak: int,
                       options: SolverOptions | None) -> tuple[TradeoffPoint | None, str]:
     """For a model with modules that run more than once per step, the plan ``solve_sac`` takes
     under the MILP's floor (the min-peak plan with those modules fully checkpointed), traced:
     a row where it peaks under ``min_peak``, and the note to read the table with. The MILP
     prices such a module with one window, so its floor can sit above what is reachable: a
     block applied 3 times stated 291,884 B where this plan measures 217,644 B."""
-    from planner import plan_notes
     from planner.checkpointing import hf_cache_off
-    from planner.solve import _allowed_units, _shared_full_plan, _shared_modules
+    from planner.solve import _shared_full_plan
 
     info = est.module_info
-    allowed, excluded = _allowed_units(info, None)
-    shared = _shared_modules(info, allowed, excluded)
+    shared, note = _shared(info)
     if not shared:
         return None, ""
-    note = plan_notes.shared_note(info, shared)
     try:
         with hf_cache_off(model):
             found = _shared_full_plan(model, est, info, milp, shared, options)
@@ -430,7 +429,7 @@ def _shared_floor_row(model, est, milp: SACMilp, min_peak: int, *, step_ms: floa
     peak = max(planned.first_step_peak_bytes, planned.steady_peak_bytes)
     if peak >= min_peak:
         return None, note
-    recompute = sum(m.recompute_ms for m in modules)
+    recompute, step_ms = sum(m.recompute_ms for m in modules), info.step_runtime_ms
     return TradeoffPoint(
         budget_bytes=peak, status=PointStatus.FEASIBLE, predicted_peak_bytes=peak,
         recompute_ms=recompute,
@@ -506,7 +505,7 @@ def step_time_curves(
     from solver.offload_milp import OffloadMilp
 
     spec = get_device_spec(device)
-    info = _module_info(model_or_module_info, inputs, loss_fn, optimizer, spec, step)
+    info, _ = _module_info(model_or_module_info, inputs, loss_fn, optimizer, spec, step)
     units = list(fsdp_units) if fsdp_units else None
     if units and world_size > 1:
         from planner.fsdp import fsdp_module_info

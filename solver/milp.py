@@ -111,8 +111,8 @@ the program 0.4-0.5 s; and to the program where count branching gives up,
 ``_DP_STACK_WORK_PER_CANDIDATE``). It is given up past ``max(_DP_WORK,
 _DP_WORK_PER_CANDIDATE * candidates)`` units of work (then HiGHS solves the model, and the
 program is not tried again on it). Measured with functions held within ``_DP_REL_TOL``: random
-module trees of 1,000 modules (617 candidates) need 220,000-340,000 units (0.5-0.65 s; HiGHS
-2.7-4.9 s), of 2,000 modules 0.84-1.3 million (1.4-1.7 s; HiGHS 13-16 s); 100-module decoders,
+module trees of 1,000 modules (617 candidates) need 250,000-350,000 units (0.5-0.65 s; HiGHS
+2.7-4.9 s), of 2,000 modules 0.92-1.26 million (1.4-1.7 s; HiGHS 13-16 s); 100-module decoders,
 exact, 2,700-6,900."""
 
 _DP_STACK_WORK_PER_CANDIDATE = 20_000

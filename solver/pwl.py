@@ -328,11 +328,13 @@ def _slide(f: Pwl, slope: float, width: float) -> Pwl:
     # The third term is a line between grid points, so its value at x is its limit from the
     # left: the breakpoints in [x - width, x) (one at x itself is f at x, the first term). Just
     # right of x the window holds those in (x - width, x].
-    h = ys - slope * xs
-    v_in = _best_line(xs, ys, slope, grid, _range_argmin(
-        h, np.searchsorted(xs, left, "left"), np.searchsorted(xs, grid, "left") - 1))
-    r_in = _best_line(xs, ys, slope, grid, _range_argmin(
-        h, np.searchsorted(xs, left, "right"), np.searchsorted(xs, grid, "right") - 1))
+    # Both windows in one query (one sparse table).
+    best = _range_argmin(
+        ys - slope * xs,
+        np.concatenate([np.searchsorted(xs, left, "left"), np.searchsorted(xs, left, "right")]),
+        np.concatenate([np.searchsorted(xs, grid, "left"), np.searchsorted(xs, grid, "right")]) - 1)
+    v_in = _best_line(xs, ys, slope, grid, best[:len(grid)])
+    r_in = _best_line(xs, ys, slope, grid, best[len(grid):])
     return _envelope_on(grid, np.array([f.value(grid), v_left, v_in]),
                         np.array([f.right(grid), r_left, r_in]))
 
