@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from estimators.device import DeviceSpec
+from estimators.runtime.device import DeviceSpec
 
 if TYPE_CHECKING:  # imported lazily at run time: torch.distributed._tools is heavy
     from torch.distributed._tools.mem_tracker import MemTracker

@@ -6,7 +6,7 @@
 
 Each world size runs as that many local processes (rendezvous through a FileStore in a temporary
 folder, traffic over the loopback interface, 127.0.0.1, only) that time all_gather,
-reduce_scatter, all_reduce and broadcast with ``estimators.collective_bench.CollectiveBenchmark``: per
+reduce_scatter, all_reduce and broadcast with ``estimators.runtime.collective_bench.CollectiveBenchmark``: per
 message size one warm-up, then the median of ``--timed-runs`` runs, a barrier before each, the
 largest median over the ranks. ``message_bytes`` is the whole buffer (the gathered output of an
 all_gather, the reduced input of a reduce_scatter).
@@ -44,14 +44,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from estimators.collective_bench import CollectiveBenchmark  # noqa: E402
-from estimators.collectives import (  # noqa: E402
+from estimators.runtime.collective_bench import CollectiveBenchmark  # noqa: E402
+from estimators.runtime.collectives import (  # noqa: E402
     AnalyticCollectiveModel,
     Collective,
     CollectiveFitError,
     CollectivePoint,
 )
-from planner.report import fmt_bytes  # noqa: E402
+from planner.format import fmt_bytes  # noqa: E402
 
 KiB = 1024
 

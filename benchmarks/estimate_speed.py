@@ -12,7 +12,7 @@ to torch's roofline through the patch documented in ``benchmarks/_torch_pipeline
 
 What is timed (wall clock, ``time.perf_counter``), model construction excluded on both sides:
 
-* ours:   ``estimators.estimation(model, inputs, loss_fn=..., optimizer="adam", device="h100")`` on
+* ours:   ``estimators.tracing.estimation(model, inputs, loss_fn=..., optimizer="adam", device="h100")`` on
           a model built on the meta device; the copy to fake tensors, the traced step, memory
           timeline, runtimes, SAC trade-offs and ModuleInfo are all inside the timed call.
 * theirs: under FakeTensorMode (model built there, not timed): MemTracker (2 steps), RuntimeEstimator
@@ -46,7 +46,7 @@ import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from benchmarks._torch_pipeline import TorchPipelineResult, run_torch_pipeline  # noqa: E402
-from estimators.device import get_device_spec  # noqa: E402
+from estimators.runtime.device import get_device_spec  # noqa: E402
 from examples.gpt import gpt_bench, gpt_loss, gpt_tiny  # noqa: E402
 
 SPEED_TARGET = 1 / 3
@@ -126,7 +126,7 @@ def compare(n_layer: int, loss_fn: LossFn, repeats: int, skip_torch: bool) -> bo
     ours_s = _median([r.wall_s for r in ours])
     print(f"\n== Side by side: gpt_bench, {n_layer} layers, Adam, device={DEVICE}, median of {repeats} ==")
     print(f"{'pipeline':<34}{'layers':>7}{'wall s':>10}{'ops traced':>12}")
-    print(f"{'ours (estimators.estimation)':<34}{n_layer:>7}{ours_s:>10.3f}{_fmt_ops(ours[0].n_ops):>12}")
+    print(f"{'ours (estimators.tracing.estimation)':<34}{n_layer:>7}{ours_s:>10.3f}{_fmt_ops(ours[0].n_ops):>12}")
     if skip_torch:
         print("torch.distributed._tools: skipped (--skip-torch)")
         return True

@@ -12,7 +12,7 @@ peak to the no-AC peak (verification on), then, on the real device:
 
 * peak: the unplanned model and the planned model each train ``--steps`` steps (AdamW,
   ``zero_grad(set_to_none=True)``); each step's ``torch.cuda.max_memory_allocated`` (CPU:
-  torch's MemTracker, through planner.measure). Step 1 creates the optimizer state; steps 2.. are
+  torch's MemTracker, through planner.analysis.measure). Step 1 creates the optimizer state; steps 2.. are
   the steady state. Both are printed beside the prediction (no-AC and planned peak).
 * step time: predicted by the roofline (``EstimateOptions(runtime=RuntimeKind.ROOFLINE)``) and by
   benchmarked kernels (``RuntimeKind.BENCHMARK``: every op timed on this device) -- each is the
@@ -46,15 +46,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.utils._pytree import tree_map  # noqa: E402
 
-from estimators.device import get_device_spec  # noqa: E402
-from estimators.estimation import EstimateOptions, estimate  # noqa: E402
-from estimators.runtime import RuntimeKind  # noqa: E402
-from estimators.step import run_step  # noqa: E402
+from estimators.runtime.device import get_device_spec  # noqa: E402
+from estimators.tracing.estimation import EstimateOptions, estimate  # noqa: E402
+from estimators.runtime.models import RuntimeKind  # noqa: E402
+from estimators.step.train_step import run_step  # noqa: E402
 from examples import EXAMPLES  # noqa: E402
-from planner.checkpointing import apply_plan  # noqa: E402
-from planner.measure import measure_step  # noqa: E402
+from planner.applying.checkpointing import apply_plan  # noqa: E402
+from planner.analysis.measure import measure_step  # noqa: E402
 from planner.plan import Plan  # noqa: E402
-from planner.solve import plan_for_budget, recompute_ms_with_saved  # noqa: E402
+from planner.planning.module_plans import recompute_ms_with_saved  # noqa: E402
+from planner.planning.solve import plan_for_budget  # noqa: E402
 from solver import SACMilp  # noqa: E402
 
 MiB = 2**20

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from estimators.estimation import estimate  # noqa: E402
-from estimators.step import TrainStep  # noqa: E402
+from estimators.tracing.estimation import estimate  # noqa: E402
+from estimators.step.train_step import TrainStep  # noqa: E402
 from solver import SACMilp, SolverOptions  # noqa: E402
 
 FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)

@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from estimators.estimation import estimate  # noqa: E402
-from estimators.step import TrainStep  # noqa: E402
-from estimators.trace import held_tensors  # noqa: E402
-from planner.checkpointing import apply_plan, hf_cache_off  # noqa: E402
-from planner.solve import plan_for_budget  # noqa: E402
+from estimators.tracing.estimation import estimate  # noqa: E402
+from estimators.step.train_step import TrainStep  # noqa: E402
+from estimators.tracing.trace import held_tensors  # noqa: E402
+from planner.applying.checkpointing import apply_plan, hf_cache_off  # noqa: E402
+from planner.planning.solve import plan_for_budget  # noqa: E402
 from solver import SACMilp  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, SEQ, BATCH = 512, 32, 2, 32, 4

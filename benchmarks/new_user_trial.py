@@ -13,7 +13,7 @@ to a copy, and both copies run the same loop from the same seed. Checked:
 * planning left the model as it was (values, buffers, ``.grad``, ``requires_grad``, hooks, config);
 * losses of every step, the last step's gradients, the parameters and every buffer (BatchNorm
   statistics) of the planned run bitwise equal to the unplanned run's;
-* the measured steady-state peak (steps 2-3, ``planner.measure.measure_steps``, torch's
+* the measured steady-state peak (steps 2-3, ``planner.analysis.measure.measure_steps``, torch's
   MemTracker) equal to the prediction, planned (``plan.predicted_peak_bytes``) and unplanned
   (``plan.baseline_peak_bytes``).
 
@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from estimators.estimation import estimate  # noqa: E402
-from estimators.step import TrainStep  # noqa: E402
+from estimators.tracing.estimation import estimate  # noqa: E402
+from estimators.step.train_step import TrainStep  # noqa: E402
 from planner import apply_plan, solve_sac  # noqa: E402
-from planner.checkpointing import hf_cache_off  # noqa: E402
-from planner.measure import measure_steps  # noqa: E402
+from planner.applying.checkpointing import hf_cache_off  # noqa: E402
+from planner.analysis.measure import measure_steps  # noqa: E402
 from solver import SACMilp  # noqa: E402
 
 GiB = 1024**3

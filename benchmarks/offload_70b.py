@@ -8,10 +8,10 @@ seq 4096, bf16). For 10 budgets between the smallest reachable peak and the no-A
 side by side:
 
 * recompute-only, as the planner solves it today (``SACMilp``: least recompute time), costed on
-  the step timeline (``estimators/timeline.py``: compute, FSDP2 collectives, copies);
+  the step timeline (``estimators/contract/timeline.py``: compute, FSDP2 collectives, copies);
 * keep / recompute / offload (``solver/offload_milp.py``: least step time on that timeline,
   within ``--three-way-time-limit-s``, with the recompute-only plan as its incumbent as
-  ``planner.offload_solve`` does: HiGHS starts from it, an overshooting plan is repaired with
+  ``planner.planning.offload_solve`` does: HiGHS starts from it, an overshooting plan is repaired with
   its binaries fixed; where the backend's best plan is slower, or none was found in time, the
   incumbent is returned and marked); ``--compare-cold`` also solves each budget as before
   the warm start and the repair existed, printed above it;
@@ -30,12 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from estimators.collectives import AnalyticCollectiveModel  # noqa: E402
-from estimators.device import get_device_spec  # noqa: E402
-from estimators.module_info import ModuleInfo  # noqa: E402
-from estimators.timeline import UnitComm, step_layout  # noqa: E402
-from planner.baselines import find_blocks  # noqa: E402
-from planner.fsdp import fsdp_comm_ms, fsdp_module_info  # noqa: E402
+from estimators.runtime.collectives import AnalyticCollectiveModel  # noqa: E402
+from estimators.runtime.device import get_device_spec  # noqa: E402
+from estimators.contract.module_info import ModuleInfo  # noqa: E402
+from estimators.contract.timeline import UnitComm, step_layout  # noqa: E402
+from planner.planning.baselines import find_blocks  # noqa: E402
+from planner.distributed.fsdp import fsdp_comm_ms, fsdp_module_info  # noqa: E402
 from solver import SACMilp, SolverOptions  # noqa: E402
 from solver.errors import InfeasibleBudgetError  # noqa: E402
 from solver.offload_milp import OffloadMilp  # noqa: E402
@@ -47,7 +47,7 @@ def traced_info(seq_len: int, device: str, cache: str | None) -> ModuleInfo:
     if cache and Path(cache).exists():
         return ModuleInfo.from_json(cache)
     from estimators import estimate
-    from estimators.step import TrainStep
+    from estimators.step.train_step import TrainStep
     from examples.llama import llama3_70b
 
     model, inputs = llama3_70b(seq_len=seq_len)

@@ -4,8 +4,8 @@
 
 For each model and budget: ``solve_sac(..., offload=True, device="cpu")`` (the CPU host store
 keeps offloaded bytes outside torch's allocator); the plan must offload; loss and gradients
-bitwise equal to the unplanned model (``planner.gradcheck``); 3 real AdamW steps with the plan
-applied, measured by torch's MemTracker (``planner.measure``): the largest peak within 3 % of
+bitwise equal to the unplanned model (``planner.analysis.gradcheck``); 3 real AdamW steps with the plan
+applied, measured by torch's MemTracker (``planner.analysis.measure``): the largest peak within 3 % of
 the predicted peak and under the budget; host bytes per step as the plan predicts. Budgets lie
 between the smallest peak recompute alone reaches and the no-AC peak: 40 / 60 / 80 % of the way
 for gpt_demo, 80 / 85 / 90 % for llama_tiny. Below about 80 % llama_tiny's binding memory point
@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from estimators import estimate  # noqa: E402
-from estimators.step import TrainStep  # noqa: E402
+from estimators.step.train_step import TrainStep  # noqa: E402
 from examples import EXAMPLES  # noqa: E402
 from planner import apply_plan, solve_sac  # noqa: E402
-from planner.gradcheck import check_gradients  # noqa: E402
-from planner.measure import measure_steps  # noqa: E402
+from planner.analysis.gradcheck import check_gradients  # noqa: E402
+from planner.analysis.measure import measure_steps  # noqa: E402
 from solver import SACMilp  # noqa: E402
 
 MiB = 2**20
@@ -85,15 +85,15 @@ def main(argv=None) -> int:
                         "the no-AC peak, for every model (default: gpt_demo 0.4 0.6 0.8, "
                         "llama_tiny 0.8 0.85 0.9; see above)")
     p.add_argument("--min-offload-kib", type=float, default=None,
-                   help="override planner.offload.MIN_OFFLOAD_BYTES (planning and applying) for "
+                   help="override planner.applying.offload.MIN_OFFLOAD_BYTES (planning and applying) for "
                         "this run (default: 1 byte; small copies are priced by "
                         "DeviceSpec.host_copy_latency_s, not excluded)")
     args = p.parse_args(argv)
     if args.min_offload_kib is not None:
-        import planner.offload
+        import planner.applying.offload
 
-        planner.offload.MIN_OFFLOAD_BYTES = int(args.min_offload_kib * 1024)
-        print(f"MIN_OFFLOAD_BYTES set to {planner.offload.MIN_OFFLOAD_BYTES} for this run")
+        planner.applying.offload.MIN_OFFLOAD_BYTES = int(args.min_offload_kib * 1024)
+        print(f"MIN_OFFLOAD_BYTES set to {planner.applying.offload.MIN_OFFLOAD_BYTES} for this run")
     ok = all([run(m, args.fractions or DEFAULT_FRACTIONS.get(m, [0.4, 0.6, 0.8])) for m in args.models])
     print(f"all checks: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1

@@ -5,7 +5,7 @@
 
 Model: 80 layers, hidden 8192, 64 heads / 8 KV heads, FFN 28672, vocab 128256, seq 4096,
 micro-batch 1, bf16, AdamW. FSDP2 units as a 70B user shards: every layer and the root
-(``planner/fsdp/memory.py`` counts the sharded state, the gathered parameters and the all-gather /
+(``planner/distributed/fsdp/memory.py`` counts the sharded state, the gathered parameters and the all-gather /
 reduce-scatter buffers per rank). The step planned is the steady state (AdamW state alive from
 the start); the first step's per-rank peak is printed beside it. Prints wall time and max RSS
 against the targets (<= 120 s, <= 4 GiB) and whether the plan fits the steady state.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from estimators.step import TrainStep  # noqa: E402
+from estimators.step.train_step import TrainStep  # noqa: E402
 from examples.llama import llama3_70b  # noqa: E402
 from planner import PlanningError, solve_sac  # noqa: E402
 from solver import SolverOptions  # noqa: E402

@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from estimators.module_info import (  # noqa: E402
+from estimators.contract.module_info import (  # noqa: E402
     MemoryPoint,
     ModOrder,
     ModStats,

@@ -18,7 +18,7 @@ rest (exact re-evaluation of the plan).
 so this patches ``solver.options._make_pulp_solver`` for the benchmark only.
 
 The figure (``--figure``, default bench_out/tradeoff.png) shows the sweep and the hand-made
-baselines (planner.baselines) costed by the same model.
+baselines (planner.planning.baselines) costed by the same model.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from estimators.module_info import ModuleInfo  # noqa: E402
-from planner.baselines import hand_made_baselines  # noqa: E402
-from planner.plotting import plot_tradeoff  # noqa: E402
-from planner.report import tradeoff_table_text  # noqa: E402
-from planner.tradeoff import TradeoffTable, tradeoff_curve  # noqa: E402
+from estimators.contract.module_info import ModuleInfo  # noqa: E402
+from planner.planning.baselines import hand_made_baselines  # noqa: E402
+from planner.analysis.plotting import plot_tradeoff  # noqa: E402
+from planner.analysis.report import tradeoff_table_text  # noqa: E402
+from planner.planning.tradeoff import TradeoffTable, tradeoff_curve  # noqa: E402
 from solver import SACMilp, SolverOptions, solve_milp  # noqa: E402
 from solver.errors import InfeasibleBudgetError, SolverTimeoutError  # noqa: E402
 
@@ -48,7 +48,7 @@ TARGET_S = 5.0
 def load_info(args) -> ModuleInfo:
     if args.module_info:
         return ModuleInfo.from_json(args.module_info)
-    from estimators.estimation import estimate
+    from estimators.tracing.estimation import estimate
     from examples.llama import llama3_70b
 
     t0 = time.perf_counter()

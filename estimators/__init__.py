@@ -5,7 +5,7 @@
     info = est.module_info                                            # what the solver takes
 
 The names below are loaded on first use (module ``__getattr__``): ``import estimators`` and
-``from estimators.module_info import ModuleInfo`` do not import torch, so the solver, which only
+``from estimators.contract.module_info import ModuleInfo`` do not import torch, so the solver, which only
 reads a ModuleInfo, stays torch-free.
 """
 
@@ -13,25 +13,25 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "estimate": "estimators.estimation",
-    "Estimate": "estimators.estimation",
-    "EstimateOptions": "estimators.estimation",
-    "TraceMode": "estimators.estimation",
-    "TraceError": "estimators.estimation",
-    "TrainStep": "estimators.step",
-    "ZeroGrad": "estimators.step",
-    "DEVICE_SPECS": "estimators.device",
-    "DeviceSpec": "estimators.device",
-    "UnknownDeviceError": "estimators.device",
-    "get_device_spec": "estimators.device",
-    "MemoryPoint": "estimators.module_info",
-    "ModOrder": "estimators.module_info",
-    "ModStats": "estimators.module_info",
-    "ModuleInfo": "estimators.module_info",
-    "ModuleInfoFormatError": "estimators.module_info",
-    "Phase": "estimators.module_info",
-    "SACOp": "estimators.module_info",
-    "TradeoffCurve": "estimators.module_info",
+    "estimate": "estimators.tracing.estimation",
+    "Estimate": "estimators.tracing.estimation",
+    "EstimateOptions": "estimators.tracing.estimation",
+    "TraceMode": "estimators.tracing.estimation",
+    "TraceError": "estimators.tracing.estimation",
+    "TrainStep": "estimators.step.train_step",
+    "ZeroGrad": "estimators.step.train_step",
+    "DEVICE_SPECS": "estimators.runtime.device",
+    "DeviceSpec": "estimators.runtime.device",
+    "UnknownDeviceError": "estimators.runtime.device",
+    "get_device_spec": "estimators.runtime.device",
+    "MemoryPoint": "estimators.contract.module_info",
+    "ModOrder": "estimators.contract.module_info",
+    "ModStats": "estimators.contract.module_info",
+    "ModuleInfo": "estimators.contract.module_info",
+    "ModuleInfoFormatError": "estimators.contract.module_info",
+    "Phase": "estimators.contract.module_info",
+    "SACOp": "estimators.contract.module_info",
+    "TradeoffCurve": "estimators.contract.module_info",
 }
 
 __all__ = list(_EXPORTS)

@@ -8,27 +8,27 @@
     apply_plan(model, plan)          # or: with apply_plan(model, plan): ...
     plan.save("plan.json")
 
-    est = estimate(model, batch, optimizer="adamw", device="h100")    # estimators.estimation
+    est = estimate(model, batch, optimizer="adamw", device="h100")    # estimators.tracing.estimation
     table = tradeoff_curve(est)                      # least recompute at 20 budgets
     fig = plot_tradeoff(table, hand_made_baselines(est.module_info))  # needs sac-planner[plot]
 """
 
-from estimators.step import TrainStep, ZeroGrad
-from planner.checkpointing import (
+from estimators.step.train_step import TrainStep, ZeroGrad
+from planner.applying.checkpointing import (
     AlreadyCheckpointedError,
     AppliedPlan,
     PlanMismatchError,
     apply_plan,
     remove_plan,
 )
-from planner.baselines import BaselinePoint, hand_made_baselines
-from planner.distributed import PlanHashMismatchError, plan_hash, solve_sac_distributed
-from planner.fsdp import fsdp_units_of
-from planner.gradcheck import GradientCheck, check_gradients
+from planner.planning.baselines import BaselinePoint, hand_made_baselines
+from planner.distributed.ranks import PlanHashMismatchError, plan_hash, solve_sac_distributed
+from planner.distributed.fsdp import fsdp_units_of
+from planner.analysis.gradcheck import GradientCheck, check_gradients
 from planner.plan import ModulePlan, Plan, PlanFormatError
-from planner.plotting import plot_tradeoff
-from planner.solve import PlanningError, solve_sac
-from planner.tradeoff import TradeoffTable, tradeoff_curve
+from planner.analysis.plotting import plot_tradeoff
+from planner.planning.solve import PlanningError, solve_sac
+from planner.planning.tradeoff import TradeoffTable, tradeoff_curve
 
 __all__ = [
     "solve_sac",

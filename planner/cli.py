@@ -43,15 +43,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from estimators.device import DEVICE_SPECS, get_device_spec
-from estimators.estimation import DEFAULT_DEVICE, EstimateOptions, TraceMode, estimate
-from estimators.step import StepError, TrainStep, ZeroGrad
-from planner.checkpointing import AlreadyCheckpointedError, PlanMismatchError, apply_plan, hf_cache_off, other_model
-from planner.gradcheck import GradientCheck, check_gradients
-from planner.measure import MeasuredStep, measure_steps
-from planner.plan import TRAIN_MODES, GiB, Plan, PlanFormatError, StepMismatchError
-from planner.report import fmt_bytes, gradient_check_text, steps_vs_prediction
-from planner.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget, unplanned_peak_bytes
+from estimators.runtime.device import DEVICE_SPECS, get_device_spec
+from estimators.tracing.estimation import DEFAULT_DEVICE, EstimateOptions, TraceMode, estimate
+from estimators.step.train_step import StepError, TrainStep, ZeroGrad
+from planner.applying.checkpointing import AlreadyCheckpointedError, PlanMismatchError, apply_plan, hf_cache_off, other_model
+from planner.analysis.gradcheck import GradientCheck, check_gradients
+from planner.analysis.measure import MeasuredStep, measure_steps
+from planner.format import GiB
+from planner.plan import TRAIN_MODES, Plan, PlanFormatError, StepMismatchError
+from planner.analysis.report import gradient_check_text, steps_vs_prediction
+from planner.format import fmt_bytes
+from planner.planning.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget, unplanned_peak_bytes
 from solver import SolverOptions, min_reachable_peak_bytes
 from solver.errors import SolverError
 

@@ -23,7 +23,7 @@ __all__ = ["OpKey", "ModulePlan", "Plan", "PlanFormatError", "StepMismatchError"
 
 PLAN_VERSION = 1
 _KIND = "sac_planner.Plan"
-GiB = 2**30
+from planner.plan_summary import plan_summary
 # Written by plan files of the first release: a timing, not part of the plan (read and dropped).
 _LEGACY_FIELDS = frozenset({"solve_time_s"})
 
@@ -201,7 +201,7 @@ def optimizer_name(optimizer: Any) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class StepRecord:
-    """The training step a plan was made for (``estimators.step.TrainStep`` as plain data): the
+    """The training step a plan was made for (``estimators.step.train_step.TrainStep`` as plain data): the
     plan's peaks hold only for this loop, so a loaded plan is checked against the step it is run
     with (``Plan.check_step``)."""
 
@@ -287,7 +287,7 @@ class Plan:
     micro-batches. What ``AppliedPlan.host_bytes_offloaded`` counts over one step (0: no
     offload, or a plan file written before this field existed)."""
     compute_ms: float = 0.0
-    """Step timeline (``estimators/timeline.py``): forward + backward + optimizer compute."""
+    """Step timeline (``estimators/contract/timeline.py``): forward + backward + optimizer compute."""
     exposed_comm_ms: float = 0.0
     """Collective time the compute stream waits for (FSDP2 all-gather / reduce-scatter)."""
     exposed_copy_ms: float = 0.0
@@ -454,7 +454,6 @@ class Plan:
         return cls.from_dict(d)
 
     def summary(self) -> str:
-        from planner.report import plan_summary
 
         return plan_summary(self)
 
@@ -525,7 +524,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     >>> model_fingerprint(torch.nn.Linear(2, 3)) == model_fingerprint(torch.nn.Linear(2, 3))
     True
     """
-    from planner.fsdp import original_class_name
+    from planner.distributed.fsdp import original_class_name
 
     h = hashlib.sha256()
     for name, mod in model.named_modules():

@@ -20,7 +20,7 @@ import networkx as nx
 from solver.errors import GraphError, UnknownModuleError
 
 if TYPE_CHECKING:  # only types
-    from estimators.module_info import ModOrder, ModStats, ModuleInfo
+    from estimators.contract.module_info import ModOrder, ModStats, ModuleInfo
 
 __all__ = ["Graph", "Node", "is_submodule", "close_names"]
 

@@ -76,7 +76,7 @@ from solver.plan_cost import (
 from solver.options import Backend, SolveResult, SolverOptions, SolveStatus, options_until
 
 if TYPE_CHECKING:
-    from estimators.module_info import ModStats, ModuleInfo
+    from estimators.contract.module_info import ModStats, ModuleInfo
 
 __all__ = [
     "SACMilp",

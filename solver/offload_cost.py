@@ -1,18 +1,18 @@
 """What a module can offload and what it costs: the ops whose saved outputs may go to host, in the
 order they are taken, the copy time of the first x bytes (convex), and the peak of the memory
 model with offloads beside checkpoints. Torch-free, like the rest of the solver; the three-way
-MILP (``solver.offload_milp``) and the planner (``planner.offload_solve``) both price offloads here."""
+MILP (``solver.offload_milp``) and the planner (``planner.planning.offload_solve``) both price offloads here."""
 
 from __future__ import annotations
 
 import bisect
 from typing import TYPE_CHECKING, Mapping
 
-from estimators.sac_groups import cached_if_saved
+from estimators.contract.sac_groups import cached_if_saved
 from solver.plan_cost import MemoryModel, prefix_sums
 
 if TYPE_CHECKING:  # only types
-    from estimators.module_info import ModStats, ModuleInfo, SACOp
+    from estimators.contract.module_info import ModStats, ModuleInfo, SACOp
 
 __all__ = ["DEFAULT_MIN_OFFLOAD_BYTES", "offload_ops", "offloadable_bytes", "offload_take", "offload_curve",
            "predict_offload_peak_bytes", "point_bytes"]

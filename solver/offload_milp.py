@@ -1,7 +1,7 @@
 """Keep, recompute or offload: one MILP whose objective is the step time on the timeline.
 
-    from estimators.timeline import step_layout
-    layout = step_layout(info, blocks, comm=unit_comm)        # planner.solve builds this
+    from estimators.contract.timeline import step_layout
+    layout = step_layout(info, blocks, comm=unit_comm)        # planner.planning.solve builds this
     m = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s,
                     copy_latency_s=spec.host_copy_latency_s)
     res = m.solve(budget_bytes)
@@ -20,7 +20,7 @@ The maths, on top of the memory model of ``solver/milp.py`` / ``solver/plan_cost
     mem(p) = base_p - sum_k d_k [fw_post_k <= t < bw_pre_k] - sum_b o_b H_b [fw_post_b <= t < back_b]
              + recompute growth of k at its recompute point            <= peak <= budget
     sum_b o_b H_b <= host budget      (all offloaded bytes are on host when the forward ends)
-    the timeline of ``estimators/timeline.py`` as linear constraints:
+    the timeline of ``estimators/contract/timeline.py`` as linear constraints:
         E_i >= E_{i-1} + compute_i + sum_{k recomputed in i} rct_k      (segment ends)
         E_i >= X_t + compute_i + ...                 for each transfer t segment i waits for
         X_t >= E_{release_t - 1} + dur_t,  X_t >= X_{previous on its stream} + dur_t,
@@ -34,7 +34,7 @@ The maths, on top of the memory model of ``solver/milp.py`` / ``solver/plan_cost
 ``back_b`` is the first backward op of the block that runs just before b in backward order (the
 H2D copy is issued there; for the first block in backward order, its own). The minimal T of a
 max-plus system is its longest path, so the objective is exactly the step time of
-``estimators.timeline.simulate`` for the same decisions (rct on the convex envelope of each
+``estimators.contract.timeline.simulate`` for the same decisions (rct on the convex envelope of each
 curve, as in SACMilp; each copy's time on the convex envelope of its curve). Practice rules:
 only saved, non-view, non-empty outputs are offloadable, and small ones are priced out, not
 ruled out: each copy pays the device's fixed ``host_copy_latency_s``, so where the copy stream
@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from estimators.module_info import lower_hull_segments
+from estimators.contract.module_info import lower_hull_segments
 from solver.errors import InfeasibleBudgetError, SolverTimeoutError
 from solver.graph import Graph
 from solver.milp import _candidates, _check_budget, _check_units, _safe, _solver_unit
@@ -78,8 +78,8 @@ from solver.offload_cost import (
 from solver.options import SolverOptions, SolveStatus, run_backend
 
 if TYPE_CHECKING:  # only types
-    from estimators.module_info import ModStats, ModuleInfo
-    from estimators.timeline import StepLayout, StepTimeline
+    from estimators.contract.module_info import ModStats, ModuleInfo
+    from estimators.contract.timeline import StepLayout, StepTimeline
 
 __all__ = ["OffloadMilp", "OffloadResult", "offloadable_bytes", "offload_ops", "offload_take",
            "offload_curve", "predict_offload_peak_bytes", "DEFAULT_MIN_OFFLOAD_BYTES"]
@@ -373,7 +373,7 @@ class OffloadMilp:
         self._add(terms, pulp.LpConstraintLE, self._u(self.host_budget_bytes), "host_budget")
 
     def _add_timeline_constraints(self) -> None:
-        """The recurrences of ``estimators/timeline.py``, one variable per segment end and per
+        """The recurrences of ``estimators/contract/timeline.py``, one variable per segment end and per
         transfer end (ms)."""
         import pulp
 

@@ -4,7 +4,7 @@ the least recompute time (an exact 0/1 knapsack, xformers-style).
     plan = solve_op_milp(stats.ops, keep_ratio=1 - r)
     plan.decisions          # (OpDecision.SAVE, OpDecision.RECOMPUTE, ...) one per op
 
-The ops come as groups that share one decision, by the rules of ``estimators.sac_groups`` (the
+The ops come as groups that share one decision, by the rules of ``estimators.contract.sac_groups`` (the
 same groups the estimator's trade-off curve is made of): in-place chains, all random ops, a
 must-save group (an in-place op on a storage from outside the module; kept outside the budget)
 and must-recompute groups (views, ops with a cache cost). Of the other groups:
@@ -27,11 +27,11 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from estimators.sac_groups import SACGroup, sac_groups  # torch-free, like ModuleInfo
+from estimators.contract.sac_groups import SACGroup, sac_groups  # torch-free, like ModuleInfo
 from solver.options import SolverOptions, SolveStatus, run_backend
 
 if TYPE_CHECKING:
-    from estimators.module_info import SACOp
+    from estimators.contract.module_info import SACOp
 
 __all__ = ["OpDecision", "OpPlan", "solve_op_milp"]
 

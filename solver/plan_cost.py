@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
 
-from estimators.module_info import lower_hull_segments
+from estimators.contract.module_info import lower_hull_segments
 from solver.errors import UnknownModuleError
 from solver.graph import close_names
 
 if TYPE_CHECKING:
-    from estimators.module_info import ModStats, ModuleInfo
+    from estimators.contract.module_info import ModStats, ModuleInfo
 
 __all__ = [
     "MemoryModel", "predict_peak_bytes", "recompute_extra_bytes", "module_recompute_ms",
@@ -39,7 +39,7 @@ def has_window(s: ModStats) -> bool:
 
 
 class MemoryModel:
-    """Evaluates the memory model of ``estimators/module_info.py`` in exact integers."""
+    """Evaluates the memory model of ``estimators/contract/module_info.py`` in exact integers."""
 
     def __init__(self, info: ModuleInfo, world_size: int) -> None:
         self.stats = {s.fqn: s for s in info.mod_stats}

@@ -62,12 +62,12 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from estimators.module_info import lower_hull
+from estimators.contract.module_info import lower_hull
 from solver.plan_cost import fixed_discard_bytes, growth_hull_segments, module_recompute_ms
 from solver.pwl import Pwl, envelope, infconv_convex, point, truncate_left, under_within
 
 if TYPE_CHECKING:
-    from estimators.module_info import ModStats
+    from estimators.contract.module_info import ModStats
     from solver.milp import SACMilp
     from solver.plan_cost import MemoryModel
 

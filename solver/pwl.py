@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from estimators.module_info import lower_hull_indices
+from estimators.contract.module_info import lower_hull_indices
 
 __all__ = ["Pwl", "EMPTY", "point", "envelope", "infconv_convex", "truncate_left", "cap_right",
            "under_within"]

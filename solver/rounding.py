@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Mapping
 from solver.plan_cost import MemoryModel, fixed_discard_bytes, module_recompute_ms
 
 if TYPE_CHECKING:
-    from estimators.module_info import ModStats
+    from estimators.contract.module_info import ModStats
 
 __all__ = ["ExactPlans"]
 

@@ -80,7 +80,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from estimators.module_info import ModStats
+    from estimators.contract.module_info import ModStats
 
 __all__ = ["SymmetryPair", "symmetry_pairs"]
 

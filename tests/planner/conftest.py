@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import functools
 
-import pytest
-import torch
-
-from estimators.estimation import estimate
+from estimators.tracing.estimation import estimate
 from examples import EXAMPLES
-from planner.solve import plan_for_budget
+from planner.planning.solve import plan_for_budget
 from solver import SACMilp
 
 EXAMPLE_NAMES = ["gpt_demo", "convnet_demo"]
@@ -37,7 +34,3 @@ def plan_at(name: str, budget_bytes: int):
     model, _ = EXAMPLES[name]()
     return plan_for_budget(model, est, budget_bytes, milp=milp)
 
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)

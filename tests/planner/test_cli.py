@@ -13,7 +13,7 @@ import pytest
 
 from planner.cli import main
 from planner.plan import ModulePlan, Plan, model_fingerprint
-from planner.report import fmt_bytes
+from planner.format import fmt_bytes
 
 _USER_MODULE = '''
 import torch
@@ -246,7 +246,7 @@ def test_offload_plans_applies_and_checks_host_bytes():
     from pathlib import Path
 
     from estimators import estimate
-    from estimators.step import TrainStep
+    from estimators.step.train_step import TrainStep
     from examples import EXAMPLES
     from solver import SACMilp
 
@@ -364,7 +364,7 @@ def test_plan_in_of_a_plan_for_a_devicespec_of_the_users_own(tmp_path, capsys):
     # unknown device 'my-cpu'", and --device could not be given either. It is checked as --device.
     import dataclasses as dc
 
-    from estimators.device import get_device_spec
+    from estimators.runtime.device import get_device_spec
     from examples.convnet import convnet_loss, convnet_tiny
     from planner import solve_sac
 

@@ -11,10 +11,10 @@ import pytest
 
 from examples import EXAMPLES
 from planner import PlanFormatError, apply_plan, plan_hash, remove_plan
-from estimators.step import TrainStep, ZeroGrad
+from estimators.step.train_step import TrainStep, ZeroGrad
 from planner.plan import ModulePlan, Plan, StepMismatchError, StepRecord, model_fingerprint
-from planner.report import fmt_bytes
-from planner.solve import plan_for_budget
+from planner.format import fmt_bytes
+from planner.planning.solve import plan_for_budget
 from tests.planner.conftest import budgets, plan_at, planning
 
 

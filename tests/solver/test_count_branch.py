@@ -195,7 +195,7 @@ def test_the_repair_margin_is_given_back_at_the_smallest_peak() -> None:
     import json
     from pathlib import Path
 
-    from estimators.module_info import ModuleInfo
+    from estimators.contract.module_info import ModuleInfo
 
     path = Path(__file__).parent / "data" / "count_branch_smallest_peak_stack.json"
     (case,) = json.loads(path.read_text())
@@ -209,7 +209,7 @@ def test_a_search_too_wide_for_count_branching_is_handed_to_the_whole_model(monk
     import gzip
     from pathlib import Path
 
-    from estimators.module_info import ModuleInfo
+    from estimators.contract.module_info import ModuleInfo
     from solver import count_branch
 
     text = gzip.decompress((Path(__file__).parent / "data" / "levit_module_info.json.gz").read_bytes()).decode()

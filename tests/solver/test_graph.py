@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from estimators.module_info import ModOrder, ModStats, ModuleInfo
+from estimators.contract.module_info import ModOrder, ModStats, ModuleInfo
 from solver.errors import GraphError, UnknownModuleError
 from solver.graph import Graph, is_submodule
 

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
+from estimators.contract.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
 from solver import (
     Backend,
     InfeasibleBudgetError,

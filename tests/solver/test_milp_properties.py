@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
+from estimators.contract.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes
 from solver.graph import Graph
 

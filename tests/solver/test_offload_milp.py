@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, SACOp, TradeoffCurve
-from estimators.timeline import step_layout
+from estimators.contract.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, SACOp, TradeoffCurve
+from estimators.contract.timeline import step_layout
 from solver import InfeasibleBudgetError
 from solver.offload_milp import OffloadMilp
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from estimators.module_info import SACOp
+from estimators.contract.module_info import SACOp
 from solver.op_milp import OpDecision, solve_op_milp
 
 MiB = 2**20

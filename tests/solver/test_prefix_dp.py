@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
+from estimators.contract.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
 from solver import SACMilp, SolverOptions, predict_peak_bytes
 from solver.plan_cost import module_recompute_ms
 from solver import prefix_dp

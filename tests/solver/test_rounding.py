@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from estimators.module_info import ModuleInfo
+from estimators.contract.module_info import ModuleInfo
 from solver.graph import Graph
 from solver.plan_cost import MemoryModel, has_window, module_recompute_ms
 from solver.rounding import ExactPlans

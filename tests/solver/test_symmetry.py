@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from estimators.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
+from estimators.contract.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
 from solver import SACMilp, SolverOptions, predict_peak_bytes
 from tests.solver.test_milp_properties import _curve, _nbytes, module_infos
 

@@ -1,0 +1,1 @@
+"""The torch-free contract between estimators and solver: plain numbers, one record per module."""

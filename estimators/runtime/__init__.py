@@ -1,0 +1,1 @@
+"""Runtime models: target devices, the roofline, measured kernel and collective timings."""

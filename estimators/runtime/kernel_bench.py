@@ -1,0 +1,312 @@
+"""Kernel timings: each distinct op run on real tensors on this machine, with a cache file.
+
+:class:`BenchmarkRuntime` is the ``RuntimeKind.BENCHMARK`` runtime model. It times an op the first
+time it meets its signature (overload, argument layouts, non-tensor arguments), keeps the median
+in memory and, with ``cache_path``, in a JSON file (``estimators.runtime.json_cache``) that later runs on
+the same hardware read instead of timing again. Ops that cannot run standalone are priced by a
+roofline instead (never written to the file).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import statistics
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch._ops import OpOverload
+
+from estimators.runtime.device import DeviceSpec, get_device_spec
+from estimators.runtime.json_cache import BenchmarkCacheError, JsonTimingCache, is_time
+from estimators.runtime.op_facts import hint, timed_key
+from estimators.runtime.op_signatures import OpSignature, TensorSpec, storage_extent, synthetic_tensor
+from estimators.runtime.roofline import RooflineRuntime
+
+__all__ = ["BenchmarkRuntime", "BenchmarkCacheError"]
+
+logger = logging.getLogger(__name__)
+
+Args = Sequence[Any]
+Kwargs = Mapping[str, Any]
+
+_CACHE_FORMAT = "sac-planner/benchmark-cache"
+_CACHE_VERSION = 1
+
+
+class BenchmarkRuntime:
+    """Times each distinct op by running it on real tensors on this machine.
+
+    Inputs are materialised with the traced shape / stride / dtype: fake (or meta) tensors become
+    ``randn`` (floating) or zeros (integer / bool, so indices stay in range); real tensors are
+    copied, data included. The op runs on these private copies, so in-place and random ops never
+    touch the caller's tensors. The time is the median of ``timed_runs`` runs after
+    ``warmup_runs`` (CUDA events on a GPU, ``perf_counter_ns`` on CPU). An op that cannot run
+    standalone gets the roofline time of ``fallback_spec`` and is counted in :attr:`fallbacks`.
+
+    Example::
+
+        bench = BenchmarkRuntime(cache_path="bench_cpu.json")
+        ms = bench.op_runtime_ms(torch.ops.aten.mm.default, (a, b), {}, out)
+        bench.save()
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str | torch.device = "cpu",
+        fallback_spec: DeviceSpec | str = "cpu",
+        warmup_runs: int = 2,
+        timed_runs: int = 5,
+        max_ms_per_op: float = 200.0,
+        cache_path: str | os.PathLike[str] | None = None,
+        autosave_every: int = 64,
+    ) -> None:
+        """
+        Args:
+            device: where kernels run: ``"cpu"`` or a CUDA device (needs CUDA).
+            fallback_spec: DeviceSpec (or name) whose roofline prices ops that cannot run alone.
+            warmup_runs: untimed runs first (>= 1: the first run also proves the op runs).
+            timed_runs: most timed runs; their median is the result.
+            max_ms_per_op: fewer timed runs (at least 1) for slow ops, to bound the cost.
+            cache_path: JSON file timings are loaded from and saved to; ``None``: memory only.
+            autosave_every: with ``cache_path``, save after this many new timings (and at exit).
+        """
+        self.device = _check_device(torch.device(device))
+        if min(warmup_runs, timed_runs, autosave_every) < 1 or not max_ms_per_op > 0:
+            raise ValueError(
+                "warmup_runs, timed_runs and autosave_every must be >= 1, max_ms_per_op > 0"
+            )
+        self.fallback = RooflineRuntime(get_device_spec(fallback_spec))
+        self.warmup_runs, self.timed_runs = warmup_runs, timed_runs
+        self.max_ms_per_op = max_ms_per_op
+        self.device_label = _device_label(self.device)
+        self.name = f"benchmark:{self.device_label}"
+        self.hits = 0
+        """Calls answered from the cache (memory or file), without running the op."""
+        self.misses = 0
+        """Calls that had to time (or fall back for) a new op signature."""
+        self.fallbacks = 0
+        """Misses priced by the fallback roofline because the op could not run standalone."""
+        self.measurements = 0
+        """Kernel timings taken by this runtime (misses and :meth:`benchmark_signature` calls that
+        ran the op; fallbacks are not measurements)."""
+        # Two layers, filled by one path (_fill): every price by key (fallbacks included) for
+        # this process, and the real measurements by repr(key), as the JSON file holds them.
+        self._memory: dict[tuple, float] = {}
+        self._measured: dict[str, float] = {}
+        self._fallback_funcs: set[Any] = set()
+        self._autosave_every, self._unsaved = autosave_every, 0
+        self._file: JsonTimingCache | None = None
+        if cache_path is not None:
+            self._file = JsonTimingCache(
+                path=Path(cache_path), format=_CACHE_FORMAT, version=_CACHE_VERSION,
+                description="benchmark cache", identity={"device": self.device_label},
+            )
+            self._measured.update(self._file.load())
+            # Also save at exit / collection; the finaliser holds the dict, not self.
+            weakref.finalize(self, _save_quietly, self._file, self._measured)
+
+    def op_runtime_ms(self, func: OpOverload, args: Args, kwargs: Kwargs, out: Any) -> float:
+        keys = timed_key(func, args, kwargs, out)
+        if keys is None:
+            return 0.0
+        key, key_repr = keys
+        ms = self._lookup(key, key_repr)
+        if ms is not None:
+            self.hits += 1
+            return ms
+        self.misses += 1
+        return self._fill(func, key, key_repr, args, kwargs, out)
+
+    def benchmark_signature(self, sig: OpSignature) -> float:
+        """Time one recorded op signature (see :class:`SignatureRecorder`), in ms, and cache it.
+
+        The same path as a miss of :meth:`op_runtime_ms`: inputs are materialised from the
+        recorded shapes / strides / dtypes; an op that cannot run standalone gets the fallback
+        roofline (kept in memory only, like a fallback miss). A signature already cached is not
+        timed again.
+        """
+        ms = self._lookup(sig.key, sig.key_repr)
+        if ms is None:
+            ms = self._fill(sig.func, sig.key, sig.key_repr, sig.args, sig.kwargs, sig.out)
+        return ms
+
+    def export_cache(self) -> dict[str, float]:
+        """The measured timings (``repr`` of the cache key -> ms), as the cache file holds them:
+        real measurements only, never fallback rooflines."""
+        return dict(self._measured)
+
+    def import_cache(self, entries: Mapping[str, float]) -> None:
+        """Add measured timings (as from :meth:`export_cache` of a runtime on the same hardware);
+        later calls with those signatures are cache hits."""
+        bad = [k for k, v in entries.items() if not isinstance(k, str) or not is_time(v)]
+        if bad:
+            raise BenchmarkCacheError(f"import_cache got malformed entries, e.g. {bad[0]!r}")
+        self._measured.update({k: float(v) for k, v in entries.items()})
+
+    def save(self) -> None:
+        """Write the measured timings to ``cache_path`` (atomically, merged with the file);
+        no-op without one."""
+        if self._file is not None:
+            self._file.save(self._measured)
+            self._unsaved = 0
+
+    def _lookup(self, key: tuple, key_repr: str) -> float | None:
+        ms = self._memory.get(key)
+        if ms is None:
+            ms = self._measured.get(key_repr)
+            if ms is not None:
+                self._memory[key] = ms
+        return ms
+
+    def _fill(self, func: Any, key: tuple, key_repr: str, args: Args, kwargs: Kwargs, out: Any) -> float:
+        """Time a new signature (args: tensors or TensorSpecs), or price it by the fallback
+        roofline when it cannot run standalone; the one way both layers are filled."""
+        try:
+            ms = self._measure(func, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 -- any kernel error: "cannot run standalone"
+            self.fallbacks += 1
+            if func not in self._fallback_funcs:
+                self._fallback_funcs.add(func)
+                logger.debug(
+                    "cannot benchmark %s standalone (%s: %s); using the roofline of %s",
+                    func, type(exc).__name__, exc, self.fallback.spec.name,
+                )
+            ms = self.fallback.price(func, *_priceable(args, kwargs, out))
+        else:
+            # Only real measurements are persisted: a later run must not read a roofline as a timing.
+            self._measured[key_repr] = ms
+            self._unsaved += 1
+            if self._file is not None and self._unsaved >= self._autosave_every:
+                self.save()
+        self._memory[key] = ms
+        return ms
+
+    def _measure(self, func: Any, args: Args, kwargs: Kwargs) -> float:
+        # Leave every dispatch mode (FakeTensorMode, the tracer, user modes): these are our kernels.
+        with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+            memo: dict[int, torch.Tensor] = {}
+            real_args = [_materialise(a, self.device, memo) for a in args]
+            real_kwargs = {k: _materialise(v, self.device, memo) for k, v in kwargs.items()}
+            ms = self._time(lambda: func(*real_args, **real_kwargs))
+        self.measurements += 1
+        return ms
+
+    def _time(self, run: Callable[[], Any]) -> float:
+        # Not torch.utils.benchmark.Timer: its timeit() runs its own warm-up on every call, runs
+        # at 1 thread unless told, and synchronises the whole device around a wall clock where
+        # CUDA events time the stream; the median of single runs is what is cached here.
+        timer = _cuda_time_ms if self.device.type == "cuda" else _cpu_time_ms
+        first_ms = timer(run)  # also proves the op runs at all
+        for _ in range(self.warmup_runs - 1):
+            timer(run)
+        runs = max(1, min(self.timed_runs, int(self.max_ms_per_op / max(first_ms, 1e-6))))
+        return statistics.median(timer(run) for _ in range(runs))
+
+    def __repr__(self) -> str:
+        return (
+            f"BenchmarkRuntime({self.device_label!r}, hits={self.hits}, misses={self.misses}, "
+            f"fallbacks={self.fallbacks})"
+        )
+
+
+def _priceable(args: Args, kwargs: Kwargs, out: Any) -> tuple[Args, Kwargs, Any]:
+    """The call as the roofline can price it: recorded TensorSpecs become meta tensors."""
+    values = (*args, *kwargs.values(), *(out if isinstance(out, (list, tuple)) else (out,)))
+    if not any(isinstance(v, TensorSpec) or _holds_spec(v) for v in values):
+        return args, kwargs, out
+    meta, memo = torch.device("meta"), {}
+    return (
+        [_materialise(a, meta, memo) for a in args],
+        {k: _materialise(v, meta, memo) for k, v in kwargs.items()},
+        _materialise(out, meta, memo),
+    )
+
+
+def _holds_spec(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and any(
+        isinstance(v, TensorSpec) or _holds_spec(v) for v in value
+    )
+
+
+def _check_device(device: torch.device) -> torch.device:
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"BenchmarkRuntime runs on 'cpu' or 'cuda', got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "BenchmarkRuntime(device='cuda') needs a CUDA device and this torch sees none; "
+            "benchmark on 'cpu' or plan for a GPU with the roofline model (RooflineRuntime)"
+        )
+    return device
+
+
+def _device_label(device: torch.device) -> str:
+    """Identifies the hardware timings belong to; a cache file from another label is refused."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    # The thread count changes CPU kernel times as much as the chip does.
+    return f"cpu:{platform.machine()}:{torch.get_num_threads()}threads"
+
+
+def _materialise(value: Any, device: torch.device, memo: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, TensorSpec):
+        if id(value) not in memo:  # specs of one tensor are shared, like the tensor
+            memo[id(value)] = value.synthetic(device)
+        return memo[id(value)]
+    if isinstance(value, torch.Tensor):
+        if id(value) not in memo:  # the same tensor passed twice stays one tensor (aliasing ops)
+            memo[id(value)] = _real_tensor(value, device)
+        return memo[id(value)]
+    if isinstance(value, (list, tuple)):
+        items = [_materialise(v, device, memo) for v in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    if isinstance(value, torch.device):
+        return device  # factory / _to_copy device args name the traced (fake) device
+    return hint(value)
+
+
+def _real_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A private tensor with ``t``'s shape, strides and dtype on ``device``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    shape = [hint(s) for s in t.shape]
+    stride = [hint(s) for s in t.stride()]
+    # Storage span of the view: broadcast (stride-0) and overlapping layouts stay as traced.
+    extent = storage_extent(shape, stride)
+    if isinstance(t, FakeTensor) or t.device.type == "meta":
+        buf = synthetic_tensor(extent, t.dtype, device)
+    else:
+        span = t.detach().as_strided((extent,), (1,), t.storage_offset())
+        buf = span.to(device, copy=True)
+    return buf.as_strided(shape, stride, 0)
+
+
+def _cpu_time_ms(run: Callable[[], Any]) -> float:
+    start = time.perf_counter_ns()
+    run()
+    return (time.perf_counter_ns() - start) / 1e6
+
+
+def _cuda_time_ms(run: Callable[[], Any]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _save_quietly(file: JsonTimingCache, entries: Mapping[str, float]) -> None:
+    """Last-chance save at exit / collection: a finaliser reports a failure, never raises."""
+    if not entries:
+        return
+    try:
+        file.save(entries)
+    except OSError as exc:
+        logger.warning("could not save benchmark cache %s: %s", file.path, exc)

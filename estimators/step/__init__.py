@@ -1,0 +1,1 @@
+"""The training step the user describes (TrainStep), its optimizer and the host RNG it draws from."""

@@ -1,0 +1,461 @@
+"""The training step every trace and measurement runs, so all of them count the same tensors.
+
+``TrainStep`` says what one optimizer step of the user's loop is::
+
+    for _ in range(micro_batches):
+        with torch.autocast(device_type, dtype=autocast_dtype):     # when autocast_dtype is set
+            out = model(*args, **kwargs)
+            loss = loss_fn(out, inputs) / micro_batches         # default loss: out.sum()
+        del out                                                 # unless keep_output: see below
+        loss.backward()                                         # grads accumulate across micro-batches
+    optimizer.step()                                            # when given
+    optimizer.zero_grad(set_to_none=...)                        # ZeroGrad.SET_TO_NONE: torch's default
+
+With ``keep_output=True`` the loop holds the model's output through backward, as
+``out = model(**batch); out.loss.backward(); optimizer.step()`` does: each micro-batch's output
+lives until the next micro-batch's forward returns (the last one's through the optimizer step and,
+in a loop, into the next step's first forward).
+
+``run_step`` runs it (or, for a trace, one micro-batch of it and the optimizer step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from estimators.contract.module_info import Phase
+
+if TYPE_CHECKING:
+    from estimators.runtime.device import DeviceSpec
+
+__all__ = ["StepError", "TrainStep", "ZeroGrad", "split_inputs", "run_step", "step_mode", "mode_changes", "zero_grads",
+           "values_read_in"]
+
+
+class StepError(RuntimeError):
+    """The step could not run; the message says what to change."""
+
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class ZeroGrad(enum.Enum):
+    """How the loop resets gradients after the optimizer step."""
+
+    SET_TO_NONE = "set_to_none"
+    """``optimizer.zero_grad()`` / ``zero_grad(set_to_none=True)``, torch's default: gradients are
+    freed between steps and allocated again by the first micro-batch's backward."""
+    ZERO = "zero"
+    """``zero_grad(set_to_none=False)``, or gradients never reset: they stay allocated (zeroed or
+    not, the same memory) through the whole step."""
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class TrainStep:
+    """One optimizer step of a training loop: what every trace, plan and measurement runs.
+
+    Example::
+
+        step = TrainStep(inputs=(tokens,), loss_fn=my_loss, optimizer="adamw",
+                         micro_batches=4, autocast_dtype=torch.bfloat16)
+        plan = solve_sac(model, budget_gib=40, step=step, device="h100")
+
+    The plan is made for the steady state (step 2 on: optimizer state alive from the start,
+    gradients as the loop keeps them) and checked against the first step; see
+    ``estimators.tracing.estimation``.
+    """
+
+    inputs: Any = None
+    """One micro-batch: a tensor, a tuple of forward's positional args or a dict of kwargs;
+    None: ``model.example_inputs()``."""
+    loss_fn: LossFn | None = None
+    """``loss_fn(output, inputs) -> scalar``; None: ``output.sum()``."""
+    optimizer: Any = None
+    """``"adam"``, ``"adamw"``, ``"sgd"``, an optimizer class / factory ``f(param_groups)``, a
+    ``torch.optim.Optimizer`` instance (its class and hyper-parameters are used, never the
+    instance itself), or None (no optimizer step, no state)."""
+    micro_batches: int = 1
+    """Forward/backward passes per optimizer step (gradient accumulation), >= 1."""
+    zero_grad: ZeroGrad = ZeroGrad.SET_TO_NONE
+    """How gradients are reset between optimizer steps."""
+    autocast_dtype: torch.dtype | None = None
+    """Forward and loss under ``torch.autocast`` with this dtype (``torch.bfloat16`` or
+    ``torch.float16``); backward and the optimizer step are not. None: no autocast."""
+    keep_output: bool = False
+    """The loop holds the model output through backward, e.g. ``out = model(**batch);
+    out.loss.backward(); optimizer.step()``: every tensor of the output (a causal LM's
+    full-vocabulary logits) stays alive through that micro-batch's backward and, for the last
+    micro-batch, the optimizer step. False: the output is dropped once the loss is computed
+    (``loss = model(**batch).loss``, HF's ``Trainer``)."""
+
+    train_mode: bool | None = None
+    """The modules' ``training`` flags during the step (dropout masks and BatchNorm batch
+    statistics are part of a training step's memory). None: as the model is, except that a model
+    whose root is in eval mode (``from_pretrained`` returns one) runs as ``model.train()`` leaves
+    it, since that is what its training loop will run (planned in eval mode, a BERT trained in
+    train mode measured 5.1 % over the plan's peak). True: always ``model.train()``; False:
+    always the flags as they are (a loop that trains in eval mode). Every trace, measurement and
+    gradient check runs so and puts each module's flag back afterwards."""
+
+    held: Any = ()
+    """Tensors and modules the loop holds through the step besides the model, its gradients,
+    optimizer state and the batch: an EMA copy of the model (``ema = copy.deepcopy(model)``),
+    a frozen teacher, a replay buffer. Counted as resident for the whole step by every trace and
+    measurement (a module: its parameters, buffers and gradients). A tensor or a module, or a
+    list / tuple of them; never the planned model itself or one of its tensors (already counted)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "held", _check_held(self.held))
+        mb = self.micro_batches
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
+            raise ValueError(
+                f"micro_batches must be an int >= 1 (forward/backward passes per optimizer step), "
+                f"got {mb!r}"
+            )
+        if not isinstance(self.zero_grad, ZeroGrad):
+            try:
+                object.__setattr__(self, "zero_grad", ZeroGrad(self.zero_grad))
+            except ValueError:
+                raise ValueError(
+                    f"zero_grad must be ZeroGrad.SET_TO_NONE ('set_to_none', torch's default) or "
+                    f"ZeroGrad.ZERO ('zero'), got {self.zero_grad!r}"
+                ) from None
+        dt = self.autocast_dtype
+        if dt is not None and dt not in AUTOCAST_DTYPES:
+            raise ValueError(
+                f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {dt!r}"
+            )
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, inputs), got {type(self.loss_fn).__name__}")
+        if self.train_mode is not None and not isinstance(self.train_mode, bool):
+            raise TypeError(f"train_mode must be None, True or False, got {self.train_mode!r}")
+        _check_loss_signature(self.loss_fn)
+        if not isinstance(self.keep_output, bool):
+            raise TypeError(f"keep_output must be True or False (does the loop hold the model output "
+                            f"through backward?), got {self.keep_output!r}")
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors of ``held``: tensors as given, modules' parameters, gradients and buffers."""
+        found: list[torch.Tensor] = []
+        for h in self.held:
+            if isinstance(h, torch.nn.Module):
+                for p in h.parameters():
+                    found += [p] + ([p.grad] if p.grad is not None else [])
+                found += list(h.buffers())
+            else:
+                found.append(h)
+        return found
+
+    @property
+    def grads_alive_at_start(self) -> bool:
+        """Whether the binding micro-batch starts with every gradient allocated: the loop keeps
+        them (``ZeroGrad.ZERO``), or a micro-batch after the first accumulates into them."""
+        return self.zero_grad is ZeroGrad.ZERO or self.micro_batches > 1
+
+    def check_target(self, spec: "DeviceSpec") -> None:
+        """Raise if the target cannot run this step (an autocast dtype it has no kernels for)."""
+        dt = self.autocast_dtype
+        if dt is not None and dt not in spec.peak_flops_per_s:
+            can = [str(d).replace("torch.", "") for d in AUTOCAST_DTYPES if d in spec.peak_flops_per_s]
+            raise ValueError(
+                f"autocast_dtype={str(dt).replace('torch.', '')} cannot run on the target {spec.name!r} "
+                f"(its DeviceSpec lists no {str(dt).replace('torch.', '')} compute); "
+                + (f"use autocast_dtype=torch.{can[0]}" if can else "drop autocast_dtype")
+                + " or plan for another device"
+            )
+
+    def describe(self) -> str:
+        """One line for a plan's notes."""
+        opt = self.optimizer
+        name = opt if isinstance(opt, str) or opt is None else getattr(opt, "__name__", type(opt).__name__)
+        name = "a factory function" if name == "<lambda>" else name
+        amp = str(self.autocast_dtype).replace("torch.", "") if self.autocast_dtype else "off"
+        return (
+            f"step: optimizer {name}, {self.micro_batches} micro-batch(es), zero_grad "
+            f"{self.zero_grad.value}, autocast {amp}" + (", output kept through backward" if self.keep_output else "")
+            + (f", {len(self.held)} held object(s) ({_held_bytes(self):,} B) resident" if self.held else "")
+            + {None: "", True: ", every module in train mode", False: ", training flags as they are"}[self.train_mode]
+        )
+
+
+def _check_held(held: Any) -> tuple:
+    if held is None:
+        return ()
+    items = tuple(held) if isinstance(held, (list, tuple)) else (held,)
+    for i, h in enumerate(items):
+        if not isinstance(h, (torch.Tensor, torch.nn.Module)):
+            raise TypeError(
+                f"held[{i}] must be a tensor or an nn.Module the loop keeps alive through the step "
+                f"(e.g. an EMA copy of the model), got {type(h).__name__}"
+            )
+    return items
+
+
+def _held_bytes(step: TrainStep) -> int:
+    seen: dict[int, int] = {}
+    for t in step.held_tensors():
+        try:
+            st = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            continue
+        seen[id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+def split_inputs(inputs: Any) -> tuple[tuple, dict]:
+    """A tensor, a tuple/list of positional args, or a dict of kwargs -> (args, kwargs)."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def _autocast(model: torch.nn.Module, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    p = next(model.parameters(), None)
+    device_type = p.device.type if p is not None and p.device.type != "meta" else "cpu"
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def _check_loss_signature(loss_fn: Any) -> None:
+    """``loss_fn`` is called as ``loss_fn(output, inputs)``: say so before a step fails on it."""
+    import inspect
+
+    if loss_fn is None:
+        return
+    try:
+        # Not through __wrapped__: an adapter made with functools.wraps takes what it takes.
+        sig = inspect.signature(loss_fn, follow_wrapped=False)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    try:
+        sig.bind(None, None)
+    except TypeError as e:
+        raise TypeError(
+            f"loss_fn is called as loss_fn(output, inputs) (the model's output and the batch it "
+            f"was given) but takes {sig}: {e}; e.g. loss_fn=lambda out, inputs: out.logits.mean()"
+        ) from None
+
+
+def trains_in_train_mode(model: torch.nn.Module, train_mode: bool | None) -> bool:
+    """Whether the step switches ``model`` to train mode (see ``TrainStep.train_mode``)."""
+    return bool(train_mode) or (train_mode is None and not model.training)
+
+
+@contextlib.contextmanager
+def step_mode(model: torch.nn.Module, train_mode: bool | None):
+    """The modules' training flags for the step (``TrainStep.train_mode``), each put back after:
+    the root through its own ``train()`` (an override may do more than set flags, e.g. a LoRA
+    layer's merge on ``eval()``), then every module's flag as it was."""
+    if not trains_in_train_mode(model, train_mode):
+        yield
+        return
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        model.train()
+        yield
+    finally:
+        model.train(flags[0][1])
+        for m, flag in flags:
+            m.training = flag
+
+
+def mode_changes(model: torch.nn.Module, train_mode: bool | None) -> int:
+    """How many modules' flags ``step_mode`` switches."""
+    if not trains_in_train_mode(model, train_mode):
+        return 0
+    return sum(1 for m in model.modules() if not m.training)
+
+
+def run_step(
+    model: torch.nn.Module,
+    inputs: Any,
+    loss_fn: LossFn | None,
+    optimizer: torch.optim.Optimizer | None,
+    on_phase: Callable[[Phase], None] | None = None,
+    *,
+    micro_batches: int = 1,
+    passes: int | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    keep_output: bool = False,
+    held_output: list | None = None,
+) -> float | None:
+    """Run one optimizer step (``passes`` forward/backward passes, default ``micro_batches``; a
+    trace runs one), each loss divided by ``micro_batches``; returns the last loss value when it
+    can be read (None under fake tensors). ``keep_output``: see ``TrainStep.keep_output``.
+
+    ``held_output``: a one-element list standing for the loop's ``out`` variable across steps
+    (with ``keep_output``): the previous step's output in it is held until this step's first
+    forward returns, and this step's last output is left in it."""
+    args, kwargs = split_inputs(inputs)
+    value = None
+    held = held_output[0] if held_output else None  # the output a keep_output loop still references
+    if held_output:
+        held_output[0] = None
+    for _ in range(micro_batches if passes is None else passes):
+        if on_phase:
+            on_phase(Phase.FW)
+        with _autocast(model, autocast_dtype):
+            try:
+                out = model(*args, **kwargs)
+            except Exception as e:
+                if type(e).__name__ == "FakeKernelError":
+                    raise  # says itself which op failed and what to do
+                raise StepError(_forward_hint(model, e, kwargs)) from e
+            held = out if keep_output else None  # `out = model(...)` lets go of the previous output
+            with values_read_in("the loss function"):
+                loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
+            _check_loss(loss)
+            del out
+            if micro_batches > 1:
+                loss = loss / micro_batches
+        if on_phase:
+            on_phase(Phase.BW)
+        with values_read_in("the backward (a backward hook or a custom autograd Function)"):
+            loss.backward()
+        value = _value(loss)
+        del loss
+    if optimizer is not None:
+        if on_phase:
+            on_phase(Phase.OPTIM)
+        with values_read_in(f"the optimizer step ({type(optimizer).__name__})"):
+            optimizer.step()
+    if held_output is not None and keep_output:
+        held_output[0] = held  # the loop's `out` outlives the step, into the next one's forward
+    del held  # the loop lets go of the last output only after the optimizer step
+    return value
+
+
+def zero_grads(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, how: ZeroGrad) -> None:
+    """What the loop does after the optimizer step."""
+    set_to_none = how is ZeroGrad.SET_TO_NONE
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=set_to_none)
+    else:
+        model.zero_grad(set_to_none=set_to_none)
+
+
+def _value(loss: torch.Tensor) -> float | None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(loss, FakeTensor) or loss.device.type == "meta":
+        return None
+    with torch._C._DisableTorchDispatch():  # reading the value is not part of the traced step
+        return float(loss.detach())
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise StepError(
+            f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) "
+            "or pass loss_fn=lambda output, inputs: ... returning a scalar"
+        )
+    if not loss.requires_grad:
+        raise StepError(
+            "the loss does not require grad: no parameter took part in it "
+            "(is the model in no_grad / are all parameters frozen?)"
+        )
+
+
+def _default_loss(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out.sum()
+    loss = getattr(out, "loss", None)  # HF ModelOutput: the model computed its loss (labels given)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if len(tensors) == 1:
+        return tensors[0].sum()
+    raise StepError(
+        f"the model returned {type(out).__name__} with {len(tensors)} tensors; "
+        "pass loss_fn=lambda output, inputs: <scalar> to say how the loss is computed"
+    )
+
+
+_REAL_MODE = ("trace in real mode: solve_sac(..., estimate_options=EstimateOptions(mode=TraceMode.REAL)) "
+              "(estimators.tracing.estimation), --mode real on the command line")
+
+
+def _reads_values(e: Exception) -> bool:
+    """A fake-mode trace met code that needs a tensor's value (``.item()``, ``nonzero``)."""
+    name = type(e).__name__
+    return "DataDependent" in name or "DynamicOutputShape" in name or "data-dependent" in str(e).lower()
+
+
+@contextlib.contextmanager
+def values_read_in(where: str):
+    """Only the forward's errors were explained; a ``.item()`` in a backward hook (gradient-norm
+    logging), the loss or the optimizer surfaced as torch's bare DataDependentOutputException."""
+    try:
+        yield
+    except Exception as e:
+        if not _reads_values(e):
+            raise
+        raise StepError(f"{where} raised {type(e).__name__}: {e} — it reads tensor values (.item(), "
+                        f"data-dependent shapes), which fake tensors do not have; {_REAL_MODE}") from e
+
+
+def _forward_hint(model: torch.nn.Module, e: Exception, kwargs: dict | None = None) -> str:
+    name = type(e).__name__
+    if _reads_values(e):
+        # Before the encoder-decoder hint: a time-series model (no labels argument) that reads a
+        # value was told to pass labels.
+        hint = f"the forward reads tensor values (.item(), data-dependent shapes); {_REAL_MODE}"
+        drop = _layerdrop_of(model)
+        if drop:
+            hint += (f". LayerDrop is on ({drop}): it reads a draw of torch's RNG, and a real-mode "
+                     "trace follows that one draw; set it to 0.0 while planning to count every layer")
+    else:
+        hint = (_encoder_decoder_hint(model, kwargs or {})
+                or "check that the inputs match the model's forward signature; if the model alone "
+                   "raises this on them (model(**inputs)), its config or code is at fault, not the planner")
+    return f"{type(model).__name__}.forward raised {name}: {e} — {hint}"
+
+
+def _layerdrop_of(model: torch.nn.Module) -> str:
+    """An HF model's non-zero LayerDrop rates (``config.layerdrop = 0.1, ...``); "" if none."""
+    config = getattr(model, "config", None)
+    rates = [(name, getattr(config, name, 0.0)) for name in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")]
+    return ", ".join(f"config.{name} = {rate}" for name, rate in rates
+                     if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0)
+
+
+def _encoder_decoder_hint(model: torch.nn.Module, kwargs: dict) -> str:
+    """What an HF encoder-decoder (T5, BART, ...) lacks to run its decoder; "" if nothing.
+
+    Without ``decoder_input_ids`` it builds them from ``labels``, shifted right behind
+    ``config.decoder_start_token_id``; a config built without that token (``T5Config()`` in
+    transformers 5 has no such attribute) failed with T5's AttributeError or BART's "can't
+    assign a NoneType to a torch.LongTensor", and the hint said to check the inputs' signature."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "is_encoder_decoder", False) or {"decoder_input_ids", "decoder_inputs_embeds"} & set(kwargs):
+        return ""
+    if "labels" not in kwargs:
+        return ("an encoder-decoder model needs inputs for its decoder: pass labels (it builds its "
+                "decoder inputs from them; the output then has a loss) or decoder_input_ids")
+    if getattr(config, "decoder_start_token_id", None) is not None:
+        return ""
+    # The token differs by family: T5's decoder starts from its pad token, BART's from its eos.
+    pad, eos = getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
+    if "t5" in str(getattr(config, "model_type", "")) and pad is not None:
+        start = f"model.config.decoder_start_token_id = {pad} (its pad_token_id, as T5 starts)"
+    elif eos is not None:
+        start = (f"model.config.decoder_start_token_id to the token its decoder starts from (BART's is "
+                 f"its eos_token_id, {eos}; T5's its pad_token_id)")
+    else:
+        start = "model.config.decoder_start_token_id to the token its decoder starts from"
+    return (f"{type(model).__name__} builds its decoder inputs by shifting labels right behind "
+            f"config.decoder_start_token_id, which its config does not set ({type(config).__name__}"
+            f"(..., decoder_start_token_id=...) was not given one): set {start}, or pass "
+            "decoder_input_ids with the inputs")

@@ -1,0 +1,1 @@
+"""One training step traced op by op, and everything derived from that trace."""

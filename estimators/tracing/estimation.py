@@ -1,0 +1,553 @@
+"""``estimate()``: trace one training step once and derive every estimate from that trace.
+
+    est = estimate(model, (idx,), loss_fn=my_loss, optimizer="adamw", device="h100")
+    est = estimate(model, step=TrainStep(inputs=(idx,), optimizer="adamw", micro_batches=4))
+    est.module_info.peak_bytes           # steady-state step peak without checkpointing
+    est.first_step_peak_bytes            # the first step's (optimizer state not yet created)
+    est.module_info.stats("GPT.blocks.0").act_fw_bytes
+
+Fake mode (default) runs on a copy of the model whose parameters are fake CPU tensors: no memory
+is allocated and nothing is computed, so a 70B model given on the meta device is planned on a
+laptop. Real mode runs the step on the model itself with real tensors, then puts back its
+parameters, buffers and gradients as they were (and the RNG state): it is how the estimates are
+checked against measurements. Neither mode touches the optimizer instance a user passes (a new
+one of the same class and hyper-parameters is built over the traced parameters).
+
+The step traced is the steady state of the loop ``TrainStep`` describes (``estimators/step/train_step.py``):
+
+* optimizer state alive from the start: before tracing, every parameter gets a zero gradient and
+  the optimizer steps once (free in fake mode), so its state exists as from step 2 on;
+* gradients as the loop keeps them: ``ZeroGrad.SET_TO_NONE`` with one micro-batch starts with no
+  gradients; ``ZeroGrad.ZERO`` or a micro-batch after the first of gradient accumulation starts
+  with all of them allocated (the binding micro-batch: the first one of an accumulation step holds
+  less). One micro-batch is traced (the others are the same ops), then the optimizer step;
+* forward and loss under ``torch.autocast`` when ``autocast_dtype`` is set.
+
+The first step of a fresh run differs only in that the optimizer state does not exist before the
+optimizer phase (and, with one micro-batch, no gradient exists in its forward):
+``first_step_peak_bytes`` removes those bytes from the steady-state timeline. That is exact for
+torch's optimizers, which create all their state before any update math; in the first step's
+backward with ``ZeroGrad.ZERO`` and one micro-batch it is an upper bound (gradients are counted
+as alive from the start of backward). The prediction is the larger of the two peaks.
+
+Mixed precision: the trace runs ``torch.autocast`` of the traced tensors' device, so in fake mode
+(fake CPU tensors) CPU autocast's op lists decide which ops run in low precision, also when the
+target is a CUDA device. What is modelled for a CUDA target is therefore CPU autocast: matmuls,
+linear, convolutions, bmm/baddbmm and SDPA in low precision on both; CUDA's lists differ, e.g.
+CUDA runs ``layer_norm``, ``group_norm``, ``softmax`` / ``log_softmax``, ``exp``, ``log``,
+``pow`` and the losses in float32 where CPU autocast lets ``layer_norm`` and ``softmax`` follow a
+bf16 input, so CUDA keeps some activations at twice the bytes counted here. Autocast's cache of
+low-precision copies of the parameters (alive until the autocast region ends, longer where
+autograd saves them) is counted as the trace sees it: storages made in the forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import enum
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.utils._pytree import tree_flatten, tree_map
+
+from estimators.step import host_rng
+from estimators.tracing.aggregate import build_module_info
+from estimators.tracing.cuda_rules import CudaSemanticsMode
+from estimators.tracing.fake_kernels import FakeKernelError, RealKernelsMode
+from estimators.tracing.hf_paths import hf_real_paths
+from estimators.runtime.device import DeviceSpec, get_device_spec
+from estimators.tracing.memory import MemoryTimeline, build_timeline
+from estimators.runtime.models import RuntimeKind, make_runtime_model
+from estimators.tracing import fake_leaks
+from estimators.step.train_step import StepError, TrainStep, run_step, step_mode
+from estimators.contract.module_info import ModuleInfo
+from estimators.step.optimizer import check_optimizer_params, param_groups, resolve_optimizer
+from estimators.tracing.steady_state import first_step_module_info, first_step_peak, steady_state
+from estimators.tracing.trace import InplaceModifiedError, StepTrace, StepTracer
+
+__all__ = [
+    "DEFAULT_DEVICE",
+    "TraceMode",
+    "EstimateOptions",
+    "Estimate",
+    "estimate",
+    "TraceError",
+    "HostRandomnessWarning",
+    "DrawnControlFlowWarning",
+    "resolve_optimizer",
+    "check_optimizer_params",
+    "as_train_step",
+    "first_step_module_info",
+]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[Any, tuple], torch.Tensor]
+DEFAULT_DEVICE = "cpu"
+"""The target every entry point plans for unless told otherwise (``estimate``, ``solve_sac``,
+``tradeoff_curve``, the CLI...): this machine's CPU, so a plan can be checked here like for like.
+Pass ``device="h100"`` (or another DeviceSpec name) to plan for a GPU."""
+
+
+class TraceError(StepError):
+    """The step could not be traced; the message says what to change."""
+
+
+class TraceMode(enum.Enum):
+    FAKE = "fake"  # FakeTensorMode on a fake copy of the model: no memory, no compute
+    REAL = "real"  # real tensors on the model's own device
+
+
+@dataclass(frozen=True, kw_only=True)
+class EstimateOptions:
+    mode: TraceMode = TraceMode.FAKE
+    """FAKE plans without allocating; REAL runs the model itself (and restores it), for validation."""
+    runtime: RuntimeKind = RuntimeKind.ROOFLINE
+    """ROOFLINE costs ops on the DeviceSpec; BENCHMARK times real kernels on this machine."""
+    cuda_semantics: bool | None = None
+    """Apply the CUDA memory rules (estimators/tracing/cuda_rules.py). Default: when the target is a CUDA
+    device and the trace is fake."""
+    progress: bool = False
+    """Log progress (INFO on this module's logger) after each top-level module and phase."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, TraceMode):
+            object.__setattr__(self, "mode", TraceMode(self.mode))
+        if not isinstance(self.runtime, RuntimeKind):
+            object.__setattr__(self, "runtime", RuntimeKind(self.runtime))
+
+
+@dataclass
+class Estimate:
+    """The trace (of the steady-state step) and everything derived from it."""
+
+    trace: StepTrace
+    timeline: MemoryTimeline
+    module_info: ModuleInfo
+    """Memory points and ``peak_bytes`` of the steady-state step (what plans are made for)."""
+    spec: DeviceSpec
+    trace_time_s: float
+    step: TrainStep = dataclasses.field(default_factory=TrainStep)
+    """The step traced (inputs resolved); verification traces and measurements run the same."""
+    options: "EstimateOptions" = dataclasses.field(default_factory=lambda: EstimateOptions())
+    """How it was traced; a verification trace uses the same mode and runtime."""
+    first_step_peak_bytes: int = 0
+    """Peak of the first step of a fresh run (see the module docstring)."""
+
+    @property
+    def steady_peak_bytes(self) -> int:
+        return self.module_info.peak_bytes
+
+    @property
+    def binding_step(self) -> str:
+        """``"steady state"`` or ``"first step"``: which one has the larger peak."""
+        return "first step" if self.first_step_peak_bytes > self.steady_peak_bytes else "steady state"
+
+
+def _default_inputs(model: torch.nn.Module) -> Any:
+    make = getattr(model, "example_inputs", None)
+    if not callable(make):
+        raise ValueError(
+            f"no inputs given and {type(model).__name__} has no example_inputs() method; "
+            "pass inputs=(batch,) — a tensor, a tuple of forward's positional args, or a dict of kwargs"
+        )
+    return make()
+
+
+def _check_real_devices(model: torch.nn.Module, inputs: Any) -> None:
+    devices = {p.device for p in model.parameters()} | {b.device for b in model.buffers()}
+    if len(devices) > 1:
+        raise TraceError(f"model parameters are on several devices {sorted(map(str, devices))}")
+    if not devices:
+        return
+    dev = next(iter(devices))
+    if dev.type == "meta":
+        raise TraceError(
+            "the model is on the meta device: real mode needs real tensors; use mode=TraceMode.FAKE"
+        )
+    for t in tree_flatten(inputs)[0]:
+        if isinstance(t, torch.Tensor) and t.device != dev:
+            raise TraceError(
+                f"an input tensor is on {t.device} but the model is on {dev}; "
+                f"move the inputs with .to({str(dev)!r}) (or trace in fake mode)"
+            )
+
+
+def _fake_tensor(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu" and not isinstance(t, torch.nn.Parameter):
+        return mode.from_tensor(t)
+    with mode:  # meta / other devices: same shape, stride and dtype, on the fake CPU
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+
+def _fake_buffer(mode: FakeTensorMode, b: torch.Tensor) -> torch.Tensor:
+    """A fake buffer; a one-element integer one (a counter) keeps a copy of its value, so code
+    that reads it goes on as in the real step: ``BatchNorm2d(momentum=None)`` divides by
+    ``float(num_batches_tracked)``, which a plain fake tensor refuses (torch's fake tensors run
+    ops on such constants and keep the result; a copy, so the user's buffer never changes)."""
+    if b.device.type == "cpu" and b.numel() == 1 and not b.is_floating_point() and not b.is_complex():
+        return mode.fake_tensor_converter.from_real_tensor(mode, b.detach().clone(), make_constant=True)
+    return _fake_tensor(mode, b)
+
+
+def _fake_copy(model: torch.nn.Module, mode: FakeTensorMode) -> tuple[torch.nn.Module, dict]:
+    """Deep copy of ``model`` whose parameters and buffers are fake (shared ones stay shared)."""
+    memo: dict[int, Any] = {}
+    mapping: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        if id(p) not in memo:
+            fp = torch.nn.Parameter(_fake_tensor(mode, p.detach()), requires_grad=p.requires_grad)
+            memo[id(p)] = fp
+            mapping[id(p)] = fp
+    for b in model.buffers():
+        if id(b) not in memo:
+            memo[id(b)] = _fake_buffer(mode, b)
+    left = fake_leaks.left_behind()  # held through the copy: their ids stay theirs
+    for t in left:  # shared, not copied (see left_behind)
+        memo.setdefault(id(t), t)
+    try:
+        return copy.deepcopy(model, memo), mapping
+    except Exception as e:  # noqa: BLE001 - user modules can hold anything
+        raise TraceError(
+            f"could not copy {type(model).__name__} to fake tensors ({type(e).__name__}: {e}); "
+            "give the model on the meta device, or trace in real mode"
+        ) from e
+
+
+def as_train_step(
+    model: torch.nn.Module, inputs: Any = None, step: TrainStep | None = None, **fields: Any
+) -> TrainStep:
+    """The TrainStep an entry point was given: ``step``, or one built from ``inputs`` and the
+    loose ``loss_fn`` / ``optimizer`` keywords (the convenience form); ``inputs`` resolved
+    (default ``model.example_inputs()``). Passing both forms is an error."""
+    if isinstance(inputs, TrainStep):
+        step, inputs = (inputs, None) if step is None else (step, inputs)
+    loose = {k: v for k, v in fields.items() if v is not None}
+    if step is not None:
+        if not isinstance(step, TrainStep):
+            raise TypeError(f"step must be a TrainStep, got {type(step).__name__}")
+        if inputs is not None or loose:
+            given = ["inputs"] * (inputs is not None) + sorted(loose)
+            raise ValueError(
+                f"pass either step=TrainStep(...) or {', '.join(given)}, not both: "
+                "put them in the TrainStep"
+            )
+    else:
+        step = TrainStep(inputs=inputs, **loose)
+    if step.inputs is None:
+        step = dataclasses.replace(step, inputs=_default_inputs(model))
+    return step
+
+
+def estimate(
+    model: torch.nn.Module,
+    inputs: Any = None,
+    *,
+    step: TrainStep | None = None,
+    loss_fn: LossFn | None = None,
+    optimizer: Any = None,
+    device: str | DeviceSpec = DEFAULT_DEVICE,
+    options: EstimateOptions = EstimateOptions(),
+    prepare: Callable[[torch.nn.Module], Any] | None = None,
+) -> Estimate:
+    """Trace the steady-state training step of ``model``; estimate memory, runtime and SAC trade-offs.
+
+    Args:
+        model: the module to train; real, or on the meta device for fake mode.
+        step: the training step (``TrainStep``: inputs, loss, optimizer, micro-batches, gradient
+            reset, autocast). Or, as a shorthand, ``inputs`` (also positionally, or a TrainStep
+            there), ``loss_fn`` and ``optimizer``:
+        inputs: a tensor, a tuple of positional args, or a dict of kwargs for ``model``;
+            default ``model.example_inputs()``.
+        loss_fn: ``loss_fn(output, inputs) -> scalar``; default ``output.sum()``.
+        optimizer: ``"adam"``, ``"adamw"``, ``"sgd"``, an optimizer instance/class, or None.
+        device: DeviceSpec or its name (``"h100"``, ``"a100-80gb"``, ``"cpu"``...); default
+            :data:`DEFAULT_DEVICE`.
+        prepare: called with the module that is traced (the fake copy in fake mode) before the
+            step, e.g. to apply a checkpointing plan to it.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    spec = get_device_spec(device)
+    step = as_train_step(model, inputs, step, loss_fn=loss_fn, optimizer=optimizer)
+    step.check_target(spec)
+    _check_held_is_not_the_model(model, step)
+    fake = options.mode is TraceMode.FAKE
+    cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
+    t0 = time.perf_counter()
+    with _trace_mode(fake) as box:
+        trace, without_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, frozenset(), box.mode)
+    if without_grad and (step.optimizer is not None or step.grads_alive_at_start):
+        # torch's optimizers create no state for (and do not step) a parameter whose .grad is
+        # None, and a parameter the loss never reaches never gets one (an unused pooler, a frozen
+        # part the optimizer was still given): trace again with those parameters as the loop
+        # has them from step 2 on, without gradient or state.
+        logger.info("%d parameter(s) get no gradient in the step (%s); traced again without their "
+                    "optimizer state", len(without_grad), ", ".join(sorted(without_grad)[:3]))
+        with _trace_mode(fake) as box:
+            trace, _ = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad, box.mode)
+    timeline = build_timeline(trace)
+    info = build_module_info(trace, timeline)
+    dt = time.perf_counter() - t0
+    logger.info("traced %d ops, %d module calls in %.2f s", len(trace.ops), len(trace.calls), dt)
+    return Estimate(
+        trace=trace, timeline=timeline, module_info=info, spec=spec, trace_time_s=dt, step=step,
+        options=options, first_step_peak_bytes=first_step_peak(trace, timeline, step),
+    )
+
+
+def _check_held_is_not_the_model(model: torch.nn.Module, step: TrainStep) -> None:
+    """``TrainStep.held`` is what the loop holds besides the model: a tensor of the model there
+    would be counted twice in fake mode (the trace's model is a copy) and once in real mode."""
+    if not step.held:
+        return
+    own = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        own[id(t.untyped_storage())] = name
+    for t in step.held_tensors():
+        name = own.get(id(t.untyped_storage()))
+        if name is not None:
+            raise ValueError(
+                f"TrainStep.held holds the model's own {name!r} (or a view of it): the model's "
+                "parameters and buffers are counted already; hold only what the loop keeps besides "
+                "the model, e.g. an EMA copy made with copy.deepcopy(model)"
+            )
+
+
+def _trace_mode(fake: bool) -> contextlib.AbstractContextManager[fake_leaks.FakeTrace]:
+    """The fake mode of one trace (``.mode``, None in real mode); what the trace leaves held in
+    the process is cleared when it ends (``estimators.tracing.fake_leaks``)."""
+    return fake_leaks.fake_trace_mode() if fake else contextlib.nullcontext(fake_leaks.FakeTrace(None))
+
+
+def _trace_step(
+    model: torch.nn.Module, step: TrainStep, spec: DeviceSpec, options: EstimateOptions,
+    prepare: Callable[[torch.nn.Module], Any] | None, cuda_rules: bool, without_grad: frozenset[str],
+    fake_mode: FakeTensorMode | None,
+) -> tuple[StepTrace, frozenset[str]]:
+    """One traced step of the steady state, and the names of the trainable parameters that got
+    no gradient in it. ``without_grad``: parameters that start the step with neither
+    gradient nor optimizer state (they got none in a previous trace). ``fake_mode``: the mode
+    of a fake trace, None for a real one."""
+    fake = fake_mode is not None
+    if fake:
+        traced, mapping = _fake_copy(model, fake_mode)
+        step_inputs = tree_map(
+            lambda t: _fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, step.inputs
+        )
+    else:
+        _check_real_devices(model, step.inputs)
+        fake_mode, traced, mapping = None, model, {id(p): p for p in model.parameters()}
+        step_inputs = step.inputs
+    with contextlib.ExitStack() as restore:
+        # The user's `random` / numpy streams go on where they were; what the step drew is noted.
+        draws = restore.enter_context(host_rng.Draws())
+        if not fake:
+            restore.enter_context(_restored(model))
+        else:
+            # Fake tensors draw nothing, but the model's Python code may touch the generators
+            # itself (Reformer calls torch.seed() in train mode): planning leaves them as they were.
+            cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+            restore.enter_context(torch.random.fork_rng(devices=cuda))
+        groups = param_groups(model, step.optimizer, mapping)
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            # Built in the mode: a constructor that makes state (Adagrad's step count) makes it
+            # fake, with the value fake tensors keep for constants (a real one read by .item()
+            # inside the fake step raised DataDependentOutputException).
+            opt = resolve_optimizer(step.optimizer, groups, spec, fake)
+            try:
+                steady_state(traced, opt, step, without_grad)
+            except StepError as e:
+                raise TraceError(str(e)) from e.__cause__
+        tracer = StepTracer(
+            traced, type(model).__name__, make_runtime_model(options.runtime, spec),
+            inputs=step_inputs, optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
+            round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
+            progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
+            previous_output=step.keep_output, held=step.held_tensors(), fake_mode=fake_mode,
+        )
+        applied = prepare(traced) if prepare is not None else None
+        if fake:  # the user's model itself must not train in the step (see _refuse_calls_of)
+            restore.callback(_refuse_calls_of(model))
+        graded: set[str] = set()
+        trainable = {n: p for n, p in traced.named_parameters() if p.requires_grad}
+        grad_hooks = [p.register_post_accumulate_grad_hook(lambda _, n=n: graded.add(n)) for n, p in trainable.items()]
+        tracer.attach()
+        try:
+            with contextlib.ExitStack() as modes:
+                if fake_mode is not None:
+                    modes.enter_context(hf_real_paths(step.inputs))  # HF's real-run code path
+                    modes.enter_context(fake_mode)
+                    # Below the tracer: it records outputs as the real kernels make them.
+                    modes.enter_context(RealKernelsMode(cuda=bool(cuda_rules)))
+                modes.enter_context(tracer)
+                if cuda_rules:
+                    modes.enter_context(CudaSemanticsMode())
+                modes.enter_context(step_mode(traced, step.train_mode))
+                with torch.autograd.graph.saved_tensors_hooks(tracer.pack_hook, tracer.unpack_hook):
+                    run_step(
+                        traced, step_inputs, step.loss_fn, opt, on_phase=tracer.set_phase,
+                        micro_batches=step.micro_batches, passes=1, autocast_dtype=step.autocast_dtype,
+                        keep_output=step.keep_output,
+                    )
+        except StepError as e:
+            raise TraceError(str(e)) from e.__cause__
+        except (FakeKernelError, InplaceModifiedError) as e:
+            raise TraceError(str(e)) from e
+        finally:
+            tracer.detach()
+            own = {id(p) for p in model.parameters()} if fake else set()
+            read = [t for t in tracer.foreign_leaves() if id(t) in own]
+            tracer.restore_foreign_grads()
+            for h in grad_hooks:
+                h.remove()
+            _undo(applied)
+        if read:
+            names = [n for n, p in model.named_parameters() if any(p is t for t in read)]
+            raise _TheModelItself(f"reads the model's own parameters ({', '.join(names[:3])}"
+                                  f"{', ...' if len(names) > 3 else ''}), from loss_fn or a hook")
+        trace = tracer.finish()
+        got_no_grad = frozenset(n for n in trainable if n not in graded)
+        drawn_reads = tracer.random_value_reads
+        del opt, tracer
+        if fake:
+            _refuse_unsized_workspaces(trace)
+    if draws.drew:
+        warnings.warn(
+            "the traced step drew from Python's `random` or numpy's global RNG. Masks drawn that way "
+            "are replayed and cost what the trace saw; control flow drawn that way (stochastic "
+            "depth or LayerDrop by random.random()) followed the trace's one draw, and steps that "
+            "skip fewer layers can peak higher (30 % measured). Plan such a model with every "
+            "layer running (drop rate 0 while planning).", HostRandomnessWarning, stacklevel=3)
+    if drawn_reads:
+        where = ", ".join(drawn_reads[:4]) + (f" and {len(drawn_reads) - 4} more" if len(drawn_reads) > 4 else "")
+        warnings.warn(
+            f"the traced step branched on values drawn from torch's RNG ({where}: e.g. LayerDrop's "
+            "`torch.rand([]) < layerdrop`): the trace followed its one draw, and steps that skip "
+            "fewer layers peak higher (a Data2VecAudio with layerdrop 0.5: up to 36 % over). Plan "
+            "such a model with every layer running (HF: config.layerdrop = 0.0 while planning).",
+            DrawnControlFlowWarning, stacklevel=3)
+    return trace, got_no_grad
+
+
+class _TheModelItself(TraceError):
+    """A fake trace runs a copy of the model; the step used the model itself (loss_fn holds it)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"the step {what}: a fake trace runs a copy of the model, so the user's model would "
+            "run on fake tensors and the copy's figures would miss it (a SimCLR projection head "
+            "called from loss_fn: 48 % under the measured peak). Compute it in the model's forward, "
+            "or trace in real mode, which runs the model itself: solve_sac(..., estimate_options="
+            "EstimateOptions(mode=TraceMode.REAL)), --mode real on the command line")
+
+
+def _refuse_calls_of(model: torch.nn.Module) -> Callable[[], None]:
+    """Forward pre-hooks on the user's modules, for the step's calls outside the traced copy:
+    one that holds parameters is refused before its forward runs with grad on (its gradients and
+    optimizer state would be the user's, not the copy's: a SimCLR head called from loss_fn, 48 %
+    under); under no_grad it runs, its parameters counted as the step's inputs (FixMatch's
+    pseudo-label forward: 65,192 B over, where a refusal leaves no plan at all).
+    One that holds only buffers runs as the copy's would (``CrossEntropyLoss(weight=...)`` kept
+    on the model, a plain criterion), its buffers put back afterwards (a no-grad forward of a
+    BatchNorm counts a batch into its statistics). Returns the removal of the hooks."""
+    names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
+    kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def refuse(module, args):
+        if not torch.is_grad_enabled():  # a no-grad forward (FixMatch's pseudo-labels): nothing of
+            return keep_buffers(module, args)  # it trains; its parameters count as inputs (high)
+        raise _TheModelItself(f"calls {names[id(module)]} of the model itself, from loss_fn, a hook, "
+                              "or a reference the model's code keeps to itself (deepcopy shares "
+                              "functions and their closures)")
+
+    def keep_buffers(module, _args):
+        if id(module) not in kept:
+            with torch.no_grad(), unset_fake_temporarily():
+                kept[id(module)] = [(b, b.detach().clone()) for b in module.buffers()]
+
+    hooks = []
+    for m in model.modules():
+        if next(m.parameters(), None) is not None:
+            hooks.append(m.register_forward_pre_hook(refuse))
+        elif next(m.buffers(), None) is not None:
+            hooks.append(m.register_forward_pre_hook(keep_buffers))
+
+    def remove() -> None:
+        for h in hooks:
+            h.remove()
+        with torch.no_grad(), unset_fake_temporarily():
+            for pairs in kept.values():
+                for b, value in pairs:
+                    b.copy_(value)
+
+    return remove
+
+
+class HostRandomnessWarning(UserWarning):
+    """The traced step drew from Python's ``random`` or numpy's global generator."""
+
+
+class DrawnControlFlowWarning(UserWarning):
+    """The traced step (real mode) read the value of a tensor drawn from torch's RNG: its control
+    flow followed one draw."""
+
+
+# Backward ops whose forward keeps a workspace that torch's fake (meta) kernel returns empty: the
+# oneDNN LSTM/GRU layer's is 1,019,904 B for 8 x 32 steps of hidden size 64, 41 % of that
+# step's measured peak. A fake trace cannot size it; a real one measures it.
+_UNSIZED_WORKSPACE_BACKWARDS = {"aten.mkldnn_rnn_layer_backward.default": "LSTM/GRU/RNN (aten.mkldnn_rnn_layer)"}
+
+
+def _refuse_unsized_workspaces(trace: StepTrace) -> None:
+    for op in trace.ops:
+        what = _UNSIZED_WORKSPACE_BACKWARDS.get(str(op.func))
+        if what is not None:
+            where = trace.calls[op.call].fqn if op.call >= 0 else "the model"
+            raise TraceError(
+                f"{where} runs {what}, whose workspace kept for the backward has 0 bytes under "
+                "torch's fake tensors (its real size is the kernel library's choice), so a fake-mode "
+                "trace would under-predict the peak; trace in real mode: solve_sac(..., "
+                "estimate_options=EstimateOptions(mode=TraceMode.REAL)), --mode real on the command line"
+            )
+
+
+def _undo(applied: Any) -> None:
+    """``prepare`` may return something with ``remove()`` (an applied plan): undo it on the
+    real model once the trace is over, so real-mode planning leaves the model as it was."""
+    remove = getattr(applied, "remove", None)
+    if callable(remove):
+        remove()
+
+
+@contextlib.contextmanager
+def _restored(model: torch.nn.Module):
+    """Real mode: parameters, buffers and gradients (the same objects, the same bits) and the RNG
+    state as they were before, however the trace ends."""
+    saved = []
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    saved.append((table, name, t, t.detach().clone()))
+    grads = {id(p): (p, p.grad) for p in model.parameters()}
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for table, name, t, value in saved:
+                    table[name] = t
+                    t.copy_(value)
+            for p, g in grads.values():
+                p.grad = g
+
+

@@ -1,0 +1,163 @@
+"""Selective-AC statistics: each module's forward ops, what recomputing them frees, and the curve.
+
+Rules (each has its own test in tests/estimators/test_sac.py):
+
+* a view-like op never costs memory: it aliases a storage another op created;
+* the grouping rules (in-place chains, random ops, forced saves and recomputes) are
+  ``estimators.contract.sac_groups``, shared with the op-level solver; an op with an output autograd does
+  not save, or saves only outside this module, has a cache cost there (caching it would hold that
+  output until this module's backward, longer than the unplanned step does);
+* an op frees memory only through new storages that autograd saves for backward *inside this
+  module alone*; a storage another module also saves stays alive anyway;
+* a cast of a parameter (``_to_copy``: autocast's low-precision weight copy) frees nothing:
+  autocast caches it until the autocast region ends, so a checkpoint does not drop it during the
+  forward, and the recompute casts again in backward.
+
+The greedy order takes units by memory freed per ms of recompute, largest first, so the cumulative
+(discarded bytes, recompute ms) curve is convex and exact at every breakpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from estimators.contract.module_info import Phase, SACOp, TradeoffCurve
+from estimators.contract.sac_groups import SACGroup, sac_groups
+from estimators.tracing.trace import ModuleCall, StepTrace, StorageKind
+
+__all__ = [
+    "module_ops", "greedy_units", "cumulative_curve", "replay_ms", "fixed_recompute_ms", "forced_recompute_ops",
+    "subtree",
+]
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def subtree(trace: StepTrace, call: ModuleCall) -> set[int]:
+    """Call ids of ``call`` and every call nested in it (calls are recorded in pre-order)."""
+    ids = {call.cid}
+    for c in trace.calls[call.cid + 1 :]:
+        if c.parent in ids:
+            ids.add(c.cid)
+        elif c.depth <= call.depth:
+            break
+    return ids
+
+
+def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
+    inside = subtree(trace, call)
+    ops: list[SACOp] = []
+    seen: dict[str, int] = {}
+    creator: dict[int, int] = {}  # sid -> index in `ops`
+    recs = [r for r in trace.ops[call.fw_first_op : call.fw_last_op + 1] if r.phase is Phase.FW]
+    last_write = {sid: i for i, r in enumerate(recs) for sid in r.mutated_sids}
+    for rec in recs:
+        name = str(rec.func)
+        occ = seen.get(name, 0)
+        seen[name] = occ + 1
+        i = len(ops)
+        memory = unsaved = 0
+        saved = False
+        param_cast = rec.func is _TO_COPY and any(trace.storages[a].kind is StorageKind.PARAM for a in rec.arg_sids)
+        for sid in rec.new_sids:
+            st = trace.storages[sid]
+            creator[sid] = i
+            saved |= st.saved
+            if st.saved and st.saved_by_calls <= inside and not param_cast:
+                memory += st.nbytes
+            elif not st.saved or not (st.saved_by_calls & inside):
+                # Unsaved, or saved only by later modules (a block's output, which the next block
+                # saves): their backward runs before this module's, so a cached copy would
+                # outlive the unplanned one until this module's backward ends.
+                unsaved += st.nbytes
+        # Storages read here that a later op mutates in place: a saved copy would hold the
+        # mutated values at recompute time (see SACOp.reads_before_mutation).
+        # A view reads no values: it aliases the storage, as in the forward.
+        stale = () if rec.is_view else tuple(sorted(
+            {creator.get(sid, i) for sid in rec.arg_sids if last_write.get(sid, -1) > i and sid not in rec.mutated_sids}))
+        parent = -1
+        if rec.mutated_sids:
+            parent = creator.get(rec.mutated_sids[0], i)
+            saved |= any(trace.storages[s].saved for s in rec.mutated_sids)
+        ops.append(
+            SACOp(
+                func=name,
+                occurrence=occ,
+                runtime_ms=rec.runtime_ms,
+                memory_bytes=memory,
+                is_view=rec.is_view,
+                inplace_parent=parent,
+                reads_before_mutation=stale,
+                is_random=rec.is_random,
+                is_saved=saved,
+                cache_cost_bytes=unsaved if saved else 0,
+            )
+        )
+    return ops
+
+
+def module_ops(trace: StepTrace, calls: list[ModuleCall]) -> tuple[SACOp, ...]:
+    """Op table of a module, summed over its calls (matched by (func, occurrence))."""
+    if not calls:
+        return ()
+    first = _call_ops(trace, calls[0])
+    if len(calls) == 1:
+        return tuple(first)
+    mem = [o.memory_bytes for o in first]
+    rt = [o.runtime_ms for o in first]
+    index = {(o.func, o.occurrence): i for i, o in enumerate(first)}
+    for call in calls[1:]:
+        for o in _call_ops(trace, call):
+            i = index.get((o.func, o.occurrence))
+            if i is not None:
+                mem[i] += o.memory_bytes
+                rt[i] += o.runtime_ms
+    return tuple(
+        dataclasses.replace(o, memory_bytes=m, runtime_ms=r) for o, m, r in zip(first, mem, rt)
+    )
+
+
+def greedy_units(ops: tuple[SACOp, ...]) -> list[SACGroup]:
+    """Units worth recomputing, in greedy order (most bytes per ms first, then op order).
+
+    A unit is a group of ``estimators.contract.sac_groups``; groups whose decision the rules fix (must
+    save, must recompute) are not choices, so they are not on the curve, nor are groups that
+    free nothing."""
+    units = [g for g in sac_groups(ops) if g.is_choice and g.memory_bytes > 0]
+    # Cheapest time per byte first; ties by first op so the order is deterministic.
+    units.sort(key=lambda u: (u.runtime_ms / u.memory_bytes, u.ops[0]))
+    return units
+
+
+def cumulative_curve(units: list[SACGroup]) -> TradeoffCurve:
+    """The cumulative (discarded bytes, recompute ms) breakpoints of ``units`` in their order."""
+    xs, ys = [0], [0.0]
+    for u in units:
+        xs.append(xs[-1] + u.memory_bytes)
+        ys.append(ys[-1] + u.runtime_ms)
+    return TradeoffCurve(discarded_bytes=tuple(xs), recompute_ms=tuple(ys))
+
+
+def replay_ms(ops: tuple[SACOp, ...], rerun: Callable[[int, SACOp], bool]) -> float:
+    """Time of a recompute that re-runs the ops ``rerun(index, op)`` selects. Views launch nothing,
+    and the recompute stops early after the last op whose output autograd saves."""
+    last = max((i for i, o in enumerate(ops) if o.is_saved), default=-1)
+    return sum(o.runtime_ms for i, o in enumerate(ops[: last + 1]) if not o.is_view and rerun(i, o))
+
+
+def fixed_recompute_ms(ops: tuple[SACOp, ...]) -> float:
+    """Recompute time paid by any checkpoint of the module: the ops autograd does not save are
+    re-run (saving them would cost memory the baseline never held), and so are the forced ones."""
+    forced = set(forced_recompute_ops(ops))
+    return replay_ms(ops, lambda i, o: not o.is_saved or i in forced)
+
+
+def forced_recompute_ops(ops: tuple[SACOp, ...]) -> list[int]:
+    """Ops (views aside: they launch nothing) re-run whenever the module is checkpointed: the
+    must-recompute groups of ``estimators.contract.sac_groups``."""
+    return [
+        i for g in sac_groups(ops) if g.must_recompute for i in g.ops if not ops[i].is_view
+    ]

@@ -1,0 +1,90 @@
+"""The steady state a trace starts from, and the first step beside it.
+
+The step traced is the loop's steady state (step 2 on): before tracing, every parameter gets a
+zero gradient (an empty sparse one for sparse embeddings) and the optimizer steps once, so its
+state exists; then gradients are kept or dropped as ``TrainStep`` says. The first step of a fresh
+run differs only in what it does not hold yet (optimizer state, gradients, a previous output):
+``first_step_peak`` takes those bytes out of the steady-state timeline, ``first_step_module_info``
+gives the solver the same view."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from estimators.tracing.memory import MemoryTimeline
+from estimators.contract.module_info import ModuleInfo, Phase
+from estimators.step.train_step import TrainStep, values_read_in
+from estimators.tracing.trace import StepTrace, StorageKind
+
+__all__ = ["steady_state", "sparse_grad_params", "first_step_peak", "first_step_module_info"]
+
+
+def steady_state(
+    model: torch.nn.Module, opt: torch.optim.Optimizer | None, step: TrainStep, without_grad: frozenset[str] = frozenset(),
+) -> None:
+    """Give the traced model the state the loop's binding micro-batch starts with: optimizer
+    state created (one step on zero gradients), gradients allocated or not (see TrainStep).
+    Parameters named in ``without_grad`` never get a gradient, so neither gradient nor state."""
+    params = [p for n, p in model.named_parameters() if p.requires_grad and n not in without_grad]
+    sparse = sparse_grad_params(model)
+    with torch.no_grad():
+        for p in params:
+            p.grad = _empty_sparse_like(p) if id(p) in sparse else torch.zeros_like(p)
+    if opt is not None:
+        with values_read_in(f"the optimizer step ({type(opt).__name__})"):
+            opt.step()
+    for p in params:
+        if step.grads_alive_at_start:
+            p.grad.zero_()
+        else:
+            p.grad = None
+
+
+def sparse_grad_params(model: torch.nn.Module) -> set[int]:
+    """Parameters whose gradient is sparse: the weights of ``Embedding`` / ``EmbeddingBag`` with
+    ``sparse=True``. Their steady-state gradient is sparse too, and ``SparseAdam`` refuses a
+    dense one ("does not support dense gradients", planning stopped where training runs)."""
+    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    return {id(m.weight) for m in model.modules() if isinstance(m, kinds) and m.sparse}
+
+
+def _empty_sparse_like(p: torch.Tensor) -> torch.Tensor:
+    """A sparse COO gradient of ``p``'s shape with no rows: what the optimizer sees for an
+    embedding none of whose rows were looked up."""
+    rows = torch.zeros((1, 0), dtype=torch.long, device=p.device)
+    values = torch.zeros((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
+    return torch.sparse_coo_tensor(rows, values, p.shape, is_coalesced=True, check_invariants=False)
+
+
+def first_step_peak(trace: StepTrace, timeline: MemoryTimeline, step: TrainStep) -> int:
+    """The steady-state timeline without what the first step of a fresh run does not hold yet."""
+    total = timeline.total.copy()
+    if not len(total):
+        return 0
+    state = sum(s.nbytes for s in trace.storages if s.alloc_op < 0 and s.kind is StorageKind.OPTIMIZER)
+    grads = sum(s.nbytes for s in trace.storages if s.alloc_op < 0 and s.kind is StorageKind.GRAD)
+    optim = next((op.index for op in trace.ops if op.phase is Phase.OPTIM), len(total))
+    total[:optim] -= state
+    if step.micro_batches == 1 and grads:
+        # The only micro-batch of step 1 starts with no gradient: none in its forward.
+        bw = next((op.index for op in trace.ops if op.phase is Phase.BW), len(total))
+        total[:bw] -= grads
+    if step.micro_batches == 1:
+        # ... and with no previous output held (a later micro-batch has its predecessor's).
+        for sid in trace.previous_output_sids:
+            s = trace.storages[sid]
+            total[: s.free_op + 1] -= s.nbytes
+    return int(total.max())
+
+
+def first_step_module_info(info: ModuleInfo) -> ModuleInfo:
+    """The first step's view of a steady-state ModuleInfo, for the solver: no optimizer state at
+    forward and backward points (optimizer-phase points keep it: torch's optimizers create it
+    before their update math). With it, ``predict_peak_bytes`` gives a plan's first-step peak."""
+    points = tuple(
+        dataclasses.replace(p, optimizer_bytes=0) if p.phase in (Phase.FW, Phase.BW) else p
+        for p in info.memory_points
+    )
+    return dataclasses.replace(info, memory_points=points)

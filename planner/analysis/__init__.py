@@ -1,0 +1,1 @@
+"""Checking and showing plans: gradient checks, measured steps, reports and plots."""

@@ -1,0 +1,211 @@
+"""Measure real training steps: the peak memory an independent tracker sees, and the loss.
+
+On CUDA the peak is ``torch.cuda.max_memory_allocated``; on CPU it is torch's own MemTracker
+(torch.distributed._tools), which follows every tensor's storage. Only its allocator-level
+tracking is used: no module hooks (its ModTracker is replaced, see ``_NoModuleHooks``), so the
+step measured runs as it does untracked. Neither shares code with the
+estimators, so a prediction checked against it is checked against an independent measurement.
+
+    steps = measure_steps(model, TrainStep(inputs=batch, optimizer="adamw"), n_steps=3)
+    max(s.peak_bytes for s in steps)      # the steady state binds from step 2 on
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from estimators.runtime.device import get_device_spec
+from estimators.step.optimizer import check_optimizer_params, resolve_optimizer
+from estimators.step.train_step import TrainStep, run_step, step_mode, zero_grads
+from estimators.tracing.trace import held_tensors
+
+__all__ = ["MeasuredStep", "measure_step", "measure_steps"]
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    peak_bytes: int
+    loss: float | None
+    """The last micro-batch's loss as backward saw it: divided by the step's ``micro_batches``."""
+    step_time_ms: float
+    tracker: str
+    """What measured the peak."""
+    activation_bytes: int | None = None
+    """At the peak: everything but parameters, buffers, gradients and optimizer state (CPU only)."""
+
+
+def measure_step(
+    model: torch.nn.Module,
+    inputs: Any,
+    loss_fn: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    train_mode: bool | None = None,
+) -> MeasuredStep:
+    """Run one training step (one micro-batch, then ``optimizer.step()``) and measure its peak;
+    ``train_mode`` as ``TrainStep.train_mode``."""
+    _check_real(model)
+    with step_mode(model, train_mode):
+        return _measure(model, inputs, optimizer, lambda on_phase: run_step(model, inputs, loss_fn, optimizer, on_phase))
+
+
+def measure_steps(
+    model: torch.nn.Module,
+    step: TrainStep,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    n_steps: int = 3,
+) -> list[MeasuredStep]:
+    """Train ``n_steps`` real steps of the loop ``step`` describes (micro-batches, autocast,
+    gradients reset after each optimizer step as ``step.zero_grad`` says) and measure each.
+
+    ``optimizer`` is the real optimizer over ``model``'s parameters; None: ``step.optimizer``'s
+    (the instance itself, or one built from its name or class over the model's trainable
+    parameters, made once for these steps). Step 1 starts from the model as given (normally no
+    gradients and no optimizer state: the first step of a fresh run); steps 2.. are the steady
+    state.
+    """
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+        raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
+    _check_real(model)
+    if optimizer is None and step.optimizer is not None:
+        # Measured without an optimizer step, a step named "adamw" lost AdamW's state from the
+        # peak and trained nothing (a GPT-NeoX: 2,098,456 B measured, loss unchanged each step).
+        optimizer = _optimizer_of(model, step.optimizer)
+    if optimizer is not None:
+        # Seen: a TrainStep's optimizer built for model A, A's deepcopy measured: the loss
+        # unchanged over 3 steps, and the optimizer's state not in the peak.
+        check_optimizer_params(model, optimizer, {id(p) for p in model.parameters()}, "measure",
+                               ": over another copy it trains that copy, and these steps nothing")
+    out = []
+    # A loop that keeps the output holds each step's last one into the next step's forward.
+    held: list = [None]
+    with step_mode(model, step.train_mode):
+        for i in range(n_steps):
+            if i:
+                zero_grads(model, optimizer, step.zero_grad)
+            out.append(_measure(model, step.inputs, optimizer, lambda on_phase: run_step(
+                model, step.inputs, step.loss_fn, optimizer, on_phase,
+                micro_batches=step.micro_batches, autocast_dtype=step.autocast_dtype,
+                keep_output=step.keep_output, held_output=held,
+            ), held=held_tensors(held[0]) + step.held_tensors()))
+    return out
+
+
+def _check_real(model: torch.nn.Module) -> None:
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        raise ValueError(
+            "the model is on the meta device: measuring runs real training steps, which need "
+            "real weights; materialize it first (model.to_empty(device='cpu') and initialize or "
+            "load its weights) -- planning (solve_sac) works on the meta model as it is"
+        )
+    if next(model.parameters(), None) is None:
+        raise ValueError("the model has no parameters: there is no training step to measure")
+
+
+def _optimizer_of(model: torch.nn.Module, optimizer: Any) -> torch.optim.Optimizer:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    return resolve_optimizer(optimizer, params, get_device_spec(device), fake=False)
+
+
+class _NoModuleHooks:
+    """Stands in for MemTracker's ModTracker, which installs global module forward hooks and, on
+    every module's inputs and outputs, multi-grad hooks that keep them referenced into the
+    backward: they changed what is alive when (and HF families warned "Module is None"). The
+    peak needs only the allocator-level tracking (MemTracker's dispatch mode and storage weak
+    references), so nothing is hooked on modules: no module is ever "in backward" or a parent."""
+
+    parents = frozenset({"Global"})
+    is_bw = False
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoModuleHooks":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def _memory_tracker(model: torch.nn.Module) -> tuple[Any, list]:
+    """torch's MemTracker measuring storages only, and the gradient hooks that file a parameter's
+    ``.grad`` as GRAD once accumulated (the handles, for removal): a post-accumulate hook reads
+    ``p.grad`` and holds nothing."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    mt = MemTracker()
+    mt._mod_tracker = _NoModuleHooks()
+
+    def as_grad(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            mt._update_and_maybe_create_winfos(p.grad, _MemRefType.GRAD)
+
+    handles = [p.register_post_accumulate_grad_hook(as_grad) for p in model.parameters() if p.requires_grad]
+    return mt, handles
+
+
+@contextlib.contextmanager
+def _sparse_storages_seen():
+    """MemTracker reads one storage per tensor and raises on a sparse COO tensor ("Cannot access
+    storage of SparseTensorImpl": every step with ``Embedding(sparse=True)`` gradients); while
+    it runs, such a tensor counts as the storages of its indices and values, what it holds."""
+    import torch.distributed._tools.mem_tracker as mem_tracker
+
+    plain = mem_tracker.get_untyped_storages
+
+    def storages(t: torch.Tensor) -> set:
+        if isinstance(t, torch.Tensor) and t.layout is torch.sparse_coo:
+            return plain(t._indices()) | plain(t._values())
+        return plain(t)
+
+    mem_tracker.get_untyped_storages = storages
+    try:
+        yield
+    finally:
+        mem_tracker.get_untyped_storages = plain
+
+
+def _measure(model: torch.nn.Module, inputs: Any, optimizer, run, held: list | None = None) -> MeasuredStep:
+    """``run(on_phase)`` runs the step; its peak on the model's device. ``held``: tensors made
+    before the step that it holds (the previous step's output), for MemTracker to count."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        loss = run(None)
+        torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        return MeasuredStep(torch.cuda.max_memory_allocated(device), loss, dt * 1e3, "torch.cuda.max_memory_allocated")
+    mt, grad_hooks = _memory_tracker(model)
+    # The batch is in device memory too (as on a GPU, where max_memory_allocated counts it);
+    # MemTracker only sees tensors made inside its context unless told about them.
+    batch = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+    try:
+        with _sparse_storages_seen():  # gradients kept from the last step may be sparse
+            mt.track_external(model, *([optimizer] if optimizer is not None else []), *batch, *(held or ()))
+            held = None  # MemTracker holds them weakly: the step lets go of them when the loop does
+            t0 = time.perf_counter()
+            with mt:
+                loss = run(None)  # no module hooks, so no per-module stats to reset per micro-batch
+    finally:
+        for h in grad_hooks:
+            h.remove()
+    dt = time.perf_counter() - t0
+    snap = mt.get_tracker_snapshot("peak")[device]
+    state = sum(v for k, v in snap.items() if getattr(k, "name", "") in ("PARAM", "BUFFER", "GRAD", "OPT"))
+    peak = int(snap["Total"])
+    return MeasuredStep(peak, loss, dt * 1e3, "torch.distributed._tools.MemTracker", peak - int(state))

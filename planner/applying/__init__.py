@@ -1,0 +1,1 @@
+"""A Plan applied to a live model: checkpoint wrappers, recompute state, offload."""

@@ -1,0 +1,1 @@
+"""Plans for multi-rank jobs: one plan for every rank, FSDP2's per-rank memory."""

@@ -1,0 +1,389 @@
+"""One plan for every rank of an FSDP2 job: rank 0 plans, every rank gets the same plan, checked.
+
+    dist.init_process_group("gloo")                  # NCCL: torch.cuda.set_device(local_rank) first
+    model, batch = build_model()                     # unsharded (or built on the meta device)
+    units = ["GPT", *(f"GPT.blocks.{i}" for i in range(n_layer))]
+    plan = solve_sac_distributed(model, 70, batch, optimizer="adamw", fsdp_units=units)
+    apply_plan(model, plan)                          # then shard exactly ``units``:
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+The protocol, on the ranks of ``group`` (default: the whole job):
+
+1. every rank validates its arguments locally (same arguments -> same error, no collective yet);
+2. rank 0 traces one step of the *unsharded* model in fake mode (``inputs`` is one rank's batch),
+   makes the memory FSDP-aware (``planner.distributed.fsdp.memory.fsdp_module_info``) and solves per rank; the
+   plan's notes state FSDP's all-gather / reduce-scatter time per step (``fsdp_comm_ms`` on the
+   device's default link). With ``estimate_options=EstimateOptions(runtime=RuntimeKind.BENCHMARK)``
+   a shared benchmark comes first (:func:`share_benchmarks`): every rank traces the step once in
+   fake mode recording the distinct op signatures, rank ``r`` times those with index
+   ``% world_size == r``, the timings are all-gathered and merged, and rank 0 traces with the
+   merged cache: it times no kernel unless its trace meets a signature the split missed (the
+   plan's notes give its hits / misses);
+3. rank 0 broadcasts the plan's JSON (``dist.broadcast_object_list``), or, if planning raised, an
+   error payload: rank 0 re-raises its exception and every other rank raises
+   :class:`RemotePlanningError` with the same message, so no rank is left waiting;
+4. every rank hashes the plan it rebuilt (:func:`plan_hash`, sha256 of canonical JSON) and the
+   hashes are all-gathered (``dist.all_gather_object``); any difference raises
+   :class:`PlanHashMismatchError` naming the ranks on every rank.
+
+No step waits without bound: each collective runs under the group's timeout (the ``timeout`` of
+``init_process_group`` / ``new_group``), so a rank that never arrives (a hard crash before the
+broadcast) makes the others raise torch's timeout error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from estimators.runtime.collectives import AnalyticCollectiveModel
+from estimators.runtime.device import DeviceSpec, get_device_spec
+from estimators.tracing.estimation import DEFAULT_DEVICE, EstimateOptions, TraceMode, as_train_step, estimate
+from estimators.runtime.kernel_bench import BenchmarkRuntime
+from estimators.runtime.op_signatures import SignatureRecorder
+from estimators.runtime.models import RuntimeKind, benchmark_runtime_override, make_runtime_model
+from planner.applying.checkpointing import hf_cache_off
+from planner.distributed.fsdp.comm import fsdp_comm_ms
+from planner.distributed.fsdp.model import fsdp_units_of
+from planner.format import GiB
+from planner.plan import Plan
+from planner.planning.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget
+
+__all__ = [
+    "solve_sac_distributed",
+    "plan_hash",
+    "check_same_plan",
+    "PlanHashMismatchError",
+    "RemotePlanningError",
+    "SharedBenchmark",
+    "share_benchmarks",
+]
+
+logger = logging.getLogger(__name__)
+
+_SOLVE_KWARGS = ("world_size", "step", "reserve_gib", "ac_units", "solver_options", "estimate_options", "verify")
+
+
+class PlanHashMismatchError(RuntimeError):
+    """Ranks of one job hold different plans; ``ranks`` are those that differ from rank 0."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class RemotePlanningError(PlanningError):
+    """Raised on the other ranks when planning failed on rank 0; same message as rank 0's."""
+
+    def __init__(self, message: str, error_type: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+        """Class name of the exception rank 0 raised."""
+
+
+def plan_hash(plan: Plan) -> str:
+    """sha256 (hex) of the plan's canonical JSON (sorted keys, no whitespace).
+
+    >>> len(plan_hash(plan))   # doctest: +SKIP
+    64
+    """
+    text = json.dumps(plan.to_dict(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_same_plan(plan: Plan, group: dist.ProcessGroup | None = None) -> str:
+    """All-gather every rank's :func:`plan_hash`; raise :class:`PlanHashMismatchError` (on every
+    rank) naming the ranks whose plan differs from rank 0's. Returns the common hash.
+
+    >>> check_same_plan(plan)   # doctest: +SKIP
+    '3f1c...'
+    """
+    mine = plan_hash(plan)
+    hashes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hashes, mine, group=group)
+    differ = [r for r, h in enumerate(hashes) if h != hashes[0]]
+    if differ:
+        raise PlanHashMismatchError(
+            f"ranks {differ} hold a different SAC plan than rank 0 (sha256 "
+            f"{', '.join(f'rank {r}: {hashes[r][:12]}' for r in [0, *differ])}); every rank must "
+            "apply the same plan: plan once with solve_sac_distributed and do not edit it per rank",
+            differ,
+        )
+    return mine
+
+
+def solve_sac_distributed(
+    model: torch.nn.Module,
+    budget_gib: float,
+    inputs: Any = None,
+    *,
+    loss_fn: Any = None,
+    optimizer: Any = None,
+    device: str | DeviceSpec = DEFAULT_DEVICE,
+    fsdp_units: Iterable[str] | None = None,
+    group: dist.ProcessGroup | None = None,
+    benchmark: "SharedBenchmark | None" = None,
+    **solve_kwargs: Any,
+) -> Plan:
+    """:func:`planner.solve_sac` for a running torch.distributed job: the same plan on every rank.
+
+    Call it on every rank of ``group`` with the same arguments, before ``fully_shard`` (the trace
+    needs the unsharded model; a model built on the meta device is fine). ``budget_gib`` is per
+    rank, ``inputs`` one rank's batch. ``fsdp_units`` names the modules you will ``fully_shard``
+    (ModuleInfo names: ``"GPT"``, ``"GPT.blocks.0"``...; the root included): parameters, gradients
+    and optimizer state are then sharded over the group and FSDP2's gathered parameters and
+    communication buffers are counted (``planner/distributed/fsdp/memory.py``). ``fsdp_units=None`` plans a
+    replicated model (e.g. DDP; its gradient buckets are not modelled): per-rank memory is the
+    single-process step's. ``solve_kwargs``: ``world_size`` (must equal the group's size),
+    ``reserve_gib``, ``ac_units``, ``solver_options``, ``estimate_options``, ``verify``, as in
+    :func:`planner.solve_sac`. With ``estimate_options=EstimateOptions(runtime=RuntimeKind.BENCHMARK)``
+    the op timings are measured across the ranks first (:func:`share_benchmarks`), unless
+    ``benchmark`` passes timings already shared that way (e.g. to plan several budgets).
+
+    Example::
+
+        plan = solve_sac_distributed(model, 70, batch, optimizer="adamw", fsdp_units=units)
+        apply_plan(model, plan)
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "solve_sac_distributed needs an initialised torch.distributed job "
+            "(dist.init_process_group(...)); in a single process use solve_sac"
+        )
+    world_size = dist.get_world_size(group)
+    _check_solve_kwargs(solve_kwargs, world_size)
+    units = _check_fsdp_units(model, fsdp_units)
+    shared = benchmark
+    options = solve_kwargs.get("estimate_options") or EstimateOptions()
+    if shared is not None and options.runtime is not RuntimeKind.BENCHMARK:
+        raise ValueError(
+            "benchmark= holds measured op timings, which only the BENCHMARK runtime uses; pass "
+            "estimate_options=EstimateOptions(runtime=RuntimeKind.BENCHMARK) or drop benchmark="
+        )
+    if shared is None and options.runtime is RuntimeKind.BENCHMARK:
+        shared = share_benchmarks(model, solve_kwargs.get("step") or inputs, loss_fn=loss_fn, optimizer=optimizer, device=device,
+                                  estimate_options=options, group=group)
+    solve = functools.partial(_solve, model, budget_gib, inputs, loss_fn, optimizer, device, units,
+                              world_size, solve_kwargs, shared)
+    plan = _receive(_plan_on_rank0(solve, group), group)
+    check_same_plan(plan, group)
+    return plan
+
+
+# ------------------------------------------------------------------------------ local checks
+def _check_solve_kwargs(solve_kwargs: dict[str, Any], group_size: int) -> None:
+    unknown = sorted(set(solve_kwargs) - set(_SOLVE_KWARGS))
+    if unknown:
+        raise TypeError(
+            f"solve_sac_distributed got unexpected keyword arguments {unknown}; "
+            f"it accepts {list(_SOLVE_KWARGS)} besides its named ones"
+        )
+    asked = solve_kwargs.pop("world_size", None)
+    if asked is not None and asked != group_size:
+        raise ValueError(
+            f"world_size={asked!r} does not match the process group, which has {group_size} ranks "
+            "(dist.get_world_size(group)); drop world_size or pass the group you shard over"
+        )
+
+
+def _check_fsdp_units(model: torch.nn.Module, fsdp_units: Iterable[str] | None) -> list[str] | None:
+    if fsdp_units_of(model):
+        raise ValueError(
+            f"{type(model).__name__} is already sharded (fully_shard was called): the plan is made "
+            "from a trace of the unsharded model; call solve_sac_distributed before fully_shard, or "
+            "give the model built on the meta device"
+        )
+    if fsdp_units is None:
+        return None
+    if isinstance(fsdp_units, str):
+        raise TypeError(f"fsdp_units must be a list of module names, not the string {fsdp_units!r}")
+    return list(fsdp_units)
+
+
+# ------------------------------------------------------------------------------ rank 0 plans
+def _plan_on_rank0(solve: Callable[[], Plan], group) -> tuple:
+    """The payload rank 0 broadcasts: ("plan", json) or ("error", type name, message); other
+    ranks return () and receive it. On failure rank 0 sends the error, then raises."""
+    if dist.get_rank(group) != 0:
+        return ()
+    try:
+        return ("plan", json.dumps(solve().to_dict()))
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the other ranks
+        _broadcast(("error", type(e).__name__, str(e)), group)
+        raise
+
+
+def _solve(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size, kw,
+           shared: "SharedBenchmark | None" = None) -> Plan:
+    """Rank 0's planning; with ``shared``, every trace prices ops from the merged timings."""
+    if shared is None:
+        return _solve_traced(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size, kw)
+    runtime = shared.runtime(get_device_spec(device))
+    with benchmark_runtime_override(runtime):
+        return _solve_traced(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size,
+                             kw, runtime)
+
+
+def _solve_traced(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size, kw,
+                  runtime: BenchmarkRuntime | None = None) -> Plan:
+    """Rank 0's trace and plan: the same path as :func:`planner.solve_sac` (``plan_for_budget``
+    adds FSDP2's per-rank memory for ``units``)."""
+    budget = int(check_budget_gib(budget_gib) * GiB)
+    spec = get_device_spec(device)
+    options = kw.get("estimate_options") or EstimateOptions()
+    step = as_train_step(model, inputs, kw.get("step"), loss_fn=loss_fn, optimizer=optimizer)
+    with hf_cache_off(model):  # trace the step as it runs once the plan is applied
+        est = estimate(model, step=step, device=spec, options=options)
+    notes = [] if runtime is None else [_bench_note(runtime, world_size)]
+    shard = world_size if units is not None else 1
+    reserve_gib = kw.get("reserve_gib")
+    reserve = int(reserve_gib * GiB) if reserve_gib is not None else default_reserve_bytes(spec, budget)
+    plan = plan_for_budget(
+        model, est, budget, world_size=shard, reserve_bytes=reserve, ac_units=kw.get("ac_units"),
+        fsdp_units=units, solver_options=kw.get("solver_options"), verify=kw.get("verify", True),
+    )
+    note = (
+        f"FSDP2 over {world_size} ranks, {len(units)} units: per-rank memory counts gathered "
+        "parameters and all-gather / reduce-scatter buffers (planner/distributed/fsdp/memory.py)"
+        if units is not None
+        else f"replicated on {world_size} ranks (no fsdp_units): per-rank memory of one process"
+    )
+    if units is not None:
+        notes.append(_comm_note(est.module_info, units, world_size, spec))
+    logger.info("rank 0 planned %d checkpointed modules, predicted per-rank peak %d bytes",
+                len(plan.modules), plan.predicted_peak_bytes)
+    return dataclasses.replace(plan, notes=(*plan.notes, note, *notes))
+
+
+def _comm_note(info, units: list[str], world_size: int, spec: DeviceSpec) -> str:
+    """The plan note on FSDP's collective time per step, from ``spec``'s default link."""
+    try:
+        model = AnalyticCollectiveModel.from_device(spec)
+    except ValueError:
+        return (f"FSDP collectives: not estimated (device {spec.name!r} names no interconnect; "
+                "see planner.distributed.fsdp.comm.fsdp_comm_ms)")
+    return fsdp_comm_ms(info, units, world_size, model).note()
+
+
+def _bench_note(runtime: BenchmarkRuntime, world_size: int) -> str:
+    """The plan note on the shared benchmark, read right after rank 0's planning trace."""
+    return (
+        f"op timings benchmarked across {world_size} ranks and merged ({runtime.name}); rank 0's "
+        f"planning trace: {runtime.hits} cache hits, {runtime.misses} misses "
+        f"({runtime.measurements} timed on rank 0, {runtime.fallbacks} roofline fallbacks)"
+    )
+
+
+# ------------------------------------------------------------------------------ shared benchmark
+@dataclasses.dataclass(frozen=True)
+class SharedBenchmark:
+    """Op timings measured by the ranks of a group, split between them and merged.
+
+    ``entries`` maps the runtime cache key (``repr``) to ms, as :meth:`BenchmarkRuntime.export_cache`
+    does; ``timed_by_rank[r]`` are the keys rank ``r`` benchmarked.
+    """
+
+    entries: dict[str, float]
+    signature_count: int
+    """Distinct op signatures of the step (what one process would time)."""
+    timed_by_rank: tuple[tuple[str, ...], ...]
+
+    def runtime(self, spec: DeviceSpec) -> BenchmarkRuntime:
+        """A :class:`BenchmarkRuntime` for ``spec`` (as ``make_runtime_model`` builds it) holding
+        the merged timings."""
+        runtime = make_runtime_model(RuntimeKind.BENCHMARK, spec)
+        runtime.import_cache(self.entries)
+        return runtime
+
+
+def share_benchmarks(
+    model: torch.nn.Module,
+    inputs: Any = None,
+    *,
+    loss_fn: Any = None,
+    optimizer: Any = None,
+    device: str | DeviceSpec = DEFAULT_DEVICE,
+    estimate_options: EstimateOptions | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> SharedBenchmark:
+    """Benchmark the step's ops once across the ranks of ``group``; call on every rank.
+
+    Every rank traces the step in fake mode, recording its distinct op signatures
+    (:class:`SignatureRecorder`); rank ``r`` times those with index ``% world_size == r`` on its
+    own device; the timings are all-gathered and merged. If any rank fails, every rank raises
+    (the failing rank its own error, the others :class:`RemotePlanningError`).
+
+    >>> shared = share_benchmarks(model, batch, device="cpu")   # doctest: +SKIP
+    >>> bench = shared.runtime(get_device_spec("cpu"))          # hits only for this step
+    """
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    error: Exception | None = None
+    try:
+        payload: tuple = ("ok", *_benchmark_my_share(model, inputs, loss_fn, optimizer, device,
+                                                     estimate_options, rank, world_size))
+    except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+        payload, error = ("error", rank, type(e).__name__, str(e)), e
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, payload, group=group)
+    if error is not None:
+        raise error
+    failed = next((g for g in gathered if g[0] == "error"), None)
+    if failed is not None:
+        _, who, error_type, message = failed
+        raise RemotePlanningError(f"benchmarking failed on rank {who}: {message}", error_type)
+    return _merge(gathered)
+
+
+def _benchmark_my_share(model, inputs, loss_fn, optimizer, device, options, rank: int,
+                        world_size: int) -> tuple[int, tuple[str, ...], dict[str, float]]:
+    """Trace recording signatures, time this rank's share: (signature count, keys, timings)."""
+    spec = get_device_spec(device)
+    bench = make_runtime_model(RuntimeKind.BENCHMARK, spec)  # fails fast without the device
+    options = dataclasses.replace(options or EstimateOptions(), runtime=RuntimeKind.BENCHMARK,
+                                  mode=TraceMode.FAKE, progress=False)
+    recorder = SignatureRecorder()
+    with benchmark_runtime_override(recorder):
+        estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=options)
+    signatures = recorder.signatures()
+    share = signatures[rank::world_size]
+    for sig in share:
+        bench.benchmark_signature(sig)
+    logger.info("rank %d timed %d of %d op signatures", rank, len(share), len(signatures))
+    return len(signatures), tuple(sig.key_repr for sig in share), bench.export_cache()
+
+
+def _merge(gathered: list[tuple]) -> SharedBenchmark:
+    """One SharedBenchmark from every rank's ("ok", count, keys, timings)."""
+    entries: dict[str, float] = {}
+    for _, _, _, timings in gathered:
+        entries.update(timings)
+    return SharedBenchmark(
+        entries=entries,
+        signature_count=gathered[0][1],
+        timed_by_rank=tuple(keys for _, _, keys, _ in gathered),
+    )
+
+
+# ------------------------------------------------------------------------------ every rank
+def _broadcast(payload: tuple, group) -> tuple:
+    box = [payload]
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _receive(payload: tuple, group) -> Plan:
+    payload = _broadcast(payload, group)
+    if payload[0] == "error":
+        _, error_type, message = payload
+        raise RemotePlanningError(message, error_type)
+    return Plan.from_dict(json.loads(payload[1]))

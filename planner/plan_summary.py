@@ -1,0 +1,90 @@
+"""A Plan as the lines ``Plan.summary()`` prints.
+
+Takes the plan as an argument and never imports ``planner.plan``, so the Plan can render itself
+without an import cycle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from planner.format import fmt_bytes
+
+__all__ = ["plan_summary"]
+
+
+def plan_summary(plan: Any) -> str:
+    lines = [
+        f"SAC plan for {plan.model_name} on {plan.device} (world_size {plan.world_size})",
+        f"  budget           {fmt_bytes(plan.budget_bytes)}  (reserve {fmt_bytes(plan.reserve_bytes)},"
+        f" usable {fmt_bytes(plan.usable_budget_bytes)})",
+        f"  peak, no AC      {fmt_bytes(plan.baseline_peak_bytes)}",
+        f"  peak, planned    {fmt_bytes(plan.predicted_peak_bytes)}  (MILP model: {fmt_bytes(plan.solver_peak_bytes)})",
+        *_binding_line(plan),
+        _recompute_line(plan),
+        *_timeline_lines(plan),
+        f"  solver           {plan.solver_status}"
+        + (f", {plan.solve_time_s:.2f} s" if plan.solve_time_s else ""),
+        "",
+    ]
+    if not plan.modules:
+        cache = any(n.startswith("use_cache:") for n in plan.notes)
+        lines.append("  nothing to checkpoint: the step fits as it is"
+                     + (" once applied, with HF use_cache off (see the use_cache note)" if cache else ""))
+    else:
+        w = max(len(m.fqn) for m in plan.modules)
+        lines.append(f"  {'module':<{w}}  {'discard':>7}  {'freed':>10}  {'recompute':>10}  policy")
+        for m in plan.modules:
+            policy = "full" if m.full else f"SAC: save {len(m.saved_ops)} ops, recompute {len(m.recomputed_ops)}"
+            if m.offloaded_ops:
+                host = f" ({fmt_bytes(m.offloaded_bytes)})" if m.offloaded_bytes else ""
+                policy = f"offload {len(m.offloaded_ops)} ops{host} to host" + (
+                    f"; recompute {len(m.recomputed_ops)}" if m.recomputed_ops else "")
+            # Freed on the device: what the recompute discards plus what goes to host.
+            lines.append(
+                f"  {m.fqn:<{w}}  {m.discard_ratio:>7.1%}  {fmt_bytes(m.discarded_bytes + m.offloaded_bytes):>10}  "
+                f"{m.recompute_ms:>7.3f} ms  {policy}"
+            )
+    for n in plan.notes:
+        lines.append(f"  note: {n}")
+    return "\n".join(lines)
+
+
+def _recompute_line(plan: Any) -> str:
+    """Recompute time against the step's. The trace is one micro-batch's: with several, the
+    figures are per micro-batch (plus the optimizer once), and the step recomputes k times."""
+    k = plan.step.micro_batches if plan.step is not None else 1
+    pct = 100 * plan.recompute_ms / plan.baseline_step_ms if plan.baseline_step_ms else 0.0
+    if k == 1:
+        return (f"  recompute        {plan.recompute_ms:.3f} ms/step = {pct:.1f}% of the "
+                f"{plan.baseline_step_ms:.3f} ms step")
+    return (f"  recompute        {plan.recompute_ms:.3f} ms per micro-batch "
+            f"({k * plan.recompute_ms:.3f} ms per step of {k}) = {pct:.1f}% of the "
+            f"{plan.baseline_step_ms:.3f} ms of one micro-batch and the optimizer step")
+
+
+def _timeline_lines(plan: Any) -> list[str]:
+    """The step on the timeline (absent from plans made before it existed: step_ms == 0)."""
+    lines = []
+    if plan.host_peak_bytes:
+        per_step = (f", {fmt_bytes(plan.host_bytes_per_step)} copied per step"
+                    if plan.host_bytes_per_step else "")
+        lines.append(f"  host memory      {fmt_bytes(plan.host_peak_bytes)} of offloaded activations "
+                     f"at once ({len(plan.offloading)} modules, one micro-batch{per_step})")
+    if plan.step_ms:
+        k = plan.step.micro_batches if plan.step is not None else 1
+        lines.append(
+            f"  step timeline    {plan.step_ms:.3f} ms = compute {plan.compute_ms:.3f} + recompute "
+            f"{plan.recompute_ms:.3f} + exposed comm {plan.exposed_comm_ms:.3f} + exposed copies "
+            f"{plan.exposed_copy_ms:.3f} ms"
+            + (f" (one micro-batch of {k}, and the optimizer step)" if k > 1 else ""))
+    return lines
+
+
+def _binding_line(plan: Any) -> list[str]:
+    if not plan.binding_step:
+        return []
+    return [
+        f"  binds            {plan.binding_step} (first step {fmt_bytes(plan.first_step_peak_bytes)}, "
+        f"steady state {fmt_bytes(plan.steady_peak_bytes)})"
+    ]

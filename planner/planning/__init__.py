@@ -1,0 +1,1 @@
+"""From a traced step to a verified Plan: solve, floor, verification, trade-off curves."""

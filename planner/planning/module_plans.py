@@ -1,0 +1,52 @@
+"""A module's discard target as concrete op decisions: which ops to save, which to recompute."""
+
+from __future__ import annotations
+
+from estimators.contract.module_info import ModStats
+from estimators.contract.sac_groups import cached_if_saved
+from estimators.tracing.sac import replay_ms
+from planner.plan import ModulePlan, op_key
+from solver import SolverOptions, solve_op_milp
+from solver.op_milp import OpDecision
+
+__all__ = ["PlanningError", "module_plan", "recompute_ms_with_saved"]
+
+
+class PlanningError(ValueError):
+    """The request cannot be planned as asked; the message says what to change."""
+
+
+def module_plan(stats: ModStats, discarded_bytes: int, options: SolverOptions | None = None) -> ModulePlan:
+    """Concrete op decisions for discarding at least ``discarded_bytes`` of ``stats``."""
+    keep = max(0, stats.sac_memory_bytes - discarded_bytes)
+    op_plan = solve_op_milp(stats.ops, keep_bytes=keep, options=options)
+    saved, recomputed = [], []
+    for op, dec in zip(stats.ops, op_plan.decisions):
+        key = (op_key(op.func), op.occurrence)
+        # Only ops autograd saves are worth caching: caching any other costs memory.
+        if dec is OpDecision.SAVE and cached_if_saved(op):
+            saved.append(key)
+        elif op.is_saved and op.memory_bytes > 0:
+            recomputed.append(key)
+    # The ratio is over the bytes the op plan could discard (every op not forced to be saved).
+    # sac_memory_bytes is the trade-off curve's total, which leaves out ops that are recomputed
+    # whenever the module is checkpointed (e.g. batch norm's statistics, whose output is not
+    # saved): dividing the op plan's discarded bytes, which include those, by it gave ratios > 1.
+    optional = op_plan.saved_bytes + op_plan.discarded_bytes
+    ratio = op_plan.discarded_bytes / optional if optional else 0.0
+    return ModulePlan(
+        fqn=stats.fqn,
+        discard_ratio=round(ratio, 6),
+        full=not saved,
+        saved_ops=tuple(saved),
+        recomputed_ops=tuple(recomputed),
+        discarded_bytes=op_plan.discarded_bytes,
+        recompute_ms=recompute_ms_with_saved(stats, frozenset(saved)),
+        input_numel=stats.input_numel,
+    )
+
+
+def recompute_ms_with_saved(stats: ModStats, saved: frozenset) -> float:
+    """Recompute time of a checkpoint of ``stats`` that caches the ``saved`` op keys: every other
+    op is re-run (``estimators.tracing.sac.replay_ms``)."""
+    return replay_ms(stats.ops, lambda _, o: (op_key(o.func), o.occurrence) not in saved)

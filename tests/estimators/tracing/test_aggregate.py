@@ -1,0 +1,110 @@
+"""estimators/tracing/aggregate.py: the ModuleInfo built from one traced step of a three-module net,
+against bytes, orders and memory points worked out by hand (CPU target, fake mode, no optimizer).
+
+    Net: a = Linear(4, 8) (32 + 8 floats = 160 B), act = ReLU, b = Linear(8, 2, no bias) (64 B)
+    x: [3, 4] float32 = 48 B; a's output and act's output [3, 8] = 96 B; b's output [3, 2] = 24 B
+    loss = output.sum(): 4 B
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from estimators.tracing.estimation import estimate
+from estimators.contract.module_info import ModOrder
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.act = nn.ReLU()
+        self.b = nn.Linear(8, 2, bias=False)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+@pytest.fixture(scope="module")
+def est():
+    torch.manual_seed(0)
+    return estimate(Net(), (torch.randn(3, 4),), device="cpu")
+
+
+def test_module_order_forward_and_backward(est):
+    # A parent's backward starts with its first child's (b: the last to run forward) and ends last.
+    assert est.module_info.mod_order == ModOrder(
+        fw_pre_order=("Net", "Net.a", "Net.act", "Net.b"),
+        fw_post_order=("Net.a", "Net.act", "Net.b", "Net"),
+        bw_pre_order=("Net", "Net.b", "Net.act", "Net.a"),
+        bw_post_order=("Net.b", "Net.act", "Net.a", "Net"),
+    )
+
+
+def test_bytes_per_module(est):
+    info = est.module_info
+    got = {s.fqn: (s.is_leaf, s.n_calls, s.param_bytes, s.grad_bytes, s.input_bytes, s.output_bytes,
+                   s.act_fw_bytes) for s in info.mod_stats}
+    assert got == {
+        # act_fw_bytes: what autograd saved while the module ran, parameters excluded: a saves x
+        # (48, for its weight gradient), act its output (96, for threshold_backward), b its input
+        # (act's output, 96); the root holds both storages once: 48 + 96.
+        "Net": (False, 1, 224, 224, 48, 24, 144),
+        "Net.a": (True, 1, 160, 160, 48, 96, 48),
+        "Net.act": (True, 1, 0, 0, 96, 96, 96),
+        "Net.b": (True, 1, 64, 64, 96, 24, 96),
+    }
+
+
+def test_the_root_sac_table_and_trade_off(est):
+    s = est.module_info.stats("Net")
+    assert [(o.func, o.memory_bytes, o.is_saved, o.is_view) for o in s.ops] == [
+        ("aten.t.default", 0, False, True),
+        ("aten.addmm.default", 0, False, False),   # a's output: only relu reads it, nobody saves it
+        ("aten.relu.default", 96, True, False),    # the one activation a checkpoint can drop
+        ("aten.t.default", 0, False, True),
+        ("aten.mm.default", 0, False, False),      # the output: saved by no one
+    ]
+    addmm, relu = s.ops[1], s.ops[2]
+    assert s.sac_memory_bytes == s.tradeoff.total_bytes == 96
+    assert s.sac_runtime_ms == relu.runtime_ms
+    # Any checkpoint re-runs addmm (unsaved, before the last saved op); mm comes after it: no.
+    assert s.recompute_fixed_ms == addmm.runtime_ms
+    # Recompute growth: addmm's 96 B alone, then addmm's and relu's outputs both alive.
+    assert s.recompute_growth_bytes == (96, 192)
+    assert s.forced_discard_bytes == 0 and s.checkpoint_retain_bytes == 0 and s.sac_blocker == ""
+    assert all(est.module_info.stats(f).ops == () for f in ("Net.a", "Net.act", "Net.b"))
+
+
+def test_op_spans_and_runtimes_follow_the_trace(est):
+    info, ops = est.module_info, est.trace.ops
+    spans = {s.fqn: (s.fw_pre_op, s.fw_post_op, s.bw_pre_op, s.bw_post_op) for s in info.mod_stats}
+    # Forward: t addmm | relu | t mm | sum (loss, outside). Backward from op 6; b's at 8..16,
+    # act's threshold_backward at 17..18, a's weight and bias gradients at 19..26.
+    assert spans == {"Net": (0, 5, 8, 26), "Net.a": (0, 2, 19, 26), "Net.act": (2, 3, 17, 18),
+                     "Net.b": (3, 5, 8, 16)}
+    assert info.stats("Net").fw_runtime_ms == sum(op.runtime_ms for op in ops[0:5])
+    assert info.fw_runtime_ms == sum(op.runtime_ms for op in ops if op.phase.name == "FW")
+    assert info.bw_runtime_ms == sum(op.runtime_ms for op in ops if op.phase.name == "BW")
+    assert info.optimizer_runtime_ms == 0.0
+
+
+def test_peak_and_memory_points(est):
+    info = est.module_info
+    # Peak at threshold_backward: params 224 + x 48 + loss 4 + its grad 4 + act's output 96
+    # + b's weight grad 64 + act's input grad 96 + threshold_backward's output 96.
+    assert (info.peak_bytes, info.peak_op_index) == (632, 18)
+    assert info.peak_op == "aten.threshold_backward.default in Net.act (bw)"
+    # One point per interval in which the discarded set is constant (Net's forward end at 5 and
+    # backward start at 8 cut the step), at its highest op, plus Net's recompute point at 8.
+    pts = [(p.op_index, p.phase, p.fqn, p.recompute_of) for p in info.memory_points]
+    assert pts == [(2, "fw", "Net.act", None), (5, "fw", "", None), (8, "bw", "Net.b", "Net"),
+                   (18, "bw", "Net.act", None)]
+    # relu (op 2): 272 B of params and x, a's and act's outputs; op 5: b's output and the loss.
+    totals = [p.param_bytes + p.grad_bytes + p.optimizer_bytes + p.activation_bytes + p.other_bytes
+              for p in info.memory_points]
+    assert totals == [224 + 48 + 96 + 96, 224 + 48 + 96 + 24 + 4, 224 + 48 + 96 + 4 + 4, 632]
+    first = info.memory_points[0]
+    assert (first.param_bytes, first.grad_bytes, first.activation_bytes) == (224, 0, 96)
