@@ -77,7 +77,7 @@ class BackendTimes(logging.Handler):
 
 @contextlib.contextmanager
 def backend_times():
-    logs = [logging.getLogger(n) for n in ("solver.options", "solver.lp_model")]
+    logs = [logging.getLogger(n) for n in ("solver.options", "solver.milp.linear_model")]
     handler, old = BackendTimes(), [log.level for log in logs]
     for log in logs:
         log.addHandler(handler)

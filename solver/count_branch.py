@@ -30,7 +30,7 @@ stacks of blocks and on random trees grouped at random. Two numerical traps foun
 rel_gap 0 calls a fixed-count MILP optimal with its dual bound ~4e-8 relative below (taken as
 the proof HiGHS says it is, as the plain solve does), and at the tight integrality tolerance
 HiGHS 1.16 called some feasible MILPs infeasible, which lost boxes (0.05 ms against 1.8e-7 ms)
-until ``solver.lp_model`` re-checked such verdicts at its default tolerance.
+until ``solver.milp.linear_model`` re-checked such verdicts at its default tolerance.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Sequence
 
 import numpy as np
 
-from solver.lp_model import GE, LinearModel, LpSolution
+from solver.milp.linear_model import GE, LinearModel, LpSolution
 from solver.options import SolverOptions, _BackendOutcome, options_until
 
 __all__ = ["CountBrancher", "kind_groups"]

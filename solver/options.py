@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 class Backend(str, enum.Enum):
     """MILP backend. HiGHS (highspy, a core dependency) is the default; the module-level MILP
-    calls it directly (``solver/lp_model.py``), the op-level one through PuLP. CBC (through PuLP,
+    calls it directly (``solver/milp/linear_model.py``), the op-level one through PuLP. CBC (through PuLP,
     the binary PuLP bundles) stays selectable and is the fallback where highspy cannot load."""
 
     CBC = "cbc"
@@ -132,10 +132,10 @@ class SolverOptions:
     False solves every graph with HiGHS' own branch and bound (same optimum within rel_gap,
     tests/solver/test_count_branch.py)."""
     dynamic_program: bool = True
-    """Solve models whose step is a clean nest by dynamic programming (``solver/prefix_dp.py``)
+    """Solve models whose step is a clean nest by dynamic programming (``solver/exact/prefix_dp.py``)
     before asking the backend, proven within ``rel_gap`` by its own bound: every such model of
     at most 48 candidates (on small stacks of blocks HiGHS has called plans optimal that cost
-    8.8 % and 15 % more than the optimum, tests/solver/test_prefix_dp.py) and bigger ones
+    8.8 % and 15 % more than the optimum, tests/solver/exact/test_prefix_dp.py) and bigger ones
     without repeated blocks (random 1,000-module trees in 0.5-0.65 s, where HiGHS takes
     2.7-4.9 s). Stacks of blocks beyond 48 candidates go to count branching first and to the
     program where it gives up (traced GPT-2-medium, BERT-large, Whisper, T5-large: 0.2-1.7 s
@@ -226,7 +226,7 @@ class SolveResult:
     backend: Backend = Backend.HIGHS
     """The backend the options asked for (``solved_by`` says what made this plan)."""
     solved_by: str = ""
-    """What made the plan: ``"program"`` (the dynamic program of ``solver/prefix_dp.py``),
+    """What made the plan: ``"program"`` (the dynamic program of ``solver/exact/prefix_dp.py``),
     ``"highs"`` or ``"cbc"`` (the backend on the MILP), ``"min-peak plan"`` (no plan from the
     backend, see ``SACMilp``), ``"nothing to plan"`` (the budget fits the unplanned step)."""
     n_variables: int = 0
@@ -318,7 +318,7 @@ def run_backend(prob: "pulp.LpProblem", options: SolverOptions, *, rel_gap: floa
     if options.backend is Backend.HIGHS:
         # PuLP makes its own HiGHS instance: the first one of the process prints HiGHS' banner
         # on stdout whatever its options (the CLI's --offload --json printed invalid JSON).
-        from solver.lp_model import _stop_highs_threads_at_exit
+        from solver.milp.linear_model import _stop_highs_threads_at_exit
 
         _stop_highs_threads_at_exit()
     with tempfile.TemporaryDirectory(prefix="sac_milp_") as tmp:

@@ -5,7 +5,7 @@ some modules are checkpointed (each discarding some bytes), and their recompute 
     predict_peak_bytes(info, {"GPT.blocks.3": 123456})        # bytes, exact integers
     module_recompute_ms(info.stats("GPT.blocks.3"), 123456)    # ms, on the exact curve
 
-The MILPs (``solver/milp.py``, ``solver/offload_milp.py``) are linear models of these numbers;
+The MILPs (``solver/sac_milp.py``, ``solver/offload/milp.py``) are linear models of these numbers;
 every plan they return is re-evaluated here, so a reported peak never comes from an LP variable.
 """
 

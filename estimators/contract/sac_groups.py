@@ -64,7 +64,7 @@ def cached_if_saved(op: SACOp) -> bool:
     """A saved group caches this op's output: autograd saves it, it is no view, and caching it
     costs nothing the unplanned step did not hold. The one test of what a plan caches
     (``planner.planning.solve.module_plan``), what a recompute re-makes (``estimators.tracing.aggregate``) and
-    what may go to host (``solver.offload_milp.offload_ops``)."""
+    what may go to host (``solver.offload.cost.offload_ops``)."""
     return op.is_saved and not op.is_view and not op.cache_cost_bytes
 
 

@@ -17,7 +17,7 @@ changes), the smallest reachable peak (one solve, then every budget below it is 
 infeasible without a solve), and plans: budgets are solved largest first, and a plan proven
 optimal at one budget whose peak fits the next smaller budget is optimal there too (the least
 recompute never falls as the budget shrinks), so that budget needs no solve. The backend is
-called directly (``solver/lp_model.py``), so a solve pays no model-building in Python. Rows
+called directly (``solver/milp/linear_model.py``), so a solve pays no model-building in Python. Rows
 come back in ascending order. No warm start is passed to the
 backend: measured with CBC's ``warmStart`` it did not help (``benchmarks/tradeoff_sweep.py
 --warm-start``), because the slow points find their best plan early and spend the time proving
@@ -448,7 +448,7 @@ class StepTimePoint:
     recompute_only_step_ms: float | None = None
     """Step time of the least-recompute plan (``SACMilp``); None when no plan fits."""
     three_way_step_ms: float | None = None
-    """Step time of the three-way plan (``solver.offload_milp``); None when no plan fits."""
+    """Step time of the three-way plan (``solver.offload.milp``); None when no plan fits."""
     three_way_exposed_copy_ms: float | None = None
     three_way_host_bytes: int | None = None
     """Bytes on host (per rank) of the three-way plan."""
@@ -502,7 +502,7 @@ def step_time_curves(
     from estimators.runtime.device import get_device_spec
     from planner.planning.baselines import hand_made_baselines
     from planner.planning.step_timeline import step_layout_of
-    from solver.offload_milp import OffloadMilp
+    from solver.offload.milp import OffloadMilp
 
     spec = get_device_spec(device)
     info, _ = _module_info(model_or_module_info, inputs, loss_fn, optimizer, spec, step)

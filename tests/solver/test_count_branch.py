@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import solver.milp as milp_module
+import solver.sac_milp as milp_module
 from solver import SACMilp, SolverOptions, SolveStatus, predict_peak_bytes
 from solver.count_branch import CountBrancher, kind_groups
-from tests.solver.test_milp_properties import module_infos
+from tests.solver.test_sac_milp_properties import module_infos
 from tests.solver.test_symmetry import FEW, MANY, stacked_infos
 
 EXACT = SolverOptions(rel_gap=0.0, count_branching=True)
@@ -139,7 +139,7 @@ def test_stacks_get_count_rows_and_trees_without_numbered_modules_do_not() -> No
 def test_out_of_time_keeps_the_incumbent_without_a_proof() -> None:
     """A search stopped before any box was bounded returns the incumbent it was given, not
     proven, gap unknown; with no incumbent it says it has no solution and is not infeasible."""
-    from tests.solver.test_milp import chain
+    from tests.solver.test_sac_milp import chain
 
     m = SACMilp(chain(), options=SolverOptions(count_branching=False))
     m._model()
@@ -164,7 +164,7 @@ def test_count_branching_option_is_validated() -> None:
 def test_warm_relaxation_matches_a_cold_one_after_bound_and_cost_changes() -> None:
     """solve_relaxation re-uses one HiGHS instance across calls: after count rows, the budget
     and the objective change, its value equals a relaxation solved from scratch."""
-    from tests.solver.test_milp import chain
+    from tests.solver.test_sac_milp import chain
 
     m = SACMilp(chain(), options=SolverOptions(count_branching=False))
     prob = m._model()

@@ -10,8 +10,8 @@ from estimators.contract.module_info import ModuleInfo
 from solver.graph import Graph
 from solver.plan_cost import MemoryModel, has_window, module_recompute_ms
 from solver.rounding import ExactPlans
-from tests.solver.test_milp import MiB, chain, make_info, mod, pt
-from tests.solver.test_milp_properties import PROPS, module_infos
+from tests.solver.test_sac_milp import MiB, chain, make_info, mod, pt
+from tests.solver.test_sac_milp_properties import PROPS, module_infos
 
 
 def _exact(info) -> ExactPlans:

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from estimators.contract.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
 from solver import SACMilp, SolverOptions, predict_peak_bytes
-from tests.solver.test_milp_properties import _curve, _nbytes, module_infos
+from tests.solver.test_sac_milp_properties import _curve, _nbytes, module_infos
 
 MiB = 2**20
 # Count branching off on both sides: this file tests the symmetry rows alone
@@ -227,7 +227,7 @@ def _presolve_stacks() -> list[tuple[float, ModuleInfo, float | None]]:
 @pytest.mark.parametrize("case", range(5))
 def test_stacks_that_misled_highs(case) -> None:
     """Five stacks drawn by 200- and 600-example runs on which one HiGHS 1.16 solve answers
-    wrongly (``solver.lp_model.LinearModel._solve_highs``): at integrality tolerance 1e-8 plain
+    wrongly (``solver.milp.linear_model.LinearModel._solve_highs``): at integrality tolerance 1e-8 plain
     "infeasible" and symmetry-broken 2.1161 ms where CBC proves 1.8817 ms; 3.0258 ms "optimal"
     against 2.6508 ms; "infeasible" holding an 8.5 ms plan at the smallest peak; at 1e-6,
     7.55 ms "optimal" against 7.50 ms and "infeasible" where 0.5 ms is optimal. The recompute

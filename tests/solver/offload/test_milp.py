@@ -1,4 +1,4 @@
-"""solver/offload_milp.py on a hand-built two-block step whose best plan is worked out by hand.
+"""solver/offload/milp.py on a hand-built two-block step whose best plan is worked out by hand.
 
 Blocks b0 (ops 0-9, fw_post 10) and b1 (fw_post 20): 100 MiB saved each, full recompute 10 ms
 (linear). Forward 10 ms per block, backward 20 ms; the copy link moves 1 MiB per ms. Memory:
@@ -17,7 +17,7 @@ import pytest
 from estimators.contract.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, SACOp, TradeoffCurve
 from estimators.contract.timeline import step_layout
 from solver import InfeasibleBudgetError
-from solver.offload_milp import OffloadMilp
+from solver.offload.milp import OffloadMilp
 
 MiB = 2**20
 RATE = MiB * 1000.0  # 1 MiB per ms
@@ -163,7 +163,7 @@ def test_the_first_highs_of_a_process_prints_nothing_on_stdout():
     import subprocess
     import sys
 
-    code = ("from tests.solver.test_offload_milp import MiB, milp\n"
+    code = ("from tests.solver.offload.test_milp import MiB, milp\n"
             "res = milp().solve(250 * MiB)\n"
             "print('ok', res.predicted_peak_bytes <= 250 * MiB)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

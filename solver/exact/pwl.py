@@ -1,5 +1,5 @@
 """Piecewise-linear functions of one variable, as the exact dynamic program needs them
-(``solver/prefix_dp.py``): lower envelopes, infimal convolution with a convex curve, truncation.
+(``solver/exact/prefix_dp.py``): lower envelopes, infimal convolution with a convex curve, truncation.
 
 A function is two float arrays ``xs`` (nondecreasing) and ``ys``:
 

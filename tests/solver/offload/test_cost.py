@@ -1,18 +1,18 @@
-"""solver/offload_cost.py: which saved outputs a module can send to host, in which order, the copy
+"""solver/offload/cost.py: which saved outputs a module can send to host, in which order, the copy
 time of the first x bytes, and the memory model with offloads beside checkpoints."""
 
 from __future__ import annotations
 
 import pytest
 
-from solver.offload_cost import (
+from solver.offload.cost import (
     offload_curve,
     offload_ops,
     offload_take,
     offloadable_bytes,
     predict_offload_peak_bytes,
 )
-from tests.solver.test_offload_milp import RATE, MiB, info
+from tests.solver.offload.test_milp import RATE, MiB, info
 
 
 def test_offload_order_is_largest_first_and_the_copy_curve_accumulates_per_op():

@@ -31,7 +31,7 @@ earlier in forward pre-order, then discarding less. It is a perturbation of the 
 plans that differ by less than the gap tolerance may still resolve by the backend's search order;
 the backend runs single-threaded by default so the same input gives the same plan.
 
-Backend: the model is written once into a ``solver.lp_model.LinearModel`` (arrays) and solved
+Backend: the model is written once into a ``solver.milp.linear_model.LinearModel`` (arrays) and solved
 by HiGHS through highspy directly (one ``passModel`` per solve, integrality tolerance 1e-8;
 small models are checked by a second solve at 1e-6, see ``LinearModel._solve_highs``), or by CBC through PuLP where asked for or where highspy cannot
 load. A solve changes only the budget row's bound and the objective.
@@ -59,8 +59,8 @@ import numpy as np
 from solver.count_branch import CountBrancher, kind_groups
 from solver.errors import InfeasibleBudgetError, SolverError, SolverTimeoutError
 from solver.graph import Graph, Node
-from solver.lp_model import _CROSS_CHECK_COLS, EQ, GE, LE, LinearModel
-from solver.prefix_dp import PrefixDP, ProgramTooLarge
+from solver.milp.linear_model import _CROSS_CHECK_COLS, EQ, GE, LE, LinearModel
+from solver.exact.prefix_dp import PrefixDP, ProgramTooLarge
 from solver.rounding import ExactPlans
 from solver.plan_cost import (
     MemoryModel,
@@ -104,7 +104,7 @@ progress)."""
 _DP_CANDIDATES = 48
 _DP_WORK = 20_000
 _DP_WORK_PER_CANDIDATE = 2_000
-"""The program (``solver/prefix_dp.py``) is tried first on every model of at most
+"""The program (``solver/exact/prefix_dp.py``) is tried first on every model of at most
 ``_DP_CANDIDATES`` candidates and on bigger ones without repeated blocks (stacks of blocks go to
 HiGHS with count branching, which proves them faster: a 1,000-module synthetic decoder 0.1-0.3 s,
 the program 0.4-0.5 s; and to the program where count branching gives up,

@@ -1,5 +1,5 @@
-"""solver/prefix_dp.py (the MILP as a chain program) against HiGHS on the MILP itself
-(solver/pwl.py, its functions, against brute force: tests/solver/test_pwl.py).
+"""solver/exact/prefix_dp.py (the MILP as a chain program) against HiGHS on the MILP itself
+(solver/exact/pwl.py, its functions, against brute force: tests/solver/exact/test_pwl.py).
 
 The program shares no code with the MILP's backend: agreeing on hundreds of derandomized graphs
 (random trees with forced-recompute jumps, fixed costs, transients and held inputs; stacks of
@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from estimators.contract.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
 from solver import SACMilp, SolverOptions, predict_peak_bytes
 from solver.plan_cost import module_recompute_ms
-from solver import prefix_dp
-from solver.prefix_dp import PrefixDP, ProgramTooLarge
-from tests.solver.test_milp_properties import module_infos
+from solver.exact import prefix_dp
+from solver.exact.prefix_dp import PrefixDP, ProgramTooLarge
+from tests.solver.test_sac_milp_properties import module_infos
 from tests.solver.test_symmetry import stacked_infos
 
 HIGHS = SolverOptions(dynamic_program=False)
@@ -162,7 +162,7 @@ def test_a_recompute_point_where_a_child_s_backward_has_begun_is_taken() -> None
     child's backward starts at the same op as the block's, so at the block's recompute point the
     child's discards are back. With the block planned its children discard nothing, so the point
     reads the same row; it was refused ("sees other discards than its block's")."""
-    from tests.solver.test_milp import make_info, mod, pt
+    from tests.solver.test_sac_milp import make_info, mod, pt
 
     stats = [mod("M"), mod("M.B", size_mib=200, ms=12, fw_post=21, bw_pre=30, transient_mib=40),
              mod("M.B.attn", size_mib=100, ms=10, fw_post=10, bw_pre=40), mod("M.B.attn.q", leaf=True),
@@ -323,7 +323,7 @@ def test_the_read_back_never_leaves_the_domains(caplog) -> None:
     info = module_info_of(_random_tree(80, seed=122))
     m = SACMilp(info)
     lo = m.min_reachable_peak_bytes()
-    with caplog.at_level(logging.WARNING, logger="solver.prefix_dp"):
+    with caplog.at_level(logging.WARNING, logger="solver.exact.prefix_dp"):
         for frac in (0.0, 0.0298, 0.3):
             res = m.solve(lo + int(frac * (info.peak_bytes - lo)))
             assert res.solved_by == "program"

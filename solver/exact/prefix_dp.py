@@ -19,21 +19,21 @@ descendants are the block of candidates just before it. So the MILP is a chain:
 with i's cost (the lower hull of its curve plus the tie-break: the MILP's own objective), shifted
 by its forced discards; ``s(i)`` is where i's block starts and ``Q(i)`` the needs of the rows
 inside it with i planned: its recompute point with its recompute term, the points where the
-inputs its checkpoint holds are alive. The functions are piecewise linear (``solver/pwl.py``) and
+inputs its checkpoint holds are alive. The functions are piecewise linear (``solver/exact/pwl.py``) and
 computed exactly; the plan is read back from the stored functions.
 
 It shares nothing with the backend, so it checks HiGHS: on small stacks of blocks HiGHS has
 returned plans as optimal that cost 8.8 % more than the optimum this finds
-(``tests/solver/test_prefix_dp.py``).
+(``tests/solver/exact/test_prefix_dp.py``).
 
 Exact, and small. The value functions are lower envelopes of one convex piece per useful
 combination of choices; counted as computed they looked exponential (11,858 breakpoints on a
 60-module random tree), but all but 30 of those were points collinear but for rounding, which a
-slope test cannot see between points a fraction of a byte apart (``solver.pwl._simplified``
+slope test cannot see between points a fraction of a byte apart (``solver.exact.pwl._simplified``
 drops a point within a few ulps of its neighbours' line). Exact, the functions keep at most 448
 breakpoints on a random 1,000-module tree (0.7 s), and a traced T5-large solves in 0.6-1.5 s.
 Where they still outgrow the work cap, ``solve(rel_tol=)`` holds each function from below
-within ``rel_tol`` of its value (``solver.pwl.under_within``): every value stays a lower bound
+within ``rel_tol`` of its value (``solver.exact.pwl.under_within``): every value stays a lower bound
 on the plans it stands for, the plan read back is a plan of the MILP, and the distance between
 its cost and the bound is the proof (at 1e-5 the bound met the plan's cost to 1e-8 on every
 random tree of benchmarks/solver_scaling.py). Stacks of identical blocks keep many distinct
@@ -64,11 +64,11 @@ import numpy as np
 
 from estimators.contract.module_info import lower_hull
 from solver.plan_cost import fixed_discard_bytes, growth_hull_segments, module_recompute_ms
-from solver.pwl import Pwl, envelope, infconv_convex, point, truncate_left, under_within
+from solver.exact.pwl import Pwl, envelope, infconv_convex, point, truncate_left, under_within
 
 if TYPE_CHECKING:
     from estimators.contract.module_info import ModStats
-    from solver.milp import SACMilp
+    from solver.sac_milp import SACMilp
     from solver.plan_cost import MemoryModel
 
 __all__ = ["PrefixDP", "DpOutcome", "ProgramTooLarge"]
@@ -249,7 +249,7 @@ class PrefixDP:
         """The least-cost plan within ``budget`` bytes, or None where no plan fits.
 
         ``rel_tol`` 0: exact. Above 0, every value function is replaced by one under it by at
-        most ``rel_tol`` of its value (``solver.pwl.under_within``): ``lower_bound`` stays a
+        most ``rel_tol`` of its value (``solver.exact.pwl.under_within``): ``lower_bound`` stays a
         bound on every plan, ``objective`` is the cost of the plan read back, and their distance
         is the proof (measured: random 1,000-module trees come out exact at 1e-5, in 0.5-0.65 s,
         where their exact functions have 3.5 times the convex runs and take 0.7-1.0 s).

@@ -1,4 +1,4 @@
-"""Properties of solver/milp.py on random module trees with a physically consistent timeline.
+"""Properties of solver/sac_milp.py on random module trees with a physically consistent timeline.
 
 The generator runs a made-up training step over a random tree: forward in pre-order (each module
 saves some bytes after its children ran), backward in reverse (a module's saved bytes are freed

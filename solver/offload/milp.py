@@ -9,7 +9,7 @@
     res.offloaded_bytes      # {"GPT.blocks.0": 7890123, ...}    saved outputs sent to host
     res.timeline.step_ms, res.timeline.exposed_copy_ms
 
-The maths, on top of the memory model of ``solver/milp.py`` / ``solver/plan_cost.py`` (read that first)::
+The maths, on top of the memory model of ``solver/sac_milp.py`` / ``solver/plan_cost.py`` (read that first)::
 
     c_k in {0,1}, 0 <= r_k <= c_k      candidate k is checkpointed, discarding r_k S_k (+ F_k c_k)
     0 <= o_b <= 1                      block b offloads o_b H_b bytes (H_b: its offloadable bytes)
@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from estimators.contract.module_info import lower_hull_segments
 from solver.errors import InfeasibleBudgetError, SolverTimeoutError
 from solver.graph import Graph
-from solver.milp import _candidates, _check_budget, _check_units, _safe, _solver_unit
+from solver.sac_milp import _candidates, _check_budget, _check_units, _safe, _solver_unit
 from solver.plan_cost import (
     MemoryModel,
     check_world_size,
@@ -66,7 +66,7 @@ from solver.plan_cost import (
     growth_table,
     module_recompute_ms,
 )
-from solver.offload_cost import (
+from solver.offload.cost import (
     DEFAULT_MIN_OFFLOAD_BYTES,
     offload_curve,
     offload_ops,

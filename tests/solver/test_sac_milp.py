@@ -1,4 +1,4 @@
-"""solver/milp.py on hand-built ModuleInfos whose optimal plans are worked out by hand.
+"""solver/sac_milp.py on hand-built ModuleInfos whose optimal plans are worked out by hand.
 
 Op indices: forward posts at 10, 20, ...; backward starts later in reverse order. Each docstring
 shows the arithmetic behind the expected plan (MiB = 2**20 bytes).
@@ -416,10 +416,10 @@ def test_big_models_log_the_start_and_end_of_a_solve(monkeypatch, caplog) -> Non
     (the CLI's progress); small models stay quiet."""
     import logging
 
-    import solver.milp as milp_module
+    import solver.sac_milp as milp_module
 
     monkeypatch.setattr(milp_module, "_LOUD_CANDIDATES", 0)
-    with caplog.at_level(logging.INFO, logger="solver.milp"):
+    with caplog.at_level(logging.INFO, logger="solver.sac_milp"):
         solve_milp(chain(), 400 * MiB)
     msgs = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("planning ") and "candidate modules for a 0.39 GiB budget" in m
@@ -428,7 +428,7 @@ def test_big_models_log_the_start_and_end_of_a_solve(monkeypatch, caplog) -> Non
                for m in msgs), msgs
     monkeypatch.setattr(milp_module, "_LOUD_CANDIDATES", 10**9)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="solver.milp"):
+    with caplog.at_level(logging.INFO, logger="solver.sac_milp"):
         solve_milp(chain(), 400 * MiB)
     assert not [r for r in caplog.records if r.levelno >= logging.INFO]
 

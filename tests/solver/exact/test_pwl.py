@@ -1,4 +1,4 @@
-"""solver/pwl.py against brute force: values, envelopes, the convolution with a convex curve
+"""solver/exact/pwl.py against brute force: values, envelopes, the convolution with a convex curve
 (both of its ways), simplification and ``under_within``."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from solver import pwl
-from solver.pwl import Pwl, envelope, infconv_convex, truncate_left, under_within
+from solver.exact import pwl
+from solver.exact.pwl import Pwl, envelope, infconv_convex, truncate_left, under_within
 
 
 def _random_nondecreasing(rng: random.Random, n: int) -> Pwl:

@@ -1,7 +1,7 @@
 """What a module can offload and what it costs: the ops whose saved outputs may go to host, in the
 order they are taken, the copy time of the first x bytes (convex), and the peak of the memory
 model with offloads beside checkpoints. Torch-free, like the rest of the solver; the three-way
-MILP (``solver.offload_milp``) and the planner (``planner.planning.offload_solve``) both price offloads here."""
+MILP (``solver.offload.milp``) and the planner (``planner.planning.offload_solve``) both price offloads here."""
 
 from __future__ import annotations
 
