@@ -22,23 +22,20 @@ inside it with i planned: its recompute point with its recompute term, the point
 inputs its checkpoint holds are alive. The functions are piecewise linear (``solver/exact/pwl.py``) and
 computed exactly; the plan is read back from the stored functions.
 
-It shares nothing with the backend, so it checks HiGHS: on small stacks of blocks HiGHS has
-returned plans as optimal that cost 8.8 % more than the optimum this finds
+It shares nothing with the backend, so the two check each other: on small stacks of blocks at
+their smallest peak HiGHS' tolerances have decided plans dearer than the optimum this finds
 (``tests/solver/exact/test_prefix_dp.py``).
 
 Exact, and small. The value functions are lower envelopes of one convex piece per useful
-combination of choices; counted as computed they looked exponential (11,858 breakpoints on a
-60-module random tree), but all but 30 of those were points collinear but for rounding, which a
-slope test cannot see between points a fraction of a byte apart (``solver.exact.pwl._simplified``
-drops a point within a few ulps of its neighbours' line). Exact, the functions keep at most 448
-breakpoints on a random 1,000-module tree (0.7 s), and a traced T5-large solves in 0.6-1.5 s.
-Where they still outgrow the work cap, ``solve(rel_tol=)`` holds each function from below
-within ``rel_tol`` of its value (``solver.exact.pwl.under_within``): every value stays a lower bound
-on the plans it stands for, the plan read back is a plan of the MILP, and the distance between
-its cost and the bound is the proof (at 1e-5 the bound met the plan's cost to 1e-8 on every
-random tree of benchmarks/solver_scaling.py). Stacks of identical blocks keep many distinct
-near-ties (a 1,000-module decoder: 0.4-0.45 s, where count branching proves them in 0.1-0.3 s),
-so ``SACMilp`` gives big stacks to count branching first.
+combination of choices. Counted as computed they look exponential, but nearly all their points
+are collinear but for rounding, which a slope test cannot see between points a fraction of a
+byte apart (``solver.exact.pwl.simplified`` drops a point within a few ulps of its neighbours'
+line); what is left stays in the hundreds of breakpoints (a test guards it). Where they still
+outgrow the work cap, ``solve(rel_tol=)`` holds each function from below within ``rel_tol`` of
+its value (``solver.exact.pwl.under_within``): every value stays a lower bound on the plans it
+stands for, the plan read back is a plan of the MILP, and the distance between its cost and the
+bound is the proof. Stacks of nearly identical blocks keep many distinct near-ties, which count
+branching proves faster, so ``SACMilp`` gives big stacks of numbered blocks to it first.
 
 Whether a budget has a plan depends only on the functions' domains, so ``min_budget`` finds the
 smallest reachable peak by a scalar pass and bisection, to the byte.
@@ -68,30 +65,28 @@ from solver.exact.pwl import Pwl, envelope, infconv_convex, point, truncate_left
 
 if TYPE_CHECKING:
     from estimators.contract.module_info import ModStats
-    from solver.sac_milp import SACMilp
     from solver.plan_cost import MemoryModel
 
-__all__ = ["PrefixDP", "DpOutcome", "ProgramTooLarge"]
+__all__ = ["PrefixDP", "DpOutcome", "ProgramTooLarge", "TIE_REL"]
 
 logger = logging.getLogger(__name__)
 
 _RUN_WORK = 40
 """Work units a convex run of a value function costs in the convolution (its numpy calls),
-against one per breakpoint: measured, 20,000 units took 0.45 s on a random 100-module tree
-(thousands of short runs) and 0.05 s on a 1,000-module one (long runs) before this weight."""
+against one per breakpoint: a run costs a few numpy calls whatever its length, so a count of
+breakpoints alone let functions of thousands of short runs take ten times their share."""
 
 _EDGE = 1e-12
 """Distance past a value function's domain end that is float rounding, not outside: relative to
 the largest memory point (1e-12 of 1e11 B is 0.1 B; plans are whole bytes, settled exactly)."""
 
-_TIE = 1e-9
+TIE_REL = 1e-9
 """Relative slack under which two values of the program are equal when a plan is read back."""
 
 
 class ProgramTooLarge(RuntimeError):
     """The value functions outgrew the caller's cap (one convex piece per useful combination of
-    choices: near-ties of identical blocks keep many, 140,000-210,000 units exact on a
-    1,000-module synthetic decoder)."""
+    choices: near-ties of identical blocks keep many)."""
 
 
 @dataclass(frozen=True)
@@ -195,7 +190,7 @@ class PrefixDP:
             k = index.get(p.recompute_of) if p.recompute_of is not None else None
             if k is not None:
                 # Its own block may be partly back already (a child whose backward starts at the
-                # same op, seen in traces): with k planned that block discards nothing anyway.
+                # same op, as residual blocks trace): with k planned that block discards nothing.
                 if not start[pos[k]] <= cnt[p_i] <= pos[k]:
                     return f"the recompute point of {stats[k].fqn} sees other discards than its block's"
                 recompute[k].append(p_i)
@@ -232,18 +227,6 @@ class PrefixDP:
                    [held[int(order[i])] for i in range(n)],
                    [np.array(recompute[int(order[i])], dtype=np.int64) for i in range(n)])
 
-    @classmethod
-    def from_milp(cls, milp: SACMilp) -> PrefixDP | str:
-        """The program of ``milp``'s model (its candidates, memory model and objective)."""
-        cands = milp._cands
-        if not cands:
-            return "no candidates"
-        tie_y, tie_r = milp.tie_break_ms()
-        index = {c.node.fqn: k for k, c in enumerate(cands)}
-        below = [{index[d.fqn] for d in milp.graph.descendants(c.node.fqn) if d.fqn in index}
-                 for c in cands]
-        return cls.build([c.stats for c in cands], tie_y, tie_r, below, milp._memory)
-
     # ------------------------------------------------------------------ solve
     def solve(self, budget: float, max_work: int = 200_000, rel_tol: float = 0.0) -> DpOutcome | None:
         """The least-cost plan within ``budget`` bytes, or None where no plan fits.
@@ -251,8 +234,8 @@ class PrefixDP:
         ``rel_tol`` 0: exact. Above 0, every value function is replaced by one under it by at
         most ``rel_tol`` of its value (``solver.exact.pwl.under_within``): ``lower_bound`` stays a
         bound on every plan, ``objective`` is the cost of the plan read back, and their distance
-        is the proof (measured: random 1,000-module trees come out exact at 1e-5, in 0.5-0.65 s,
-        where their exact functions have 3.5 times the convex runs and take 0.7-1.0 s).
+        is the proof. On trees of distinct modules the functions' convex runs are near-ties that
+        this merges, so holding them within 1e-5 is faster than exact and still proves the plan.
         Where a recompute growth varies with the ratio, ``objective`` is the plan's and
         ``lower_bound`` the relaxation's (equal where the relaxation's plan meets the rows).
         Raises ``ProgramTooLarge`` when the work (breakpoints of the value functions and
@@ -275,9 +258,8 @@ class PrefixDP:
 
         Whether a budget has a plan depends only on the domains of the value functions, which
         a scalar pass follows (each domain's end: the most a prefix can discard with its rows
-        met), so the smallest budget is found by bisection in milliseconds; HiGHS took 3 s on
-        a random 1,000-module tree. Byte counts are whole numbers in float64, so the pass is
-        exact."""
+        met), so the smallest budget is found by bisection, far faster than a min-peak MILP.
+        Byte counts are whole numbers in float64, so the pass is exact."""
         hi = int(math.ceil(float(np.max(self.point_base))))
         out = []
         for which in ("low",) if self.exact else ("low", "high"):
@@ -377,7 +359,7 @@ class PrefixDP:
                 logger.warning("program read-back left the value functions' domain at position "
                                "%d of %d; the backend solves this budget", i, self.n)
                 return {}, math.inf
-            if no <= yes + _TIE * max(1.0, abs(yes)):
+            if no <= yes + TIE_REL * max(1.0, abs(yes)):
                 a, truncated = i, True  # not planned: G_i at c
                 continue
             d = float(ds[int(np.argmin(total))])
@@ -412,9 +394,8 @@ class PrefixDP:
 def _value_near(f: Pwl, q: np.ndarray | float, slack: float) -> np.ndarray:
     """``f`` at ``q``, arguments past the domain's end by at most ``slack`` (float rounding)
     taken at the end: a plan at the smallest reachable peak runs along the ends of the domains,
-    where a sum of byte counts near 1e10 comes out 1e-6 short of the same sum taken in another
-    order (every branch was +inf there on a random 300-module tree); what is left to discard
-    before the first candidate, 0 exactly, came out 1e-7 (a 40-module tree)."""
+    where a sum of byte counts near 1e10 comes out a fraction of a byte short of the same sum
+    taken in another order, and every branch would read +inf."""
     q = np.asarray(q, dtype=np.float64)
     if f.empty:
         return f.value(q)
@@ -426,8 +407,8 @@ def _curve(stats: ModStats, tie_y: float, tie_r: float) -> tuple[np.ndarray, np.
     """Vertices (bytes, ms) of the MILP's cost of a candidate: the lower convex hull of its curve
     as ``solver.plan_cost.cost_envelope`` takes it, plus the tie-break (``tie_y`` once, ``tie_r``
     per unit of ratio). Taken from the curve's own points, not from the envelope's lines: a
-    line of slope 2e9 ms evaluated at its end is off by 1e-7 ms (cancellation), and that error
-    spread over the segment before it."""
+    steep line evaluated at its end loses digits to cancellation, and that error would spread
+    over the segment before it."""
     size, curve = stats.sac_memory_bytes, stats.tradeoff
     fixed = getattr(stats, "recompute_fixed_ms", 0.0)
     pts = {0: module_recompute_ms(stats, 0), size: module_recompute_ms(stats, size)}

@@ -23,16 +23,16 @@ import numpy as np
 from estimators.contract.module_info import lower_hull_indices
 
 __all__ = ["Pwl", "EMPTY", "point", "envelope", "infconv_convex", "truncate_left", "cap_right",
-           "under_within"]
+           "under_within", "simplified", "convex_runs", "by_runs", "slide"]
 
 _REL = 1e-12
 """Relative slack under which two slopes are equal (a concave kink smaller than this is not a
 kink) and three points are collinear."""
 
 _SLIDE_RUNS = (2.5, 300.0)
-"""A pass of ``_slide`` over a function of n breakpoints costs about ``a + n / b`` convex runs'
-worth of ``_by_runs`` (measured on a traced T5-large's value functions: 2.5 runs at 160
-breakpoints, 7.5 at 1,700; a run's part and its share of the envelope about 0.17 ms)."""
+"""A pass of ``slide`` over a function of n breakpoints costs about ``a + n / b`` convex runs'
+worth of ``by_runs`` (timed on traced value functions), which ``infconv_convex`` uses to pick
+the cheaper way."""
 
 _ULPS = 4 * np.finfo(np.float64).eps
 """A point this close to the line through its neighbours, relative to their values, is on it:
@@ -87,7 +87,7 @@ def point(x: float, y: float) -> Pwl:
     return Pwl(np.array([float(x)]), np.array([float(y)]))
 
 
-def _simplified(xs: np.ndarray, ys: np.ndarray) -> Pwl:
+def simplified(xs: np.ndarray, ys: np.ndarray) -> Pwl:
     """Drop repeated points and points on the line through their neighbours: the same slope
     within ``_REL``, or off the line by no more than rounding (``_ULPS`` of the values)."""
     if len(xs) == 0:
@@ -131,7 +131,7 @@ def truncate_left(f: Pwl, n: float) -> Pwl:
     rest = f.xs > n
     head_x = [n, n] if right != at and np.isfinite(right) else [n]
     head_y = [at, right] if len(head_x) == 2 else [at]
-    return _simplified(np.concatenate([head_x, f.xs[rest]]), np.concatenate([head_y, f.ys[rest]]))
+    return simplified(np.concatenate([head_x, f.xs[rest]]), np.concatenate([head_y, f.ys[rest]]))
 
 
 def cap_right(f: Pwl, cap: float) -> Pwl:
@@ -173,7 +173,7 @@ def _envelope2(f: Pwl, g: Pwl) -> Pwl:
     order = np.argsort(key, kind="stable")
     px, py = px[order], py[order]
     finite_y = np.isfinite(py)
-    return _simplified(px[finite_y], py[finite_y])
+    return simplified(px[finite_y], py[finite_y])
 
 
 def _crossings(r_p: np.ndarray, v_p: np.ndarray, r_q: np.ndarray, v_q: np.ndarray
@@ -224,10 +224,10 @@ def _envelope_on(xs: np.ndarray, vals: np.ndarray, rights: np.ndarray) -> Pwl:
     order = np.lexsort((np.concatenate([np.zeros(n + len(j)), t]), kind, at))
     px, py = px[order], py[order]
     finite_y = np.isfinite(py)
-    return _simplified(px[finite_y], py[finite_y])
+    return simplified(px[finite_y], py[finite_y])
 
 
-def _convex_runs(f: Pwl) -> list[tuple[int, int]]:
+def convex_runs(f: Pwl) -> list[tuple[int, int]]:
     """Index ranges [i, j] of ``f``'s points over which it is convex (split at jumps and at
     concave kinks)."""
     n = len(f.xs)
@@ -238,8 +238,8 @@ def _convex_runs(f: Pwl) -> list[tuple[int, int]]:
     slope = np.where(jump, 0.0, dy / np.where(jump, 1.0, dx))
     bend = np.zeros(n - 1, dtype=bool)
     # Relative only: slopes are ms per byte (1e-10..1e-7), so an absolute floor of even 1e-12
-    # merged real concave kinks into one "convex" run, and the convolution undershot the true
-    # minimum (0.100328 against 0.1005 ms, review of round 14).
+    # merges real concave kinks into one "convex" run, and the convolution undershoots the true
+    # minimum (tests/solver/exact/test_pwl.py).
     bend[1:] = ~jump[1:] & ~jump[:-1] & (slope[1:] < slope[:-1] - _REL * np.abs(slope[:-1]))
     runs, start = [], 0
     for s in np.flatnonzero(jump | bend):
@@ -259,28 +259,28 @@ def infconv_convex(f: Pwl, cx: np.ndarray, cy: np.ndarray, shift: float, cap: fl
     and a convex curve (``cx`` increasing from 0, ``cy`` convex: slopes nondecreasing), capped at
     ``cap``; and what the call cost, in convex runs' worth (see ``_SLIDE_RUNS``).
 
-    Two exact ways, the cheaper taken: one pass per convex run of ``f`` (:func:`_by_runs`) or
-    one per segment of the curve (:func:`_slide`: the curve is the convolution of its
-    segments). On a traced T5-large the value functions have about 200 convex runs and the
-    curves 6 segments: the runs took 6.6 s of a 10 s solve, the segments 1.3 s."""
+    Two exact ways, the cheaper taken: one pass per convex run of ``f`` (:func:`by_runs`) or
+    one per segment of the curve (:func:`slide`: the curve is the convolution of its
+    segments). Traced stacks have value functions of hundreds of convex runs and curves of a
+    few segments, where the second way is several times cheaper."""
     if f.empty:
         return EMPTY, 0.0
     c_w = np.diff(cx)
     c_s = np.diff(cy) / np.where(c_w > 0, c_w, 1.0)
     c_s, c_w = c_s[c_w > 0], c_w[c_w > 0]
-    runs = _convex_runs(f)
+    runs = convex_runs(f)
     by_segments = len(c_s) * (_SLIDE_RUNS[0] + len(f.xs) / _SLIDE_RUNS[1])
     if by_segments >= len(runs) or (len(c_s) and c_s[0] < 0):
-        out = _by_runs(f, runs, c_s, c_w, float(cx[0]) + shift, float(cy[0]), cap)
+        out = by_runs(f, runs, c_s, c_w, float(cx[0]) + shift, float(cy[0]), cap)
         return out, float(len(runs))
     # A segment moves every argument right, so nothing past the cap matters on the way.
     g, reach = f, cap - float(cx[0]) - shift
     for slope, width in zip(c_s, c_w):
-        g = cap_right(_slide(g, float(slope), float(width)), reach)
+        g = cap_right(slide(g, float(slope), float(width)), reach)
     return Pwl(g.xs + (float(cx[0]) + shift), g.ys + float(cy[0])), by_segments
 
 
-def _by_runs(f: Pwl, runs: list[tuple[int, int]], c_s: np.ndarray, c_w: np.ndarray, x_shift: float,
+def by_runs(f: Pwl, runs: list[tuple[int, int]], c_s: np.ndarray, c_w: np.ndarray, x_shift: float,
              y_shift: float, cap: float) -> Pwl:
     """Each convex run of ``f`` adds to the curve as a Minkowski sum of epigraphs (their segments
     merged by slope); the result is the envelope of those sums. Extending each run left as a
@@ -297,11 +297,11 @@ def _by_runs(f: Pwl, runs: list[tuple[int, int]], c_s: np.ndarray, c_w: np.ndarr
         x0, y0 = fx[0] + x_shift, fy[0] + y_shift
         xs = np.concatenate([[x0], x0 + np.cumsum(widths)])
         ys = np.concatenate([[y0], y0 + np.cumsum(widths * slopes)])
-        parts.append(cap_right(_simplified(xs, ys), cap))
+        parts.append(cap_right(simplified(xs, ys), cap))
     return envelope(parts)
 
 
-def _slide(f: Pwl, slope: float, width: float) -> Pwl:
+def slide(f: Pwl, slope: float, width: float) -> Pwl:
     """``x -> min over t in [0, width] of f(x - t) + slope * t`` for a nondecreasing ``f`` and
     ``slope >= 0``. The least of ``f(y) + slope * (x - y)`` over the window ``y in [x - width, x]``
     lies at one of the window's ends or at a breakpoint inside it, so this is the envelope of
@@ -311,8 +311,8 @@ def _slide(f: Pwl, slope: float, width: float) -> Pwl:
     constant, so with ``slope >= 0`` the window never needs to reach left of ``f.xs[0]``.
 
     Every value is taken from ``f``'s own points (``f(v) + slope * (x - v)``, not ``h + slope *
-    x``): the round trip through ``h`` left points that are collinear but for rounding, and the
-    results grew 80-fold on a traced T5-large."""
+    x``): the round trip through ``h`` leaves points that are collinear but for rounding, which
+    no simplification merges, and the functions grow without bound."""
     xs, ys = f.xs, f.ys
     moved = xs + width
     grid = np.union1d(xs, moved)
@@ -388,8 +388,7 @@ def under_within(f: Pwl, rel_tol: float) -> Pwl:
 
     Why: the lower envelopes of the dynamic program gather pieces that differ by next to nothing
     (combinations of choices of almost equal cost); merging them below keeps every value a lower
-    bound with fewer convex runs to convolve (a random 2,000-module tree: 7 a function exact, 2
-    within 1e-5)."""
+    bound with fewer convex runs to convolve."""
     n = len(f.xs)
     if n <= 2 or rel_tol <= 0:
         return f
@@ -411,8 +410,8 @@ def under_within(f: Pwl, rel_tol: float) -> Pwl:
         while i < b:
             # The longest stretch from i whose hull is within the tolerance: adding a point only
             # lowers the hull, so "within" holds up to some end and fails after it (galloping,
-            # then bisection: O(n log n); splitting at the farthest point was quadratic, 117,000
-            # hulls on a traced T5-large). Two points are always within (a jump that is not tall).
+            # then bisection: O(n log n), where splitting at the farthest point is quadratic).
+            # Two points are always within (a jump that is not tall).
             hull, j, step = hull_within(i, i + 1), i + 1, 1
             while j < b:
                 nxt = min(b, j + step)

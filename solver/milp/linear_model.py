@@ -1,37 +1,35 @@
 """A MILP held as arrays, solved by HiGHS directly (highspy) or by CBC through PuLP.
 
-``SACMilp`` writes its model once into a ``LinearModel`` (columns with bounds, integrality and
-names; rows as sparse index / value lists). Each solve then only changes a row bound or the
-objective:
+``SacModel`` (``solver/milp/model.py``) writes its model once into a ``LinearModel`` (columns
+with bounds, integrality and names; rows as sparse index / value lists). Each solve then only
+changes a row bound or the objective:
 
 * HiGHS (default): the arrays are handed to ``highspy`` in one ``passModel`` call (a CSR matrix),
   no per-variable Python objects and no model file. A fresh ``Highs`` instance per solve, so a
   solve never depends on what was solved before (same input, same plan).
 * CBC (fallback where highspy cannot load, or asked for): the PuLP problem is built from the
-  arrays and solved through ``solver.options.run_backend``.
+  arrays and solved through ``solver.milp.backend.run_pulp``.
 
 Why not PuLP for HiGHS too: PuLP rebuilds the HiGHS model variable by variable and row by row
-in Python on every solve, which on 1,000-module graphs cost as much as a warm solve.
+in Python on every solve, which on big graphs costs as much as the solve.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
 import logging
 import math
-import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from solver.options import Backend, SolverOptions, _BackendOutcome, options_until, run_backend
+from solver.milp.backend import BackendOutcome, new_highs, options_until, run_pulp
+from solver.options import Backend, SolverOptions
 
-__all__ = ["LinearModel", "LE", "GE", "EQ", "LpSolution"]
+__all__ = ["LinearModel", "LE", "GE", "EQ", "LpSolution", "CROSS_CHECK_COLS"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,20 +39,20 @@ LE, GE, EQ = -1, 1, 0
 _INF = math.inf
 _INT_TOL = 1e-8
 """Integrality a plan must meet (``mip_feasibility_tolerance`` of the tight solve; HiGHS'
-default is 1e-6, see ``LinearModel._solve_highs``). 1e-9 gave HiGHS solve errors on some random
-graphs."""
+default is 1e-6, see ``LinearModel._solve_highs``); tighter, HiGHS fails with solve errors on
+some graphs."""
 _DEFAULT_TOL = 1e-6
-_CROSS_CHECK_COLS = 600
+CROSS_CHECK_COLS = 600
 """Models up to this many columns (about 200 checkpointable modules) are solved at both
-tolerances (see ``LinearModel._solve_highs``); the second solve costs about what the first did
-(a random 100-module tree: 85-93 -> 142-144 ms a solve)."""
+tolerances (see ``LinearModel._solve_highs``); the second solve costs about what the first did,
+so bigger models keep one."""
 _ROW_TOL = 1e-9
 """Row violation ``exact_enough`` allows by default (count branching's integral LPs)."""
 
 
 def _slack(value: float) -> float:
-    """Objective values this close are the same value: two proofs of one optimum differed by
-    1.4e-9 relative (8.500006297 and 8.500006309 ms), the rows' 1e-8 tolerance at work."""
+    """Objective values this close are the same value: two proofs of one optimum differ by the
+    rows' 1e-8 tolerance at work."""
     return 1e-7 * max(1.0, abs(value))
 
 
@@ -63,48 +61,9 @@ def _warn_once(message: str) -> None:
     logger.warning(message)
 
 
-@functools.cache
-def _stop_highs_threads_at_exit() -> None:
-    """Once per process, before the first HiGHS instance: join HiGHS' global worker threads when
-    the interpreter exits (left running, their destructors call std::terminate, "terminate
-    called without an active exception", SIGABRT, seen in a spawned planning rank of
-    tests/planner/test_distributed_bench.py); and make the first instance with stdout sent to
-    /dev/null, since HiGHS prints its copyright banner there whatever its output_flag (every
-    planning process printed two lines into the user's own output)."""
-    import highspy
-
-    atexit.register(highspy.Highs.resetGlobalScheduler, True)
-    try:
-        if sys.stdout is not None:  # None under pythonw and some services
-            sys.stdout.flush()
-        saved = os.dup(1)
-    except Exception:  # noqa: BLE001 - no usable file descriptor 1: the banner is harmless
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            highspy.Highs()
-    except Exception:  # noqa: BLE001 - no /dev/null (a sandbox): the banner is harmless
-        pass
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def _new_highs(options: SolverOptions) -> Any:
-    """A HiGHS instance with the options every solve shares (log output, threads)."""
-    import highspy
-
-    _stop_highs_threads_at_exit()
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", bool(options.verbose))
-    h.setOptionValue("threads", int(options.threads))
-    return h
-
-
 @dataclass(frozen=True)
 class LpSolution:
-    outcome: _BackendOutcome
+    outcome: BackendOutcome
     values: np.ndarray | None
     """Column values (None without a solution)."""
     objective: float | None
@@ -193,7 +152,7 @@ class LinearModel:
         return self._csr
 
     # ------------------------------------------------------------------ HiGHS
-    def _highs_lp(self) -> Any:
+    def highs_lp(self) -> Any:
         import highspy
 
         if self._lp is None:
@@ -223,13 +182,10 @@ class LinearModel:
         the two contradict each other.
 
         Why: HiGHS 1.16 answers some small models wrongly at either tolerance, each time right
-        at the other (tests/solver/data/highs_presolve_stacks.json). At 1e-8: plain
-        "infeasible" and 2.1161 ms where 1.8817 ms is optimal, 3.0258 ms "optimal" against
-        2.6508 ms, "infeasible" while holding an 8.5 ms plan. At 1e-6 (which 1e-8 replaced
-        because its slack, y = 1e-6 discarding 1e-6 of a module at 1e-6 of its cost, decided
-        optima at the smallest reachable peak): 7.55 ms "optimal" against 7.50 ms and
-        "infeasible" where 0.5 ms is optimal. No single setting answered all (the light
-        presolve did, but takes 70 s and fails on random trees of test_count_branch.py).
+        at the other: "infeasible" beside a plan, or "optimal" above the optimum
+        (tests/solver/milp/test_linear_model.py pins such stacks). 1e-6 alone is too loose
+        (its slack, y = 1e-6 discarding 1e-6 of a module at 1e-6 of its cost, decides optima at
+        the smallest reachable peak), and no single setting answers all.
 
         HiGHS holds a MIP's rows and integrality to ``mip_feasibility_tolerance``, so the 1e-6
         model contains the 1e-8 one: a 1e-6 plan that meets 1e-8 in its integer columns and
@@ -239,19 +195,18 @@ class LinearModel:
         light presolve (without presolve if that gives no verdict). The lowest plan of the
         1e-8 model found wins; it counts as proven if it is, or if it equals the third
         solve's proven value. A contradiction the third solve cannot decide (out of time, no
-        plan) leaves the 1e-8 answer as it was. Models over ``_CROSS_CHECK_COLS`` columns keep
+        plan) leaves the 1e-8 answer as it was. Models over ``CROSS_CHECK_COLS`` columns keep
         one solve unless it finds no plan; a solve the time limit stopped is returned as it is.
 
-        ``feasible`` (a model known to have a plan): "infeasible" is no verdict. The min-peak
-        model of two blocks was called infeasible at 1e-8 with the full and the light presolve
-        (2 and 8 LP iterations) while the 1e-6 solve proved 56.0009; the referee then goes on
-        to the solve without presolve, and where no 1e-8 plan is found the 1e-6 plan is
+        ``feasible`` (a model known to have a plan, such as the min-peak model): "infeasible"
+        is no verdict, even from the full and the light presolve at 1e-8; the referee then goes
+        on to the solve without presolve, and where no 1e-8 plan is found the 1e-6 plan is
         returned for the caller to evaluate exactly."""
         limit = options.time_limit_s
         deadline = None if limit is None else time.perf_counter() + limit
         tight = self._run_highs(options, rel_gap, _INT_TOL)
         t_out = tight.outcome
-        small = self.n_cols <= _CROSS_CHECK_COLS
+        small = self.n_cols <= CROSS_CHECK_COLS
         if (t_out.has_solution and not small) or t_out.stopped:
             return tight  # big and solved; or out of time, with no time left to check it
         found = [tight] if t_out.has_solution else []
@@ -301,7 +256,7 @@ class LinearModel:
             # allows is no plan).
             best = tight if t_out.infeasible else loose
         elif l_out.has_solution:
-            # No verdict at 1e-8 (numerical trouble, seen once on a random graph): the 1e-6 plan,
+            # No verdict at 1e-8 (numerical trouble): the 1e-6 plan,
             # which the caller evaluates exactly and repairs, rather than a timeout that did not
             # happen.
             best = loose
@@ -315,9 +270,9 @@ class LinearModel:
         ``loose`` was proven and this is within ``rel_gap`` of its bound (the 1e-6 model
         contains the 1e-8 one, so its bound holds for both).
 
-        Why: on a stack of four blocks HiGHS at 1e-8 called a count box "infeasible" three times
-        (light presolve too) while the 1e-6 solve proved 9.1875 ms there with rows 3e-8 off; the
-        box was lost and 10.0 ms called optimal. The same integers at 1e-8: 9.1875 ms, a plan
+        Why: where HiGHS at 1e-8 calls a model "infeasible" (light presolve too) and the 1e-6
+        solve proves a plan whose rows are off by float64's rounding of big terms, those
+        integers at 1e-8 are a plan, and the optimum would be lost without it
         (tests/solver/data/highs_above_the_optimum_stack.json)."""
         import highspy
 
@@ -332,7 +287,7 @@ class LinearModel:
         t0 = time.perf_counter()
         h.run()
         seconds = time.perf_counter() - t0
-        none = LpSolution(_BackendOutcome(False, False, False, None, seconds), None, None)
+        none = LpSolution(BackendOutcome(False, False, False, None, seconds), None, None)
         if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             return none
         values = np.array(h.getSolution().col_value)
@@ -343,13 +298,13 @@ class LinearModel:
         gap = max(0.0, (obj - bound) / max(abs(obj), 1e-12))
         proven = loose.outcome.proven and gap <= rel_gap + _slack(obj) / max(abs(obj), 1e-12)
         logger.debug("HiGHS: the 1e-6 plan's integers at 1e-8: %s (1e-6: %s)", obj, loose.objective)
-        return LpSolution(_BackendOutcome(True, proven, False, gap, seconds), values, obj)
+        return LpSolution(BackendOutcome(True, proven, False, gap, seconds), values, obj)
 
     def _relaxed_highs(self, options: SolverOptions) -> Any:
         """A HiGHS instance holding the model without its integrality (the cached ``HighsLp``
         keeps its integers whatever happens)."""
-        lp = self._highs_lp()
-        h = _new_highs(options)
+        lp = self.highs_lp()
+        h = new_highs(options)
         integrality, lp.integrality_ = lp.integrality_, []
         try:
             h.passModel(lp)
@@ -361,7 +316,7 @@ class LinearModel:
                    presolve: str = "full", cutoff: float | None = None, write: bool = True) -> LpSolution:
         import highspy
 
-        h = _new_highs(options)
+        h = new_highs(options)
         if cutoff is not None:  # only plans below it are of interest
             h.setOptionValue("objective_bound", float(cutoff))
         if presolve == "light":
@@ -369,20 +324,16 @@ class LinearModel:
         elif presolve == "off":
             h.setOptionValue("presolve", "off")
         h.setOptionValue("mip_rel_gap", float(rel_gap))
-        # RINS / RENS sub-MIPs: on the Llama-3-70B graph they took 3.2 s of a 5.4 s solve
-        # whose best plan was already found at the root; off, the same nodes in about half
-        # the time (measured on a loaded 2-core machine: 7.6 -> 4.3 s, and 21.5 -> 9.1 s on
-        # the 1,000-module synthetic decoder at 30 %).
+        # RINS / RENS sub-MIPs: on stacks of blocks they take over half the solve, where the
+        # best plan is found at the root; off, the same nodes in about half the time.
         h.setOptionValue("mip_heuristic_run_rins", False)
         h.setOptionValue("mip_heuristic_run_rens", False)
-        # Restarts after root reduced-cost fixing: on random 1,000-module trees HiGHS restarted
-        # the root up to 10 times, re-solving each smaller model's LP and cuts, and then proved
-        # at node 1 all the same. Off (measured on this 2-core machine, 3 budgets each): random
-        # trees 500 modules 0.87-1.78 -> 0.58-0.91 s, 1,000: 6.4-8.2 -> 3.5-6.3 s, 2,000:
-        # 29-39 -> 20-25 s; the decoder stacks and the Llama-3-70B sweep unchanged.
+        # Restarts after root reduced-cost fixing: on trees of distinct modules HiGHS restarts
+        # the root many times, re-solving each smaller model's LP and cuts, and then proves at
+        # node 1 all the same; off, such trees solve markedly faster, stacks alike.
         if h.setOptionValue("mip_allow_restart", False) != highspy.HighsStatus.kOk:
-            _warn_once("this highspy has no mip_allow_restart option: random module trees solve "
-                       "about 1.5x slower (highspy 1.16 measured)")
+            _warn_once("this highspy has no mip_allow_restart option: trees of distinct modules "
+                       "solve slower with it (upgrade highspy)")
         if rel_gap == 0:  # HiGHS stops 1e-6 short by default: tie-break-sized optima differ
             h.setOptionValue("mip_abs_gap", 0.0)
         # HiGHS' MIP solver holds rows to this tolerance too (its LPs take it as their primal
@@ -390,7 +341,7 @@ class LinearModel:
         h.setOptionValue("mip_feasibility_tolerance", tol)
         if options.time_limit_s is not None:
             h.setOptionValue("time_limit", float(options.time_limit_s))
-        h.passModel(self._highs_lp())
+        h.passModel(self.highs_lp())
         if write and options.write_lp_path is not None:
             self.write(options, h)
         t0 = time.perf_counter()
@@ -414,14 +365,14 @@ class LinearModel:
         stopped = status in (ms.kTimeLimit, ms.kInterrupt, ms.kSolutionLimit, ms.kIterationLimit)
         values = np.array(h.getSolution().col_value) if has else None
         obj = float(info.objective_function_value) if has else None
-        return LpSolution(_BackendOutcome(has, proven, infeasible and not has, gap, seconds,
+        return LpSolution(BackendOutcome(has, proven, infeasible and not has, gap, seconds,
                                           stopped=stopped), values, obj)
 
     def write(self, options: SolverOptions, h: Any = None) -> None:
         """The model in LP format at ``options.write_lp_path`` (through HiGHS)."""
         if h is None:
-            h = _new_highs(options)
-            h.passModel(self._highs_lp())
+            h = new_highs(options)
+            h.passModel(self.highs_lp())
         h.writeModel(str(options.write_lp_path))
 
     def integral(self, values: np.ndarray, tol: float) -> bool:
@@ -480,7 +431,7 @@ class LinearModel:
 
     def _solve_pulp(self, options: SolverOptions, rel_gap: float) -> LpSolution:
         prob, cols = self._pulp_problem()
-        out = run_backend(prob, options, rel_gap=rel_gap)
+        out = run_pulp(prob, options, rel_gap=rel_gap)
         if not out.has_solution:
             return LpSolution(out, None, None)
         values = np.array([c.varValue or 0.0 for c in cols])
@@ -507,11 +458,11 @@ class LinearModel:
         One HiGHS instance serves the relaxations since the last ``reset_relaxation``: the row
         bounds and costs that changed since the last call are pushed and the dual simplex starts
         from the last basis (among tied optima the basis picks one, hence the reset).
-        Measured on the Llama-3-70B graph: 1,100-1,400 simplex iterations (0.07-0.12 s) per box
-        from scratch; warm, a count search's LPs take a few dozen iterations each."""
+        From scratch each box's LP takes a thousand-odd simplex iterations on a big stack;
+        warm, a few dozen."""
         import highspy
 
-        lp = self._highs_lp()
+        lp = self.highs_lp()
         lower, upper = np.array(self.row_lower), np.array(self.row_upper)
         if self._relax is None or self._relax[1] is not lp:
             h = self._relaxed_highs(options)
@@ -537,7 +488,7 @@ class LinearModel:
                      h.modelStatusToString(status), int(h.getInfo().simplex_iteration_count), seconds)
         if status != ms.kOptimal:  # only an optimal LP value is a bound
             infeasible = status in (ms.kInfeasible, ms.kUnboundedOrInfeasible)
-            return LpSolution(_BackendOutcome(False, False, infeasible, None, seconds), None, None)
+            return LpSolution(BackendOutcome(False, False, infeasible, None, seconds), None, None)
         values = np.array(h.getSolution().col_value)
         obj = float(h.getInfo().objective_function_value)
-        return LpSolution(_BackendOutcome(True, True, False, 0.0, seconds), values, obj)
+        return LpSolution(BackendOutcome(True, True, False, 0.0, seconds), values, obj)

@@ -47,25 +47,16 @@ timeline with each module's exact ``module_recompute_ms``.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
-from estimators.contract.module_info import lower_hull_segments
+from solver.candidates import check_budget, check_units, find_candidates, fsdp_blocked
 from solver.errors import InfeasibleBudgetError, SolverTimeoutError
 from solver.graph import Graph
-from solver.sac_milp import _candidates, _check_budget, _check_units, _safe, _solver_unit
-from solver.plan_cost import (
-    MemoryModel,
-    check_world_size,
-    fixed_discard_bytes,
-    growth_table,
-    module_recompute_ms,
-)
 from solver.offload.cost import (
     DEFAULT_MIN_OFFLOAD_BYTES,
     offload_curve,
@@ -75,29 +66,18 @@ from solver.offload.cost import (
     point_bytes,
     predict_offload_peak_bytes,
 )
-from solver.options import SolverOptions, SolveStatus, run_backend
+from solver.offload.model import OffloadModel, offload_blocks
+from solver.options import SolverOptions, SolveStatus
+from solver.plan_cost import MemoryModel, check_world_size, module_recompute_ms
 
 if TYPE_CHECKING:  # only types
-    from estimators.contract.module_info import ModStats, ModuleInfo
+    from estimators.contract.module_info import ModuleInfo
     from estimators.contract.timeline import StepLayout, StepTimeline
 
 __all__ = ["OffloadMilp", "OffloadResult", "offloadable_bytes", "offload_ops", "offload_take",
            "offload_curve", "predict_offload_peak_bytes", "DEFAULT_MIN_OFFLOAD_BYTES"]
 
 logger = logging.getLogger(__name__)
-
-
-def _new_var(prob: Any, name: str, low: float | None, up: float | None = None,
-             cat: str = "Continuous") -> Any:
-    """PuLP >= 3.3 attaches variables to the problem; older PuLP builds them directly."""
-    if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, low, up, cat=cat)
-    import pulp
-
-    return pulp.LpVariable(name, low, up, cat)
-
-
-_TIE = 1e-6
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,31 +118,6 @@ class OffloadResult:
         return self.timeline.step_ms
 
 
-@dataclass
-class _Block:
-    fqn: str
-    stats: ModStats
-    offload_bytes: int
-    back_op: int
-    """Op index at which the H2D copy brings the bytes back."""
-
-
-def _offload_blocks(layout: StepLayout, stats: Mapping[str, ModStats], min_bytes: int,
-                    blocked: set[str]) -> list[_Block]:
-    order = list(layout.blocks)  # forward order
-    out = []
-    for i, b in enumerate(order[:-1]):  # the last block keeps its activations
-        s = stats[b]
-        h = offloadable_bytes(s, min_bytes)
-        if h <= 0 or b in blocked or s.fw_post_op < 0 or s.bw_pre_op < 0:
-            continue
-        back = stats[order[i + 1]].bw_pre_op
-        if back <= s.fw_post_op:
-            continue
-        out.append(_Block(b, s, h, back))
-    return out
-
-
 class OffloadMilp:
     """The three-way MILP, built once, re-solvable for any budget (see the module docstring).
 
@@ -201,234 +156,20 @@ class OffloadMilp:
         self.host_budget_bytes = host_budget_bytes
         self.options = options if options is not None else SolverOptions()
         self.graph = Graph.from_module_info(info)
-        allowed = _check_units(ac_units, self.graph, "ac_units")
-        fsdp = _check_units(fsdp_units, self.graph, "fsdp_units")
+        allowed = check_units(ac_units, self.graph, "ac_units")
+        fsdp = check_units(fsdp_units, self.graph, "fsdp_units")
         self._memory = MemoryModel(info, self.world_size)
         self.no_ac_peak_bytes = self._memory.peak({})
-        self._unit, _ = _solver_unit(self.no_ac_peak_bytes)
-        self._cands = _candidates(self.graph, allowed, fsdp)
-        blocked = {a.fqn for u in (fsdp or ()) for a in self.graph.ancestors(u)}
         stats = {s.fqn: s for s in info.mod_stats}
-        self._blocks = _offload_blocks(layout, stats, min_offload_bytes, blocked) if offload else []
+        blocked = fsdp_blocked(self.graph, fsdp)
+        self._blocks = offload_blocks(layout, stats, min_offload_bytes, blocked) if offload else []
+        self._model = OffloadModel(
+            find_candidates(self.graph, allowed, fsdp), self._blocks, self._memory, self.graph,
+            layout, copy_bytes_per_s=self.copy_bytes_per_s, copy_latency_s=self.copy_latency_s,
+            min_offload_bytes=self.min_offload_bytes, host_budget_bytes=host_budget_bytes)
         self.baseline_timeline = layout.timeline()
         self._min_peak: int | None = None
-        self._build()
         self.build_time_s = time.perf_counter() - t0
-
-    # ------------------------------------------------------------------ build
-    def _u(self, nbytes: float) -> float:
-        return nbytes / self._unit
-
-    def _add(self, terms, sense, rhs, name):
-        import pulp
-
-        con = pulp.LpConstraint(pulp.LpAffineExpression(list(terms)), sense, name, rhs)
-        self._prob.addConstraint(con)
-        return con
-
-    def _build(self) -> None:
-        import pulp
-
-        self._prob = pulp.LpProblem("offload_milp", pulp.LpMinimize)
-        self._add_variables()
-        self._add_nesting_constraints()
-        self._add_memory_constraints()
-        self._add_host_constraint()
-        self._add_timeline_constraints()
-        self._budget = self._add([(self._peak, 1.0)], pulp.LpConstraintLE,
-                                 self._u(self.no_ac_peak_bytes), "budget")
-        self._objective = self._make_objective()
-
-    def _add_variables(self) -> None:
-        import pulp
-
-        p = self._prob
-        self._c, self._r, self._rct, self._extra = [], [], [], {}
-        for k, cand in enumerate(self._cands):
-            tag = f"{cand.node.index}_{_safe(cand.node.fqn)}"
-            c = _new_var(p, f"c{tag}", 0, 1, "Integer")
-            r = _new_var(p, f"r{tag}", 0, 1)
-            rct = _new_var(p, f"rct_ms{tag}", 0)
-            self._c.append(c), self._r.append(r), self._rct.append(rct)
-            self._add([(r, 1.0), (c, -1.0)], pulp.LpConstraintLE, 0.0, f"discard_if_ckpt_{k}")
-            for s, (a, b) in enumerate(cand.segments):
-                self._add([(rct, 1.0), (r, -a), (c, -b)], pulp.LpConstraintGE, 0.0, f"rct_seg{s}_{k}")
-            growth = growth_table(cand.stats)
-            if growth:
-                size = cand.stats.sac_memory_bytes
-                pts = [(x / size, self._u(g - x)) for x, g in zip(cand.stats.tradeoff.discarded_bytes, growth)]
-                segs = lower_hull_segments(pts) or [(0.0, pts[0][1])]
-                self._extra[k] = _new_var(p, f"rextra{tag}", None)
-                for s, (a, b) in enumerate(segs):
-                    self._add([(self._extra[k], 1.0), (r, -a), (c, -b)], pulp.LpConstraintGE, 0.0,
-                              f"rgrowth_seg{s}_{k}")
-        # o_j: fraction of block j's offloadable bytes sent to host; dur_j: one direction's copy
-        # time, on the convex envelope of offload_curve (exact at whole ops).
-        self._o, self._dur = [], []
-        for j, blk in enumerate(self._blocks):
-            o = _new_var(p, f"o{j}_{_safe(blk.fqn)}", 0, 1)
-            dur = _new_var(p, f"copy_ms{j}_{_safe(blk.fqn)}", 0)
-            self._o.append(o), self._dur.append(dur)
-            pts = offload_curve(blk.stats, self.copy_bytes_per_s, self.copy_latency_s,
-                                self.min_offload_bytes)
-            h = pts[-1][0]
-            for s, (a, b) in enumerate(lower_hull_segments([(x / h, t) for x, t in pts])):
-                self._add([(dur, 1.0), (o, -a)], pulp.LpConstraintGE, b, f"copy_seg{s}_{j}")
-        self._peak = _new_var(p, "peak", 0)
-
-    def _add_nesting_constraints(self) -> None:
-        """No nested checkpoints (one clique per maximal chain, as SACMilp), and a block that
-        offloads recomputes nothing in it: o_b + c_k <= 1 for every candidate k in b or above
-        it (no binary for offloading: these rows are all it would be used for)."""
-        import pulp
-
-        index = {c.node.fqn: k for k, c in enumerate(self._cands)}
-        chains = {k: [index[a.fqn] for a in self.graph.ancestors(c.node.fqn) if a.fqn in index]
-                  for k, c in enumerate(self._cands)}
-        inner = {a for anc in chains.values() for a in anc}
-        for k, anc in chains.items():
-            if anc and k not in inner:
-                self._add([(self._c[j], 1.0) for j in [k, *anc]], pulp.LpConstraintLE, 1.0,
-                          f"no_nesting_{k}")
-        # Per offload block a mode m_b (1: it may recompute, 0: it may offload): branching on
-        # it splits the search cleanly, where pairwise o_b + c_k <= 1 rows left HiGHS mixing.
-        self._m = []
-        for j, blk in enumerate(self._blocks):
-            m = _new_var(self._prob, f"m{j}_{_safe(blk.fqn)}", 0, 1, "Integer")
-            self._m.append(m)
-            self._add([(self._o[j], 1.0), (m, 1.0)], pulp.LpConstraintLE, 1.0, f"offload_mode_{j}")
-            near = {index[a.fqn] for a in self.graph.ancestors(blk.fqn) if a.fqn in index}
-            near |= {index[d.fqn] for d in self.graph.descendants(blk.fqn) if d.fqn in index}
-            near |= {index[blk.fqn]} if blk.fqn in index else set()
-            for k in sorted(near):
-                self._add([(self._c[k], 1.0), (m, -1.0)], pulp.LpConstraintLE, 0.0,
-                          f"recompute_mode_{j}_{k}")
-
-    def _events(self) -> tuple[list[tuple[int, list]], list[tuple[int, list]]]:
-        """(op index, terms) of memory leaving (fw_post) and coming back (bw_pre / back_op)."""
-        leave, back = [], []
-        for k, cand in enumerate(self._cands):
-            st = cand.stats
-            terms = [(self._r[k], self._u(st.sac_memory_bytes))]
-            fixed = self._u(fixed_discard_bytes(st))
-            if fixed:
-                terms.append((self._c[k], fixed))
-            leave.append((st.fw_post_op, terms))
-            if st.bw_pre_op != -1:
-                back.append((st.bw_pre_op, terms))
-        for j, blk in enumerate(self._blocks):
-            terms = [(self._o[j], self._u(blk.offload_bytes))]
-            leave.append((blk.stats.fw_post_op, terms))
-            back.append((blk.back_op, terms))
-        return sorted(leave, key=lambda e: e[0]), sorted(back, key=lambda e: e[0])
-
-    def _cum(self, events, what: str) -> tuple[list[int], list[Any]]:
-        import pulp
-
-        keys, cums = [], []
-        for i, (t, terms) in enumerate(events):
-            v = _new_var(self._prob, f"cum_{what}_{i + 1}", None)
-            row = [(v, 1.0)] + [(x, -a) for x, a in terms] + ([(cums[-1], -1.0)] if cums else [])
-            self._add(row, pulp.LpConstraintEQ, 0.0, f"cum_{what}_{i + 1}")
-            keys.append(t)
-            cums.append(v)
-        return keys, cums
-
-    def _add_memory_constraints(self) -> None:
-        import pulp
-
-        leave, back = self._events()
-        lk, lc = self._cum(leave, "leave")
-        bk, bc = self._cum(back, "back")
-        index = {c.node.fqn: k for k, c in enumerate(self._cands)}
-        groups: dict[tuple[int, int, int], tuple[int, int]] = {}
-        for p, base in zip(self._memory.points, self._memory.base):
-            t = p.op_index
-            k = index.get(p.recompute_of, -1) if p.recompute_of is not None else -1
-            key = (bisect.bisect_right(lk, t), bisect.bisect_right(bk, t), k)
-            if key not in groups or base > groups[key][0]:
-                groups[key] = (base, t)
-        for (a, b, k), (base, t) in groups.items():
-            terms = [(self._peak, 1.0)]
-            if a:
-                terms.append((lc[a - 1], 1.0))
-            if b:
-                terms.append((bc[b - 1], -1.0))
-            if k >= 0:
-                st = self._cands[k].stats
-                if k in self._extra:
-                    fixed = self._u(fixed_discard_bytes(st))
-                    terms += [(self._extra[k], -1.0)] + ([(self._c[k], fixed)] if fixed else [])
-                elif st.recompute_transient_bytes:
-                    terms.append((self._c[k], -self._u(st.recompute_transient_bytes)))
-            name = f"mem_at_op_{t}" + (f"_recompute_{k}" if k >= 0 else "")
-            self._add(terms, pulp.LpConstraintGE, self._u(base), name)
-
-    def _add_host_constraint(self) -> None:
-        import pulp
-
-        if self.host_budget_bytes is None or not self._blocks:
-            return
-        terms = [(o, self._u(b.offload_bytes)) for o, b in zip(self._o, self._blocks)]
-        self._add(terms, pulp.LpConstraintLE, self._u(self.host_budget_bytes), "host_budget")
-
-    def _add_timeline_constraints(self) -> None:
-        """The recurrences of ``estimators/contract/timeline.py``, one variable per segment end and per
-        transfer end (ms)."""
-        import pulp
-
-        lay = self.layout
-        n = len(lay.segments)
-        rec: dict[int, list[Any]] = {}
-        for k, cand in enumerate(self._cands):
-            rec.setdefault(lay.segment_of_backward(cand.stats), []).append(self._rct[k])
-        self._seg_end = [_new_var(self._prob, f"seg_end_{i}", 0) for i in range(n)]
-        # Transfers: the collectives (fixed) and each block's D2H / H2D (duration linear in o).
-        transfers = []  # (name, stream, release, needed_by, after, const_ms, [(var, coef)])
-        for t in lay.comm:
-            transfers.append((t.name, t.stream.value, t.release, t.needed_by, t.after, t.duration_ms, []))
-        for j, blk in enumerate(self._blocks):
-            dur = [(self._dur[j], 1.0)]
-            transfers.append((f"d2h:{blk.fqn}", "d2h", lay.fw_segment[blk.fqn] + 1, None, None, 0.0, dur))
-            transfers.append((f"h2d:{blk.fqn}", "h2d", lay.prefetch_segment[blk.fqn],
-                              lay.bw_segment[blk.fqn], f"d2h:{blk.fqn}", 0.0, dur))
-        ends = {name: _new_var(self._prob, f"x_{i}_{_safe(name)}", 0)
-                for i, (name, *_rest) in enumerate(transfers)}
-        last_on: dict[str, str] = {}
-        waits: dict[int, list[str]] = {}
-        tail: list[str] = []
-        for i, (name, stream, rel, need, after, const, dur) in sorted(
-                enumerate(transfers), key=lambda e: (e[1][2], e[0])):  # FIFO issue order
-            x = ends[name]
-            body = [(x, 1.0)] + [(v, -a) for v, a in dur]
-            ready = [(self._seg_end[rel - 1], -1.0)] if rel > 0 else []
-            self._add(body + ready, pulp.LpConstraintGE, const, f"issue_{i}")
-            for dep, what in ((last_on.get(stream), "fifo"), (after, "after")):
-                if dep is not None:
-                    self._add(body + [(ends[dep], -1.0)], pulp.LpConstraintGE, const, f"{what}_{i}")
-            last_on[stream] = name
-            (waits.setdefault(need, []) if need is not None else tail).append(name)
-        for i, seg in enumerate(lay.segments):
-            body = [(self._seg_end[i], 1.0)] + [(v, -1.0) for v in rec.get(i, [])]
-            self._add(body + ([(self._seg_end[i - 1], -1.0)] if i else []), pulp.LpConstraintGE,
-                      seg.compute_ms, f"segment_{i}")
-            for name in waits.get(i, []):
-                self._add(body + [(ends[name], -1.0)], pulp.LpConstraintGE, seg.compute_ms,
-                          f"segment_{i}_waits_{_safe(name)}")
-        self._step = _new_var(self._prob, "step_ms", 0)
-        self._add([(self._step, 1.0), (self._seg_end[-1], -1.0)], pulp.LpConstraintGE, 0.0, "step_end")
-        for name in tail:
-            self._add([(self._step, 1.0), (ends[name], -1.0)], pulp.LpConstraintGE, 0.0,
-                      f"step_end_waits_{_safe(name)}")
-
-    def _make_objective(self) -> Any:
-        import pulp
-
-        scale = max(self.baseline_timeline.step_ms, 1e-9) * _TIE
-        terms = [(self._step, 1.0)]
-        n = max(1, len(self._c) + len(self._o))
-        terms += [(v, scale / n) for v in self._c + self._o]
-        return pulp.LpAffineExpression(terms)
 
     # ------------------------------------------------------------------ solve
     @property
@@ -437,29 +178,17 @@ class OffloadMilp:
         return len(self._blocks)
 
     @property
+    def offload_blocks(self) -> tuple[str, ...]:
+        """The blocks that may offload, in forward order."""
+        return tuple(b.fqn for b in self._blocks)
+
+    @property
     def n_variables(self) -> int:
-        return self._prob.numVariables()
+        return self._model.n_variables
 
     @property
     def n_constraints(self) -> int:
-        return self._prob.numConstraints()
-
-    def _set_budget(self, budget_units: float) -> None:
-        self._budget.constant = -budget_units
-
-    def _read(self) -> tuple[dict[str, int], dict[str, int]]:
-        disc, off = {}, {}
-        for k, cand in enumerate(self._cands):
-            if round(self._c[k].varValue or 0.0) == 1:
-                # Up, not to nearest: a byte short at a tight point is a re-solve.
-                d = math.ceil(min(1.0, max(0.0, self._r[k].varValue or 0.0)) * cand.stats.sac_memory_bytes)
-                if d > 0:
-                    disc[cand.node.fqn] = d
-        for j, blk in enumerate(self._blocks):
-            h = math.ceil(min(1.0, max(0.0, self._o[j].varValue or 0.0)) * blk.offload_bytes)
-            if h > 0:
-                off[blk.fqn] = h
-        return disc, off
+        return self._model.n_constraints
 
     def _offload_windows(self, off: Mapping[str, int]) -> dict[str, tuple[int, int, int]]:
         blocks = {b.fqn: b for b in self._blocks}
@@ -496,43 +225,40 @@ class OffloadMilp:
         its time limit (it is a plan of this MILP too: no offload); with ``warm_start`` (HiGHS)
         the backend also starts its search from it. Where the backend's plan overshoots the
         budget once evaluated exactly, ``repair`` re-solves its fractions with its binary
-        choices fixed (an LP); without it the whole MILP is re-solved for a tighter target.
-        ``warm_start=False, repair=False`` is the solve as it was before either existed."""
+        choices fixed (an LP); without it the whole MILP is re-solved for a tighter target."""
         t0 = time.perf_counter()
-        budget = _check_budget(budget_bytes)
+        budget = check_budget(budget_bytes)
         target = budget
         limit = self.options.time_limit_s
-        fixed: list[tuple[Any, Any, Any]] = []  # (variable, low, up) to restore
+        model = self._model
         bound = None  # the first solve's dual bound (ms): a lower bound for the exact problem
         try:
             for _ in range(4):  # tighter targets where the backend's rounding overshoots
-                self._set_budget(self._u(target))
-                self._prob.setObjective(self._objective)
                 # time_limit_s bounds the whole solve: a re-solve gets what the first left over.
                 left = None if limit is None else max(0.1 * limit, limit - (time.perf_counter() - t0))
-                start = self._start(incumbent) if incumbent is not None and warm_start and not fixed else None
-                out = run_backend(self._prob, dataclasses.replace(self.options, time_limit_s=left),
+                start = incumbent if warm_start and not model.binaries_fixed else None
+                out = model.solve(target, dataclasses.replace(self.options, time_limit_s=left),
                                   start=start)
                 if not out.has_solution:
                     # At the floor the backend may call the budget infeasible within its
                     # tolerances where the incumbent, evaluated exactly, fits.
                     if incumbent is not None and self.peak_bytes(incumbent, {}) <= budget:
                         return self._incumbent(incumbent, budget, t0)
-                    if out.infeasible and not fixed:
+                    if out.infeasible and not model.binaries_fixed:
                         raise InfeasibleBudgetError(budget, self.min_reachable_peak_bytes(), self.world_size)
-                    if fixed:
+                    if model.binaries_fixed:
                         break
                     raise SolverTimeoutError(
                         f"no plan found within time_limit_s={self.options.time_limit_s}; raise "
                         "SolverOptions.time_limit_s or rel_gap")
-                if bound is None and out.gap is not None and self._step.varValue is not None:
-                    bound = self._step.varValue * (1.0 - out.gap)
-                disc, off = self._read()
+                if bound is None and out.gap is not None and model.step_ms is not None:
+                    bound = model.step_ms * (1.0 - out.gap)
+                disc, off = model.read()
                 peak = self.peak_bytes(disc, off)
                 if peak <= budget:
                     gap, status = out.gap, SolveStatus.OPTIMAL if out.proven else SolveStatus.FEASIBLE
-                    res = self._result(disc, off, peak, budget, status, gap, t0, self._step.varValue)
-                    if fixed:  # repaired: proven only against the first solve's bound
+                    res = self._result(disc, off, peak, budget, status, gap, t0, model.step_ms)
+                    if model.binaries_fixed:  # repaired: proven only against the first solve's bound
                         gap = None if bound is None else max(0.0, 1.0 - bound / res.step_ms)
                         res = dataclasses.replace(res, status=SolveStatus.FEASIBLE, gap=gap)
                     if incumbent is not None:
@@ -544,32 +270,14 @@ class OffloadMilp:
                 # of a curve lies above its envelope). Keep the backend's binary choices and
                 # re-solve the fractions alone for a tighter target: an LP, fast, where a full
                 # re-solve had only what the first left of the time limit.
-                if repair and not fixed:
-                    for v in self._c + self._m:
-                        fixed.append((v, v.lowBound, v.upBound))
-                        val = float(round(v.varValue or 0.0))
-                        v.bounds(val, val)
+                if repair and not model.binaries_fixed:
+                    model.fix_binaries()
                 target -= peak - budget + 1024
         finally:
-            for v, lo, up in fixed:
-                v.bounds(lo, up)
+            model.release_binaries()
         if incumbent is not None:
             return self._incumbent(incumbent, budget, t0)
         raise InfeasibleBudgetError(budget, self.min_reachable_peak_bytes(), self.world_size)
-
-    def _start(self, disc: Mapping[str, int]) -> dict[str, float]:
-        """The recompute-only plan ``disc`` as a start for the backend (its decisions; HiGHS
-        solves for the rest): the search begins from a plan at least that fast, which prunes
-        it and, at a time limit, leaves no worse a plan than the incumbent (measured on the
-        70B step: at the smallest budget 4577 ms found in 4 s where the cold start had 4614)."""
-        start: dict[str, float] = {}
-        for k, cand in enumerate(self._cands):
-            d, size = disc.get(cand.node.fqn, 0), cand.stats.sac_memory_bytes
-            start[self._c[k].name] = 1.0 if cand.node.fqn in disc else 0.0
-            start[self._r[k].name] = min(1.0, d / size) if size else 0.0
-        for o, m in zip(self._o, self._m):
-            start[o.name], start[m.name] = 0.0, 1.0
-        return start
 
     def _incumbent(self, disc: Mapping[str, int], budget: int, t0: float) -> OffloadResult:
         peak = self.peak_bytes(disc, {})
@@ -581,15 +289,11 @@ class OffloadMilp:
     def min_reachable_peak_bytes(self) -> int:
         """Smallest peak any plan of this MILP reaches (host budget included)."""
         if self._min_peak is None:
-            import pulp
-
-            self._set_budget(self._u(self.no_ac_peak_bytes) + 1.0)
-            self._prob.setObjective(pulp.LpAffineExpression([(self._peak, 1.0)]))
-            out = run_backend(self._prob, self.options, rel_gap=0.0)
+            out = self._model.solve_min_peak(self.options)
             if not out.has_solution:
                 raise SolverTimeoutError("could not compute the smallest reachable peak within "
                                          f"time_limit_s={self.options.time_limit_s}")
-            disc, off = self._read()
+            disc, off = self._model.read()
             self._min_peak = min(self.no_ac_peak_bytes, self.peak_bytes(disc, off))
         return self._min_peak
 

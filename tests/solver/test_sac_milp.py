@@ -341,14 +341,14 @@ def test_highs_is_the_default_with_a_proven_gap() -> None:
 def test_cbc_is_the_fallback_with_a_logged_reason(monkeypatch, caplog) -> None:
     import solver.options as so
 
-    monkeypatch.setattr(so, "_HIGHS_ERROR", "ImportError: libhighs.so: cannot open shared object")
+    monkeypatch.setattr(so, "highs_load_error", lambda: "ImportError: libhighs.so: cannot open shared object")
     with caplog.at_level("WARNING", logger="solver.options"):
         opts = SolverOptions()
     assert opts.backend is Backend.CBC
     assert "highspy cannot load (ImportError: libhighs.so" in caplog.text and "CBC" in caplog.text
     with pytest.raises(BackendUnavailableError, match=r"pip install highspy.*Backend.CBC"):
         SolverOptions(backend=Backend.HIGHS)
-    monkeypatch.setattr(so, "_cbc_path", lambda: None)
+    monkeypatch.setattr(so, "cbc_path", lambda: None)
     with pytest.raises(BackendUnavailableError, match="cbc"):
         SolverOptions()
 
@@ -418,7 +418,7 @@ def test_big_models_log_the_start_and_end_of_a_solve(monkeypatch, caplog) -> Non
 
     import solver.sac_milp as milp_module
 
-    monkeypatch.setattr(milp_module, "_LOUD_CANDIDATES", 0)
+    monkeypatch.setattr(milp_module, "LOUD_CANDIDATES", 0)
     with caplog.at_level(logging.INFO, logger="solver.sac_milp"):
         solve_milp(chain(), 400 * MiB)
     msgs = [r.getMessage() for r in caplog.records]
@@ -426,7 +426,7 @@ def test_big_models_log_the_start_and_end_of_a_solve(monkeypatch, caplog) -> Non
                for m in msgs), msgs
     assert any(m.startswith("SAC MILP: optimal in") and m.endswith("recompute 5.000 ms")
                for m in msgs), msgs
-    monkeypatch.setattr(milp_module, "_LOUD_CANDIDATES", 10**9)
+    monkeypatch.setattr(milp_module, "LOUD_CANDIDATES", 10**9)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="solver.sac_milp"):
         solve_milp(chain(), 400 * MiB)

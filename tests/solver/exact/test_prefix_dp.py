@@ -8,9 +8,8 @@ identical blocks with recompute growth and forced discards) checks both.
 
 from __future__ import annotations
 
-import math
 import os
-import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,44 +17,35 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from estimators.contract.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
+import solver.sac_milp as sac_milp
 from solver import SACMilp, SolverOptions, predict_peak_bytes
-from solver.plan_cost import module_recompute_ms
 from solver.exact import prefix_dp
 from solver.exact.prefix_dp import PrefixDP, ProgramTooLarge
-from tests.solver.test_sac_milp_properties import module_infos
-from tests.solver.test_symmetry import stacked_infos
+from solver.milp import count_branch
+from solver.plan_cost import MemoryModel, module_recompute_ms
+from solver.rounding import ExactPlans
+from tests.solver.scaling import decoder_info, random_tree_info
+from tests.solver.strategies import module_infos, stacked_infos
 
+DATA = Path(__file__).parents[1] / "data"
 HIGHS = SolverOptions(dynamic_program=False)
 MANY = settings(max_examples=int(os.environ.get("SAC_PROPERTY_EXAMPLES", "0")) or 120, deadline=None,
                 derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def _scaling():
-    """benchmarks/solver_scaling.py, whose graphs (random trees, synthetic decoders) these
-    tests share with the benchmark."""
-    import importlib
-    import sys
-    from pathlib import Path
-
-    bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)
-    return importlib.import_module("solver_scaling")
-
-
 # ----------------------------------------------------------------------------- the program
 def _check(info: ModuleInfo, frac: float) -> str:
-    """The program against ``SACMilp.solve`` with HiGHS alone (symmetry rows and count branching
-    on, ``dynamic_program=False``) at one budget: the MILP objective HiGHS proves within
+    """The program against ``SACMilp.solve`` with HiGHS alone (``dynamic_program=False``) at
+    one budget: the MILP objective HiGHS proves within
     ``rel_gap`` is within ``rel_gap`` of the program's exact one; HiGHS' plan in bytes costs no
     less than the program's optimum; both plans, made exact in bytes, fit and cost the same
     within the gap. Held within 1e-3, the program's bound stays under the optimum and its plan
     fits."""
     m = SACMilp(info, options=HIGHS)
-    if not m._cands:
+    if not m.candidates:
         return "nothing to plan"
-    dp = PrefixDP.from_milp(m)
+    dp = m.program()
     if isinstance(dp, str):
         return "refused"
     lo, hi = m.min_reachable_peak_bytes(), m.no_ac_peak_bytes
@@ -65,8 +55,9 @@ def _check(info: ModuleInfo, frac: float) -> str:
     by_program = SACMilp(info)
     least = by_program.min_reachable_peak_bytes()
     assert least <= lo, (least, lo)
-    if by_program._prob is None:  # the program gave it
-        assert predict_peak_bytes(info, by_program._min_peak[1]) == least
+    at_least = by_program.solve(least)
+    assert at_least.predicted_peak_bytes <= least
+    assert at_least.predicted_peak_bytes == predict_peak_bytes(info, at_least.discarded_bytes)
     budget = lo + int(frac * (hi - lo))
     if budget - lo <= 1e-6 * hi or budget >= hi:
         return "skipped"  # the smallest peak's sliver is HiGHS' tolerance (test_symmetry.py)
@@ -78,17 +69,18 @@ def _check(info: ModuleInfo, frac: float) -> str:
     gap = m.options.rel_gap
     # The MILP's own arithmetic: a cost row a r + b y is only as exact as its largest term (a
     # curve step of 10 ms over one byte of 215 MB: a = 2e9 ms, off by 1e-7 ms at its end).
-    slack = 1e-15 * max(abs(a) + abs(b) for c in m._cands for a, b in c.segments) + 1e-12
+    slack = 1e-15 * max(abs(a) + abs(b) for c in m.candidates for a, b in c.segments) + 1e-12
     assert dp.model_peak(out.discarded) <= budget * (1 + 1e-12)
-    plan, short = m._exact.settle({m._cands[k].node.fqn: round(d) for k, d in out.discarded.items()},
-                                  budget, budget)
+    exact = ExactPlans(MemoryModel(info, 1), {s.fqn: i for i, s in enumerate(info.mod_stats)})
+    plan, short = exact.settle({m.candidates[k].fqn: round(d) for k, d in out.discarded.items()},
+                               budget, budget)
     assert short == 0 and predict_peak_bytes(info, plan) <= budget
     ms = sum(module_recompute_ms(info.stats(f), d) for f, d in plan.items())
     # The program's optimum is no dearer than HiGHS' plan in exact bytes on the same curves (its
     # MILP value may be: at HiGHS' row tolerance of 1e-8 the ratios it returns undercut the
     # optimum, 0.1467952795 against 0.1467952813 ms on a stack whose bytes cost 0.1467952813).
     pos = {int(k): i for i, k in enumerate(dp.order)}
-    index = {c.node.fqn: k for k, c in enumerate(m._cands)}
+    index = {c.fqn: k for k, c in enumerate(m.candidates)}
     highs_plan = sum(float(np.interp(d, *dp.curves[pos[index[f]]])) for f, d in res.discarded_bytes.items())
     assert out.objective <= highs_plan * (1 + 1e-9) + slack, (out.objective, highs_plan)
     assert res.milp_objective <= out.objective * (1 + gap) + slack, (out.objective, res.milp_objective)
@@ -107,18 +99,21 @@ def _check(info: ModuleInfo, frac: float) -> str:
     return "equal"
 
 
+@pytest.mark.property
 @MANY
 @given(module_infos(), st.floats(0.02, 0.98))
 def test_random_trees_reach_the_milp_optimum(info, frac) -> None:
     assert _check(info, frac) != "refused"
 
 
+@pytest.mark.property
 @MANY
 @given(stacked_infos(), st.floats(0.02, 0.98))
 def test_stacks_of_blocks_reach_the_milp_optimum(info, frac) -> None:
     assert _check(info, frac) != "refused"
 
 
+@pytest.mark.property
 def test_most_graphs_are_decided_by_the_program() -> None:
     """Guards the two property tests above against passing on skips alone."""
     outcomes: dict[str, int] = {}
@@ -170,7 +165,7 @@ def test_a_recompute_point_where_a_child_s_backward_has_begun_is_taken() -> None
     points = [pt(25, 200, other_mib=150), pt(30, 200, other_mib=10, rec="M.B"),
               pt(31, 200, other_mib=10, rec="M.B.mlp"), pt(35, 100, other_mib=20)]
     info = make_info(stats, points)
-    assert isinstance(PrefixDP.from_milp(SACMilp(info)), PrefixDP)
+    assert isinstance(SACMilp(info).program(), PrefixDP)
     alone = SACMilp(info, options=HIGHS)
     lo, hi = alone.min_reachable_peak_bytes(), alone.no_ac_peak_bytes
     for frac in (0.0, 0.3, 0.7, 0.95):
@@ -181,8 +176,8 @@ def test_a_recompute_point_where_a_child_s_backward_has_begun_is_taken() -> None
 
 
 def test_a_backward_out_of_reverse_order_is_refused_with_a_reason() -> None:
-    assert isinstance(PrefixDP.from_milp(SACMilp(_two_branches(False))), PrefixDP)
-    why = PrefixDP.from_milp(SACMilp(_two_branches(True)))
+    assert isinstance(SACMilp(_two_branches(False)).program(), PrefixDP)
+    why = SACMilp(_two_branches(True)).program()
     assert isinstance(why, str) and "not the first ones to end their forward" in why
 
 
@@ -190,13 +185,10 @@ def test_a_backward_out_of_reverse_order_is_refused_with_a_reason() -> None:
 def test_benchmark_trees_are_planned_by_the_program_at_the_backend_s_optimum(seed: int, monkeypatch) -> None:
     """Random trees of benchmarks/solver_scaling.py (60-240 modules, no repeated blocks): the
     default solve is the program's (functions held within 1e-5), proven, and costs what HiGHS
-    alone proves within rel_gap; the exact program's functions stay small (rounding is not a
-    breakpoint: the 60-module tree's had 11,858 points, 30 of them real) and its bound is its
-    plan's cost."""
-    sc = _scaling()
-    _random_tree, module_info_of = sc._random_tree, sc.module_info_of
-
-    info = module_info_of(_random_tree(60 * (seed + 1), seed=seed))
+    alone proves within rel_gap; the exact program's functions stay small (points collinear but
+    for rounding are not breakpoints: counting them, a 60-module tree's functions had 11,858
+    points, 30 of them real) and its bound is its plan's cost."""
+    info = random_tree_info(60 * (seed + 1), seed=seed)
     m, alone = SACMilp(info), SACMilp(info, options=HIGHS)
     lo = alone.min_reachable_peak_bytes()
     for frac in (0.2, 0.6):
@@ -206,54 +198,44 @@ def test_benchmark_trees_are_planned_by_the_program_at_the_backend_s_optimum(see
         assert a.status.value == "optimal" and a.gap <= 1e-4
         assert a.predicted_peak_bytes <= budget
         assert abs(a.recompute_ms - b.recompute_ms) <= 1e-4 * max(a.recompute_ms, b.recompute_ms)
-        assert m._prob is None  # the MILP was never built
-    dp = PrefixDP.from_milp(m)
+        assert a.n_variables == 0  # the MILP was never built
+    dp = m.program()
     sizes = []
     monkeypatch.setattr(prefix_dp, "under_within", lambda f, tol: sizes.append(len(f.xs)) or f)
     out = dp.solve(lo + int(0.6 * (info.peak_bytes - lo)), max_work=200_000)
-    # Exact but for the read-back's ties (each step may take a branch _TIE dearer).
-    assert out.objective - out.lower_bound <= prefix_dp._TIE * dp.n * out.objective
-    assert max(sizes) <= 100, max(sizes)  # 19-90 measured; 11,858 before
+    # Exact but for the read-back's ties (each step may take a branch TIE_REL dearer).
+    assert out.objective - out.lower_bound <= prefix_dp.TIE_REL * dp.n * out.objective
+    assert max(sizes) <= 100, max(sizes)
 
 
-def test_big_stacks_go_to_the_backend_whether_their_blocks_are_numbered_or_not() -> None:
-    """A 17-block synthetic decoder (53 candidates): numbered blocks and the same blocks named
-    block_a..block_q (equal curves, no numbers) are both left to the backend first, which proves
-    stacks faster than the program (26 equal blocks named a..z: 0.05 s against 0.3 s)."""
-    import string
-
-    sc = _scaling()
-    numbered, named = sc._decoder(17), sc._decoder(17)
-    for m in sc._walk(named):
-        for i, letter in enumerate(string.ascii_lowercase[:17]):
-            m.fqn = m.fqn.replace(f"blocks.{i}.", f"block_{letter}.")
-            if m.fqn.endswith(f"blocks.{i}"):
-                m.fqn = m.fqn[: -len(f"blocks.{i}")] + f"block_{letter}"
-    for root in (numbered, named):
-        info = sc.module_info_of(root)
+def test_big_stacks_of_numbered_blocks_go_to_count_branching_and_others_to_the_program() -> None:
+    """A 17-block synthetic decoder (53 candidates): numbered blocks go to count branching
+    (HiGHS), the same blocks named without numbers (equal curves, no kinds by name) to the
+    program, which proves them where HiGHS' plain branch and bound runs out of time on bigger
+    stacks. Both plans cost the same."""
+    results = []
+    for numbered in (True, False):
+        info = decoder_info(17, numbered=numbered)
         m = SACMilp(info)
-        assert len(m._cands) > 48 and bool(m._groups) == (root is numbered)
+        assert len(m.candidates) > sac_milp.COUNT_BRANCHING_CANDIDATES
         res = m.solve(int(0.5 * info.peak_bytes))
-        assert res.solved_by == "highs" and res.status.value == "optimal"
-        assert not m._program_first and m._program is None  # never built
+        assert res.solved_by == ("highs" if numbered else "program")
+        assert res.status.value == "optimal"
+        results.append(res)
+    assert results[0].recompute_ms == pytest.approx(results[1].recompute_ms, rel=1e-4)
 
 
 def test_a_stack_count_branching_gives_up_on_goes_to_the_program(monkeypatch) -> None:
-    """Traced GPT-2 / BERT / Whisper stacks (74-151 candidates) wore count branching out (64
-    boxes, no proof) and HiGHS on the whole model then ran into the time limit (20 s, gap
-    0.17-0.48 %); the program proves them in 0.1-1.1 s. Here the box cap is 1, so count branching
-    gives up on a 17-block decoder; the program's plan is HiGHS' optimum."""
-    import solver.count_branch as count_branch
-
-    sc = _scaling()
-    info = sc.module_info_of(sc._decoder(17))
-    monkeypatch.setattr(count_branch, "_MAX_BOXES", 1)
+    """Traced GPT-2, BERT and Whisper stacks wear count branching out (no proof within its box
+    cap), and HiGHS on the whole model runs into its time limit there; the program proves them.
+    Here the box cap is 1, so count branching gives up on a 17-block decoder; the program's plan
+    is HiGHS' optimum."""
+    info = decoder_info(17)
+    monkeypatch.setattr(count_branch, "MAX_BOXES", 1)
     for frac in (0.3, 0.5, 0.7):
         budget = int(frac * info.peak_bytes)
-        m = SACMilp(info)
-        res = m.solve(budget)  # proven by the program within rel_gap 1e-4 (gaps seen: 1e-10)
+        res = SACMilp(info).solve(budget)
         assert res.solved_by == "program" and res.status.value == "optimal"
-        assert not m._program_first
         alone = SACMilp(info, options=SolverOptions(rel_gap=0.0, dynamic_program=False)).solve(budget)
         assert alone.solved_by == "highs"
         assert res.predicted_peak_bytes <= budget
@@ -267,14 +249,13 @@ def test_a_module_that_ends_with_its_last_child_is_after_it_in_the_chain() -> No
     just before it") and a traced T5-large went to HiGHS: 60 s, unproven. Children first."""
     import dataclasses
 
-    sc = _scaling()
-    info = sc.module_info_of(sc._decoder(3))
+    info = decoder_info(3)
     end = {s.fqn: s.fw_post_op for s in info.mod_stats}
     stats = tuple(dataclasses.replace(s, fw_post_op=end[f"{s.fqn}.mlp"])
                   if f"{s.fqn}.mlp" in end else s for s in info.mod_stats)
     info = dataclasses.replace(info, mod_stats=stats)
     m = SACMilp(info)
-    assert isinstance(PrefixDP.from_milp(m), PrefixDP)
+    assert isinstance(m.program(), PrefixDP)
     lo = m.min_reachable_peak_bytes()
     assert abs(lo - SACMilp(info, options=HIGHS).min_reachable_peak_bytes()) <= 1e-6 * info.peak_bytes
     for frac in (0.2, 0.5, 0.8):
@@ -289,9 +270,7 @@ def test_the_program_decides_at_rel_gap_zero() -> None:
     """Its plan's cost and its bound are summed apart, 1e-16 off on an exact program
     (2.123137584924017 against 2.1231375849240166): at rel_gap 0 that was no proof, and about
     30 % of small models went to HiGHS, the backend the program is there to check."""
-    from pathlib import Path
-
-    info = ModuleInfo.from_json(Path(__file__).parent / "data" / "program_rel_gap_zero.json")
+    info = ModuleInfo.from_json(DATA / "program_rel_gap_zero.json")
     for options in (SolverOptions(), SolverOptions(rel_gap=0.0)):
         res = SACMilp(info, options=options).solve(158_866_925)
         assert res.solved_by == "program", options
@@ -302,10 +281,7 @@ def test_a_plan_at_the_smallest_reachable_peak_follows_the_domain_ends() -> None
     domains, where sums of byte counts near 1e10 differ by 1e-6 with their order: every branch
     of the read-back was +inf on this 300-module tree and the plan came out 34 GB over (caught
     in exact bytes; HiGHS then took the budget). Now the program plans it, and it fits."""
-    sc = _scaling()
-    _random_tree, module_info_of = sc._random_tree, sc.module_info_of
-
-    m = SACMilp(module_info_of(_random_tree(300, seed=0)))
+    m = SACMilp(random_tree_info(300, seed=0))
     lo = m.min_reachable_peak_bytes()
     res = m.solve(lo)
     assert res.solved_by == "program" and res.status.value == "optimal"
@@ -317,10 +293,8 @@ def test_the_read_back_never_leaves_the_domains(caplog) -> None:
     80-module tree (a slack relative to that 1e-7 was no slack): the read-back warned and handed
     the budget to its second pass. Its slack is now relative to the step's peak."""
     import logging
-    sc = _scaling()
-    _random_tree, module_info_of = sc._random_tree, sc.module_info_of
 
-    info = module_info_of(_random_tree(80, seed=122))
+    info = random_tree_info(80, seed=122)
     m = SACMilp(info)
     lo = m.min_reachable_peak_bytes()
     with caplog.at_level(logging.WARNING, logger="solver.exact.prefix_dp"):
@@ -331,11 +305,8 @@ def test_the_read_back_never_leaves_the_domains(caplog) -> None:
 
 
 def test_value_functions_past_the_cap_raise() -> None:
-    random_tree = _scaling().random_tree
-
-    info = random_tree(100)
-    m = SACMilp(info)
-    dp = PrefixDP.from_milp(m)
+    info = random_tree_info(100)
+    dp = SACMilp(info).program()
     assert isinstance(dp, PrefixDP)
     with pytest.raises(ProgramTooLarge):
         dp.solve(int(0.6 * info.peak_bytes), max_work=500)
@@ -346,12 +317,9 @@ def test_a_stack_highs_called_optimal_at_nine_percent_over() -> None:
     too) while the 1e-6 solve proved 9.1875 ms there with rows 3e-8 off (float64's rounding of
     terms near 1e8), and 10.0 ms was returned as optimal. The program finds 9.1875 ms; HiGHS alone
     now does too (the 1e-6 plan's integers re-solved at 1e-8, ``LinearModel._with_integers_of``)."""
-    from pathlib import Path
-
-    info = ModuleInfo.from_json(Path(__file__).parent / "data" / "highs_above_the_optimum_stack.json")
+    info = ModuleInfo.from_json(DATA / "highs_above_the_optimum_stack.json")
     budget = 47_185_920
-    m = SACMilp(info)
-    dp = PrefixDP.from_milp(m)
+    dp = SACMilp(info).program()
     assert isinstance(dp, PrefixDP)
     out = dp.solve(budget)
     assert out.objective == pytest.approx(9.1875, abs=1e-4)

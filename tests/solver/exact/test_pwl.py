@@ -70,7 +70,7 @@ def test_a_concave_kink_of_tiny_slopes_is_not_taken_as_convex() -> None:
     s1, s2 = 2.0e-8, 2.0e-8 - 9e-13
     f = Pwl(np.array([0.0, w, 2 * w]), np.array([0.0, s1 * w, s1 * w + s2 * w]))
     cx, cy = np.array([0.0, w]), np.array([0.0, 1.0e-8 * w])
-    assert len(pwl._convex_runs(f)) == 2
+    assert len(pwl.convex_runs(f)) == 2
     h, _ = infconv_convex(f, cx, cy, 0.0, cap=math.inf)
     assert float(h.value(2 * w)) == pytest.approx(_brute(f, cx, cy, 0.0, 2 * w), rel=1e-12)
 
@@ -117,9 +117,9 @@ def test_both_ways_of_the_convolution_match_brute_force(seed: int) -> None:
     c_s = np.diff(cy) / c_w
     slid = f
     for s, w in zip(c_s, c_w):
-        slid = pwl._slide(slid, float(s), float(w))
+        slid = pwl.slide(slid, float(s), float(w))
     slid = Pwl(slid.xs + shift, slid.ys + cy[0])
-    runs = pwl._by_runs(f, pwl._convex_runs(f), c_s, c_w, shift, float(cy[0]), math.inf)
+    runs = pwl.by_runs(f, pwl.convex_runs(f), c_s, c_w, shift, float(cy[0]), math.inf)
     # Between breakpoints (at one, the brute force's own rounding picks a side of a jump).
     mids = [((h.xs[1:] + h.xs[:-1]) / 2)[np.diff(h.xs) > 1e-6] for h in (slid, runs)]
     xs = np.concatenate([np.linspace(f.xs[0] - 2, f.xs[-1] + cx[-1] + 2, 1500)] + mids)
@@ -141,7 +141,7 @@ def test_a_slide_keeps_the_domain_end_where_x_plus_w_minus_w_rounds() -> None:
     stretch)."""
     f = Pwl(np.array([0.1, 4.206]), np.array([1.0, 2.0]))
     assert (4.206 + 2.589) - 2.589 != 4.206
-    g = pwl._slide(f, 0.5, 2.589)
+    g = pwl.slide(f, 0.5, 2.589)
     assert g.xs[-1] == 4.206 + 2.589
     assert float(g.value(4.206 + 2.589)) == pytest.approx(2.0 + 0.5 * 2.589, rel=1e-15)
 
@@ -152,7 +152,7 @@ def test_points_collinear_but_for_rounding_are_dropped() -> None:
     them, and the exact functions grew by the thousand. They are one segment."""
     x = 2.5e7 + np.cumsum(np.tile([0.317, 2.22, 8.39e6], 200))
     y = 0.0509358367707 + 1.857e-9 * (x - x[0])
-    g = pwl._simplified(x, y)
+    g = pwl.simplified(x, y)
     assert len(g.xs) == 2
     assert np.allclose(g.value(x), y, rtol=4 * np.finfo(float).eps, atol=0)
 
@@ -163,6 +163,6 @@ def test_simplification_drifts_by_rounding_only() -> None:
     of every point (dropping them all at once would cut the curve's chord, 5e-11 off)."""
     x = np.arange(0.0, 1e6 + 1, 1e3)
     y = 1.0 + 2e-22 * x * x
-    g = pwl._simplified(x, y)
+    g = pwl.simplified(x, y)
     assert len(g.xs) < len(x)
     assert np.max(np.abs(g.value(x) - y)) <= 16 * np.finfo(float).eps

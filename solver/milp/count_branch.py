@@ -5,10 +5,11 @@ Why
 On a stack of nearly identical blocks the MILP is a knapsack with fixed costs: the budget asks for
 a number of bytes, each block gives them in a few modes (the whole block, its MLP only, ...) at a
 fixed recompute cost plus a slope, and the LP relaxation puts one block in a fractional mode.
-Branch and bound on single modules then moves that fraction from block to block: on the traced
-Llama-3-70B graph at 63.36 GiB the LP bound sits 0.38 % below the optimum and 8,500 HiGHS nodes
-did not raise it (60 s, time limit). With the number of checkpointed modules of each kind fixed
-(70 whole layers, 10 MLPs, 1 attention) the same MILP is proven optimal in 0.5 s.
+Branch and bound on single modules then moves that fraction from block to block without raising
+the bound, and runs into its time limit on a traced Llama-3-70B. With the number of checkpointed
+modules of each kind fixed (so many whole layers, so many MLPs, ...) the same MILP is proven at
+once, and few such boxes need solving. On such stacks this is several times faster than the
+chain program (``solver/exact/``), which proves them too (benchmarks/tradeoff_sweep.py).
 
 What
 ----
@@ -25,12 +26,10 @@ Exactness: the count of a group is an integer in every plan, so the boxes partit
 (the grouping only decides speed, never the optimum); a box is dropped only when its LP bound,
 a lower bound on every plan in it, is within ``rel_gap`` of the best plan found; each fixed-
 count MILP is proven within ``rel_gap``. The best plan should therefore be within ``rel_gap``
-of the optimum of the whole MILP; tests/solver/test_count_branch.py compares both on random
-stacks of blocks and on random trees grouped at random. Two numerical traps found there: HiGHS at
-rel_gap 0 calls a fixed-count MILP optimal with its dual bound ~4e-8 relative below (taken as
-the proof HiGHS says it is, as the plain solve does), and at the tight integrality tolerance
-HiGHS 1.16 called some feasible MILPs infeasible, which lost boxes (0.05 ms against 1.8e-7 ms)
-until ``solver.milp.linear_model`` re-checked such verdicts at its default tolerance.
+of the optimum of the whole MILP; tests/solver/milp/test_count_branch.py compares both on
+random stacks of blocks and on random trees grouped at random. HiGHS at rel_gap 0 calls a
+fixed-count MILP optimal with its dual bound a little below (its tolerances): that is taken as
+the proof HiGHS says it is, as the plain solve does.
 """
 
 from __future__ import annotations
@@ -46,9 +45,10 @@ from typing import Sequence
 import numpy as np
 
 from solver.milp.linear_model import GE, LinearModel, LpSolution
-from solver.options import SolverOptions, _BackendOutcome, options_until
+from solver.milp.backend import BackendOutcome, options_until
+from solver.options import SolverOptions
 
-__all__ = ["CountBrancher", "kind_groups"]
+__all__ = ["CountBrancher", "kind_groups", "MAX_BOXES"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,20 +61,19 @@ _LP_INTEGRAL = 1e-8
 the fixed-count MILP would be solved to)."""
 
 
-_MAX_BOXES = 24
+MAX_BOXES = 24
 """Boxes (LP relaxations plus fixed-count MILPs) one search may evaluate before it hands the
 budget back (``CountBrancher.solve`` returns None: the chain program, then the whole-model
-solve). Stacks of blocks need few: the Llama-3-70B sweep at most 9 LPs and 1 MILP a budget,
-decoder stacks of solver_scaling.py at most 21 boxes. Traced GPT-2-medium, BERT-large and
-Whisper stacks went past 64 without a proof, about 0.9 s of a 1.2 s solve, which the program
-then proves in 0.1-0.3 s: at 24 they solve in 0.2-0.5 s. At a LeViT's smallest reachable peak
-the fixed-count MILPs found no plan to prune with: 1,803 LPs and 1,174 MILPs, 18 s, where HiGHS
-on the whole model took 0.03 s. A count, not a clock: the same budget gives the same plan."""
+solve decide). The stacks it suits need a few boxes a budget (the benchmarks' decoders and the
+Llama-3-70B sweep fewer than this); blocks that differ too much (traced GPT-2, BERT, Whisper)
+or a search with no plan to prune with (a LeViT at its smallest peak) would run on for many
+times the program's or the whole model's time. A count, not a clock: the same budget gives the
+same plan."""
 
 
 _PROOF_SLACK = 1e-8
-"""Gap left by HiGHS' own tolerances in a solve asked for rel_gap = 0 (seen: 1.4e-9) that still
-counts as a proof."""
+"""Gap left by HiGHS' own tolerances in a solve asked for rel_gap = 0 that still counts as a
+proof."""
 
 
 def kind_groups(fqns: Sequence[str]) -> list[list[int]]:
@@ -124,8 +123,8 @@ class CountBrancher:
         """Best solution over all boxes. ``incumbent``: a solution already known, the bar boxes
         must beat. Stops at ``deadline`` (perf_counter) with the best so far and
         its gap from the lowest bound left open. None where the search would evaluate more
-        than ``max_boxes`` boxes (default ``_MAX_BOXES``): the model is better solved whole."""
-        max_boxes = _MAX_BOXES if max_boxes is None else max_boxes
+        than ``max_boxes`` boxes (default ``MAX_BOXES``): the model is better solved whole."""
+        max_boxes = MAX_BOXES if max_boxes is None else max_boxes
         t0 = time.perf_counter()
         # Warm LPs within this search only: the same budget gives the same plan every time.
         self.prob.reset_relaxation()
@@ -162,7 +161,7 @@ class CountBrancher:
                         heapq.heappush(heap, (bound, seq, box))  # out of time: it stays open
                         seq += 1
                         continue
-                    # No bound (HiGHS' LP status "unknown", seen on tiny random stacks): the
+                    # No bound (HiGHS' LP status "unknown", on some tiny stacks): the
                     # box's own MILP settles it.
                     sol = self.prob.solve(options_until(options, deadline), rel_gap=rel_gap)
                     n_milp += 1
@@ -209,16 +208,16 @@ class CountBrancher:
         logger.debug("count branching: %d LPs (%d of them integral), %d fixed-count MILPs, %.2f s",
                      n_lp, n_free, n_milp, seconds)
         if best is None:
-            return LpSolution(_BackendOutcome(False, False, not stopped, None, seconds), None, None)
+            return LpSolution(BackendOutcome(False, False, not stopped, None, seconds), None, None)
         if lower == -math.inf:  # stopped before the root's bound: nothing is known
             gap = None
         else:  # inf: every box was searched to the end and none is left open
             gap = max(0.0, (best_obj - lower) / max(abs(best_obj), 1e-12)) if lower < math.inf else 0.0
         # Every box dropped by its LP bound or settled by HiGHS' own verdict is a proof as good
         # as HiGHS' on the whole model: HiGHS calls a solve at rel_gap 0 optimal with its dual
-        # bound up to ~4e-8 relative below (its tolerances; seen on random stacks of blocks).
+        # bound a little below (its tolerances).
         proven = gap is not None and (gap <= rel_gap + _PROOF_SLACK or not (stopped or unsettled))
-        return LpSolution(_BackendOutcome(True, proven, False, gap, seconds), best.values, best.objective)
+        return LpSolution(BackendOutcome(True, proven, False, gap, seconds), best.values, best.objective)
 
 
 def _with(box: _Box, g: int, lo: int, hi: int) -> _Box:
