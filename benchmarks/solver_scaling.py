@@ -44,7 +44,7 @@ from solver.plan_cost import module_recompute_ms  # noqa: E402
 
 GiB = 2**30
 _OPTIONS = None
-"""SolverOptions for our solves (None: the defaults); --count-branching sets it."""
+"""SolverOptions for our solves (None: the defaults); --no-count-branching sets it."""
 _FLOPS = 989e12 * 0.7  # H100 bf16 dense, derated
 _BW = 3.35e12 * 0.85
 
@@ -410,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                         "there are starred and left out of the speed-up verdict)")
     p.add_argument("--skip-torch", action="store_true", help="only time our solver")
     p.add_argument("--no-count-branching", dest="count_branching", action="store_false",
-                   help="SolverOptions(count_branching=False): HiGHS' own branch and bound only")
+                   help="SolverOptions(count_branching=False): stacks of blocks go to the program, "
+                        "then to HiGHS' own branch and bound")
     p.add_argument("--kinds", nargs="+", default=["decoder", "random"], choices=("decoder", "random"),
                    help="graph families: decoder-like stacks and random module trees")
     args = p.parse_args(argv)

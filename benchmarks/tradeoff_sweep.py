@@ -195,7 +195,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-independent", action="store_true", help="do not time 20 independent solves")
     p.add_argument("--figure", default="bench_out/tradeoff.png", help="where to save the figure")
     p.add_argument("--no-count-branching", dest="count_branching", action="store_false",
-                   help="SolverOptions(count_branching=False): HiGHS' own branch and bound only")
+                   help="SolverOptions(count_branching=False): stacks of blocks go to the program, "
+                        "then to HiGHS' own branch and bound")
     args = p.parse_args(argv)
 
     info = load_info(args)

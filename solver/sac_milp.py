@@ -17,15 +17,16 @@ by the first of these strategies that gives a plan:
    and tree the benchmarks draw, most traces): dynamic programming over the MILP's own
    candidates, costs and rows, proven within ``rel_gap`` by its own bound. It shares no code
    with the backend, so the two check each other in the tests. It hands the budget on where
-   its work passes a cap.
+   its work passes a cap, or its plan is not proven or does not settle in bytes.
 4. The backend (HiGHS by default) on the whole MILP.
 
 Every plan is re-evaluated in exact integers (``solver.plan_cost``): ``predicted_peak_bytes``
 never comes from an LP variable. A backend plan that its rounding left over the budget is
 repaired, and bytes the exact peak does not need are given back (``solver/rounding.py``); where
-the repair cannot fit it, the backend solves again for a tighter target. Where the backend finds
-no plan at a budget the least-peak plan meets (a sliver its tolerances decide), that plan is
-returned, with status FEASIBLE; below it, ``InfeasibleBudgetError`` names the smallest budget.
+the repair cannot fit it, the backend solves again for a tighter target. Where HiGHS finds no
+plan at a budget the least-peak plan meets (a sliver its tolerances decide), CBC's plan (small
+models) or that least-peak plan is returned, the cheaper; below it, ``InfeasibleBudgetError``
+names the smallest budget.
 
 Tie-break: among plans of equal recompute time prefer fewer checkpointed modules, then modules
 earlier in forward pre-order, then discarding less (``solver.candidates.tie_break_ms``). It is a
@@ -77,6 +78,7 @@ __all__ = [
     "predict_peak_bytes",
     "module_recompute_ms",
     "LOUD_CANDIDATES",
+    "COUNT_BRANCHING_CANDIDATES",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,10 +92,8 @@ COUNT_BRANCHING_CANDIDATES = 48
 program decides smaller ones exactly (where HiGHS' tolerances can decide a small stack at its
 smallest reachable peak)."""
 
-_PROGRAM_WORK = 20_000
 _PROGRAM_WORK_PER_CANDIDATE = 20_000
-"""The program is given up past ``max(_PROGRAM_WORK, _PROGRAM_WORK_PER_CANDIDATE * candidates)``
-units of work (breakpoints of its value functions, see ``PrefixDP.solve``): a count, not a
+"""The program is given up past ``_PROGRAM_WORK_PER_CANDIDATE * candidates`` units of work (breakpoints of its value functions, see ``PrefixDP.solve``): a count, not a
 clock, so the same input takes the same path. Then the backend solves the model, and the
 program is not tried on it again."""
 
@@ -163,7 +163,7 @@ class SACMilp:
         self._counter: CountBrancher | None = None
         self.build_time_s = time.perf_counter() - t0
 
-    # ------------------------------------------------------------------ the two solvers
+    # ------------------------------------------------------------------ the program and the MILP
     def program(self) -> PrefixDP | str:
         """The exact program of this model, or why the step is not a clean nest (a sentence;
         also where its work outgrew the cap once). Built at the first call."""
@@ -237,7 +237,7 @@ class SACMilp:
         program = self.program()
         if not isinstance(program, PrefixDP):
             return None
-        max_work = max(_PROGRAM_WORK, _PROGRAM_WORK_PER_CANDIDATE * len(self.candidates))
+        max_work = _PROGRAM_WORK_PER_CANDIDATE * len(self.candidates)
         for rel_tol in ((0.0,) if self._repeated else ()) + _PROGRAM_REL_TOLS:
             try:
                 out = program.solve(budget, max_work=max_work, rel_tol=rel_tol)
@@ -272,8 +272,7 @@ class SACMilp:
         for _ in range(_RESOLVES):
             if by_counts:
                 milp.set_budget(target)
-                deadline = None if self.options.time_limit_s is None else t0 + self.options.time_limit_s
-                sol = self._counter.solve(self.options, None, deadline, self.options.rel_gap)
+                sol = self._counter.solve(self.options, None, self._deadline(t0), self.options.rel_gap)
                 if sol is None or sol.outcome.infeasible:
                     return None
             else:
@@ -285,6 +284,11 @@ class SACMilp:
                 return self._solved(plan, budget, sol, t0)
             target -= short + 1024
         return self._no_backend_plan(budget, t0, timed_out=False)
+
+    def _deadline(self, t0: float) -> float | None:
+        """When the time limit of a solve begun at ``t0`` runs out (perf_counter), or None."""
+        limit = self.options.time_limit_s
+        return None if limit is None else t0 + limit
 
     def _no_backend_plan(self, budget: int, t0: float, *, timed_out: bool) -> SolveResult:
         """No usable plan from the backend: the least-peak plan if it fits, else a clear error."""
@@ -318,9 +322,9 @@ class SACMilp:
         milp = self.milp()
         if self.options.backend is not Backend.HIGHS or milp.n_variables > CROSS_CHECK_COLS:
             return None
-        deadline = None if self.options.time_limit_s is None else t0 + self.options.time_limit_s
         try:
-            options = options_until(dataclasses.replace(self.options, backend=Backend.CBC), deadline)
+            options = options_until(dataclasses.replace(self.options, backend=Backend.CBC),
+                                    self._deadline(t0))
             sol = milp.solve(budget, options)
         except Exception as e:  # noqa: BLE001 - no CBC here: the least-peak plan stands
             logger.info("CBC could not check HiGHS' verdict: %s", e)

@@ -37,6 +37,7 @@ def _never_nested(info: ModuleInfo, checkpointed: tuple[str, ...]) -> bool:
                    for a, b in itertools.combinations(checkpointed, 2))
 
 
+@pytest.mark.slow
 @pytest.mark.property
 @PROPS
 @given(module_infos(), st.integers(1, 4), st.floats(0.0, 1.0))
@@ -55,6 +56,7 @@ def test_plan_fits_budget_exactly_and_is_reproducible(info, world_size, frac) ->
     assert again.decisions == res.decisions and again.discarded_bytes == res.discarded_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.property
 @PROPS
 @given(module_infos(), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
@@ -78,6 +80,7 @@ def test_budget_at_or_above_no_ac_peak_checkpoints_nothing(info, world_size, sla
     assert milp.no_ac_peak_bytes == predict_peak_bytes(info, {}, world_size=world_size)
 
 
+@pytest.mark.slow
 @pytest.mark.property
 @PROPS
 @given(module_infos())

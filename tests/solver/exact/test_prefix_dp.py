@@ -99,6 +99,7 @@ def _check(info: ModuleInfo, frac: float) -> str:
     return "equal"
 
 
+@pytest.mark.slow
 @pytest.mark.property
 @MANY
 @given(module_infos(), st.floats(0.02, 0.98))
@@ -106,6 +107,7 @@ def test_random_trees_reach_the_milp_optimum(info, frac) -> None:
     assert _check(info, frac) != "refused"
 
 
+@pytest.mark.slow
 @pytest.mark.property
 @MANY
 @given(stacked_infos(), st.floats(0.02, 0.98))
@@ -113,6 +115,7 @@ def test_stacks_of_blocks_reach_the_milp_optimum(info, frac) -> None:
     assert _check(info, frac) != "refused"
 
 
+@pytest.mark.slow
 @pytest.mark.property
 def test_most_graphs_are_decided_by_the_program() -> None:
     """Guards the two property tests above against passing on skips alone."""
@@ -181,7 +184,7 @@ def test_a_backward_out_of_reverse_order_is_refused_with_a_reason() -> None:
     assert isinstance(why, str) and "not the first ones to end their forward" in why
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", [0] + [pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3)])
 def test_benchmark_trees_are_planned_by_the_program_at_the_backend_s_optimum(seed: int, monkeypatch) -> None:
     """Random trees of benchmarks/solver_scaling.py (60-240 modules, no repeated blocks): the
     default solve is the program's (functions held within 1e-5), proven, and costs what HiGHS
@@ -225,6 +228,7 @@ def test_big_stacks_of_numbered_blocks_go_to_count_branching_and_others_to_the_p
     assert results[0].recompute_ms == pytest.approx(results[1].recompute_ms, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_stack_count_branching_gives_up_on_goes_to_the_program(monkeypatch) -> None:
     """Traced GPT-2, BERT and Whisper stacks wear count branching out (no proof within its box
     cap), and HiGHS on the whole model runs into its time limit there; the program proves them.
@@ -276,6 +280,7 @@ def test_the_program_decides_at_rel_gap_zero() -> None:
         assert res.solved_by == "program", options
 
 
+@pytest.mark.slow
 def test_a_plan_at_the_smallest_reachable_peak_follows_the_domain_ends() -> None:
     """At the smallest reachable peak the plan runs along the ends of the value functions'
     domains, where sums of byte counts near 1e10 differ by 1e-6 with their order: every branch

@@ -109,6 +109,7 @@ def _values(info: ModuleInfo, frac: float, groups=None) -> None:
         assert ra.status is SolveStatus.OPTIMAL
 
 
+@pytest.mark.slow
 @pytest.mark.property
 @MANY
 @given(stacked_infos(), st.floats(0.0, 1.0))
@@ -116,6 +117,7 @@ def test_stacks_of_blocks_reach_the_plain_optimum(info, frac) -> None:
     _values(info, frac)
 
 
+@pytest.mark.slow
 @pytest.mark.property
 @FEW
 @given(module_infos(), st.floats(0.0, 1.0))
@@ -123,6 +125,7 @@ def test_random_trees_in_one_group_reach_the_plain_optimum(info, frac) -> None:
     _values(info, frac, groups=lambda fqns: [list(range(len(fqns)))] if len(fqns) > 1 else [])
 
 
+@pytest.mark.slow
 @pytest.mark.property
 @FEW
 @given(module_infos(), st.floats(0.0, 1.0))
