@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -254,8 +254,3 @@ class SacModel:
         for j, w in self.recompute_objective:
             cost[j] += w
         return float(cost @ v)
-
-    def recompute_ms_of(self, values: Mapping[int, float] | np.ndarray) -> float:
-        """Sum of the rct columns of a backend solution: the MILP's recompute time without the
-        tie-break."""
-        return float(sum(values[j] for j in self.rct))
