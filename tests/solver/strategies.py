@@ -16,14 +16,19 @@ forced discards, named ``M.blocks.<i>...``.
 from __future__ import annotations
 
 import itertools
+import os
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from estimators.contract.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, TradeoffCurve
 
-__all__ = ["module_infos", "stacked_infos", "nbytes", "convex_curve"]
+__all__ = ["module_infos", "stacked_infos", "nbytes", "convex_curve", "PROPS"]
 
 MiB = 2**20
+PROPS = settings(max_examples=40, deadline=None, derandomize=not os.environ.get("SAC_PROPERTY_RANDOM"),
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+"""Derandomized, so CI sees the same graphs every run; ``SAC_PROPERTY_RANDOM=1`` draws new ones."""
 _NAMES = ("1", "10", "a", "ba", "0", "11", "b", "ab")
 
 

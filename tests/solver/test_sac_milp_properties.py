@@ -9,21 +9,18 @@ every run; ``SAC_PROPERTY_RANDOM=1`` draws new ones (a random run found the grap
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from estimators.contract.module_info import ModuleInfo
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes
 from solver.graph import Graph
-from tests.solver.strategies import module_infos
+from tests.solver.strategies import PROPS, module_infos
 
 MiB = 2**20
 EXACT = SolverOptions(rel_gap=0.0)
-PROPS = settings(max_examples=40, deadline=None, derandomize=not os.environ.get("SAC_PROPERTY_RANDOM"),
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 def _budget(milp: SACMilp, frac: float) -> int:

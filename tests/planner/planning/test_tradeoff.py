@@ -256,7 +256,7 @@ def test_sweep_reuse_matches_independent_solves() -> None:
     """Budgets are solved largest first and a plan that fits the next budget is reused there:
     every row still has the least recompute an independent solve finds at its budget."""
     from solver import solve_milp
-    from tests.solver.test_sac_milp import MiB, chain
+    from tests.solver.builders import MiB, chain
 
     info = chain()
     budgets = [b * MiB for b in (250, 275, 300, 350, 400, 425, 449)]

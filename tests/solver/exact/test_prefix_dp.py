@@ -160,7 +160,7 @@ def test_a_recompute_point_where_a_child_s_backward_has_begun_is_taken() -> None
     child's backward starts at the same op as the block's, so at the block's recompute point the
     child's discards are back. With the block planned its children discard nothing, so the point
     reads the same row; it was refused ("sees other discards than its block's")."""
-    from tests.solver.test_sac_milp import make_info, mod, pt
+    from tests.solver.builders import make_info, mod, pt
 
     stats = [mod("M"), mod("M.B", size_mib=200, ms=12, fw_post=21, bw_pre=30, transient_mib=40),
              mod("M.B.attn", size_mib=100, ms=10, fw_post=10, bw_pre=40), mod("M.B.attn.q", leaf=True),

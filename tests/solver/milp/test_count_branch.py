@@ -162,7 +162,7 @@ def test_big_stacks_of_numbered_blocks_get_count_rows() -> None:
 
 
 def _chain_model():
-    from tests.solver.test_sac_milp import chain
+    from tests.solver.builders import chain
 
     return SACMilp(chain(), options=SolverOptions(count_branching=False)).milp()
 

@@ -98,7 +98,7 @@ def test_the_first_highs_of_a_process_prints_nothing_on_stdout() -> None:
     import subprocess
     import sys
 
-    code = ("from tests.solver.test_sac_milp import chain, MiB\n"
+    code = ("from tests.solver.builders import chain, MiB\n"
             "from solver import SolverOptions, solve_milp\n"
             "solve_milp(chain(), 300 * MiB, options=SolverOptions(dynamic_program=False))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

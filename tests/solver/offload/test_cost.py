@@ -12,7 +12,7 @@ from solver.offload.cost import (
     offloadable_bytes,
     predict_offload_peak_bytes,
 )
-from tests.solver.offload.test_milp import RATE, MiB, info
+from tests.solver.offload.builders import RATE, MiB, info
 
 
 def test_offload_order_is_largest_first_and_the_copy_curve_accumulates_per_op():
