@@ -254,3 +254,64 @@ def test_lower_precision_ops_left_to_the_cpu_kernel_cast_down_there():
         for name, call in calls.items():
             with torch.autocast("cpu", dtype=low):
                 assert call().dtype == low, name
+
+
+# ----------------------------------------------------------------------------- weight-cast cache
+
+
+class _Twice(nn.Module):
+    """A parameter fed twice to einsum (lower precision on CUDA's list only) and once to mv; a
+    Linear called twice (lower precision on both lists)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(32, 64))
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        a = torch.einsum("bd,ed->be", x, self.w) + torch.einsum("bd,ed->be", x, self.w)
+        return a.sum() + torch.mv(self.w, x[0]).sum() + self.lin(x).sum() + self.lin(x).sum()
+
+
+def _param_casts(est) -> dict[int, list]:
+    """Forward casts of each parameter (by the bytes of its storage)."""
+    tr = est.trace
+    params = {s.sid: s.nbytes for s in tr.storages if s.kind.name == "PARAM"}
+    casts: dict[int, list] = {}
+    for op in tr.ops:
+        if op.phase.name == "FW" and op.func is _TO_COPY and op.arg_sids and op.arg_sids[0] in params:
+            casts.setdefault(params[op.arg_sids[0]], []).append(op)
+    return casts
+
+
+def test_cuda_keeps_one_copy_of_a_parameter_per_autocast_region():
+    x = torch.randn(8, 64)
+    step = TrainStep(inputs=(x,), autocast_dtype=torch.bfloat16)
+    h100 = _param_casts(estimate(_Twice(), step, device="h100"))
+    # w: einsum casts it once (cached_cast), the second einsum and mv find the copy; lin.weight and
+    # lin.bias: once each (the CPU kernel's cache, the same code as CUDA's).
+    assert sorted(len(v) for v in h100.values()) == [1, 1, 1]
+    cpu = _param_casts(estimate(_Twice(), step, device="cpu"))
+    # CPU autocast leaves einsum to its inner bmm, which casts a view of w (not cached) each time.
+    assert sorted(len(v) for v in cpu.values()) == [1, 1, 2]
+
+
+class _NoGradUse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(32, 64))
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        with torch.no_grad():  # autograd keeps nothing: only the cache holds w's copy
+            a = torch.einsum("bd,ed->be", x, self.w)
+        return self.lin(x).sum() + a.sum()
+
+
+def test_the_cached_copy_lives_until_the_forward_s_autocast_region_ends():
+    est = estimate(_NoGradUse(), TrainStep(inputs=(torch.randn(8, 64),), autocast_dtype=torch.bfloat16), device="h100")
+    tr = est.trace
+    (cast,) = _param_casts(est)[32 * 64 * 4]  # w's
+    copy = tr.storages[cast.new_sids[0]]
+    last_fw = max(op.index for op in tr.ops if op.phase.name == "FW")
+    assert copy.free_op == last_fw  # not freed after einsum: held to the end of the region
