@@ -1,7 +1,6 @@
 """``estimate()``: trace one training step once and derive every estimate from that trace.
 
-    est = estimate(model, (idx,), loss_fn=my_loss, optimizer="adamw", device="h100")
-    est = estimate(model, step=TrainStep(inputs=(idx,), optimizer="adamw", micro_batches=4))
+    est = estimate(model, TrainStep(inputs=(idx,), loss_fn=my_loss, optimizer="adamw"), device="h100")
     est.module_info.peak_bytes           # steady-state step peak without checkpointing
     est.first_step_peak_bytes            # the first step's (optimizer state not yet created)
     est.module_info.stats("GPT.blocks.0").act_fw_bytes
