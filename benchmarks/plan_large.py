@@ -25,6 +25,7 @@ from estimators.step.train_step import TrainStep  # noqa: E402
 from examples.llama import llama3_70b  # noqa: E402
 from planner import PlanningError, solve_sac  # noqa: E402
 from solver import SolverOptions  # noqa: E402
+from planner.options import PlanOptions
 
 GiB = 2**30
 
@@ -52,10 +53,7 @@ def main(argv=None) -> int:
     step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw")
     try:
         plan = solve_sac(
-            model, args.budget_gib, step=step, device=args.device, world_size=args.world_size,
-            fsdp_units=units if args.world_size > 1 else None,
-            solver_options=SolverOptions(time_limit_s=60.0),
-        )
+            model, args.budget_gib, step, options=PlanOptions(device=args.device, world_size=args.world_size, fsdp_units=units if args.world_size > 1 else None, solver=SolverOptions(time_limit_s=60.0)))
     except PlanningError as e:
         print(f"planning error: {e}")
         plan = None
