@@ -10,8 +10,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
-import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,9 @@ PLAN_VERSION = 1
 _KIND = "sac_planner.Plan"
 from planner.errors import PlanFormatError, StepMismatchError
 from planner.plan_summary import plan_summary
+from planner.plan_fields import (MAX_BYTES, MAX_COUNT, MAX_JSON_DEPTH, MAX_MODULES, MAX_NOTE_CHARS, MAX_NOTES,
+                                 MAX_PLAN_FILE_BYTES,
+                                 check_bool, check_float, check_int, check_str, fields_of, op_keys, short)
 from planner.safe_io import FileRefusedError, parse_json, read_regular_file, write_atomic
 # Written by plan files of the first release: a timing, not part of the plan (read and dropped).
 _LEGACY_FIELDS = frozenset({"solve_time_s"})
@@ -45,150 +46,6 @@ def op_key(func_name: str) -> str:
 
 OpKey = tuple[str, int]
 """(op key, occurrence of that key within one call of the module)."""
-
-
-# ------------------------------------------------------------------ limits
-# A plan file may come from anywhere: every field is bounded, so that a hostile or broken file
-# is refused by its loader, not by arithmetic or a renderer further on.
-MAX_PLAN_FILE_BYTES = 64 * 2**20
-"""Largest plan file read (a plan of 1,000 modules with 100 ops each takes about 8 MiB)."""
-MAX_BYTES = 2**50
-"""Byte fields: 1 PiB, more than any one device or host holds (budgets at or above it are
-refused by ``solve_sac`` as bytes typed for GiB)."""
-MAX_MS = 1e10
-"""Time fields: about 115 days."""
-MAX_COUNT = 2**20
-"""world_size and micro_batches."""
-MAX_NAME_CHARS = 4096
-"""Module, model, device, op names and the solver status."""
-MAX_NOTE_CHARS = 100_000
-MAX_NOTES = 10_000
-MAX_MODULES = 100_000
-MAX_OPS = 100_000
-"""Entries of one op list of one module (a plan lists the ops of one call of one module)."""
-_MAX_JSON_DEPTH = 16  # a plan nests 5 deep (plan, modules, module, saved_ops, [op, occurrence])
-
-
-# ------------------------------------------------------------------ field checks
-# Each returns the value or raises PlanFormatError naming the field: a plan is applied to a
-# model and drives the checkpointing of real training, so nothing out of range may get that far.
-def _int(where: str, v: Any, *, low: int = 0, high: int = MAX_BYTES) -> int:
-    if type(v) is not int and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
-        raise PlanFormatError(f"{where} must be an integer, got {_short(v)}")
-    if not low <= v <= high:
-        bound = f"in [{low}, {high:,}]" if v > high else f">= {low}"
-        raise PlanFormatError(f"{where} must be {bound}, got {_short(v)}")
-    return int(v)
-
-
-def _float(where: str, v: Any, *, high: float = MAX_MS) -> float:
-    if type(v) is not float and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
-        raise PlanFormatError(f"{where} must be a number, got {_short(v)}")
-    if not (math.isfinite(v) and 0 <= v <= high):
-        bound = f"in [0, {high:g}]" if high <= 1 else f"finite, >= 0 and <= {high:g}"
-        raise PlanFormatError(f"{where} must be {bound}, got {_short(v)}")
-    return float(v)
-
-
-def _str(where: str, v: Any, *, nonempty: bool = False, max_chars: int = MAX_NAME_CHARS) -> str:
-    if not isinstance(v, str) or (nonempty and not v):
-        raise PlanFormatError(f"{where} must be a {'non-empty ' if nonempty else ''}string, got {_short(v)}")
-    if len(v) > max_chars:
-        raise PlanFormatError(f"{where} has {len(v):,} characters, more than the {max_chars:,} a plan "
-                              f"takes ({_short(v)})")
-    return v
-
-
-def _short(v: Any, n: int = 60) -> str:
-    """``repr(v)`` cut to about ``n`` characters: messages stay one short line whatever the file
-    holds (an int of 4,300 digits has no repr at all)."""
-    try:
-        r = repr(v) if not isinstance(v, int) or abs(v) < 10**n else f"an integer of over {n} digits"
-    except ValueError:
-        r = f"an integer of over {n} digits"
-    return r if len(r) <= n else f"{r[:n - 20]}...{r[-12:]} ({len(r):,} characters)"
-
-
-def _bool(where: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise PlanFormatError(f"{where} must be true or false, got {_short(v)}")
-    return v
-
-
-@functools.lru_cache(maxsize=1)
-def _registered_ops(generation: int) -> frozenset[str]:
-    del generation  # the cache key: a new generation re-reads the registry
-    return frozenset(torch._C._dispatch_get_all_op_names())
-
-
-_registry_generation = 0
-
-
-def _check_op_name(where: str, name: str) -> None:
-    """``name`` is an op key (``aten.mm.default``, ``aten.add.Tensor``, ``sdpa``) of an operator
-    registered with torch. A miss re-reads the registry once: a custom op's library may have
-    been imported since the last look."""
-    global _registry_generation
-    if name == "sdpa":
-        return
-    parts = name.split(".")
-    if len(parts) != 3 or not all(parts):
-        raise PlanFormatError(f"{where} must name an op as namespace.op.overload (aten.mm.default), "
-                              f"got {_short(name)}")
-    ns, op, overload = parts
-    qualified = f"{ns}::{op}" if overload == "default" else f"{ns}::{op}.{overload}"
-    if qualified in _registered_ops(_registry_generation):
-        return
-    _registry_generation += 1
-    if qualified not in _registered_ops(_registry_generation):
-        raise PlanFormatError(
-            f"{where} names {_short(name)}, an op torch does not know: a typo, or a custom op whose "
-            "library is not imported yet (import it before loading or applying the plan)")
-
-
-def _op_keys(where: str, v: Any) -> tuple["OpKey", ...]:
-    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
-        raise PlanFormatError(f"{where} must be a list of [op, occurrence] pairs, got {_short(v)}")
-    if len(v) > MAX_OPS:
-        raise PlanFormatError(f"{where} lists {len(v):,} ops, more than the {MAX_OPS:,} a plan takes "
-                              "for one call of one module; re-plan the model to get a valid file")
-    keys = []
-    names: set[str] = set()
-    for i, k in enumerate(v):
-        if isinstance(k, (str, bytes)) or not isinstance(k, (list, tuple)) or len(k) != 2:
-            raise PlanFormatError(f"{where}[{i}] must be an [op, occurrence] pair, got {_short(k)}")
-        name, occurrence = k
-        if not isinstance(name, str) or name not in names:
-            _check_op_name(f"{where}[{i}][0] (op)", _str(f"{where}[{i}][0] (op)", name, nonempty=True))
-            names.add(name)
-        if type(occurrence) is not int or not 0 <= occurrence <= MAX_OPS:
-            occurrence = _int(f"{where}[{i}][1] (occurrence)", occurrence, high=MAX_OPS)
-        keys.append((name, occurrence))
-    if len(set(keys)) != len(keys):
-        seen: set = set()
-        dup = next(k for k in keys if k in seen or seen.add(k))
-        raise PlanFormatError(f"{where} lists {list(dup)} twice")
-    return tuple(keys)
-
-
-def _fields(where: str, d: Any, cls: type, legacy: frozenset = frozenset()) -> dict[str, Any]:
-    """``d`` as keyword arguments of ``cls``: a dict, no unknown keys, every required key."""
-    if not isinstance(d, dict):
-        raise PlanFormatError(f"{where} must be a JSON object, got {type(d).__name__}")
-    names = {f.name for f in dataclasses.fields(cls) if f.init and f.metadata.get("saved", True)} - legacy
-    unknown = sorted(set(d) - names - legacy)
-    if unknown:
-        more = f" and {len(unknown) - 3:,} more" if len(unknown) > 3 else ""
-        raise PlanFormatError(
-            f"{where} has unknown field(s) {', '.join(_short(k, 40) for k in unknown[:3])}{more}; "
-            f"known: {', '.join(sorted(names))}"
-        )
-    required = {f.name for f in dataclasses.fields(cls)
-                if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    missing = sorted(required - set(d))
-    if missing:
-        raise PlanFormatError(f"{where} is missing field(s) {', '.join(map(repr, missing))}")
-    return {k: v for k, v in d.items() if k in names}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,15 +78,15 @@ class ModulePlan:
     recorded (a hand-written plan, or one saved before this field)."""
 
     def __post_init__(self) -> None:
-        w = f"module {_short(self.fqn)}" if isinstance(self.fqn, str) else "module"
-        _str(f"{w}: fqn", self.fqn, nonempty=True)
+        w = f"module {short(self.fqn)}" if isinstance(self.fqn, str) else "module"
+        check_str(f"{w}: fqn", self.fqn, nonempty=True)
         set_ = functools.partial(object.__setattr__, self)
-        set_("discard_ratio", _float(f"{w}: discard_ratio", self.discard_ratio, high=1.0))
-        set_("full", _bool(f"{w}: full", self.full))
-        set_("saved_ops", _op_keys(f"{w}: saved_ops", self.saved_ops))
-        set_("recomputed_ops", _op_keys(f"{w}: recomputed_ops", self.recomputed_ops))
-        set_("discarded_bytes", _int(f"{w}: discarded_bytes", self.discarded_bytes))
-        set_("recompute_ms", _float(f"{w}: recompute_ms", self.recompute_ms))
+        set_("discard_ratio", check_float(f"{w}: discard_ratio", self.discard_ratio, high=1.0))
+        set_("full", check_bool(f"{w}: full", self.full))
+        set_("saved_ops", op_keys(f"{w}: saved_ops", self.saved_ops))
+        set_("recomputed_ops", op_keys(f"{w}: recomputed_ops", self.recomputed_ops))
+        set_("discarded_bytes", check_int(f"{w}: discarded_bytes", self.discarded_bytes))
+        set_("recompute_ms", check_float(f"{w}: recompute_ms", self.recompute_ms))
         if self.full and self.saved_ops:
             raise PlanFormatError(
                 f"{w}: full checkpointing saves no op, but saved_ops lists {len(self.saved_ops)}"
@@ -237,9 +94,9 @@ class ModulePlan:
         both = set(self.saved_ops) & set(self.recomputed_ops)
         if both:
             raise PlanFormatError(f"{w}: op {list(min(both))} is both saved and recomputed")
-        set_("offloaded_ops", _op_keys(f"{w}: offloaded_ops", self.offloaded_ops))
-        set_("offloaded_bytes", _int(f"{w}: offloaded_bytes", self.offloaded_bytes))
-        set_("input_numel", _int(f"{w}: input_numel", self.input_numel))
+        set_("offloaded_ops", op_keys(f"{w}: offloaded_ops", self.offloaded_ops))
+        set_("offloaded_bytes", check_int(f"{w}: offloaded_bytes", self.offloaded_bytes))
+        set_("input_numel", check_int(f"{w}: input_numel", self.input_numel))
         if self.full and self.offloaded_ops:
             raise PlanFormatError(
                 f"{w}: full checkpointing keeps no op output to offload, but offloaded_ops lists "
@@ -293,12 +150,12 @@ class StepRecord:
     leaves it), ``"train"`` (True) or ``"as_is"`` (False). Plans saved before it: ``"auto"``."""
 
     def __post_init__(self) -> None:
-        _str("step: optimizer", self.optimizer, nonempty=True)
-        object.__setattr__(self, "micro_batches", _int("step: micro_batches", self.micro_batches, low=1, high=MAX_COUNT))
+        check_str("step: optimizer", self.optimizer, nonempty=True)
+        object.__setattr__(self, "micro_batches", check_int("step: micro_batches", self.micro_batches, low=1, high=MAX_COUNT))
         for name, known in (("zero_grad", _ZERO_GRADS), ("autocast", _AUTOCASTS), ("train_mode", tuple(TRAIN_MODES))):
             if getattr(self, name) not in known:
-                raise PlanFormatError(f"step: {name} must be one of {', '.join(known)}, got {_short(getattr(self, name))}")
-        _bool("step: keep_output", self.keep_output)
+                raise PlanFormatError(f"step: {name} must be one of {', '.join(known)}, got {short(getattr(self, name))}")
+        check_bool("step: keep_output", self.keep_output)
 
     @classmethod
     def of(cls, step: Any) -> "StepRecord":
@@ -400,32 +257,32 @@ class Plan:
             raise PlanFormatError(f"the plan lists module(s) {', '.join(map(repr, dup))} more than once")
         set_("modules", tuple(mods))
         for name in ("model_name", "model_fingerprint", "device", "solver_status"):
-            _str(name, getattr(self, name), nonempty=name in ("model_name", "device"))
-        set_("world_size", _int("world_size", self.world_size, low=1, high=MAX_COUNT))
-        set_("budget_bytes", _int("budget_bytes", self.budget_bytes, low=1))
-        set_("reserve_bytes", _int("reserve_bytes", self.reserve_bytes))
+            check_str(name, getattr(self, name), nonempty=name in ("model_name", "device"))
+        set_("world_size", check_int("world_size", self.world_size, low=1, high=MAX_COUNT))
+        set_("budget_bytes", check_int("budget_bytes", self.budget_bytes, low=1))
+        set_("reserve_bytes", check_int("reserve_bytes", self.reserve_bytes))
         if self.reserve_bytes >= self.budget_bytes:
             raise PlanFormatError(
                 f"reserve_bytes ({self.reserve_bytes}) must be below budget_bytes ({self.budget_bytes})"
             )
         for name in ("predicted_peak_bytes", "solver_peak_bytes", "baseline_peak_bytes"):
-            set_(name, _int(name, getattr(self, name)))
+            set_(name, check_int(name, getattr(self, name)))
         for name in ("recompute_ms", "baseline_step_ms", "compute_ms", "exposed_comm_ms",
                      "exposed_copy_ms", "step_ms"):
-            set_(name, _float(name, getattr(self, name)))
-        set_("host_peak_bytes", _int("host_peak_bytes", self.host_peak_bytes))
-        set_("host_bytes_per_step", _int("host_bytes_per_step", self.host_bytes_per_step, high=MAX_BYTES * MAX_COUNT))
-        set_("trainable_numel", _int("trainable_numel", self.trainable_numel))
+            set_(name, check_float(name, getattr(self, name)))
+        set_("host_peak_bytes", check_int("host_peak_bytes", self.host_peak_bytes))
+        set_("host_bytes_per_step", check_int("host_bytes_per_step", self.host_bytes_per_step, high=MAX_BYTES * MAX_COUNT))
+        set_("trainable_numel", check_int("trainable_numel", self.trainable_numel))
         notes = self.notes
         if isinstance(notes, (str, bytes)) or not isinstance(notes, (list, tuple)):
-            raise PlanFormatError(f"notes must be a list of strings, got {_short(notes)}")
+            raise PlanFormatError(f"notes must be a list of strings, got {short(notes)}")
         if len(notes) > MAX_NOTES:
             raise PlanFormatError(f"notes lists {len(notes):,} notes, more than the {MAX_NOTES:,} a plan takes")
-        set_("notes", tuple(_str(f"notes[{i}]", n, max_chars=MAX_NOTE_CHARS) for i, n in enumerate(notes)))
-        set_("solve_time_s", _float("solve_time_s", self.solve_time_s))
+        set_("notes", tuple(check_str(f"notes[{i}]", n, max_chars=MAX_NOTE_CHARS) for i, n in enumerate(notes)))
+        set_("solve_time_s", check_float("solve_time_s", self.solve_time_s))
         for name in ("first_step_peak_bytes", "steady_peak_bytes"):
             if getattr(self, name) is not None:
-                set_(name, _int(name, getattr(self, name)))
+                set_(name, check_int(name, getattr(self, name)))
         if self.step is not None and not isinstance(self.step, StepRecord):
             raise PlanFormatError(f"step must be a StepRecord or None, got {type(self.step).__name__}")
 
@@ -503,7 +360,7 @@ class Plan:
             raise PlanFormatError("not a SAC Planner plan (kind != 'sac_planner.Plan')")
         _check_version(d.get("version", _MISSING))
         try:
-            body = _fields("the plan", {k: v for k, v in d.items() if k not in ("kind", "version")},
+            body = fields_of("the plan", {k: v for k, v in d.items() if k not in ("kind", "version")},
                            cls, _LEGACY_FIELDS)
             mods = body["modules"]
             if not isinstance(mods, list):
@@ -511,12 +368,12 @@ class Plan:
             if len(mods) > MAX_MODULES:  # before building any
                 raise PlanFormatError(f"modules lists {len(mods):,} modules, more than the {MAX_MODULES:,} a plan takes")
             body["modules"] = tuple(
-                ModulePlan(**_fields(f"modules[{i}]", m, ModulePlan)) for i, m in enumerate(mods)
+                ModulePlan(**fields_of(f"modules[{i}]", m, ModulePlan)) for i, m in enumerate(mods)
             )
             if "notes" in body and isinstance(body["notes"], list):
                 body["notes"] = tuple(body["notes"])
             if body.get("step") is not None:
-                body["step"] = StepRecord(**_fields("step", body["step"], StepRecord))
+                body["step"] = StepRecord(**fields_of("step", body["step"], StepRecord))
             return cls(**body)
         except PlanFormatError as e:
             raise PlanFormatError(f"corrupt plan: {e}") from None
@@ -535,7 +392,7 @@ class Plan:
             except UnicodeDecodeError:
                 kind = "a Python pickle" if raw[:1] == b"\x80" else "binary data"
                 raise PlanFormatError(f"{what} is {kind}, not a JSON plan; save plans with plan.save(path)") from None
-            d = parse_json(text, what=what, max_depth=_MAX_JSON_DEPTH)
+            d = parse_json(text, what=what, max_depth=MAX_JSON_DEPTH)
         except FileRefusedError as e:
             raise PlanFormatError(str(e)) from None
         return cls.from_dict(d)
@@ -552,7 +409,7 @@ def _check_version(v: Any) -> None:
     if v is _MISSING:
         raise PlanFormatError("corrupt plan: no 'version' field; re-save it with Plan.save")
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise PlanFormatError(f"corrupt plan: version must be an integer >= 1, got {_short(v)}")
+        raise PlanFormatError(f"corrupt plan: version must be an integer >= 1, got {short(v)}")
     if v > PLAN_VERSION:
         raise PlanFormatError(
             f"plan version {v} is newer than this SAC Planner reads ({PLAN_VERSION}); "

@@ -22,11 +22,9 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from planner.errors import FileRefusedError
+
 __all__ = ["FileRefusedError", "parse_json", "read_regular_file", "write_atomic"]
-
-
-class FileRefusedError(ValueError):
-    """A file that is not a regular file, too large, or JSON beyond the reader's limits."""
 
 
 _KINDS = (

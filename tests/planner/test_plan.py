@@ -302,7 +302,7 @@ def test_fields_past_what_a_machine_has_are_refused(plan, tmp_path, field, value
 
 
 def test_the_largest_plan_in_range_has_a_summary(plan):
-    from planner.plan import MAX_BYTES, MAX_MS
+    from planner.plan_fields import MAX_BYTES, MAX_MS
 
     big = dataclasses.replace(plan, budget_bytes=MAX_BYTES, predicted_peak_bytes=MAX_BYTES,
                               baseline_peak_bytes=MAX_BYTES, solver_peak_bytes=MAX_BYTES,
@@ -330,7 +330,7 @@ def test_a_custom_op_registered_after_the_first_look_is_known(plan, tmp_path):
 
 
 def test_more_ops_than_a_module_runs_are_refused_before_they_are_checked(plan, tmp_path):
-    from planner.plan import MAX_OPS
+    from planner.plan_fields import MAX_OPS
 
     many = [["aten.mm.default", i] for i in range(MAX_OPS + 1)]
     _refused(_write(tmp_path, _mutated(plan, _set_module(full=False, saved_ops=many, recomputed_ops=[]))),
@@ -356,7 +356,7 @@ def test_a_file_past_the_cap_is_refused(plan, tmp_path, monkeypatch):
 
 
 def test_long_notes_and_names_are_refused_and_summaries_stay_short(plan, tmp_path):
-    from planner.plan import MAX_NOTE_CHARS
+    from planner.plan_fields import MAX_NOTE_CHARS
 
     _refused(_write(tmp_path, _mutated(plan, lambda d: d.update(notes=["x" * (MAX_NOTE_CHARS + 1)]))),
              r"notes\[0\] has 100,001 characters")
