@@ -56,6 +56,11 @@ one rule per op, each measured against the real CPU kernel (tests/estimators/tes
    can hold (padded ``[batch, S]`` targets: ``S``; concatenated 1-D targets: all of them),
    exact when the longest target fills the padding and an upper bound otherwise.
 
+10. ``embedding`` and ``_embedding_bag``: a fake tensor has no values, so ids past the table
+    (or negative) were planned, where the real step raises "index out of range". Where the ids
+    are a batch tensor the trace was given (or a view of one), its real values are checked
+    against the table's rows (``values=`` maps each fake batch tensor to the real one).
+
 Any other meta kernel that raises is reported by :class:`FakeKernelError`, naming the op and its
 arguments and saying what the real kernel does with the same arguments (run on zeros where they
 are small), with the way out: trace in real mode.
@@ -253,9 +258,12 @@ class RealKernelsMode(TorchDispatchMode):
     outputs as the real kernels make them (see the module docstring). ``cuda``: the trace stands
     for a CUDA target (CUDA's layer-norm statistics)."""
 
-    def __init__(self, *, cuda: bool = False) -> None:
+    def __init__(self, *, cuda: bool = False, values: dict[int, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.cuda = cuda
+        self.values = values or {}
+        """``id(fake batch tensor) -> the real tensor``: values rule 10 can check."""
+        self._checked: set[tuple[int, int]] = set()
 
     def __enter__(self):
         # torch logs every failing meta kernel with its traceback ("failed while attempting to run
@@ -277,6 +285,8 @@ class RealKernelsMode(TorchDispatchMode):
             return replace(args, kwargs)
         if func in _SAME_DTYPE and not (self.cuda and func in _CUDA_AUTOCAST_ONLY):
             _check_same_dtype(func, args)
+        if func in _EMBEDDINGS and self.values:
+            self._check_ids(args[0], args[1])
         try:
             out = func(*args, **kwargs)
         except Exception as e:
@@ -287,7 +297,31 @@ class RealKernelsMode(TorchDispatchMode):
         return rule(out, args, kwargs, self.cuda) if rule is not None else out
 
 
+    def _check_ids(self, table: torch.Tensor, ids: Any) -> None:
+        """Rule 10: the real values behind ``ids`` (a batch tensor or a view of one) are row
+        numbers of ``table``."""
+        if not isinstance(ids, torch.Tensor):
+            return
+        real = self.values.get(id(ids))
+        if real is None and ids._base is not None:
+            real = self.values.get(id(ids._base))
+        if real is None or (id(real), table.shape[0]) in self._checked or real.numel() == 0:
+            return
+        self._checked.add((id(real), table.shape[0]))
+        with torch._C._DisableTorchDispatch():
+            low, high = int(real.min()), int(real.max())
+        rows = table.shape[0]
+        if low < 0 or high >= rows:
+            raise FakeKernelError(
+                f"the batch's ids run from {low} to {high}, but the embedding they index has {rows:,} "
+                f"rows (ids must be in [0, {rows:,})): the real step raises 'index out of range'; "
+                "check the tokenizer against the model's vocabulary size (vocab_size) and that "
+                "padding or ignored positions (-100) are not fed to the embedding")
+
+
 _aten = torch.ops.aten
+_EMBEDDINGS = frozenset({_aten.embedding.default, _aten._embedding_bag.default,
+                         _aten._embedding_bag_forward_only.default})
 _SAME_DTYPE = frozenset({
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
     _aten.addbmm.default, _aten.mv.default, _aten.addmv.default, _aten.dot.default,

@@ -27,22 +27,12 @@ from torch.utils._pytree import tree_flatten
 
 from planner.distributed.fsdp import original_class_name
 from planner.plan import StepRecord, model_fingerprint
-from planner.planning.module_plans import PlanningError
+from planner.errors import RankDisagreementError
 
 __all__ = ["RankDisagreementError", "agree", "request_fields"]
 
 _MAX_VALUE_CHARS = 80
 _MAX_FIELDS_NAMED = 4
-
-
-class RankDisagreementError(PlanningError):
-    """Ranks of one planning job were asked for different plans, or one rank could not plan;
-    raised on every rank with the same message. ``ranks``: those that failed or differ from
-    rank 0."""
-
-    def __init__(self, message: str, ranks: list[int]) -> None:
-        super().__init__(message)
-        self.ranks = ranks
 
 
 def _text(value: Any) -> str:

@@ -360,7 +360,7 @@ def test_a_loss_that_is_not_finite_is_refused_where_it_has_a_value(value):
         measure_steps(_tiny(), step, n_steps=1)
     model = _tiny()
     with pytest.raises(StepError, match=f"the loss is {value}"):
-        check_gradients(model, _empty_plan(model), step.inputs, loss_fn=step.loss_fn)
+        check_gradients(model, _empty_plan(model), step)
 
 
 def _empty_plan(model):

@@ -73,3 +73,78 @@ def test_every_rank_raises_the_same_error_at_once(tmp_path, world_size):
     assert ranks == [last]
     assert (f"the arguments failed on rank {last} (rank {last}: ValueError: budget_gib must be a "
             "positive finite number of GiB, got nan)") in message
+
+
+# ------------------------------------------------------------------ through solve_sac_distributed
+_DISAGREE = ("same", "budget", "nan budget", "optimizer", "model", "loss differs", "loss raises")
+"""\"same\" first: it plans, so the traces after it do not pay the first trace's imports and set-up."""
+_RAISE = False  # set on the rank whose loss raises
+
+
+def _loss(out, batch):
+    if _RAISE:  # the same function on every rank, raising on one (its data, say)
+        raise ValueError("this rank's loss raises")
+    return out.square().mean()
+
+
+def _other_loss(out, batch):
+    return out.abs().mean()
+
+
+def _solve_worker(rank: int, world_size: int, port: int, tmp: str) -> None:
+    import torch
+
+    from planner import PlanOptions, TrainStep
+    from planner.distributed.ranks import plan_hash, solve_sac_distributed
+
+    _init(rank, world_size, port)
+    global _RAISE
+    odd = rank == world_size - 1  # the rank that disagrees
+    results = {}
+    for case in _DISAGREE:
+        _RAISE = case == "loss raises" and odd
+        torch.manual_seed(0)
+        width = 48 if case == "model" and odd else 32
+        model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 8))
+        budget = {"budget": 0.25, "nan budget": float("nan")}.get(case, 0.5) if odd else 0.5
+        step = TrainStep(inputs=(torch.randn(64, 16),), optimizer="sgd" if case == "optimizer" and odd else "adamw",
+                         loss_fn=_other_loss if case == "loss differs" and odd else _loss)
+        dist.barrier()
+        t0 = time.monotonic()
+        try:
+            plan = solve_sac_distributed(model, budget, step, options=PlanOptions(device="cpu"))
+            results[case] = ["plan", plan_hash(plan), None, time.monotonic() - t0]
+        except Exception as e:  # noqa: BLE001 - recorded for the parent
+            results[case] = [type(e).__name__, str(e), getattr(e, "ranks", None), time.monotonic() - t0]
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(results))
+    leave_rank()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_way_of_disagreeing_stops_every_rank_with_the_same_error(tmp_path, world_size):
+    # Before: a rank given another budget (or NaN), optimizer or model silently got rank 0's
+    # plan (another model then failed later, on that rank only); a rank whose loss raised, or
+    # whose arguments were refused, left the others waiting for the group's timeout (30 min).
+    run_ranks(_solve_worker, world_size, (world_size, _port(), str(tmp_path)), timeout_s=300)
+    per_rank = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]
+    odd = world_size - 1
+    expected = {
+        "budget": ("ranks were asked for different plans (the arguments): budget_gib: 0.5 on "
+                   f"{'rank 0' if world_size == 2 else 'ranks 0, 1, 2'}; 0.25 on rank {odd}"),
+        "nan budget": f"the arguments failed on rank {odd} (rank {odd}: PlanningError: budget_gib must be",
+        "optimizer": f"step.optimizer: adamw on {'rank 0' if world_size == 2 else 'ranks 0, 1, 2'}; sgd on rank {odd}",
+        "model": "model: Sequential (fingerprint ",
+        "loss differs": "step.loss_fn: tests.planner.distributed.test_agreement._loss on ",
+        "loss raises": f"the traced step failed on rank {odd} (rank {odd}: ValueError: this rank's loss raises)",
+    }
+    for case, text in expected.items():
+        results = [r[case] for r in per_rank]
+        assert len({(r[0], r[1]) for r in results}) == 1, case  # the same error on every rank
+        name, message, ranks, _ = results[0]
+        assert name == "RankDisagreementError" and ranks == [odd], (case, message)
+        assert text in message, (case, message)
+        assert max(r[3] for r in results) < 30, case
+    assert "this rank's loss raises" in per_rank[0]["loss raises"][1]
+    same = [r["same"] for r in per_rank]
+    assert all(r[0] == "plan" for r in same) and len({r[1] for r in same}) == 1
