@@ -153,6 +153,7 @@ def _check_one(path, model: nn.Module, before: tuple, limit_s: float = _MAX_CASE
     return outcome
 
 
+@pytest.mark.slow
 def test_fuzzed_plan_files_load_or_are_refused_in_one_line(tmp_path):
     model = _model()
     before = _state(model)
