@@ -370,7 +370,8 @@ def _trace_step(
                     modes.enter_context(hf_real_paths(step.inputs))  # HF's real-run code path
                     modes.enter_context(fake_mode)
                     # Below the tracer: it records outputs as the real kernels make them.
-                    modes.enter_context(RealKernelsMode(cuda=bool(cuda_rules)))
+                    modes.enter_context(RealKernelsMode(cuda=bool(cuda_rules),
+                                                        values=_batch_values(step.inputs, step_inputs)))
                 modes.enter_context(tracer)
                 if cuda_rules:
                     modes.enter_context(CudaSemanticsMode())
@@ -422,6 +423,14 @@ def _trace_step(
             "such a model with every layer running (HF: config.layerdrop = 0.0 while planning).",
             DrawnControlFlowWarning, stacklevel=3)
     return trace, got_no_grad
+
+
+def _batch_values(real: Any, fake: Any) -> dict[int, torch.Tensor]:
+    """``id(fake batch tensor) -> real one`` where the real one has values (not on the meta
+    device): what ``RealKernelsMode`` checks token ids against."""
+    pairs = zip(tree_flatten(real)[0], tree_flatten(fake)[0])
+    return {id(f): r for r, f in pairs
+            if isinstance(r, torch.Tensor) and isinstance(f, torch.Tensor) and r.device.type != "meta"}
 
 
 class _TheModelItself(TraceError):
