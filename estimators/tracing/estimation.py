@@ -71,6 +71,9 @@ from estimators.contract.module_info import ModuleInfo
 from estimators.step.optimizer import check_optimizer_params, param_groups, resolve_optimizer
 from estimators.tracing.steady_state import first_step_module_info, first_step_peak, steady_state
 from estimators.tracing.trace import InplaceModifiedError, StepTrace, StepTracer
+from estimators.tracing.replicate import NotReplicable, expand_stacks
+from estimators.tracing.stacks import Stack, find_stacks
+from estimators.tracing.truncation import FullListsRuntime, pre_step_owners, skipped_param_ids, truncate_in_memo
 
 __all__ = [
     "DEFAULT_DEVICE",
@@ -116,6 +119,12 @@ class EstimateOptions:
     device and the trace is fake."""
     progress: bool = False
     """Log progress (INFO on this module's logger) after each top-level module and phase."""
+    replicate_blocks: bool = True
+    """In a fake trace without ``prepare``, run four blocks of each stack of identical blocks (a
+    ``ModuleList`` of at least five transformer layers: ``estimators.tracing.stacks``) and lay the
+    others in as copies of one (``estimators.tracing.replicate``): the trace the full step gives,
+    in the time of four blocks. Where the traced blocks differ, the full model is traced (said at
+    DEBUG on ``estimators.tracing.replicate``'s logger). False: always trace every block."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TraceMode):
@@ -197,22 +206,30 @@ def _fake_buffer(mode: FakeTensorMode, b: torch.Tensor) -> torch.Tensor:
     return _fake_tensor(mode, b)
 
 
-def _fake_copy(model: torch.nn.Module, mode: FakeTensorMode) -> tuple[torch.nn.Module, dict]:
-    """Deep copy of ``model`` whose parameters and buffers are fake (shared ones stay shared)."""
+def _fake_copy(
+    model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] = ()
+) -> tuple[torch.nn.Module, dict]:
+    """Deep copy of ``model`` whose parameters and buffers are fake (shared ones stay shared);
+    the blocks of ``stacks`` a truncated trace skips are left out (their parameters map to None)."""
     memo: dict[int, Any] = {}
-    mapping: dict[int, torch.Tensor] = {}
+    mapping: dict[int, torch.Tensor | None] = {}
+    skipped = skipped_param_ids(model, stacks) if stacks else set()
     for p in model.parameters():
-        if id(p) not in memo:
+        if id(p) in skipped:
+            mapping[id(p)] = None
+        elif id(p) not in memo:
             fp = torch.nn.Parameter(_fake_tensor(mode, p.detach()), requires_grad=p.requires_grad)
             memo[id(p)] = fp
             mapping[id(p)] = fp
     for b in model.buffers():
-        if id(b) not in memo:
+        if id(b) not in memo and id(b) not in skipped:
             memo[id(b)] = _fake_buffer(mode, b)
     left = fake_leaks.left_behind()  # held through the copy: their ids stay theirs
     for t in left:  # shared, not copied (see left_behind)
         memo.setdefault(id(t), t)
     try:
+        if stacks:
+            truncate_in_memo(model, stacks, memo)
         return copy.deepcopy(model, memo), mapping
     except Exception as e:  # noqa: BLE001 - user modules can hold anything
         raise TraceError(
@@ -282,8 +299,8 @@ def estimate(
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
     t0 = time.perf_counter()
-    with _trace_mode(fake) as box:
-        trace, without_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, frozenset(), box.mode)
+    stacks = find_stacks(model) if fake and options.replicate_blocks and prepare is None else []
+    trace, without_grad, stacks = _trace(model, step, spec, options, prepare, cuda_rules, frozenset(), stacks)
     if without_grad and (step.optimizer is not None or step.grads_alive_at_start):
         # torch's optimizers create no state for (and do not step) a parameter whose .grad is
         # None, and a parameter the loss never reaches never gets one (an unused pooler, a frozen
@@ -291,8 +308,7 @@ def estimate(
         # has them from step 2 on, without gradient or state.
         logger.info("%d parameter(s) get no gradient in the step (%s); traced again without their "
                     "optimizer state", len(without_grad), ", ".join(sorted(without_grad)[:3]))
-        with _trace_mode(fake) as box:
-            trace, _ = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad, box.mode)
+        trace, _, _ = _trace(model, step, spec, options, prepare, cuda_rules, without_grad, stacks)
     timeline = build_timeline(trace)
     info = build_module_info(trace, timeline)
     dt = time.perf_counter() - t0
@@ -321,6 +337,41 @@ def _check_held_is_not_the_model(model: torch.nn.Module, step: TrainStep) -> Non
             )
 
 
+def _trace(
+    model: torch.nn.Module, step: TrainStep, spec: DeviceSpec, options: EstimateOptions,
+    prepare: Callable[[torch.nn.Module], Any] | None, cuda_rules: bool, without_grad: frozenset[str],
+    stacks: list[Stack],
+) -> tuple[StepTrace, frozenset[str], list[Stack]]:
+    """``_trace_step`` with the blocks of ``stacks`` traced once each (and the stacks used), or,
+    where that trace cannot stand for the full one, of the full model (and no stacks)."""
+    fake = options.mode is TraceMode.FAKE
+    if stacks:
+        try:
+            with _trace_mode(fake) as box:
+                trace, got_no_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad,
+                                                 box.mode, stacks)
+            return trace, got_no_grad, stacks
+        except (NotReplicable, TraceError) as e:
+            if not isinstance(e, NotReplicable) and not _indexes_blocks(e):
+                raise  # the model's own error: the full model raises it too
+            logger.debug("%s: every block traced (%s: %s)", type(model).__name__, type(e).__name__, e)
+    with _trace_mode(fake) as box:
+        trace, got_no_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad, box.mode)
+    return trace, got_no_grad, []
+
+
+def _indexes_blocks(e: BaseException) -> bool:
+    """The error may come from the truncated model: its code looked up a block it does not hold
+    (``self.layers[40]``), which the full model has."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (IndexError, KeyError)):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _trace_mode(fake: bool) -> contextlib.AbstractContextManager[fake_leaks.FakeTrace]:
     """The fake mode of one trace (``.mode``, None in real mode); what the trace leaves held in
     the process is cleared when it ends (``estimators.tracing.fake_leaks``)."""
@@ -330,15 +381,16 @@ def _trace_mode(fake: bool) -> contextlib.AbstractContextManager[fake_leaks.Fake
 def _trace_step(
     model: torch.nn.Module, step: TrainStep, spec: DeviceSpec, options: EstimateOptions,
     prepare: Callable[[torch.nn.Module], Any] | None, cuda_rules: bool, without_grad: frozenset[str],
-    fake_mode: FakeTensorMode | None,
+    fake_mode: FakeTensorMode | None, stacks: list[Stack] = (),
 ) -> tuple[StepTrace, frozenset[str]]:
     """One traced step of the steady state, and the names of the trainable parameters that got
     no gradient in it. ``without_grad``: parameters that start the step with neither
     gradient nor optimizer state (they got none in a previous trace). ``fake_mode``: the mode
-    of a fake trace, None for a real one."""
+    of a fake trace, None for a real one. ``stacks`` (fake mode): run four blocks of each and lay
+    the others in (``estimators.tracing.replicate``; raises NotReplicable where it cannot)."""
     fake = fake_mode is not None
     if fake:
-        traced, mapping = _fake_copy(model, fake_mode)
+        traced, mapping = _fake_copy(model, fake_mode, stacks)
         step_inputs = tree_map(
             lambda t: _fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, step.inputs
         )
@@ -366,13 +418,18 @@ def _trace_step(
                 steady_state(traced, opt, step, without_grad)
             except StepError as e:
                 raise TraceError(str(e)) from e.__cause__
+        runtime = make_runtime_model(options.runtime, spec)
+        full_lists = FullListsRuntime(runtime, stacks, traced) if stacks else None
         tracer = StepTracer(
-            traced, type(model).__name__, make_runtime_model(options.runtime, spec),
+            traced, type(model).__name__, full_lists or runtime,
             inputs=step_inputs, optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
             round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
             progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
             previous_output=step.keep_output, held=step.held_tensors(), fake_mode=fake_mode,
         )
+        if full_lists is not None:
+            full_lists.phase, full_lists.optimizer = (lambda: tracer.phase), opt
+        owners = [pre_step_owners(tracer.sid_of, traced, st, opt) for st in stacks]
         applied = prepare(traced) if prepare is not None else None
         if fake:  # the user's model itself must not train in the step (see _refuse_calls_of)
             restore.callback(_refuse_calls_of(model))
@@ -403,6 +460,8 @@ def _trace_step(
             raise TraceError(str(e)) from e
         finally:
             tracer.detach()
+            if full_lists is not None:
+                full_lists.close()
             own = {id(p) for p in model.parameters()} if fake else set()
             read = [t for t in tracer.foreign_leaves() if id(t) in own]
             tracer.restore_foreign_grads()
@@ -414,6 +473,13 @@ def _trace_step(
             raise _TheModelItself(f"reads the model's own parameters ({', '.join(names[:3])}"
                                   f"{', ...' if len(names) > 3 else ''}), from loss_fn or a hook")
         trace = tracer.finish()
+        if stacks:
+            try:
+                trace = expand_stacks(trace, stacks, owners, type(model).__name__)
+            except NotReplicable:
+                raise
+            except Exception as e:  # noqa: BLE001 - a trace this code does not expect: trace it whole
+                raise NotReplicable(f"{type(e).__name__}: {e}") from e
         got_no_grad = frozenset(n for n in trainable if n not in graded)
         drawn_reads = tracer.random_value_reads
         del opt, tracer

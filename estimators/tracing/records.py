@@ -90,6 +90,10 @@ class StepTrace:
     previous_output_sids: tuple[int, ...] = ()
     """Records standing for the previous micro-batch's (or step's) output, which a loop that keeps
     the output holds until this forward returns (``StepTracer(previous_output=True)``)."""
+    twin_of: dict[int, int] = field(default_factory=dict)
+    """Call id -> id of the call it is a copy of: the blocks of a stack laid in from one traced
+    block (``estimators.tracing.replicate``), whose ops and storages are that call's at another
+    place. Estimators may reuse what they derived from the call's own ops."""
 
 
 def tensor_numel(obj: Any) -> int:

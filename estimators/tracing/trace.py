@@ -25,6 +25,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -54,6 +55,18 @@ _VALUE_READS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.
 """Ops by which Python code reads a tensor's value (``.item()``, ``bool()``, ``if t:``)."""
 _DRAWN_NUMEL = 64
 """Outputs of random ops up to this many elements are decisions a model may branch on."""
+
+
+_PRIM_DEVICE = torch.ops.prim.device.default
+_fast_device_queries = True
+
+
+def _fake_device(t: Any) -> torch.device | None:
+    """What ``FakeTensor`` answers to ``prim.device`` (None for other tensors)."""
+    mode = getattr(t, "fake_mode", None)
+    if mode is None or not isinstance(t, FakeTensor):
+        return None
+    return torch.device("meta") if mode.in_kernel_invocation else t.fake_device
 
 
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -157,6 +170,11 @@ class StepTracer(TorchDispatchMode):
     def _sid(self, st: torch.UntypedStorage) -> int | None:
         return self._live.get(id(st))
 
+    def sid_of(self, t: torch.Tensor) -> int | None:
+        """The id of ``t``'s storage in this trace; None where the trace does not track it."""
+        st = _storage_of(t)
+        return self._sid(st) if st is not None else None
+
     def _register_state(self, inputs: Any, held: Any = ()) -> None:
         for p in self.model.parameters():
             self._register(p, StorageKind.PARAM)
@@ -228,6 +246,12 @@ class StepTracer(TorchDispatchMode):
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE and _fast_device_queries:
+            # C++ asks a fake tensor's device for nearly every op (the autograd engine, foreach
+            # grouping): answered here as FakeTensor itself answers, not through every mode below.
+            device = _fake_device(args[0])
+            if device is not None:
+                return device
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         facts = op_facts(func)
