@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 
@@ -75,7 +76,7 @@ def _sum_bytes(trace: StepTrace, sids) -> int:
 
 def _local_stats(
     trace: StepTrace, fqn: str, calls: list[ModuleCall], saved: dict[int, set[int]],
-    last_fw_write: dict[int, tuple[int, str]],
+    last_fw_write: dict[int, tuple[int, Any]],
 ) -> dict:
     """The fields of a module's ModStats that depend on its own ops and storages only: the same
     for a call laid in as a copy of another (``StepTrace.twin_of``) as for that call."""
@@ -163,19 +164,19 @@ def _unsafe_read_blocker(ops) -> str:
             "must be saved: its recompute would read the new values")
 
 
-def _last_fw_writes(trace: StepTrace) -> dict[int, tuple[int, str]]:
+def _last_fw_writes(trace: StepTrace) -> dict[int, tuple[int, Any]]:
     """Storage id -> (index, func) of the last forward op that mutates it in place."""
-    out: dict[int, tuple[int, str]] = {}
+    out: dict[int, tuple[int, Any]] = {}
     for op in trace.ops:
         if op.phase is Phase.FW:
             for sid in op.mutated_sids:
-                out[sid] = (op.index, str(op.func))
+                out[sid] = (op.index, op.func)
     return out
 
 
-def _sac_blocker(trace: StepTrace, calls: list[ModuleCall], last_fw_write: dict[int, tuple[int, str]]) -> str:
+def _sac_blocker(trace: StepTrace, calls: list[ModuleCall], last_fw_write: dict[int, tuple[int, Any]]) -> str:
     """Why a checkpoint of this module would be unsafe, from the trace ("" if it is not)."""
-    seqs = set()
+    seqs = set()  # the ops of each call (OpOverloads are one object per op)
     for c in calls:
         ops = [trace.ops[k] for k in range(c.fw_first_op, c.fw_last_op + 1)]
         # Buffers this call writes in place are given back to its recompute as the forward found
@@ -203,7 +204,7 @@ def _sac_blocker(trace: StepTrace, calls: list[ModuleCall], last_fw_write: dict[
                         and not (st.kind is StorageKind.BUFFER and "batch_norm" in str(op.func))
                         and sid not in own_buffers):
                     return f"reads a tensor the caller later overwrites in place ({later[1]})"
-        seqs.add(tuple(str(op.func) for op in ops if op.phase is Phase.FW))
+        seqs.add(tuple(op.func for op in ops if op.phase is Phase.FW))
     if len(seqs) > 1:
         return f"called {len(calls)} times per step with different ops in each call"
     return ""

@@ -108,9 +108,14 @@ class _Op:
     template: int  # op index in block 2's segment
     kind: Any  # segment kind
     call: Any
-    new: tuple
+    new: tuple  # storages: a global sid (int) or (delta, key)
     args: tuple
     mutated: tuple
+
+
+def _compiled(refs: tuple) -> tuple:
+    """Storage references as the builder reads them fastest: a global sid, or (delta, key)."""
+    return tuple(r[1] if r[0] == "g" else (r[1], r[2]) for r in refs)
 
 
 class _Template:
@@ -133,9 +138,9 @@ class _Template:
                     raise NotReplicable(f"{what}: block 1 runs {a.func} ({a.runtime_ms} ms)")
                 self.ops.append(_Op(
                     i2, s2.kind, _pick(L.rel_call(1, a.call), L.rel_call(2, b.call), what),
-                    _picks(_rels(L, 1, a.new_sids), _rels(L, 2, b.new_sids), what),
-                    _picks(_rels(L, 1, a.arg_sids), _rels(L, 2, b.arg_sids), what),
-                    _picks(_rels(L, 1, a.mutated_sids), _rels(L, 2, b.mutated_sids), what)))
+                    _compiled(_picks(_rels(L, 1, a.new_sids), _rels(L, 2, b.new_sids), what)),
+                    _compiled(_picks(_rels(L, 1, a.arg_sids), _rels(L, 2, b.arg_sids), what)),
+                    _compiled(_picks(_rels(L, 1, a.mutated_sids), _rels(L, 2, b.mutated_sids), what))))
         if L.by_key[1].keys() != L.by_key[2].keys():
             diff = set(L.by_key[1]) ^ set(L.by_key[2])
             raise NotReplicable(f"blocks 1 and 2 own different storages ({sorted(map(str, diff))[:3]})")
@@ -385,11 +390,13 @@ class _Builder:
 
     def _from_template(self, n: int, p: int, t: _Op) -> OpRecord:
         op = self.trace.ops[t.template]
-        sid = self.sid_at
+        at = self.sids_at
         return OpRecord(index=n, func=op.func, phase=op.phase, call=self.call_at(p, t.call),
-                        runtime_ms=op.runtime_ms, new_sids=tuple([sid(p, r) for r in t.new]),
-                        arg_sids=tuple([sid(p, r) for r in t.args]), is_view=op.is_view,
-                        mutated_sids=tuple([sid(p, r) for r in t.mutated]), is_random=op.is_random)
+                        runtime_ms=op.runtime_ms,
+                        new_sids=tuple([r if r.__class__ is int else at[p + r[0]][r[1]] for r in t.new]),
+                        arg_sids=tuple([r if r.__class__ is int else at[p + r[0]][r[1]] for r in t.args]),
+                        is_view=op.is_view, is_random=op.is_random,
+                        mutated_sids=tuple([r if r.__class__ is int else at[p + r[0]][r[1]] for r in t.mutated]))
 
     def _op(self, n: int, op: OpRecord) -> OpRecord:
         L = self.L

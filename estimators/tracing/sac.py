@@ -20,6 +20,7 @@ The greedy order takes units by memory freed per ms of recompute, largest first,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
@@ -34,6 +35,12 @@ __all__ = [
 ]
 
 _TO_COPY = torch.ops.aten._to_copy.default
+
+
+@functools.lru_cache(maxsize=None)
+def _name(func) -> str:
+    """``str(func)`` once per op (an OpOverload builds it anew at each call)."""
+    return str(func)
 
 
 def subtree(trace: StepTrace, call: ModuleCall) -> set[int]:
@@ -55,7 +62,7 @@ def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
     recs = [r for r in trace.ops[call.fw_first_op : call.fw_last_op + 1] if r.phase is Phase.FW]
     last_write = {sid: i for i, r in enumerate(recs) for sid in r.mutated_sids}
     for rec in recs:
-        name = str(rec.func)
+        name = _name(rec.func)
         occ = seen.get(name, 0)
         seen[name] = occ + 1
         i = len(ops)

@@ -61,6 +61,32 @@ _PRIM_DEVICE = torch.ops.prim.device.default
 _fast_device_queries = True
 
 
+def _op_tensors(args: Any, kwargs: dict | None = None) -> list[torch.Tensor]:
+    """The tensors of an aten op's arguments (or outputs), in pytree's order: an op's schema
+    nests them in tuples, lists and the kwargs dict only (a faster ``tree_flatten``)."""
+    out: list[torch.Tensor] = []
+    _collect(args, out)
+    if kwargs:
+        _collect(kwargs.values(), out)
+    return out
+
+
+def _collect(items: Any, out: list) -> None:
+    # Not a closure: a recursive one is a reference cycle that kept ``out``'s tensors alive
+    # until the garbage collector ran, and the trace saw them freed late.
+    for x in items:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif type(x) in (tuple, list):
+            _collect(x, out)
+        elif type(x) is dict:
+            _collect(x.values(), out)
+
+
+def _call(func, args: tuple, kwargs: dict) -> Any:
+    return func(*args, **kwargs)
+
+
 def _fake_device(t: Any) -> torch.device | None:
     """What ``FakeTensor`` answers to ``prim.device`` (None for other tensors)."""
     mode = getattr(t, "fake_mode", None)
@@ -159,6 +185,9 @@ class StepTracer(TorchDispatchMode):
         self.random_value_reads: list[str] = []
         """Modules (fqns) whose Python code read the value of a small tensor drawn from torch's
         RNG (LayerDrop's ``torch.rand([]) < p``): the trace followed that one draw."""
+        self.run_op: Callable[[Any, tuple, dict], Any] = _call
+        """Runs each op the step dispatches; a mode below the tracer may lend its own work here
+        instead of being entered (``RealKernelsMode.run``): one dispatch level less per op."""
         self._register_state(inputs, held)
 
     def set_phase(self, phase: Phase) -> None:
@@ -253,15 +282,14 @@ class StepTracer(TorchDispatchMode):
             if device is not None:
                 return device
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = self.run_op(func, args, kwargs)
         facts = op_facts(func)
         if self._drawn and not self._packing and func in _VALUE_READS:
             self._note_value_read(args)
         if facts.is_query or self._packing:
             return out
         index = len(self.ops)
-        flat_in, _ = tree_flatten((args, kwargs))
-        in_tensors = [a for a in flat_in if isinstance(a, torch.Tensor)]
+        in_tensors = _op_tensors(args, kwargs)
         arg_sids = []
         for t in in_tensors:
             if (t.requires_grad and t.is_leaf and id(t) not in self._own_leaves and id(t) not in self._foreign
@@ -280,7 +308,7 @@ class StepTracer(TorchDispatchMode):
                 arg_sids.append(sid)
         mutated = self._mutated_sids(written_args(facts, args, kwargs)) if facts.written else ()
         new_sids = []
-        flat_out, _ = tree_flatten(out)
+        flat_out = _op_tensors(out if isinstance(out, (tuple, list)) else (out,))
         for t in flat_out:
             if isinstance(t, torch.Tensor):
                 st = _storage_of(t)
