@@ -52,6 +52,7 @@ from torch import Tensor  # noqa: E402
 from benchmarks._torch_pipeline import TorchPipelineResult, run_torch_pipeline  # noqa: E402
 from estimators.runtime.device import get_device_spec  # noqa: E402
 from examples.gpt import gpt_bench, gpt_loss, gpt_tiny  # noqa: E402
+from estimators.step.train_step import TrainStep
 
 SPEED_TARGET = 1 / 25
 DEPTH_TARGET = 2.0
@@ -87,7 +88,7 @@ def run_ours(n_layer: int, loss_fn: LossFn) -> OurRun:
     estimate = _our_estimate()
     model, inputs = gpt_bench(device="meta", n_layer=n_layer)
     start, cpu = time.perf_counter(), time.process_time()
-    est = estimate(model, inputs, loss_fn=loss_fn, optimizer="adam", device=DEVICE)
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer="adam"), device=DEVICE)
     wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     trace = getattr(est, "trace", None)
     ops = getattr(trace, "ops", None)
@@ -101,7 +102,7 @@ def run_theirs(n_layer: int, loss_fn: LossFn) -> TorchPipelineResult:
 def _warm_up(loss_fn: LossFn, skip_torch: bool) -> None:
     estimate = _our_estimate()
     model, inputs = gpt_tiny(device="meta")
-    estimate(model, inputs, loss_fn=loss_fn, optimizer="adam", device=DEVICE)
+    estimate(model, TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer="adam"), device=DEVICE)
     if not skip_torch:
         run_torch_pipeline(gpt_tiny, loss_fn, get_device_spec(DEVICE))
 

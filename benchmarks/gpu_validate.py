@@ -57,6 +57,7 @@ from planner.plan import Plan  # noqa: E402
 from planner.planning.module_plans import recompute_ms_with_saved  # noqa: E402
 from planner.planning.solve import plan_for_budget  # noqa: E402
 from solver import SACMilp  # noqa: E402
+from estimators.step.train_step import TrainStep
 
 MiB = 2**20
 Built = tuple[torch.nn.Module, Any, Callable]  # (model, inputs, loss_fn(output, inputs))
@@ -264,16 +265,14 @@ def _gpu_spec_name() -> str:
 def validate(name: str, *, target: str, device: torch.device, size: str, budget_frac: float,
              steps: int) -> Validation:
     model, inputs, loss_fn = MODELS[name](size)
-    est = estimate(model, inputs, loss_fn=loss_fn, optimizer="adamw", device=target,
-                   options=EstimateOptions(runtime=RuntimeKind.ROOFLINE))
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer="adamw"), device=target, options=EstimateOptions(runtime=RuntimeKind.ROOFLINE))
     milp = SACMilp(est.module_info)
     low, high = milp.min_reachable_peak_bytes(), est.module_info.peak_bytes
     budget = int(low + budget_frac * (high - low))
     plan = plan_for_budget(model, est, budget, milp=milp)
     bench_ms = math.nan  # kernels of a CUDA target cannot be timed on this CPU (dry run)
     if get_device_spec(target).kind == device.type:
-        bench = estimate(model, inputs, loss_fn=loss_fn, optimizer="adamw", device=target,
-                         options=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
+        bench = estimate(model, TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer="adamw"), device=target, options=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
         bench_ms = plan_step_ms(bench, plan)
     dev_inputs = _to(device, inputs)
     base_peaks, _, _ = train_steps(copy.deepcopy(model).to(device), dev_inputs, loss_fn, steps)

@@ -65,7 +65,7 @@ def trace(name: str, batch: int = 8):
         ids = torch.randint(0, vocab, (batch, seq), device="meta")
         inputs = {"input_ids": ids, "labels": ids}
     step = TrainStep(inputs=inputs, loss_fn=lambda out, _: out.loss, optimizer="adamw")
-    return estimate(model, step=step, device="h100").module_info
+    return estimate(model, step, device="h100").module_info
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,10 +78,10 @@ def main(argv=None) -> int:
     model, batch = build()
     step = TrainStep(inputs=batch, optimizer="adamw", keep_output=not args.drop)
     plain, planned = copy.deepcopy(model), copy.deepcopy(model)
-    predicted = estimate(model, step=step, device="cpu").module_info.peak_bytes  # use_cache on
+    predicted = estimate(model, step, device="cpu").module_info.peak_bytes  # use_cache on
     peaks, ref = own_loop(plain, batch)
     with hf_cache_off(model):
-        est = estimate(model, step=step, device="cpu")
+        est = estimate(model, step, device="cpu")
     milp = SACMilp(est.module_info)
     low, high = milp.min_reachable_peak_bytes(), est.module_info.peak_bytes
     plan = plan_for_budget(model, est, int(low + 0.35 * (high - low)), milp=milp)

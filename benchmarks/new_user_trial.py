@@ -43,6 +43,7 @@ from planner import apply_plan, solve_sac  # noqa: E402
 from planner.applying.checkpointing import hf_cache_off  # noqa: E402
 from planner.analysis.measure import measure_steps  # noqa: E402
 from solver import SACMilp  # noqa: E402
+from planner.options import PlanOptions
 
 GiB = 1024**3
 FRACTION = 0.65  # of the way from the smallest reachable peak to the no-AC peak
@@ -236,10 +237,10 @@ def trial(fam: Family) -> Row:
                          autocast_dtype=fam.autocast_dtype, held=(ema,) if fam.ema else ())
         before = _snapshot(model)
         with hf_cache_off(model):
-            est = estimate(model, step=step, device="cpu")
+            est = estimate(model, step, device="cpu")
         low, high = SACMilp(est.module_info).min_reachable_peak_bytes(), est.module_info.peak_bytes
         budget = int(low + FRACTION * (high - low))
-        plan = solve_sac(model, budget / GiB, step=step, device="cpu")
+        plan = solve_sac(model, budget / GiB, step, options=PlanOptions(device="cpu"))
         row.unchanged = _unchanged(before, _snapshot(model))
         row.modules = len(plan.modules)
         row.planned_pred, row.unplanned_pred = plan.predicted_peak_bytes, plan.baseline_peak_bytes

@@ -52,8 +52,7 @@ def traced_info(seq_len: int, device: str, cache: str | None) -> ModuleInfo:
 
     model, inputs = llama3_70b(seq_len=seq_len)
     t0 = time.perf_counter()
-    est = estimate(model, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"),
-                   device=device)
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"), device=device)
     print(f"traced in {time.perf_counter() - t0:.1f} s")
     if cache:
         est.module_info.to_json(cache)

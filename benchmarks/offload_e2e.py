@@ -31,6 +31,7 @@ from planner import apply_plan, solve_sac  # noqa: E402
 from planner.analysis.gradcheck import check_gradients  # noqa: E402
 from planner.analysis.measure import measure_steps  # noqa: E402
 from solver import SACMilp  # noqa: E402
+from planner.options import PlanOptions
 
 MiB = 2**20
 
@@ -42,13 +43,13 @@ def run(name: str, fractions: list[float]) -> bool:
     model, inputs = EXAMPLES[name]()
     model.train()
     step = TrainStep(inputs=inputs, loss_fn=getattr(model, "loss_fn", None), optimizer="adamw")
-    info = estimate(model, step=step, device="cpu").module_info
+    info = estimate(model, step, device="cpu").module_info
     peak, floor = info.peak_bytes, SACMilp(info).min_reachable_peak_bytes()
     ok = True
     for f in fractions:
         budget_gib = (floor + f * (peak - floor)) / 2**30
-        plan = solve_sac(model, budget_gib, step=step, device="cpu", offload=True)
-        grads = check_gradients(model, plan, inputs, loss_fn=step.loss_fn)
+        plan = solve_sac(model, budget_gib, step, options=PlanOptions(device="cpu", offload=True))
+        grads = check_gradients(model, plan, TrainStep(inputs=inputs, loss_fn=step.loss_fn))
         fresh, _ = EXAMPLES[name]()
         fresh.load_state_dict(model.state_dict())
         fresh.train()

@@ -35,6 +35,7 @@ from estimators.tracing.estimation import EstimateOptions  # noqa: E402
 from examples.llama import llama3_70b, llama3_405b  # noqa: E402
 from planner import PlanningError, solve_sac  # noqa: E402
 from planner.distributed.ranks import plan_hash  # noqa: E402
+from planner.options import PlanOptions  # noqa: E402
 from solver import SolverOptions  # noqa: E402
 
 GiB = 2**30
@@ -69,13 +70,12 @@ def main(argv=None) -> int:
 
     def planned(replicate: bool):
         t, c = time.perf_counter(), time.process_time()
+        options = PlanOptions(device=args.device, world_size=args.world_size,
+                              fsdp_units=units if args.world_size > 1 else None,
+                              solver=SolverOptions(time_limit_s=60.0),
+                              trace=EstimateOptions(replicate_blocks=replicate))
         try:
-            plan = solve_sac(
-                model, args.budget_gib, step=step, device=args.device, world_size=args.world_size,
-                fsdp_units=units if args.world_size > 1 else None,
-                solver_options=SolverOptions(time_limit_s=60.0),
-                estimate_options=EstimateOptions(replicate_blocks=replicate),
-            )
+            plan = solve_sac(model, args.budget_gib, step, options=options)
         except PlanningError as e:
             print(f"planning error: {e}")
             plan = None

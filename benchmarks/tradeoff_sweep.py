@@ -40,6 +40,8 @@ from planner.analysis.report import tradeoff_table_text  # noqa: E402
 from planner.planning.tradeoff import TradeoffTable, tradeoff_curve  # noqa: E402
 from solver import SACMilp, SolverOptions, solve_milp  # noqa: E402
 from solver.errors import InfeasibleBudgetError, SolverTimeoutError  # noqa: E402
+from planner.options import PlanOptions
+from estimators.step.train_step import TrainStep
 
 GiB = 2**30
 TARGET_S = 5.0
@@ -53,7 +55,7 @@ def load_info(args) -> ModuleInfo:
 
     t0 = time.perf_counter()
     model, inputs = llama3_70b()
-    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adamw", device="h100")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"), device="h100")
     print(f"traced llama3_70b in {time.perf_counter() - t0:.1f} s")
     if args.save_module_info:
         est.module_info.to_json(args.save_module_info)
@@ -127,8 +129,7 @@ def print_points(table: TradeoffTable, backend_s: list[float]) -> None:
 def run_sweep(info: ModuleInfo, args, options: SolverOptions) -> tuple[TradeoffTable, float, list[float]]:
     with backend_times() as bt:
         t0 = time.perf_counter()
-        table = tradeoff_curve(info, n_points=args.n_points, world_size=args.world_size,
-                               solver_options=options)
+        table = tradeoff_curve(info, options=PlanOptions(world_size=args.world_size, solver=options), n_points=args.n_points)
         wall = time.perf_counter() - t0
     # The min-peak solve is inside build_time_s; the per-point calls are the rest.
     return table, wall, bt.seconds[1:]
@@ -136,8 +137,7 @@ def run_sweep(info: ModuleInfo, args, options: SolverOptions) -> tuple[TradeoffT
 
 def compare_at_baseline_peaks(info: ModuleInfo, bases, args, options: SolverOptions) -> bool:
     """The planner solved at exactly each baseline's peak (untimed); True if it is never worse."""
-    check = tradeoff_curve(info, sorted({b.predicted_peak_bytes for b in bases}),
-                           world_size=args.world_size, solver_options=options)
+    check = tradeoff_curve(info, options=PlanOptions(world_size=args.world_size, solver=options), budgets=sorted({b.predicted_peak_bytes for b in bases}))
     at = {r.budget_bytes: r for r in check.rows}
     ok = True
     print(f"{'baseline':32} {'peak GiB':>9} {'baseline ms':>12} {'planner ms':>11} {'status':>9} "

@@ -38,6 +38,7 @@ import inspect
 import json
 import logging
 import math
+import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -46,14 +47,18 @@ import torch
 from estimators.runtime.device import DEVICE_SPECS, get_device_spec
 from estimators.tracing.estimation import DEFAULT_DEVICE, EstimateOptions, TraceMode, estimate
 from estimators.step.train_step import StepError, TrainStep, ZeroGrad
-from planner.applying.checkpointing import AlreadyCheckpointedError, PlanMismatchError, apply_plan, hf_cache_off, other_model
+from planner.errors import AlreadyCheckpointedError, PlanMismatchError
+from planner.applying.checkpointing import apply_plan, hf_cache_off, other_model
 from planner.analysis.gradcheck import GradientCheck, check_gradients
 from planner.analysis.measure import MeasuredStep, measure_steps
 from planner.format import GiB
-from planner.plan import TRAIN_MODES, Plan, PlanFormatError, StepMismatchError
+from planner.errors import PlanFormatError, StepMismatchError
+from planner.plan import TRAIN_MODES, Plan
 from planner.analysis.report import gradient_check_text, steps_vs_prediction
 from planner.format import fmt_bytes
-from planner.planning.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget, unplanned_peak_bytes
+from planner.errors import PlanningError
+from planner.format import check_budget_gib
+from planner.planning.solve import default_reserve_bytes, plan_for_budget, unplanned_peak_bytes
 from solver import SolverOptions, min_reachable_peak_bytes
 from solver.errors import SolverError
 
@@ -176,7 +181,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
-        prog="python -m planner.apply",
+        prog="sac-plan" if os.path.basename(sys.argv[0] or "") == "sac-plan" else "python -m planner.apply",
         description="Plan selective activation checkpointing for a memory budget, apply it, check it.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 2)[1],
@@ -304,7 +309,7 @@ def _solve(args, model, inputs, loss_fn) -> Plan:
                 "--budget-gib, or --reserve-gib 0 to plan for the whole budget"
             )
     with hf_cache_off(model):  # trace the step as it runs once the plan is applied
-        est = estimate(model, step=_step(args, inputs, loss_fn), device=spec, options=opts)
+        est = estimate(model, _step(args, inputs, loss_fn), device=spec, options=opts)
     info = est.module_info
     solver_options = SolverOptions(time_limit_s=args.time_limit_s)
     fixed_reserve = int(args.reserve_gib * GiB) if args.reserve_gib is not None else None
@@ -346,13 +351,13 @@ def _verify(args, plan: Plan, model, inputs, loss_fn
                 "comparable")
     # First the same forward + backward with and without the plan, from the same state and seed
     # (the model is left as it was), then real training steps with the plan.
-    check = check_gradients(model, plan, inputs, loss_fn=loss_fn, seed=args.seed, keep_output=args.keep_output,
-                            autocast_dtype=_AUTOCAST[args.autocast], train_mode=TRAIN_MODES[args.train_mode])
+    step = _step(args, inputs, loss_fn)
+    check = check_gradients(model, plan, step, seed=args.seed)
     torch.manual_seed(args.seed)
     # Three steps: the first of a fresh run, then the steady state the plan is made for; the
     # step's optimizer is built over the model's trainable parameters by measure_steps.
     with apply_plan(model, plan) as handle:
-        measured = measure_steps(model, _step(args, inputs, loss_fn), n_steps=VERIFY_STEPS)
+        measured = measure_steps(model, step, n_steps=VERIFY_STEPS)
         host = handle.host_bytes_offloaded // VERIFY_STEPS if plan.offloading else None
     return check, measured, note, host
 

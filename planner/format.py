@@ -1,10 +1,18 @@
-"""Byte counts as people read them: the one place tables, messages and plot axes choose a unit."""
+"""Byte counts as people read and type them: the one place tables, messages and plot axes choose a
+unit, and where a number of GiB a user typed is checked."""
 
 from __future__ import annotations
 
-__all__ = ["GiB", "byte_unit", "fmt_bytes"]
+import math
+import numbers
+from typing import Any
+
+from planner.errors import PlanningError
+
+__all__ = ["GiB", "byte_unit", "fmt_bytes", "check_budget_gib"]
 
 GiB = 2**30
+_PIB_IN_GIB = 2**20
 
 _BYTE_UNITS = ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
 
@@ -27,3 +35,20 @@ def fmt_bytes(n: float, digits: int = 2) -> str:
     """
     div, unit = byte_unit(n)
     return f"{int(n)} B" if div == 1 else f"{n / div:.{digits}f} {unit}"
+
+
+def check_budget_gib(budget_gib: Any, name: str = "budget_gib", hint: str = "") -> float:
+    """A positive, finite number of GiB, or a PlanningError that names the argument (``name``)
+    and says what to pass (``hint`` appended)."""
+    # numbers.Real: numpy's scalars too (np.float32(40) was refused as "not a number").
+    if isinstance(budget_gib, bool) or not isinstance(budget_gib, numbers.Real):
+        raise PlanningError(f"{name} must be a number of GiB, got {budget_gib!r}{hint}")
+    budget_gib = float(budget_gib)
+    if not math.isfinite(budget_gib) or budget_gib <= 0:
+        raise PlanningError(f"{name} must be a positive finite number of GiB, got {budget_gib}{hint}")
+    if budget_gib >= _PIB_IN_GIB:  # bytes typed where GiB are asked for (9_000_000 planned nothing)
+        nbytes = f"{budget_gib:.0f}" if budget_gib < 1e18 else f"{budget_gib:g}"
+        raise PlanningError(
+            f"{name} is in GiB: {budget_gib:g} GiB is {budget_gib / _PIB_IN_GIB:.3g} PiB per rank, more "
+            f"than any device holds; for {nbytes} bytes pass {name}={budget_gib / GiB:.4g}{hint}")
+    return budget_gib

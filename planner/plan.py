@@ -23,6 +23,7 @@ __all__ = ["OpKey", "ModulePlan", "Plan", "PlanFormatError", "StepMismatchError"
 
 PLAN_VERSION = 1
 _KIND = "sac_planner.Plan"
+from planner.errors import PlanFormatError, StepMismatchError
 from planner.plan_summary import plan_summary
 # Written by plan files of the first release: a timing, not part of the plan (read and dropped).
 _LEGACY_FIELDS = frozenset({"solve_time_s"})
@@ -43,14 +44,6 @@ def op_key(func_name: str) -> str:
 
 OpKey = tuple[str, int]
 """(op key, occurrence of that key within one call of the module)."""
-
-
-class PlanFormatError(ValueError):
-    """A plan file that is corrupt, from a newer version, or not a plan; or plan fields out of range."""
-
-
-class StepMismatchError(ValueError):
-    """A plan checked against a training step other than the one it was made for."""
 
 
 # ------------------------------------------------------------------ field checks
@@ -104,7 +97,7 @@ def _fields(where: str, d: Any, cls: type, legacy: frozenset = frozenset()) -> d
     """``d`` as keyword arguments of ``cls``: a dict, no unknown keys, every required key."""
     if not isinstance(d, dict):
         raise PlanFormatError(f"{where} must be a JSON object, got {type(d).__name__}")
-    names = {f.name for f in dataclasses.fields(cls) if f.init} - legacy
+    names = {f.name for f in dataclasses.fields(cls) if f.init and f.metadata.get("saved", True)} - legacy
     unknown = sorted(set(d) - names - legacy)
     if unknown:
         raise PlanFormatError(
@@ -306,6 +299,9 @@ class Plan:
     solve_time_s: float = field(default=0.0, compare=False, repr=False)
     """Wall time of the solve. A timing, not part of the plan: left out of equality, of the JSON
     (so of ``plan_hash``), so identical solves give identical plans; 0 for a loaded plan."""
+    train_step: Any = field(default=None, compare=False, repr=False, metadata={"saved": False})
+    """The ``TrainStep`` the plan was made for, in memory only (never saved, not compared): what
+    ``check_gradients(model, plan)`` runs. None for a loaded plan."""
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
@@ -402,8 +398,8 @@ class Plan:
     # ---------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data (``kind``, ``version``, then every field but the timing)."""
-        body = dataclasses.asdict(self)
-        del body["solve_time_s"]
+        body = dataclasses.asdict(dataclasses.replace(self, train_step=None))
+        del body["solve_time_s"], body["train_step"]
         return {"kind": _KIND, "version": PLAN_VERSION, **body}
 
     def to_json(self) -> str:

@@ -239,26 +239,15 @@ def _fake_copy(
         ) from e
 
 
-def as_train_step(
-    model: torch.nn.Module, inputs: Any = None, step: TrainStep | None = None, **fields: Any
-) -> TrainStep:
-    """The TrainStep an entry point was given: ``step``, or one built from ``inputs`` and the
-    loose ``loss_fn`` / ``optimizer`` keywords (the convenience form); ``inputs`` resolved
-    (default ``model.example_inputs()``). Passing both forms is an error."""
-    if isinstance(inputs, TrainStep):
-        step, inputs = (inputs, None) if step is None else (step, inputs)
-    loose = {k: v for k, v in fields.items() if v is not None}
-    if step is not None:
-        if not isinstance(step, TrainStep):
-            raise TypeError(f"step must be a TrainStep, got {type(step).__name__}")
-        if inputs is not None or loose:
-            given = ["inputs"] * (inputs is not None) + sorted(loose)
-            raise ValueError(
-                f"pass either step=TrainStep(...) or {', '.join(given)}, not both: "
-                "put them in the TrainStep"
-            )
-    else:
-        step = TrainStep(inputs=inputs, **loose)
+def as_train_step(model: torch.nn.Module, step: TrainStep | None) -> TrainStep:
+    """``step`` checked and resolved: None is ``TrainStep()``, and a step without ``inputs`` takes
+    ``model.example_inputs()``."""
+    if step is None:
+        step = TrainStep()
+    elif not isinstance(step, TrainStep):
+        raise TypeError(
+            f"step must be a TrainStep, got {type(step).__name__}: describe the step as "
+            "TrainStep(inputs=batch, loss_fn=..., optimizer=...)")
     if step.inputs is None:
         step = dataclasses.replace(step, inputs=_default_inputs(model))
     return step
@@ -266,11 +255,8 @@ def as_train_step(
 
 def estimate(
     model: torch.nn.Module,
-    inputs: Any = None,
-    *,
     step: TrainStep | None = None,
-    loss_fn: LossFn | None = None,
-    optimizer: Any = None,
+    *,
     device: str | DeviceSpec = DEFAULT_DEVICE,
     options: EstimateOptions = EstimateOptions(),
     prepare: Callable[[torch.nn.Module], Any] | None = None,
@@ -280,12 +266,8 @@ def estimate(
     Args:
         model: the module to train; real, or on the meta device for fake mode.
         step: the training step (``TrainStep``: inputs, loss, optimizer, micro-batches, gradient
-            reset, autocast). Or, as a shorthand, ``inputs`` (also positionally, or a TrainStep
-            there), ``loss_fn`` and ``optimizer``:
-        inputs: a tensor, a tuple of positional args, or a dict of kwargs for ``model``;
-            default ``model.example_inputs()``.
-        loss_fn: ``loss_fn(output, inputs) -> scalar``; default ``output.sum()``.
-        optimizer: ``"adam"``, ``"adamw"``, ``"sgd"``, an optimizer instance/class, or None.
+            reset, autocast); None: ``TrainStep()`` (``model.example_inputs()``, ``output.sum()``,
+            no optimizer).
         device: DeviceSpec or its name (``"h100"``, ``"a100-80gb"``, ``"cpu"``...); default
             :data:`DEFAULT_DEVICE`.
         prepare: called with the module that is traced (the fake copy in fake mode) before the
@@ -294,7 +276,7 @@ def estimate(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     spec = get_device_spec(device)
-    step = as_train_step(model, inputs, step, loss_fn=loss_fn, optimizer=optimizer)
+    step = as_train_step(model, step)
     step.check_target(spec)
     _check_held_is_not_the_model(model, step)
     fake = options.mode is TraceMode.FAKE

@@ -1,6 +1,6 @@
 """Check that a plan changes nothing but memory: the same step with and without it, bitwise.
 
-    check = check_gradients(model, plan, inputs, loss_fn=my_loss)
+    check = check_gradients(model, plan)            # the step the plan was made for
     assert check.equal, check.differing
 
 Both runs start from the same state (parameters, buffers such as BatchNorm statistics, and the
@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from estimators.step.train_step import run_step, step_mode
+from estimators.step.train_step import TrainStep, run_step, step_mode
+from estimators.tracing.estimation import as_train_step
 from estimators.step import host_rng
 from planner.applying.checkpointing import apply_plan, hf_cache_note, hf_cache_off, unwrap_compiled
 from planner.plan import Plan
@@ -61,41 +62,32 @@ class GradientCheck:
                 f"max |diff| {self.max_abs_diff:.3g}")
 
 
-def check_gradients(
-    model: torch.nn.Module, plan: Plan, inputs: Any, *, loss_fn: Any = None, seed: int = 0,
-    keep_output: bool | None = None, autocast_dtype: torch.dtype | None | str = "plan",
-    train_mode: bool | None | str = "plan",
-) -> GradientCheck:
-    """Run one forward + backward without and then with ``plan`` and compare them bitwise.
+def check_gradients(model: torch.nn.Module, plan: Plan, step: TrainStep | None = None, *,
+                    seed: int = 0) -> GradientCheck:
+    """Run one forward + backward of ``step`` without and then with ``plan`` and compare them bitwise.
 
     ``model`` is the unplanned model (the plan is applied for the second run and removed after;
-    a model with a plan applied already is refused). ``keep_output``: the output is held through
-    backward as in that loop (``TrainStep.keep_output``), so the planned backward runs beside it
-    as it will in training; None: as the plan's step. ``autocast_dtype``: the forward under
-    ``torch.autocast`` with this dtype; ``"plan"`` (default): the plan's step's (an fp32 check
-    of a bf16 plan compares other kernels than training runs). ``train_mode``: as
-    ``TrainStep.train_mode``; ``"plan"`` (default): the plan's step's."""
+    a model with a plan applied already is refused). ``step``: the step to check (its inputs,
+    loss, autocast, ``keep_output`` and ``train_mode``; one micro-batch, no optimizer step);
+    None: the step the plan was made for (``plan.train_step``), which a plan loaded from a file
+    does not carry. Check the step training runs: an fp32 check of a bf16 plan compares other
+    kernels than training runs."""
     if unwrap_compiled(model) is not model:
         raise TypeError("check_gradients got a torch.compile'd model: check the original module, "
-                        "`check_gradients(compiled._orig_mod, plan, inputs)` (a plan is applied to it, "
+                        "`check_gradients(compiled._orig_mod, plan)` (a plan is applied to it, "
                         "then compiled)")
-    if keep_output is None:
-        keep_output = plan.step.keep_output if plan.step is not None else False
-    if isinstance(autocast_dtype, str):
-        if autocast_dtype != "plan":
-            raise ValueError(f"autocast_dtype must be None, a torch dtype or 'plan', got {autocast_dtype!r}")
-        recorded = plan.step.autocast if plan.step is not None else "none"
-        autocast_dtype = None if recorded == "none" else getattr(torch, recorded)
-    if isinstance(train_mode, str):
-        if train_mode != "plan":
-            raise ValueError(f"train_mode must be None, True, False or 'plan', got {train_mode!r}")
-        train_mode = plan.step.train_mode_flag if plan.step is not None else None
+    if step is None:
+        step = plan.train_step
+        if step is None:
+            raise ValueError("this plan does not carry its training step (a plan loaded from a file): "
+                             "pass it, check_gradients(model, plan, TrainStep(inputs=batch, loss_fn=...))")
+    step = as_train_step(model, step)
     # The user's RNG streams go on where they were: the check seeds every generator twice
     # (torch.manual_seed reseeds every CUDA device's, not only the model's).
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with step_mode(model, train_mode), torch.random.fork_rng(devices=devices), host_rng.preserved(), \
+    with step_mode(model, step.train_mode), torch.random.fork_rng(devices=devices), host_rng.preserved(), \
             _configs_kept(model):
-        return _check(model, plan, inputs, loss_fn, seed, keep_output, autocast_dtype)
+        return _check(model, plan, step.inputs, step.loss_fn, seed, step.keep_output, step.autocast_dtype)
 
 
 @contextlib.contextmanager

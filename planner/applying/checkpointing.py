@@ -39,6 +39,7 @@ from typing import Iterable
 
 import torch
 
+from planner.errors import AlreadyCheckpointedError, PlanMismatchError
 from planner.applying import offload
 from planner.distributed.fsdp import original_class_name
 from planner.applying.offload import OffloadCounter, OffloadError
@@ -67,14 +68,6 @@ _CACHE_OFF = "_sac_planner_use_cache_off"
 """Attribute of the module that owns an HF config (the outermost with it as ``.config``): the
 configs whose cache a plan turned off. On the owner, not the module the plan was applied to, so
 ``remove_plan`` through a wrapper (peft's PeftModel) or on the inner model finds it."""
-
-
-class PlanMismatchError(ValueError):
-    """The plan was made for another model."""
-
-
-class AlreadyCheckpointedError(RuntimeError):
-    """The model is already wrapped by a checkpointing scheme."""
 
 
 def _is_planned(mod: torch.nn.Module) -> bool:

@@ -3,7 +3,8 @@
     dist.init_process_group("gloo")                  # NCCL: torch.cuda.set_device(local_rank) first
     model, batch = build_model()                     # unsharded (or built on the meta device)
     units = ["GPT", *(f"GPT.blocks.{i}" for i in range(n_layer))]
-    plan = solve_sac_distributed(model, 70, batch, optimizer="adamw", fsdp_units=units)
+    step = TrainStep(inputs=batch, optimizer="adamw")
+    plan = solve_sac_distributed(model, 70, step, options=PlanOptions(fsdp_units=units))
     apply_plan(model, plan)                          # then shard exactly ``units``:
     for block in model.blocks:
         fully_shard(block)
@@ -12,10 +13,10 @@
 The protocol, on the ranks of ``group`` (default: the whole job):
 
 1. every rank validates its arguments locally (same arguments -> same error, no collective yet);
-2. rank 0 traces one step of the *unsharded* model in fake mode (``inputs`` is one rank's batch),
+2. rank 0 traces one step of the *unsharded* model in fake mode (``step.inputs`` is one rank's batch),
    makes the memory FSDP-aware (``planner.distributed.fsdp.memory.fsdp_module_info``) and solves per rank; the
    plan's notes state FSDP's all-gather / reduce-scatter time per step (``fsdp_comm_ms`` on the
-   device's default link). With ``estimate_options=EstimateOptions(runtime=RuntimeKind.BENCHMARK)``
+   device's default link). With ``PlanOptions(trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK))``
    a shared benchmark comes first (:func:`share_benchmarks`): every rank traces the step once in
    fake mode recording the distinct op signatures, rank ``r`` times those with index
    ``% world_size == r``, the timings are all-gathered and merged, and rank 0 traces with the
@@ -46,17 +47,21 @@ import torch
 import torch.distributed as dist
 
 from estimators.runtime.collectives import AnalyticCollectiveModel
-from estimators.runtime.device import DeviceSpec, get_device_spec
-from estimators.tracing.estimation import DEFAULT_DEVICE, EstimateOptions, TraceMode, as_train_step, estimate
+from estimators.runtime.device import DeviceSpec
+from estimators.tracing.estimation import TraceMode, as_train_step, estimate
 from estimators.runtime.kernel_bench import BenchmarkRuntime
 from estimators.runtime.op_signatures import SignatureRecorder
 from estimators.runtime.models import RuntimeKind, benchmark_runtime_override, make_runtime_model
+from planner.errors import PlanHashMismatchError, RemotePlanningError
 from planner.applying.checkpointing import hf_cache_off
 from planner.distributed.fsdp.comm import fsdp_comm_ms
 from planner.distributed.fsdp.model import fsdp_units_of
 from planner.format import GiB
 from planner.plan import Plan
-from planner.planning.solve import PlanningError, check_budget_gib, default_reserve_bytes, plan_for_budget
+from planner.format import check_budget_gib
+from planner.planning.solve import default_reserve_bytes, plan_for_budget
+from planner.options import PlanOptions
+from estimators.step.train_step import TrainStep
 
 __all__ = [
     "solve_sac_distributed",
@@ -70,24 +75,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_SOLVE_KWARGS = ("world_size", "step", "reserve_gib", "ac_units", "solver_options", "estimate_options", "verify")
-
-
-class PlanHashMismatchError(RuntimeError):
-    """Ranks of one job hold different plans; ``ranks`` are those that differ from rank 0."""
-
-    def __init__(self, message: str, ranks: list[int]) -> None:
-        super().__init__(message)
-        self.ranks = ranks
-
-
-class RemotePlanningError(PlanningError):
-    """Raised on the other ranks when planning failed on rank 0; same message as rank 0's."""
-
-    def __init__(self, message: str, error_type: str) -> None:
-        super().__init__(message)
-        self.error_type = error_type
-        """Class name of the exception rank 0 raised."""
 
 
 def plan_hash(plan: Plan) -> str:
@@ -124,34 +111,31 @@ def check_same_plan(plan: Plan, group: dist.ProcessGroup | None = None) -> str:
 def solve_sac_distributed(
     model: torch.nn.Module,
     budget_gib: float,
-    inputs: Any = None,
+    step: TrainStep | None = None,
     *,
-    loss_fn: Any = None,
-    optimizer: Any = None,
-    device: str | DeviceSpec = DEFAULT_DEVICE,
-    fsdp_units: Iterable[str] | None = None,
+    options: PlanOptions | None = None,
     group: dist.ProcessGroup | None = None,
     benchmark: "SharedBenchmark | None" = None,
-    **solve_kwargs: Any,
 ) -> Plan:
     """:func:`planner.solve_sac` for a running torch.distributed job: the same plan on every rank.
 
     Call it on every rank of ``group`` with the same arguments, before ``fully_shard`` (the trace
     needs the unsharded model; a model built on the meta device is fine). ``budget_gib`` is per
-    rank, ``inputs`` one rank's batch. ``fsdp_units`` names the modules you will ``fully_shard``
-    (ModuleInfo names: ``"GPT"``, ``"GPT.blocks.0"``...; the root included): parameters, gradients
-    and optimizer state are then sharded over the group and FSDP2's gathered parameters and
-    communication buffers are counted (``planner/distributed/fsdp/memory.py``). ``fsdp_units=None`` plans a
-    replicated model (e.g. DDP; its gradient buckets are not modelled): per-rank memory is the
-    single-process step's. ``solve_kwargs``: ``world_size`` (must equal the group's size),
-    ``reserve_gib``, ``ac_units``, ``solver_options``, ``estimate_options``, ``verify``, as in
-    :func:`planner.solve_sac`. With ``estimate_options=EstimateOptions(runtime=RuntimeKind.BENCHMARK)``
-    the op timings are measured across the ranks first (:func:`share_benchmarks`), unless
-    ``benchmark`` passes timings already shared that way (e.g. to plan several budgets).
+    rank, ``step.inputs`` one rank's batch. ``options.fsdp_units`` names the modules you will
+    ``fully_shard`` (ModuleInfo names: ``"GPT"``, ``"GPT.blocks.0"``...; the root included):
+    parameters, gradients and optimizer state are then sharded over the group and FSDP2's
+    gathered parameters and communication buffers are counted (``planner.distributed.fsdp``).
+    Without ``fsdp_units`` the model is planned replicated (e.g. DDP; its gradient buckets are
+    not modelled): per-rank memory is the single-process step's. ``options.world_size`` must be
+    1 (the default: the group's size is used) or the group's size. With
+    ``options.trace.runtime == RuntimeKind.BENCHMARK`` the op timings are measured across the
+    ranks first (:func:`share_benchmarks`), unless ``benchmark`` passes timings already shared
+    that way (e.g. to plan several budgets).
 
     Example::
 
-        plan = solve_sac_distributed(model, 70, batch, optimizer="adamw", fsdp_units=units)
+        options = PlanOptions(device="h100", fsdp_units=units)
+        plan = solve_sac_distributed(model, 70, TrainStep(inputs=batch, optimizer="adamw"), options=options)
         apply_plan(model, plan)
     """
     if not dist.is_available() or not dist.is_initialized():
@@ -159,39 +143,32 @@ def solve_sac_distributed(
             "solve_sac_distributed needs an initialised torch.distributed job "
             "(dist.init_process_group(...)); in a single process use solve_sac"
         )
+    options = options if options is not None else PlanOptions()
+    if not isinstance(options, PlanOptions):
+        raise TypeError(f"options must be a PlanOptions, got {type(options).__name__}")
     world_size = dist.get_world_size(group)
-    _check_solve_kwargs(solve_kwargs, world_size)
-    units = _check_fsdp_units(model, fsdp_units)
+    _check_world_size(options.world_size, world_size)
+    units = _check_fsdp_units(model, options.fsdp_units)
     shared = benchmark
-    options = solve_kwargs.get("estimate_options") or EstimateOptions()
-    if shared is not None and options.runtime is not RuntimeKind.BENCHMARK:
+    if shared is not None and options.trace.runtime is not RuntimeKind.BENCHMARK:
         raise ValueError(
             "benchmark= holds measured op timings, which only the BENCHMARK runtime uses; pass "
-            "estimate_options=EstimateOptions(runtime=RuntimeKind.BENCHMARK) or drop benchmark="
+            "options=PlanOptions(trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK)) or drop benchmark="
         )
-    if shared is None and options.runtime is RuntimeKind.BENCHMARK:
-        shared = share_benchmarks(model, solve_kwargs.get("step") or inputs, loss_fn=loss_fn, optimizer=optimizer, device=device,
-                                  estimate_options=options, group=group)
-    solve = functools.partial(_solve, model, budget_gib, inputs, loss_fn, optimizer, device, units,
-                              world_size, solve_kwargs, shared)
+    if shared is None and options.trace.runtime is RuntimeKind.BENCHMARK:
+        shared = share_benchmarks(model, step, options=options, group=group)
+    solve = functools.partial(_solve, model, budget_gib, step, options, units, world_size, shared)
     plan = _receive(_plan_on_rank0(solve, group), group)
     check_same_plan(plan, group)
     return plan
 
 
 # ------------------------------------------------------------------------------ local checks
-def _check_solve_kwargs(solve_kwargs: dict[str, Any], group_size: int) -> None:
-    unknown = sorted(set(solve_kwargs) - set(_SOLVE_KWARGS))
-    if unknown:
-        raise TypeError(
-            f"solve_sac_distributed got unexpected keyword arguments {unknown}; "
-            f"it accepts {list(_SOLVE_KWARGS)} besides its named ones"
-        )
-    asked = solve_kwargs.pop("world_size", None)
-    if asked is not None and asked != group_size:
+def _check_world_size(asked: int, group_size: int) -> None:
+    if asked not in (1, group_size):
         raise ValueError(
             f"world_size={asked!r} does not match the process group, which has {group_size} ranks "
-            "(dist.get_world_size(group)); drop world_size or pass the group you shard over"
+            "(dist.get_world_size(group)); leave world_size at 1 or pass the group you shard over"
         )
 
 
@@ -222,34 +199,32 @@ def _plan_on_rank0(solve: Callable[[], Plan], group) -> tuple:
         raise
 
 
-def _solve(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size, kw,
+def _solve(model, budget_gib, step, options: PlanOptions, units, world_size,
            shared: "SharedBenchmark | None" = None) -> Plan:
     """Rank 0's planning; with ``shared``, every trace prices ops from the merged timings."""
     if shared is None:
-        return _solve_traced(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size, kw)
-    runtime = shared.runtime(get_device_spec(device))
+        return _solve_traced(model, budget_gib, step, options, units, world_size)
+    runtime = shared.runtime(options.spec)
     with benchmark_runtime_override(runtime):
-        return _solve_traced(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size,
-                             kw, runtime)
+        return _solve_traced(model, budget_gib, step, options, units, world_size, runtime)
 
 
-def _solve_traced(model, budget_gib, inputs, loss_fn, optimizer, device, units, world_size, kw,
+def _solve_traced(model, budget_gib, step, options: PlanOptions, units, world_size,
                   runtime: BenchmarkRuntime | None = None) -> Plan:
     """Rank 0's trace and plan: the same path as :func:`planner.solve_sac` (``plan_for_budget``
     adds FSDP2's per-rank memory for ``units``)."""
     budget = int(check_budget_gib(budget_gib) * GiB)
-    spec = get_device_spec(device)
-    options = kw.get("estimate_options") or EstimateOptions()
-    step = as_train_step(model, inputs, kw.get("step"), loss_fn=loss_fn, optimizer=optimizer)
+    spec = options.spec
+    step = as_train_step(model, step)
     with hf_cache_off(model):  # trace the step as it runs once the plan is applied
-        est = estimate(model, step=step, device=spec, options=options)
+        est = estimate(model, step, device=spec, options=options.trace)
     notes = [] if runtime is None else [_bench_note(runtime, world_size)]
     shard = world_size if units is not None else 1
-    reserve_gib = kw.get("reserve_gib")
-    reserve = int(reserve_gib * GiB) if reserve_gib is not None else default_reserve_bytes(spec, budget)
+    reserve = (int(options.reserve_gib * GiB) if options.reserve_gib is not None
+               else default_reserve_bytes(spec, budget))
     plan = plan_for_budget(
-        model, est, budget, world_size=shard, reserve_bytes=reserve, ac_units=kw.get("ac_units"),
-        fsdp_units=units, solver_options=kw.get("solver_options"), verify=kw.get("verify", True),
+        model, est, budget, world_size=shard, reserve_bytes=reserve, ac_units=options.ac_units,
+        fsdp_units=units, solver_options=options.solver, verify=options.verify,
     )
     note = (
         f"FSDP2 over {world_size} ranks, {len(units)} units: per-rank memory counts gathered "
@@ -307,29 +282,26 @@ class SharedBenchmark:
 
 def share_benchmarks(
     model: torch.nn.Module,
-    inputs: Any = None,
+    step: TrainStep | None = None,
     *,
-    loss_fn: Any = None,
-    optimizer: Any = None,
-    device: str | DeviceSpec = DEFAULT_DEVICE,
-    estimate_options: EstimateOptions | None = None,
+    options: PlanOptions | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> SharedBenchmark:
     """Benchmark the step's ops once across the ranks of ``group``; call on every rank.
 
     Every rank traces the step in fake mode, recording its distinct op signatures
     (:class:`SignatureRecorder`); rank ``r`` times those with index ``% world_size == r`` on its
-    own device; the timings are all-gathered and merged. If any rank fails, every rank raises
-    (the failing rank its own error, the others :class:`RemotePlanningError`).
+    own device (``options.device``); the timings are all-gathered and merged. If any rank fails,
+    every rank raises (the failing rank its own error, the others :class:`RemotePlanningError`).
 
-    >>> shared = share_benchmarks(model, batch, device="cpu")   # doctest: +SKIP
-    >>> bench = shared.runtime(get_device_spec("cpu"))          # hits only for this step
+    >>> shared = share_benchmarks(model, TrainStep(inputs=batch))   # doctest: +SKIP
+    >>> bench = shared.runtime(get_device_spec("cpu"))               # hits only for this step
     """
+    options = options if options is not None else PlanOptions()
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     error: Exception | None = None
     try:
-        payload: tuple = ("ok", *_benchmark_my_share(model, inputs, loss_fn, optimizer, device,
-                                                     estimate_options, rank, world_size))
+        payload: tuple = ("ok", *_benchmark_my_share(model, step, options, rank, world_size))
     except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
         payload, error = ("error", rank, type(e).__name__, str(e)), e
     gathered: list[Any] = [None] * world_size
@@ -343,16 +315,16 @@ def share_benchmarks(
     return _merge(gathered)
 
 
-def _benchmark_my_share(model, inputs, loss_fn, optimizer, device, options, rank: int,
+def _benchmark_my_share(model, step, options: PlanOptions, rank: int,
                         world_size: int) -> tuple[int, tuple[str, ...], dict[str, float]]:
     """Trace recording signatures, time this rank's share: (signature count, keys, timings)."""
-    spec = get_device_spec(device)
+    spec = options.spec
     bench = make_runtime_model(RuntimeKind.BENCHMARK, spec)  # fails fast without the device
-    options = dataclasses.replace(options or EstimateOptions(), runtime=RuntimeKind.BENCHMARK,
-                                  mode=TraceMode.FAKE, progress=False)
+    trace = dataclasses.replace(options.trace, runtime=RuntimeKind.BENCHMARK, mode=TraceMode.FAKE,
+                                progress=False)
     recorder = SignatureRecorder()
     with benchmark_runtime_override(recorder):
-        estimate(model, inputs, loss_fn=loss_fn, optimizer=optimizer, device=spec, options=options)
+        estimate(model, step, device=spec, options=trace)
     signatures = recorder.signatures()
     share = signatures[rank::world_size]
     for sig in share:

@@ -7,15 +7,12 @@ import functools
 from estimators.contract.module_info import ModStats, SACOp
 from estimators.contract.sac_groups import cached_if_saved
 from estimators.tracing.sac import replay_ms
+from planner.errors import PlanningError
 from planner.plan import ModulePlan, op_key
 from solver import SolverOptions, solve_op_milp
 from solver.op_milp import OpDecision
 
 __all__ = ["PlanningError", "module_plan", "recompute_ms_with_saved"]
-
-
-class PlanningError(ValueError):
-    """The request cannot be planned as asked; the message says what to change."""
 
 
 def module_plan(stats: ModStats, discarded_bytes: int, options: SolverOptions | None = None) -> ModulePlan:

@@ -29,7 +29,8 @@ from estimators.contract.module_info import ModStats, ModuleInfo
 from planner.applying.offload import MIN_OFFLOAD_BYTES, predicted_host_bytes
 from planner.format import GiB
 from planner.plan import ModulePlan, Plan, StepRecord, model_fingerprint, model_shape, op_key
-from planner.planning.module_plans import PlanningError, module_plan
+from planner.errors import PlanningError
+from planner.planning.module_plans import module_plan
 from planner.planning.step_timeline import offloaded_bytes, plan_timeline, step_layout_of, timeline_fields
 from planner.planning.verification import traced_estimate
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions
@@ -159,7 +160,7 @@ def plan_offload(
         solver_status=res.status.value, solve_time_s=time.perf_counter() - t0, notes=tuple(notes),
         first_step_peak_bytes=first, steady_peak_bytes=steady, host_peak_bytes=host,
         host_bytes_per_step=host * micro_batches,
-        step=StepRecord.of(est.step) if est.step is not None else None,
+        step=StepRecord.of(est.step) if est.step is not None else None, train_step=est.step,
         **timeline_fields(tl),
     )
 

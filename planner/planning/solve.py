@@ -23,26 +23,26 @@ from typing import Any, Iterable
 import torch
 import torch.utils.checkpoint
 
-from estimators.runtime.device import DeviceSpec, get_device_spec
+from estimators.runtime.device import DeviceSpec
 from estimators.tracing.estimation import (
-    DEFAULT_DEVICE,
     Estimate,
-    EstimateOptions,
     as_train_step,
     estimate,
 )
 from estimators.tracing.steady_state import first_step_module_info
 from estimators.step.train_step import TrainStep
+from planner.options import PlanOptions
 from planner.planning.floor import PeakBreakdown, floor_text, lowering_hints, peak_breakdown
 from planner.distributed.fsdp import fsdp_module_info
-from planner.format import GiB
+from planner.format import GiB, check_budget_gib
 from planner.plan import Plan, StepRecord, model_fingerprint, model_shape
 from planner.planning import plan_notes
 from planner.planning import verification
 from planner.format import fmt_bytes
 from planner.planning.verification import RecomputeDivergedError
 from planner.planning.candidates import allowed_units, shared_full_plan, shared_modules
-from planner.planning.module_plans import PlanningError, module_plan
+from planner.errors import PlanningError
+from planner.planning.module_plans import module_plan
 from planner.planning.step_timeline import plan_timeline, step_layout_of, timeline_fields
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes
 
@@ -50,7 +50,6 @@ __all__ = [
     "solve_sac",
     "plan_for_budget",
     "default_reserve_bytes",
-    "check_budget_gib",
     "PlanningError",
 ]
 
@@ -65,23 +64,6 @@ def default_reserve_bytes(spec: DeviceSpec, budget_bytes: int) -> int:
     return int(GiB + 0.05 * budget_bytes) if spec.is_cuda else 0
 
 
-def check_budget_gib(budget_gib: Any, name: str = "budget_gib", hint: str = "") -> float:
-    """A positive, finite number of GiB, or a PlanningError that names the argument (``name``)
-    and says what to pass (``hint`` appended)."""
-    # numbers.Real: numpy's scalars too (np.float32(40) was refused as "not a number").
-    if isinstance(budget_gib, bool) or not isinstance(budget_gib, numbers.Real):
-        raise PlanningError(f"{name} must be a number of GiB, got {budget_gib!r}{hint}")
-    budget_gib = float(budget_gib)
-    if not math.isfinite(budget_gib) or budget_gib <= 0:
-        raise PlanningError(f"{name} must be a positive finite number of GiB, got {budget_gib}{hint}")
-    if budget_gib >= _PIB_IN_GIB:  # bytes typed where GiB are asked for (9_000_000 planned nothing)
-        nbytes = f"{budget_gib:.0f}" if budget_gib < 1e18 else f"{budget_gib:g}"
-        raise PlanningError(
-            f"{name} is in GiB: {budget_gib:g} GiB is {budget_gib / _PIB_IN_GIB:.3g} PiB per rank, more "
-            f"than any device holds; for {nbytes} bytes pass {name}={budget_gib / GiB:.4g}{hint}")
-    return budget_gib
-
-
 def _check_reserve_gib(reserve_gib: Any, budget_gib: float) -> None:
     """``reserve_gib``: None, or a finite number of GiB from 0 up to below the budget."""
     if reserve_gib is None:
@@ -94,12 +76,6 @@ def _check_reserve_gib(reserve_gib: Any, budget_gib: float) -> None:
             "the default for the device, 0: plan the budget as given)")
 
 
-def _check_unit_names(names: Any, what: str) -> None:
-    if isinstance(names, (str, bytes)):
-        raise PlanningError(f"{what} must be a list of module names, e.g. [{names!r}], not the string {names!r}")
-
-
-_PIB_IN_GIB = 2**20
 
 
 def _infeasible(budget: int, reserve: int, *, floor: "_Floor", spec: DeviceSpec) -> PlanningError:
@@ -180,84 +156,94 @@ def _gib_up(nbytes: int) -> float:
 def solve_sac(
     model: torch.nn.Module,
     budget_gib: float,
-    inputs: Any = None,
-    *,
     step: TrainStep | None = None,
-    loss_fn: Any = None,
-    optimizer: Any = None,
-    device: str | DeviceSpec = DEFAULT_DEVICE,
-    world_size: int = 1,
-    reserve_gib: float | None = None,
-    ac_units: Iterable[str] | None = None,
-    fsdp_units: Iterable[str] | None = None,
-    solver_options: SolverOptions | None = None,
-    estimate_options: EstimateOptions = EstimateOptions(),
-    verify: bool = True,
-    offload: bool = False,
-    host_budget_gib: float | None = None,
+    *,
+    options: PlanOptions | None = None,
+    **unknown: Any,
 ) -> Plan:
-    """Plan selective activation checkpointing so the training step fits ``budget_gib``.
+    """Plan selective activation checkpointing so the training ``step`` fits ``budget_gib`` per rank.
 
     Traces the steady-state step (fake mode by default: no GPU, no real memory), solves the
-    MILP, turns each module's ratio into op decisions and, with ``verify``, traces the planned
-    model to predict its peak (tightening the target if the trace shows the MILP was
+    MILP, turns each module's ratio into op decisions and, with ``options.verify``, traces the
+    planned model to predict its peak (tightening the target if the trace shows the MILP was
     optimistic). The prediction is the larger of the first step's and the steady state's peak.
 
     Example::
 
         step = TrainStep(inputs=(tokens,), optimizer="adamw", micro_batches=2)
-        plan = solve_sac(model, budget_gib=40, step=step, device="h100")
-        plan = solve_sac(model, budget_gib=40, inputs=(tokens,), optimizer="adamw")  # shorthand
+        plan = solve_sac(model, budget_gib=40, step=step, options=PlanOptions(device="h100"))
         print(plan.summary())
         apply_plan(model, plan)
 
-    ``step`` is the loop (``estimators.step.train_step.TrainStep``); the shorthand ``inputs`` / ``loss_fn``
-    / ``optimizer`` builds one (``inputs`` default ``model.example_inputs()``, ``loss_fn``
-    default ``output.sum()``, ``optimizer`` a name or an instance, so its state is counted).
-    ``device`` defaults to :data:`estimators.tracing.estimation.DEFAULT_DEVICE`. ``fsdp_units`` names the
-    modules you will ``fully_shard`` (root included): with ``world_size`` ranks FSDP2's gathered
-    parameters and buffers are counted per rank (``planner.distributed.fsdp``), as in
-    :func:`planner.solve_sac_distributed`. ``reserve_gib`` defaults to
-    :func:`default_reserve_bytes`. ``offload=True`` adds the third choice, host memory, for the
-    saved activations of the repeated blocks (``planner.planning.offload_solve``): the plan of least
-    predicted step time on the step timeline, with at most ``host_budget_gib`` per rank on host
-    (default: no limit); offloading modules list ``offloaded_ops``.
+    ``step`` is the loop (``TrainStep``; None: ``model.example_inputs()``, ``output.sum()``, no
+    optimizer). ``options`` says how to plan it (``PlanOptions``: device, reserve, parallel
+    layout, offload, solver and trace settings; None: the defaults).
     """
+    if unknown:
+        raise TypeError(_moved_arguments("solve_sac", unknown))
     from planner.applying.checkpointing import check_plannable, hf_cache_off, unwrap_compiled
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"solve_sac plans a torch.nn.Module, got {type(model).__name__}")
+    options = _check_options(options)
     model = unwrap_compiled(model)  # plan what torch.compile wraps; the compiled module is untouched
     check_plannable(model)  # before anything touches the model
     budget = int(check_budget_gib(budget_gib) * GiB)
-    _check_reserve_gib(reserve_gib, budget / GiB)  # all before the trace, which can take minutes
-    _check_unit_names(ac_units, "ac_units")
-    _check_unit_names(fsdp_units, "fsdp_units")
-    if host_budget_gib is not None and not offload:
-        raise PlanningError("host_budget_gib only applies with offload=True (host memory for "
-                            "offloaded activations); pass offload=True or drop it")
-    host_budget = None if host_budget_gib is None else int(check_budget_gib(
-        host_budget_gib, "host_budget_gib",
+    _check_reserve_gib(options.reserve_gib, budget / GiB)  # all before the trace, which can take minutes
+    host_budget = None if options.host_budget_gib is None else int(check_budget_gib(
+        options.host_budget_gib, "host_budget_gib",
         "; pass None for no host limit, or offload=False to keep everything on the device") * GiB)
-    spec = get_device_spec(device)
-    step = as_train_step(model, inputs, step, loss_fn=loss_fn, optimizer=optimizer)
+    spec = options.spec
+    step = as_train_step(model, step)
     with hf_cache_off(model):  # trace the step as it runs once the plan is applied
-        est = estimate(model, step=step, device=spec, options=estimate_options)
-    reserve = int(reserve_gib * GiB) if reserve_gib is not None else default_reserve_bytes(spec, budget)
+        est = estimate(model, step, device=spec, options=options.trace)
+    reserve = (int(options.reserve_gib * GiB) if options.reserve_gib is not None
+               else default_reserve_bytes(spec, budget))
     return plan_for_budget(
         model,
         est,
         budget,
         unplanned_peak_bytes=unplanned_peak_bytes(model, est),
-        world_size=world_size,
+        world_size=options.world_size,
         reserve_bytes=reserve,
-        ac_units=ac_units,
-        fsdp_units=fsdp_units,
-        solver_options=solver_options,
-        verify=verify,
-        offload=offload,
+        ac_units=options.ac_units,
+        fsdp_units=options.fsdp_units,
+        solver_options=options.solver,
+        verify=options.verify,
+        offload=options.offload,
         host_budget_bytes=host_budget,
     )
+
+
+_OPTION_FIELDS = {"device": "device", "world_size": "world_size", "reserve_gib": "reserve_gib",
+                  "ac_units": "ac_units", "fsdp_units": "fsdp_units", "offload": "offload",
+                  "host_budget_gib": "host_budget_gib", "verify": "verify",
+                  "solver_options": "solver", "estimate_options": "trace"}
+
+
+def _moved_arguments(entry: str, unknown: dict[str, Any]) -> str:
+    """The TypeError text for keywords of the old API: where each one lives now."""
+    step = sorted(k for k in unknown if k in ("inputs", "loss_fn", "optimizer"))
+    opts = sorted(k for k in unknown if k in _OPTION_FIELDS)
+    other = sorted(set(unknown) - set(step) - set(opts))
+    parts = []
+    if step:
+        parts.append(f"{', '.join(step)} go in the step: step=TrainStep({', '.join(f'{k}=...' for k in step)})")
+    if opts:
+        parts.append("settings go in the options: options=PlanOptions("
+                     + ", ".join(f"{_OPTION_FIELDS[k]}=..." for k in opts) + ")")
+    if other:
+        parts.append(f"unknown argument(s) {', '.join(map(repr, other))}")
+    return f"{entry}() got keyword argument(s) it does not take: " + "; ".join(parts)
+
+
+def _check_options(options: PlanOptions | None) -> PlanOptions:
+    if options is None:
+        return PlanOptions()
+    if not isinstance(options, PlanOptions):
+        raise TypeError(f"options must be a PlanOptions, got {type(options).__name__}: "
+                        "pass options=PlanOptions(device=..., ...)")
+    return options
 
 
 def plan_for_budget(
@@ -308,7 +294,7 @@ def unplanned_peak_bytes(model: torch.nn.Module, est: Estimate) -> int | None:
     if hf_cache_note(model) is None:
         return None
     opts = dataclasses.replace(est.options, progress=False)
-    return estimate(model, step=est.step, device=est.spec, options=opts).module_info.peak_bytes
+    return estimate(model, est.step, device=est.spec, options=opts).module_info.peak_bytes
 
 
 def _plan_for_budget(
@@ -491,7 +477,7 @@ def _plan_for_budget(
         notes=tuple(notes),
         first_step_peak_bytes=first,
         steady_peak_bytes=steady,
-        step=StepRecord.of(est.step),
+        step=StepRecord.of(est.step), train_step=est.step,
         **_timeline_fields(info, modules, est.spec, units, world_size),
     )
     if traced > usable:

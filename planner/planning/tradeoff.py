@@ -32,16 +32,16 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Sequence
 
-from estimators.tracing.estimation import DEFAULT_DEVICE
+import torch
+
+from estimators.contract.module_info import ModuleInfo
+from estimators.step.train_step import TrainStep
+from estimators.tracing.estimation import Estimate, EstimateOptions, as_train_step, estimate
+from planner.options import PlanOptions
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions
 from solver.errors import SolverTimeoutError
-
-if TYPE_CHECKING:
-    from estimators.runtime.device import DeviceSpec
-    from estimators.contract.module_info import ModuleInfo
-    from estimators.step.train_step import TrainStep
 
 __all__ = [
     "PointStatus",
@@ -237,33 +237,28 @@ def _check_budgets(budgets: Sequence[float]) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- the sweep
-def _module_info(model_or_info: Any, inputs, loss_fn, optimizer, device, step=None,
-                 estimate_options=None) -> tuple[ModuleInfo, Any]:
+def _module_info(source: "torch.nn.Module | Estimate | ModuleInfo", step: TrainStep | None,
+                 options: PlanOptions | None) -> tuple[ModuleInfo, "Estimate | None"]:
     """A ModuleInfo as is, an Estimate's, or one traced from a model (once); and the Estimate
     where a model was traced here (None otherwise)."""
-    from estimators.tracing.estimation import Estimate
-    from estimators.contract.module_info import ModuleInfo
-
-    if estimate_options is not None and isinstance(model_or_info, (ModuleInfo, Estimate)):
-        raise ValueError("estimate_options says how to trace a model; this sweep was given a "
-                         f"{type(model_or_info).__name__}, traced already: leave estimate_options out")
-    if isinstance(model_or_info, ModuleInfo):
-        return model_or_info, None
-    if isinstance(model_or_info, Estimate):
-        return model_or_info.module_info, None
-    import torch
-
-    if isinstance(model_or_info, torch.nn.Module):
-        from estimators.tracing.estimation import EstimateOptions, estimate
+    if isinstance(source, (ModuleInfo, Estimate)):
+        if step is not None:
+            raise ValueError("step describes the step to trace; this sweep was given a "
+                             f"{type(source).__name__}, traced already: leave step out")
+        if options is not None and options.trace != EstimateOptions():
+            raise ValueError("options.trace says how to trace a model; this sweep was given a "
+                             f"{type(source).__name__}, traced already: leave trace out")
+        return (source, None) if isinstance(source, ModuleInfo) else (source.module_info, None)
+    if isinstance(source, torch.nn.Module):
         from planner.applying.checkpointing import hf_cache_off
 
-        with hf_cache_off(model_or_info):  # trace the step as it runs once a plan is applied
-            est = estimate(model_or_info, inputs, step=step, loss_fn=loss_fn, optimizer=optimizer,
-                           device=device, options=estimate_options or EstimateOptions())
+        options = options or PlanOptions()
+        with hf_cache_off(source):  # trace the step as it runs once a plan is applied
+            est = estimate(source, as_train_step(source, step), device=options.spec, options=options.trace)
         return est.module_info, est
     raise TypeError(
         "tradeoff_curve needs a torch.nn.Module, an estimators Estimate or a ModuleInfo; got "
-        f"{type(model_or_info).__name__}"
+        f"{type(source).__name__}"
     )
 
 
@@ -293,53 +288,50 @@ def _solve_point(milp: SACMilp, budget: int, min_peak: int, step_ms: float) -> T
 
 
 def tradeoff_curve(
-    model_or_module_info: Any,
-    budgets: Sequence[float] | None = None,
-    *,
-    inputs: Any = None,
+    source: "torch.nn.Module | Estimate | ModuleInfo",
     step: TrainStep | None = None,
-    loss_fn: Any = None,
-    optimizer: Any = None,
-    device: str | DeviceSpec = DEFAULT_DEVICE,
-    world_size: int = 1,
+    *,
+    options: PlanOptions | None = None,
+    budgets: Sequence[float] | None = None,
     n_points: int = 20,
     extra_budgets: Sequence[float] = (),
-    solver_options: SolverOptions | None = None,
-    estimate_options: Any = None,
 ) -> TradeoffTable:
     """Solve the planner at every budget and return the budget -> recompute trade-off.
 
-    ``model_or_module_info``: a ``ModuleInfo``, an ``Estimate``, or a model (traced once with
-    ``estimate(model, inputs, step=, loss_fn=, optimizer=, device=)``: the steady-state step). ``budgets`` (bytes per rank)
-    must be distinct and ascending; default: ``n_points`` evenly spaced from the smallest
-    reachable peak to the no-AC peak. Budgets below the smallest reachable peak become
-    ``"infeasible"`` rows and the sweep goes on; so do budgets the backend times out on
-    (``"timeout"``). ``extra_budgets`` (any order, duplicates dropped) are merged into the grid,
-    e.g. the baselines' peaks, so that each baseline has a planner point at exactly its peak.
-    Large models want ``SolverOptions(time_limit_s=...)``: every point pays up to that limit.
-    ``estimate_options``: how a model is traced (``EstimateOptions``, as for ``solve_sac``), e.g.
-    ``EstimateOptions(mode=TraceMode.REAL)`` for a model whose fake trace is refused.
-    A model with modules that run more than once per step (weight sharing) is traced once more,
-    with those fully checkpointed, as ``solve_sac`` does under the MILP's floor: the table's
-    floor is then what ``solve_sac`` reaches, and ``notes`` says so.
+    ``source``: a model (its ``step`` traced once, as ``solve_sac`` traces it: the steady-state
+    step), or an ``Estimate`` / ``ModuleInfo`` traced already (then no ``step`` and no
+    ``options.trace``). ``options``: device, world size, solver and trace settings as for
+    ``solve_sac`` (large models want ``PlanOptions(solver=SolverOptions(time_limit_s=...))``:
+    every point pays up to that limit). ``budgets`` (bytes per rank) must be distinct and
+    ascending; default: ``n_points`` evenly spaced from the smallest reachable peak to the no-AC
+    peak. Budgets below the smallest reachable peak become ``"infeasible"`` rows and the sweep
+    goes on; so do budgets the backend times out on (``"timeout"``). ``extra_budgets`` (any
+    order, duplicates dropped) are merged into the grid, e.g. the baselines' peaks, so that each
+    baseline has a planner point at exactly its peak. A model with modules that run more than
+    once per step (weight sharing) is traced once more, with those fully checkpointed, as
+    ``solve_sac`` does under the MILP's floor: the table's floor is then what ``solve_sac``
+    reaches, and ``notes`` says so.
 
     Example::
 
-        table = tradeoff_curve(model, inputs=batch, optimizer="adamw", device="h100")
+        table = tradeoff_curve(model, TrainStep(inputs=batch, optimizer="adamw"),
+                               options=PlanOptions(device="h100"))
         print(planner.analysis.report.tradeoff_table_text(table))
     """
     checked = None if budgets is None else _check_budgets(budgets)
     if checked is None:
         _check_n_points(n_points)  # before the trace and the min-peak solve
     extra = _budget_values(extra_budgets, "extra_budgets")
-    info, est = _module_info(model_or_module_info, inputs, loss_fn, optimizer, device, step, estimate_options)
+    info, est = _module_info(source, step, options)
+    options = options or PlanOptions()
+    world_size, solver_options = options.world_size, options.solver
     t0 = time.perf_counter()
     milp = SACMilp(info, world_size=world_size, options=solver_options)
     min_peak = milp.min_reachable_peak_bytes()
     notes: list[str] = []
     below = None  # a plan traced under the MILP's floor (shared modules), as a row
     if est is not None and world_size == 1:
-        below, note = _shared_floor_row(model_or_module_info, est, milp, min_peak, solver_options)
+        below, note = _shared_floor_row(source, est, milp, min_peak, solver_options)
         notes += [note] if note else []
     else:
         notes += _shared_untraced_note(info)
@@ -475,19 +467,13 @@ class StepTimeCurves:
 
 
 def step_time_curves(
-    model_or_module_info: Any,
-    budgets: Sequence[float] | None = None,
-    *,
-    inputs: Any = None,
+    source: "torch.nn.Module | Estimate | ModuleInfo",
     step: TrainStep | None = None,
-    loss_fn: Any = None,
-    optimizer: Any = None,
-    device: str | DeviceSpec = DEFAULT_DEVICE,
-    world_size: int = 1,
-    fsdp_units: Sequence[str] | None = None,
+    *,
+    options: PlanOptions | None = None,
+    budgets: Sequence[float] | None = None,
     host_budget_bytes: int | None = None,
     n_points: int = 10,
-    solver_options: SolverOptions | None = None,
 ) -> StepTimeCurves:
     """The step time of recompute-only and three-way plans at every budget, and the hand-made
     baselines', all on the step timeline of ``estimators.contract.timeline`` (a sibling of
@@ -496,17 +482,18 @@ def step_time_curves(
 
     Example::
 
-        curves = step_time_curves(model, inputs=batch, optimizer="adamw", device="h100")
+        curves = step_time_curves(model, TrainStep(inputs=batch, optimizer="adamw"),
+                                  options=PlanOptions(device="h100"))
         print(planner.analysis.report.step_time_curves_text(curves))
     """
-    from estimators.runtime.device import get_device_spec
     from planner.planning.baselines import hand_made_baselines
     from planner.planning.step_timeline import step_layout_of
     from solver.offload_milp import OffloadMilp
 
-    spec = get_device_spec(device)
-    info, _ = _module_info(model_or_module_info, inputs, loss_fn, optimizer, spec, step)
-    units = list(fsdp_units) if fsdp_units else None
+    info, _ = _module_info(source, step, options)
+    options = options or PlanOptions()
+    spec, world_size, solver_options = options.spec, options.world_size, options.solver
+    units = list(options.fsdp_units) if options.fsdp_units else None
     if units and world_size > 1:
         from planner.distributed.fsdp import fsdp_module_info
 

@@ -111,5 +111,4 @@ def traced_estimate(model, modules, est: Estimate) -> Estimate:
     from planner.applying.checkpointing import apply_module_plans
 
     opts = dataclasses.replace(est.options, progress=False)
-    return estimate(model, step=est.step, device=est.spec, options=opts,
-                    prepare=lambda m: apply_module_plans(m, modules))
+    return estimate(model, est.step, device=est.spec, options=opts, prepare=lambda m: apply_module_plans(m, modules))

@@ -22,6 +22,7 @@ from examples import EXAMPLES
 from planner.applying.checkpointing import apply_plan
 from planner.planning.solve import plan_for_budget
 from solver import SACMilp
+from estimators.step.train_step import TrainStep
 
 DEVICE = "h100"
 
@@ -115,7 +116,7 @@ def _call(model, inputs):
 def _planning(name):
     model, inputs, loss_fn = CASES[name]()
     # No optimizer in the planned step: the tiny models' AdamW update would bind, not activations.
-    est = estimate(model, inputs, loss_fn=loss_fn, device=DEVICE)
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=loss_fn), device=DEVICE)
     milp = SACMilp(est.module_info)
     return est, milp
 

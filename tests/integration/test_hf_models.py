@@ -19,11 +19,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from estimators.tracing.estimation import estimate  # noqa: E402
-from planner import AlreadyCheckpointedError, apply_plan, solve_sac  # noqa: E402
+from planner import apply_plan, solve_sac  # noqa: E402
+from planner.errors import AlreadyCheckpointedError  # noqa: E402
 from planner.applying.checkpointing import hf_cache_off  # noqa: E402
 from planner.analysis.measure import measure_step  # noqa: E402
 from planner.planning.solve import plan_for_budget  # noqa: E402
 from solver import SACMilp  # noqa: E402
+from planner.options import PlanOptions
+from estimators.step.train_step import TrainStep
 
 VOCAB, HIDDEN, LAYERS, SEQ, BATCH = 128, 32, 2, 16, 4
 _DECODER = dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
@@ -76,7 +79,7 @@ def _planning(name):
     model, inputs = _build(name)
     assert model.config.use_cache is True or not hasattr(model.config, "use_cache")
     with hf_cache_off(model):
-        est = estimate(model, inputs, device="cpu")
+        est = estimate(model, TrainStep(inputs=inputs), device="cpu")
     milp = SACMilp(est.module_info)
     return model, inputs, est, milp, est.module_info.peak_bytes, milp.min_reachable_peak_bytes()
 
@@ -143,7 +146,7 @@ def test_hf_gradient_checkpointing_is_refused_with_the_line_that_turns_it_off():
     with pytest.raises(AlreadyCheckpointedError, match=r"model\.gradient_checkpointing_disable\(\)"):
         apply_plan(model, plan)
     with pytest.raises(AlreadyCheckpointedError, match=r"model\.gradient_checkpointing_disable\(\)"):
-        solve_sac(model, 1.0, inputs, device="cpu")
+        solve_sac(model, 1.0, TrainStep(inputs=inputs), options=PlanOptions(device="cpu"))
     assert {n: dict(m.__dict__) for n, m in model.named_modules()} == before
     assert all(p.grad is None for p in model.parameters())
     with warnings.catch_warnings():
@@ -180,14 +183,14 @@ def test_keep_output_predicts_the_loop_that_holds_the_output():
     step = TrainStep(inputs=inputs, optimizer="adamw", keep_output=True)
     plain, planned = copy.deepcopy(model), copy.deepcopy(model)
     peaks, ref_grads = _own_loop(plain, inputs, n_steps=2)  # step 2 on: the steady state
-    kept = estimate(model, step=step, device="cpu")  # use_cache on, as the unplanned loop runs
-    dropped = estimate(model, step=dataclasses.replace(step, keep_output=False), device="cpu")
+    kept = estimate(model, step, device="cpu")  # use_cache on, as the unplanned loop runs
+    dropped = estimate(model, dataclasses.replace(step, keep_output=False), device="cpu")
     assert peaks[1] == kept.module_info.peak_bytes
     logits = BATCH * SEQ * VOCAB * 4
     assert peaks[1] - dropped.module_info.peak_bytes == logits + LAYERS * 2 * BATCH * SEQ * 16 * 4
 
     with hf_cache_off(model):
-        est = estimate(model, step=step, device="cpu")
+        est = estimate(model, step, device="cpu")
     milp = SACMilp(est.module_info)
     low, high = milp.min_reachable_peak_bytes(), est.module_info.peak_bytes
     plan = plan_for_budget(model, est, int(low + 0.35 * (high - low)), milp=milp)
@@ -210,7 +213,7 @@ def test_an_all_ones_attention_mask_is_predicted_to_the_byte(name):
     model, inputs = _build(name)
     inputs = {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
     with hf_cache_off(model):
-        est = estimate(model, inputs, device="cpu")
+        est = estimate(model, TrainStep(inputs=inputs), device="cpu")
     milp = SACMilp(est.module_info)
     low = milp.min_reachable_peak_bytes()
     plan = plan_for_budget(model, est, int(low + 0.35 * (est.module_info.peak_bytes - low)), milp=milp)
@@ -229,10 +232,10 @@ def test_an_empty_plan_runs_the_step_it_predicts():
     model, inputs = _build("qwen2")
     step = TrainStep(inputs=inputs, optimizer="adamw", keep_output=True)
     with hf_cache_off(model):
-        off = estimate(model, step=step, device="cpu").module_info.peak_bytes
-    on = estimate(model, step=step, device="cpu").module_info.peak_bytes
+        off = estimate(model, step, device="cpu").module_info.peak_bytes
+    on = estimate(model, step, device="cpu").module_info.peak_bytes
     assert off < on
-    plan = solve_sac(model, budget_gib=(off + on) / 2 / 2**30, step=step, device="cpu")
+    plan = solve_sac(model, options=PlanOptions(device="cpu"), budget_gib=(off + on) / 2 / 2**30, step=step)
     assert not plan.modules and plan.predicted_peak_bytes == off
     planned = copy.deepcopy(model)
     with apply_plan(planned, plan):
@@ -272,7 +275,7 @@ def test_remove_plan_through_a_wrapper_or_on_the_inner_model_turns_the_cache_bac
 
     model, inputs = _build("qwen2")
     wrapped = _Wrapper(model)
-    plan = solve_sac(wrapped, budget_gib=1.0, inputs=inputs, loss_fn=lambda out, _: out.loss, verify=False)
+    plan = solve_sac(wrapped, options=PlanOptions(verify=False), budget_gib=1.0, step=TrainStep(inputs=inputs, loss_fn=lambda out, _: out.loss))
     apply_plan(wrapped, plan)
     assert model.config.use_cache is False
     with pytest.raises(AlreadyCheckpointedError):

@@ -23,6 +23,7 @@ from planner.planning.module_plans import module_plan
 from planner.planning.verification import traced_peak
 from solver import SACMilp, predict_peak_bytes
 from solver.graph import Graph
+from estimators.step.train_step import TrainStep
 
 N_RANDOM = 20
 TOL = 0.01
@@ -78,7 +79,7 @@ MODELS = {
 @functools.lru_cache(maxsize=None)
 def _setup(name: str):
     model, inputs, loss_fn = MODELS[name]()
-    est = estimate(model, inputs, loss_fn=loss_fn, optimizer="adamw", device="cpu")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer="adamw"), device="cpu")
     return model, inputs, loss_fn, est
 
 

@@ -97,7 +97,7 @@ def check_steady_state(name: str, opt_name: str, micro_batches: int, *,
     make_opt = OPTIMIZERS[opt_name]
     step = TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer=make_opt, micro_batches=micro_batches,
                      zero_grad=zero_grad, autocast_dtype=autocast_dtype)
-    est = estimate(model, step=step)
+    est = estimate(model, step)
     milp = SACMilp(est.module_info)
     low, high = milp.min_reachable_peak_bytes(), est.module_info.peak_bytes
     errors = []
@@ -176,9 +176,9 @@ def test_sparse_embedding_gradients_are_planned_and_measured(optimizer):
         make = lambda params: torch.optim.Adagrad(params)  # noqa: E731
     ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))
     step = TrainStep(inputs=(ids,), loss_fn=lambda out, _: out.pow(2).mean(), optimizer=make)
-    table = tradeoff_curve(model, step=step)
+    table = tradeoff_curve(model, step)
     lo, hi = table.min_reachable_peak_bytes, table.no_ac_peak_bytes
-    plan = solve_sac(model, (lo + 0.5 * (hi - lo)) / 2**30, step=step)
+    plan = solve_sac(model, (lo + 0.5 * (hi - lo)) / 2**30, step)
     assert plan.checkpointed
     planned = copy.deepcopy(model)
     apply_plan(planned, plan)

@@ -8,6 +8,7 @@ from estimators.tracing.estimation import estimate
 from examples import EXAMPLES
 from planner.planning.solve import plan_for_budget
 from solver import SACMilp
+from estimators.step.train_step import TrainStep
 
 EXAMPLE_NAMES = ["gpt_demo", "convnet_demo"]
 
@@ -16,7 +17,7 @@ EXAMPLE_NAMES = ["gpt_demo", "convnet_demo"]
 def planning(name: str, optimizer: str = "adam"):
     """(estimate, milp, no-AC peak, smallest reachable peak) for an example, planned for cpu."""
     model, inputs = EXAMPLES[name]()
-    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer=optimizer, device="cpu")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer=optimizer), device="cpu")
     milp = SACMilp(est.module_info)
     return est, milp, est.module_info.peak_bytes, milp.min_reachable_peak_bytes()
 

@@ -14,6 +14,8 @@ import pytest
 from planner.cli import main
 from planner.plan import ModulePlan, Plan, model_fingerprint
 from planner.format import fmt_bytes
+from planner.options import PlanOptions
+from estimators.step.train_step import TrainStep
 
 _USER_MODULE = '''
 import torch
@@ -251,7 +253,7 @@ def test_offload_plans_applies_and_checks_host_bytes():
     from solver import SACMilp
 
     model, inputs = EXAMPLES["llama_tiny"]()
-    info = estimate(model, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw",
+    info = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw",
                                           micro_batches=2), device="cpu").module_info
     low = SACMilp(info).min_reachable_peak_bytes()
     budget_gib = (low + 0.9 * (info.peak_bytes - low)) / 2**30
@@ -370,7 +372,7 @@ def test_plan_in_of_a_plan_for_a_devicespec_of_the_users_own(tmp_path, capsys):
 
     model, inputs = convnet_tiny()
     spec = dc.replace(get_device_spec("cpu"), name="my-cpu")
-    plan = solve_sac(model, budget_gib=0.0028, inputs=inputs, loss_fn=convnet_loss, optimizer="adam", device=spec)
+    plan = solve_sac(model, options=PlanOptions(device=spec), budget_gib=0.0028, step=TrainStep(inputs=inputs, loss_fn=convnet_loss, optimizer="adam"))
     out = tmp_path / "custom.json"
     plan.save(out)
     assert main(["--model", "examples:convnet_tiny", "--quiet", "--plan-in", str(out), "--json"]) == 0

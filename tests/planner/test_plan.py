@@ -10,9 +10,11 @@ import pickle
 import pytest
 
 from examples import EXAMPLES
-from planner import PlanFormatError, apply_plan, plan_hash, remove_plan
+from planner import PlanFormatError, apply_plan, remove_plan
+from planner.distributed.ranks import plan_hash
 from estimators.step.train_step import TrainStep, ZeroGrad
-from planner.plan import ModulePlan, Plan, StepMismatchError, StepRecord, model_fingerprint
+from planner.errors import StepMismatchError
+from planner.plan import ModulePlan, Plan, StepRecord, model_fingerprint
 from planner.format import fmt_bytes
 from planner.planning.solve import plan_for_budget
 from tests.planner.conftest import budgets, plan_at, planning

@@ -12,6 +12,7 @@ import pytest
 from estimators.tracing.estimation import estimate
 from estimators.contract.module_info import MemoryPoint, ModuleInfo, ModuleInfoFormatError, Phase, TradeoffCurve
 from examples import EXAMPLES
+from estimators.step.train_step import TrainStep
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.fixture(scope="module")
 def info() -> ModuleInfo:
     model, inputs = EXAMPLES["gpt_tiny"]()
-    return estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="h100").module_info
+    return estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="h100").module_info
 
 
 def test_json_round_trip_is_exact(info, tmp_path):

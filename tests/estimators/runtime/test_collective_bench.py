@@ -221,18 +221,42 @@ class _WorkDoneAt:
         pass
 
 
-def test_poll_sleeps_instead_of_spinning_and_returns_soon_after_completion():
+class _FakeClock:
+    """time.monotonic / time.sleep on a simulated clock: each reading costs ``tick_s`` (a spin
+    check), each sleep advances it by exactly what was asked. The poll's schedule is then checked
+    without depending on how busy the machine is."""
+
+    def __init__(self, tick_s: float = 1e-6):
+        self.now, self.tick_s, self.sleeps = 1000.0, tick_s, []
+
+    def monotonic(self) -> float:
+        self.now += self.tick_s
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.now += s
+
+
+def test_poll_sleeps_instead_of_spinning_and_returns_soon_after_completion(monkeypatch):
+    import estimators.runtime.collective_bench as cb
+
+    clock = _FakeClock()
+    monkeypatch.setattr(cb.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(cb.time, "sleep", clock.sleep)
     wait_s = 0.3
-    work = _WorkDoneAt(time.monotonic() + wait_s)
-    cpu0, wall0 = time.process_time(), time.monotonic()
+    start = clock.now
+    work = _WorkDoneAt(start + wait_s)
+    monkeypatch.setattr(time, "monotonic", clock.monotonic)  # the work reads the same clock
     _poll(work, timeout_s=5.0)
-    cpu_s, late_s = time.process_time() - cpu0, time.monotonic() - work.done_at
-    # A busy wait burns ~wait_s of CPU; this one spins 5 ms, then sleeps 1/64 of the time waited
-    # (the bound on how late it notices, plus the OS's wake-up delay). The CPU time is the check:
-    # how many times the 5 ms spin polls depends on the machine (21,785 once on a loaded one).
-    assert cpu_s < 0.1 * wait_s
-    assert 0 <= late_s < wait_s / 64 + 0.05
-    assert time.monotonic() - wall0 >= wait_s
+    late_s = clock.now - work.done_at
+    # Spins only for the first few ms (one check per tick), then sleeps 1/64 of the time waited,
+    # at most 10 ms: a handful of sleeps, each within that bound, and it notices within one sleep.
+    spin_checks = cb._SPIN_S / (2 * clock.tick_s)
+    # A spin over the whole wait would check wait_s / (2 * tick_s) = 150,000 times.
+    assert work.checks < spin_checks + 400 and 0 < len(clock.sleeps) < 400
+    assert all(s <= min(wait_s * cb._SLEEP_FRACTION, cb._SLEEP_MAX_S) + 1e-12 for s in clock.sleeps)
+    assert 0 <= late_s <= min(wait_s * cb._SLEEP_FRACTION, cb._SLEEP_MAX_S) + 1e-3
 
 
 def test_poll_times_out():

@@ -41,16 +41,15 @@ def test_optimizer_over_another_models_parameters_is_refused(mode):
     other, _ = EXAMPLES["gpt_tiny"]()
     sgd = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)  # momentum state went uncounted
     with pytest.raises(ValueError, match=r"not this GPT's parameters; build it over model.parameters\(\)"):
-        estimate(model, inputs, loss_fn=model.loss_fn, optimizer=sgd, options=EstimateOptions(mode=mode))
-    ok = estimate(model, inputs, loss_fn=model.loss_fn,
-                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer=sgd), options=EstimateOptions(mode=mode))
+    ok = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert ok.timeline.live_by_kind[-1][StorageKind.OPTIMIZER] >= params  # one momentum buffer each
 
 
 def test_unknown_optimizer_name():
     with pytest.raises(ValueError, match=r"unknown optimizer 'adamx'.*adam"):
-        estimate(torch.nn.Linear(4, 4), (torch.randn(2, 4),), optimizer="adamx")
+        estimate(torch.nn.Linear(4, 4), TrainStep(inputs=(torch.randn(2, 4),), optimizer="adamx"))
 
 
 def test_optimizers_that_make_state_in_their_constructor_trace_in_fake_mode():
@@ -59,11 +58,11 @@ def test_optimizers_that_make_state_in_their_constructor_trace_in_fake_mode():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
     step = TrainStep(inputs=(torch.randn(8, 16),), optimizer=torch.optim.Adagrad)
-    est = estimate(model, step=step)
+    est = estimate(model, step)
     first, steady, _ = [m.peak_bytes for m in measure_steps(model, step, torch.optim.Adagrad(model.parameters()),
                                                             n_steps=3)]
     assert (est.first_step_peak_bytes, est.steady_peak_bytes) == (first, steady)
     # ASGD reads its (non-constant) state with .item() inside the step: a clear refusal.
     with pytest.raises(TraceError, match=r"the optimizer step \(ASGD\) raised DataDependentOutputException.*"
                                          r"trace in real mode"):
-        estimate(model, step=dataclasses.replace(step, optimizer=torch.optim.ASGD))
+        estimate(model, dataclasses.replace(step, optimizer=torch.optim.ASGD))

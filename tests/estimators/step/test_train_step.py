@@ -53,13 +53,13 @@ def test_estimate_refuses_a_dtype_the_target_cannot_run():
     model, inputs = EXAMPLES["gpt_tiny"]()
     no_fp16 = get_device_spec("cpu").replace(name="bf16-cpu", peak_flops_per_s={torch.float32: 2e11, torch.bfloat16: 1e11})
     with pytest.raises(ValueError, match=r"float16 cannot run on the target 'bf16-cpu'"):
-        estimate(model, step=TrainStep(inputs=inputs, autocast_dtype=torch.float16), device=no_fp16)
+        estimate(model, TrainStep(inputs=inputs, autocast_dtype=torch.float16), device=no_fp16)
 
 
-def test_step_and_loose_arguments_together_are_refused():
+def test_a_step_that_is_not_a_train_step_is_refused_with_the_way_to_write_it():
     model, inputs = EXAMPLES["gpt_tiny"]()
-    with pytest.raises(ValueError, match=r"pass either step=TrainStep\(...\) or inputs, optimizer"):
-        estimate(model, inputs, step=TrainStep(), optimizer="adam")
+    with pytest.raises(TypeError, match=r"step must be a TrainStep, got tuple: describe the step as TrainStep\(inputs=batch"):
+        estimate(model, inputs)
 
 
 def test_grads_alive_at_start():
@@ -203,8 +203,8 @@ def test_values_read_in_a_backward_hook_say_to_trace_in_real_mode():
 
     model, x, norms = _logs_grad_norms()
     with pytest.raises(TraceError, match=r"the backward .* reads tensor values.*TraceMode.REAL"):
-        estimate(model, (x,))
-    est = estimate(model, (x,), options=EstimateOptions(mode=TraceMode.REAL))
+        estimate(model, TrainStep(inputs=(x,)))
+    est = estimate(model, TrainStep(inputs=(x,)), options=EstimateOptions(mode=TraceMode.REAL))
     assert est.steady_peak_bytes > 0 and len(norms) >= 1
 
 
@@ -213,7 +213,7 @@ def test_values_read_in_the_loss_say_to_trace_in_real_mode():
 
     model, x, _ = _logs_grad_norms()
     with pytest.raises(TraceError, match=r"the loss function .* reads tensor values.*--mode real"):
-        estimate(model, (x,), loss_fn=lambda out, inp: out.sum() * (1.0 if out.max().item() > 0 else 2.0))
+        estimate(model, TrainStep(inputs=(x,), loss_fn=lambda out, inp: out.sum() * (1.0 if out.max().item() > 0 else 2.0)))
 
 
 def test_keep_output_must_be_a_bool():
@@ -295,7 +295,7 @@ def test_a_value_read_is_named_before_missing_decoder_inputs():
 
     with pytest.raises(TraceError, match=r"reads tensor values.*TraceMode.REAL.*LayerDrop is on "
                        r"\(config.encoder_layerdrop = 0.1\).*set it to 0.0") as e:
-        estimate(_ReadsValues(), inputs={"past_values": torch.randn(2, 4)})
+        estimate(_ReadsValues(), TrainStep(inputs={"past_values": torch.randn(2, 4)}))
     assert "labels" not in str(e.value)
 
 

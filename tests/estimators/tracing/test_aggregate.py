@@ -14,6 +14,7 @@ from torch import nn
 
 from estimators.tracing.estimation import estimate
 from estimators.contract.module_info import ModOrder
+from estimators.step.train_step import TrainStep
 
 
 class Net(nn.Module):
@@ -30,7 +31,7 @@ class Net(nn.Module):
 @pytest.fixture(scope="module")
 def est():
     torch.manual_seed(0)
-    return estimate(Net(), (torch.randn(3, 4),), device="cpu")
+    return estimate(Net(), TrainStep(inputs=(torch.randn(3, 4),)), device="cpu")
 
 
 def test_module_order_forward_and_backward(est):

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from estimators.tracing.cuda_rules import CudaSemanticsMode, SdpaKernel, select_sdpa_kernel
 from estimators.tracing.estimation import EstimateOptions, estimate
+from estimators.step.train_step import TrainStep
 
 
 class Scale(nn.Module):
@@ -25,11 +26,11 @@ class Scale(nn.Module):
 
 
 def _stats(model, x, device):
-    return estimate(model, (x,), device=device).module_info.stats(type(model).__name__)
+    return estimate(model, TrainStep(inputs=(x,)), device=device).module_info.stats(type(model).__name__)
 
 
 def _funcs(model, inputs, device="h100"):
-    return [str(o.func) for o in estimate(model, inputs, device=device).trace.ops]
+    return [str(o.func) for o in estimate(model, TrainStep(inputs=inputs), device=device).trace.ops]
 
 
 def test_allocator_rounds_to_512_byte_blocks():
@@ -105,7 +106,7 @@ def test_dropout_that_cuda_runs_like_the_cpu_is_left_alone(label, drop):
 
 def test_bad_dropout_probability_keeps_torchs_error():
     with pytest.raises(Exception, match="dropout probability"):
-        estimate(Drop(16, lambda x: F.dropout(x, 1.5, True)), (torch.randn(16),), device="h100")
+        estimate(Drop(16, lambda x: F.dropout(x, 1.5, True)), TrainStep(inputs=(torch.randn(16),)), device="h100")
 
 
 # ----------------------------------------------------------------------------- attention: selection
@@ -194,7 +195,7 @@ def test_flash_keeps_qkv_output_and_logsumexp_never_seq_by_seq():
     x = torch.randn(B, H, L, D, dtype=torch.bfloat16)
     act = B * H * L * D * 2
     lse = B * H * L * 4  # float32 log-sum-exp
-    est = estimate(Attn(D, torch.bfloat16, dropout_p=0.1, is_causal=True), (x,), device="h100")
+    est = estimate(Attn(D, torch.bfloat16, dropout_p=0.1, is_causal=True), TrainStep(inputs=(x,)), device="h100")
     funcs = {str(o.func) for o in est.trace.ops}
     assert {"aten._scaled_dot_product_flash_attention.default",
             "aten._scaled_dot_product_flash_attention_backward.default"} <= funcs
@@ -206,7 +207,7 @@ def test_flash_keeps_qkv_output_and_logsumexp_never_seq_by_seq():
 def test_flash_pads_head_dim_to_a_multiple_of_8_as_attention_cpp_does():
     d = 12
     x = torch.randn(B, H, L, d, dtype=torch.bfloat16)
-    s = estimate(Attn(d, torch.bfloat16), (x,), device="h100").module_info.stats("Attn")
+    s = estimate(Attn(d, torch.bfloat16), TrainStep(inputs=(x,)), device="h100").module_info.stats("Attn")
     act, padded = B * H * L * d * 2, B * H * L * 16 * 2
     # x (saved by the mul; q itself is only read by the pads, which save nothing), q padded to 16
     # three times (q = k = v: three pads of one tensor, each kept), the padded output (sliced back
@@ -238,7 +239,7 @@ def test_efficient_keeps_the_bias_and_returns_its_gradient():
             # Computed in the forward, like T5's bias (an embedding lookup): an activation.
             return F.scaled_dot_product_attention(q, q, q, attn_mask=self.b * 2)
 
-    est = estimate(Biased(), (x,), device="h100")
+    est = estimate(Biased(), TrainStep(inputs=(x,)), device="h100")
     funcs = [str(o.func) for o in est.trace.ops]
     assert "aten._scaled_dot_product_efficient_attention_backward.default" in funcs
     s = est.module_info.stats("Biased")
@@ -275,7 +276,7 @@ def test_grouped_query_heads_reach_flash_unrepeated():
             return self.leaf(F.scaled_dot_product_attention(q * self.w, k, k, is_causal=True, enable_gqa=True))
 
     q, kv = torch.randn(B, H, L, D, dtype=torch.bfloat16), torch.randn(B, Hkv, L, D, dtype=torch.bfloat16)
-    s = estimate(GQA(), (q, kv), device="h100").module_info.stats("GQA")
+    s = estimate(GQA(), TrainStep(inputs=(q, kv)), device="h100").module_info.stats("GQA")
     # q, kv inputs; q*w, k (Hkv heads, not repeated); output; lse; seed, offset.
     expect = 2 * (B * H * L * D * 2) + 2 * (B * Hkv * L * D * 2) + B * H * L * D * 2 + B * H * L * 4 + RNG
     assert s.act_fw_bytes == expect
@@ -331,7 +332,7 @@ def test_rules_hold_in_backward_and_in_the_recompute():
 def test_rules_only_for_cuda_targets():
     n = 4096
     a = _stats(Drop(n), torch.randn(n), "cpu")
-    b = estimate(Drop(n), (torch.randn(n),), device="h100", options=EstimateOptions(cuda_semantics=False))
+    b = estimate(Drop(n), TrainStep(inputs=(torch.randn(n),)), device="h100", options=EstimateOptions(cuda_semantics=False))
     # Rounding stays (it is the allocator of the target); the dropout rule is off.
     assert b.module_info.stats("Drop").act_fw_bytes == a.act_fw_bytes
 

@@ -25,7 +25,7 @@ def test_saved_bytes_match_autograd_per_module(name):
     model, inputs = EXAMPLES[name]()
     assert any(isinstance(m, torch.nn.Dropout) for m in model.modules()), "dropout must be on"
     oracle = saved_bytes_per_module(model, inputs, type(model).__name__)
-    est = estimate(model, inputs, loss_fn=model.loss_fn, options=REAL)
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn), options=REAL)
     non_leaf = [s for s in est.module_info.mod_stats if not s.is_leaf]
     assert len(non_leaf) >= 4
     for s in non_leaf:
@@ -38,7 +38,7 @@ def test_step_peaks_match_mem_tracker_over_three_steps(name):
     model, inputs = EXAMPLES[name]()
     opt = torch.optim.Adam(model.parameters())
     step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer=opt)
-    est = estimate(model, step=step, options=REAL)
+    est = estimate(model, step, options=REAL)
     first, steady, *later = [m.peak_bytes for m in measure_steps(model, step, opt, n_steps=3)]
     assert est.first_step_peak_bytes == first
     assert est.module_info.peak_bytes == steady == later[0] > first
@@ -73,7 +73,7 @@ def test_keep_output_predicts_a_loop_that_holds_the_output():
     torch.manual_seed(0)
     model, x = Net(), torch.randn(3, 4)
     peaks = _own_loop_peaks(model, x)
-    dropped, kept = (estimate(model, step=TrainStep(inputs=(x,), optimizer="adamw", keep_output=k))
+    dropped, kept = (estimate(model, TrainStep(inputs=(x,), optimizer="adamw", keep_output=k))
                      for k in (False, True))
     assert peaks == [kept.module_info.peak_bytes] * 3 == [kept.first_step_peak_bytes] * 3
     assert kept.module_info.peak_bytes - dropped.module_info.peak_bytes == 3 * 2 * 4
@@ -110,7 +110,7 @@ def test_keep_output_counts_the_previous_output_in_the_next_forward(micro_batche
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4096))
     x = torch.randn(256, 64)
-    est = estimate(model, step=TrainStep(inputs=(x,), optimizer="sgd", micro_batches=micro_batches,
+    est = estimate(model, TrainStep(inputs=(x,), optimizer="sgd", micro_batches=micro_batches,
                                          keep_output=True))
     first, *steady = _wide_loop_peaks(copy.deepcopy(model), x, micro_batches)
     assert steady == [est.module_info.peak_bytes] * 2 and est.first_step_peak_bytes == first
@@ -128,7 +128,7 @@ def test_keep_output_counts_the_previous_output_in_the_next_forward(micro_batche
 def test_gradients_kept_by_the_loop_are_alive_from_the_start(step):
     model, inputs = EXAMPLES["gpt_tiny"]()
     step = dataclasses.replace(step, inputs=inputs, loss_fn=model.loss_fn)
-    est = estimate(model, step=step)
+    est = estimate(model, step)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert est.timeline.by_kind(0)[StorageKind.GRAD] == params
 
@@ -141,7 +141,7 @@ def test_real_mode_leaves_the_model_as_it_was():
     model.loss_fn(model(*inputs), inputs).backward()  # grads of a step in progress
     before = _snapshot(model, opt)
     rng = torch.get_rng_state()
-    estimate(model, inputs, loss_fn=model.loss_fn, optimizer=opt, options=REAL)
+    estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer=opt), options=REAL)
     _assert_same(before, _snapshot(model, opt))
     assert torch.equal(rng, torch.get_rng_state())
 
@@ -175,9 +175,9 @@ def _assert_same(a, b):
 @pytest.mark.parametrize("name", MODELS + ["llama_tiny"])
 def test_fake_mode_equals_real_mode(name):
     model, inputs = EXAMPLES[name]()
-    fake = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adamw", device="cpu")
+    fake = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"), device="cpu")
     model2, inputs2 = EXAMPLES[name]()
-    real = estimate(model2, inputs2, loss_fn=model2.loss_fn, optimizer="adamw", options=REAL)
+    real = estimate(model2, TrainStep(inputs=inputs2, loss_fn=model2.loss_fn, optimizer="adamw"), options=REAL)
     f, r = fake.module_info, real.module_info
     assert f.mod_order == r.mod_order
     assert f.peak_bytes == r.peak_bytes
@@ -189,7 +189,7 @@ def test_fake_mode_equals_real_mode(name):
 def test_fake_mode_does_not_touch_the_model():
     model, inputs = EXAMPLES["gpt_tiny"]()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="h100")
+    estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="h100")
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -197,16 +197,16 @@ def test_fake_mode_does_not_touch_the_model():
 
 def test_meta_model_traces_in_fake_mode():
     model, inputs = EXAMPLES["gpt_tiny"](device="meta")
-    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="h100")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="h100")
     ref_model, ref_inputs = EXAMPLES["gpt_tiny"]()
-    ref = estimate(ref_model, ref_inputs, loss_fn=ref_model.loss_fn, optimizer="adam", device="h100")
+    ref = estimate(ref_model, TrainStep(inputs=ref_inputs, loss_fn=ref_model.loss_fn, optimizer="adam"), device="h100")
     assert est.module_info.peak_bytes == ref.module_info.peak_bytes > 0
 
 
 def test_optimizer_state_counted():
     model, inputs = EXAMPLES["gpt_tiny"]()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"))
     last = est.timeline.live_by_kind[-1]
     # Adam keeps exp_avg and exp_avg_sq per parameter (+ a scalar step each).
     assert 2 * params <= last[StorageKind.OPTIMIZER] <= 2 * params + 64 * len(list(model.parameters()))
@@ -225,24 +225,24 @@ class _Raises(torch.nn.Module):
 
 def test_forward_that_raises_names_the_model():
     with pytest.raises(TraceError, match=r"_Raises.forward raised RuntimeError: boom"):
-        estimate(_Raises(), (torch.randn(2, 4),))
+        estimate(_Raises(), TrainStep(inputs=(torch.randn(2, 4),)))
 
 
 def test_inputs_on_wrong_device():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(TraceError, match=r"input tensor is on meta.*model is on cpu.*\.to\('cpu'\)"):
-        estimate(model, (torch.empty(2, 4, device="meta"),), options=REAL)
+        estimate(model, TrainStep(inputs=(torch.empty(2, 4, device="meta"),)), options=REAL)
 
 
 def test_loss_not_scalar():
     model = torch.nn.Linear(4, 4)
     with pytest.raises(TraceError, match=r"loss must be a scalar.*\(2, 4\).*\.mean\(\)"):
-        estimate(model, (torch.randn(2, 4),), loss_fn=lambda out, inp: out)
+        estimate(model, TrainStep(inputs=(torch.randn(2, 4),), loss_fn=lambda out, inp: out))
 
 
 def test_unknown_device_lists_known_ones():
     with pytest.raises(UnknownDeviceError, match=r"unknown device 'h1000'.*h100"):
-        estimate(torch.nn.Linear(4, 4), (torch.randn(2, 4),), device="h1000")
+        estimate(torch.nn.Linear(4, 4), TrainStep(inputs=(torch.randn(2, 4),)), device="h1000")
 
 
 def test_no_inputs_and_no_example_inputs():
@@ -267,8 +267,8 @@ def test_an_lstm_is_refused_in_fake_mode_and_exact_in_real_mode():
     model, x = _LSTMNet(), torch.randn(4, 12, 8)
     step = TrainStep(inputs=(x,), optimizer="adamw")
     with pytest.raises(TraceError, match=r"LSTMNet.rnn runs LSTM.*0 bytes.*TraceMode.REAL"):
-        estimate(model, step=step)
-    est = estimate(model, step=step, options=EstimateOptions(mode=TraceMode.REAL))
+        estimate(model, step)
+    est = estimate(model, step, options=EstimateOptions(mode=TraceMode.REAL))
     opt = torch.optim.AdamW(model.parameters())
     assert [s.peak_bytes for s in measure_steps(model, step, opt, n_steps=2)][1] == est.steady_peak_bytes
 
@@ -282,7 +282,7 @@ def test_held_tensors_are_resident_for_the_whole_step():
         b.numel() * b.element_size() for b in ema.buffers())
     step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw")
     held = dataclasses.replace(step, held=ema)
-    plain, with_ema = estimate(model, step=step), estimate(model, step=held)
+    plain, with_ema = estimate(model, step), estimate(model, held)
     assert with_ema.module_info.peak_bytes == plain.module_info.peak_bytes + ema_bytes
     assert with_ema.first_step_peak_bytes == plain.first_step_peak_bytes + ema_bytes
     opt = torch.optim.AdamW(model.parameters())
@@ -294,7 +294,7 @@ def test_held_refuses_the_models_own_tensors():
     model, inputs = EXAMPLES["gpt_tiny"]()
     for bad in (model, next(model.parameters())[0]):
         with pytest.raises(ValueError, match="held holds the model's own .* EMA copy"):
-            estimate(model, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn, held=bad))
+            estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, held=bad))
 
 
 class _StochasticDepth(torch.nn.Module):
@@ -326,7 +326,7 @@ def test_host_random_draws_warn_and_leave_the_users_streams(mode):
     expected = random.random()
     random.seed(3)
     with pytest.warns(HostRandomnessWarning, match="stochastic depth"):
-        estimate(model, inputs=(x,), options=EstimateOptions(mode=mode))
+        estimate(model, TrainStep(inputs=(x,)), options=EstimateOptions(mode=mode))
     assert random.random() == expected
 
 
@@ -337,7 +337,7 @@ def test_no_host_draws_no_warning():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", HostRandomnessWarning)
-        estimate(torch.nn.Linear(4, 4), inputs=(torch.randn(2, 4),))
+        estimate(torch.nn.Linear(4, 4), TrainStep(inputs=(torch.randn(2, 4),)))
 
 
 class _LayerDrop(torch.nn.Module):
@@ -369,10 +369,10 @@ def test_a_real_trace_that_branches_on_torch_draws_warns():
     torch.manual_seed(0)
     opts = EstimateOptions(mode=TraceMode.REAL)
     with pytest.warns(DrawnControlFlowWarning, match=r"_LayerDrop.*LayerDrop.*layerdrop = 0.0"):
-        estimate(_LayerDrop(0.5), inputs=(torch.randn(8, 16),), options=opts)
+        estimate(_LayerDrop(0.5), TrainStep(inputs=(torch.randn(8, 16),)), options=opts)
     with warnings.catch_warnings():  # dropout and drop-path masks are drawn but never branched on
         warnings.simplefilter("error", DrawnControlFlowWarning)
-        estimate(_LayerDrop(0.0), inputs=(torch.randn(8, 16),), options=opts)
+        estimate(_LayerDrop(0.0), TrainStep(inputs=(torch.randn(8, 16),)), options=opts)
         # A NaN guard on a loss computed through a 64-element dropout (a small classifier head)
         # reads data, not a draw (it warned: the mask's taint went through the multiply).
         head = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 2))
@@ -383,7 +383,7 @@ def test_a_real_trace_that_branches_on_torch_draws_warns():
                 raise FloatingPointError
             return loss
 
-        estimate(head, step=TrainStep(inputs=(torch.randn(2, 16),), loss_fn=guarded), options=opts)
+        estimate(head, TrainStep(inputs=(torch.randn(2, 16),), loss_fn=guarded), options=opts)
 
 
 @pytest.mark.parametrize("mode", [TraceMode.FAKE, TraceMode.REAL])
@@ -402,8 +402,7 @@ def test_a_module_the_loss_runs_keeps_its_gradients(mode, had_grads):
     def g_loss(out, _):
         return torch.nn.functional.softplus(-disc(out)).mean()
 
-    estimate(gen, step=TrainStep(inputs=(torch.randn(8, 16),), loss_fn=g_loss, optimizer="adam"),
-             options=EstimateOptions(mode=mode))
+    estimate(gen, TrainStep(inputs=(torch.randn(8, 16),), loss_fn=g_loss, optimizer="adam"), options=EstimateOptions(mode=mode))
     for p, g in zip(disc.parameters(), before):
         assert (p.grad is None) if g is None else (type(p.grad) is torch.Tensor and torch.equal(p.grad, g))
 
@@ -416,7 +415,7 @@ def test_a_batchnorm_that_reads_its_counter_traces_in_fake_mode_and_keeps_the_us
                                 torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
     model[1].num_batches_tracked.fill_(5)
     step = TrainStep(inputs=(torch.randn(2, 3, 12, 12),), optimizer="adamw", micro_batches=2)
-    est = estimate(model, step=step)
+    est = estimate(model, step)
     assert model[1].num_batches_tracked.item() == 5
     peaks = [m.peak_bytes for m in measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)]
     assert (est.first_step_peak_bytes, est.steady_peak_bytes) == tuple(peaks[:2])
@@ -441,7 +440,7 @@ def test_a_tensor_made_outside_the_step_is_one_storage_in_a_fake_trace_as_in_a_r
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_IndexesWithAGlobal() for _ in range(3)])
     step = TrainStep(inputs=(torch.randn(256, 64),), optimizer="adamw")
-    fake, real = estimate(model, step=step), estimate(model, step=step, options=REAL)
+    fake, real = estimate(model, step), estimate(model, step, options=REAL)
     assert fake.steady_peak_bytes == real.steady_peak_bytes
     assert [s.nbytes for s in fake.trace.storages].count(_GLOBAL_INDEX.nbytes) == 1
 
@@ -463,7 +462,7 @@ def test_a_fake_trace_leaves_torch_s_generator_where_it_was():
     torch.manual_seed(123)
     expect = torch.rand(3)
     torch.manual_seed(123)
-    estimate(model, (x,), optimizer="adamw")
+    estimate(model, TrainStep(inputs=(x,), optimizer="adamw"))
     assert torch.equal(torch.rand(3), expect)
 
 
@@ -485,7 +484,7 @@ def test_a_step_whose_own_backward_fails_is_refused_by_the_trace():
         model(x).sum().backward()
     for options in (EstimateOptions(), REAL):
         with pytest.raises(TraceError, match=r"modified in place after the forward saved it .*dropout\(inplace=False\)"):
-            estimate(model, (x,), optimizer="adamw", options=options)
+            estimate(model, TrainStep(inputs=(x,), optimizer="adamw"), options=options)
 
 
 class _WithHead(torch.nn.Module):
@@ -517,9 +516,9 @@ def test_a_loss_that_uses_the_model_itself_is_refused_in_fake_mode_and_traced_in
     before = {k: v.clone() for k, v in model.state_dict().items()}
     match = r"calls proj of the model itself" if how == "calls a submodule" else r"reads the model's own parameters \(proj\.0\.weight"
     with pytest.raises(TraceError, match=match + r".*trace in real mode"):
-        estimate(model, step=step)
+        estimate(model, step)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # BatchNorm counters too
-    est = estimate(model, step=step, options=REAL)
+    est = estimate(model, step, options=REAL)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     measured = [m.peak_bytes for m in measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)]
     assert est.steady_peak_bytes == measured[1] == measured[2]
@@ -534,7 +533,7 @@ def test_a_criterion_kept_on_the_model_may_be_called_from_the_loss():
     step = TrainStep(inputs=(torch.randn(32, 16),), optimizer="adamw",
                      loss_fn=lambda out, _: model.criterion(out, torch.zeros(32, dtype=torch.long)))
     model.proj.requires_grad_(False)  # unused here: no gradient, no optimizer state either way
-    est = estimate(model, step=step)
+    est = estimate(model, step)
     measured = [m.peak_bytes for m in measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)]
     # The weight, made before the step, counts as the step's own tensor in the trace (as a
     # target does, README): high, by 2 x its 128 B here, never low.
@@ -555,7 +554,7 @@ def test_a_no_grad_forward_of_the_model_in_the_loss_is_planned_and_leaves_its_st
 
     step = TrainStep(inputs=(torch.randn(16, 16),), loss_fn=loss, optimizer="adamw")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    est = estimate(model, step=step)
+    est = estimate(model, step)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     measured = [m.peak_bytes for m in measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)]
     # The user's parameters and buffers it reads count as the step's tensors: high (4,528 B of

@@ -138,8 +138,8 @@ def test_bf16_autocast_norm_nets_are_predicted_to_the_byte(net, shape):
     # GroupNorm net's grad_input in float32, so fake and real traces and MemTracker disagreed.
     model = net()
     step = TrainStep(inputs=(torch.randn(*shape),), optimizer="adamw", autocast_dtype=bf16)
-    fake = estimate(model, step=step).module_info.peak_bytes
-    real = estimate(model, step=step, options=EstimateOptions(mode=TraceMode.REAL)).module_info.peak_bytes
+    fake = estimate(model, step).module_info.peak_bytes
+    real = estimate(model, step, options=EstimateOptions(mode=TraceMode.REAL)).module_info.peak_bytes
     measured = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=2)[1].peak_bytes
     assert fake == real == measured
 
@@ -161,8 +161,8 @@ def test_batch_norm_behind_a_transpose_is_predicted_to_the_byte():
     # real step copies: the fake trace was 113,912 B under on a PatchTST-like net.
     model = _TransposedBatchNormNet()
     step = TrainStep(inputs=(torch.randn(4, 32, 16),), optimizer="adamw")
-    fake = estimate(model, step=step).module_info.peak_bytes
-    real = estimate(model, step=step, options=EstimateOptions(mode=TraceMode.REAL)).module_info.peak_bytes
+    fake = estimate(model, step).module_info.peak_bytes
+    real = estimate(model, step, options=EstimateOptions(mode=TraceMode.REAL)).module_info.peak_bytes
     measured = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=2)[1].peak_bytes
     assert fake == real == measured
 
@@ -201,7 +201,7 @@ def test_an_embedding_bag_net_is_predicted_to_the_byte():
     # 16 B under before (offset2bag and bag_size, 8 B each), the peak being in the backward.
     model = _EmbeddingBagNet()
     step = TrainStep(inputs=(torch.randint(0, 64, (96,)), torch.arange(0, 99, 3)), optimizer="sgd")
-    fake = estimate(model, step=step).module_info.peak_bytes
+    fake = estimate(model, step).module_info.peak_bytes
     measured = measure_steps(model, step, n_steps=2)[1].peak_bytes
     assert fake == measured
 
@@ -216,8 +216,8 @@ def test_tiny_mixtral_traces_under_bf16_autocast_to_the_byte():
     ids = torch.randint(0, 64, (2, 16))
     step = TrainStep(inputs={"input_ids": ids, "labels": ids}, optimizer="adamw", autocast_dtype=bf16)
     # Before: TraceError "Expected inputs of BF16 type" from aten._grouped_mm's meta kernel.
-    fake = estimate(model, step=step).module_info.peak_bytes
-    real = estimate(model, step=step, options=EstimateOptions(mode=TraceMode.REAL)).module_info.peak_bytes
+    fake = estimate(model, step).module_info.peak_bytes
+    real = estimate(model, step, options=EstimateOptions(mode=TraceMode.REAL)).module_info.peak_bytes
     assert fake == real
 
 
@@ -241,7 +241,7 @@ def test_a_failing_fake_kernel_is_named_with_the_real_kernels_answer():
             return torch.ops.sac_test.doubled(self.fc(x))
 
     with pytest.raises(TraceError) as err:
-        estimate(Net(), (torch.randn(3, 4),))
+        estimate(Net(), TrainStep(inputs=(torch.randn(3, 4),)))
     msg = str(err.value)
     assert "sac_test.doubled" in msg and "no fake kernel for this shape" in msg
     assert "float32[3, 4]" in msg  # the argument, and what the real kernel returns
@@ -264,7 +264,7 @@ def test_a_sparse_result_is_named_and_torchs_meta_traceback_is_not_logged(caplog
 
     inputs = (torch.randint(0, 64, (96,)), torch.arange(0, 96, 3), torch.rand(96))
     with caplog.at_level("ERROR"), pytest.raises(TraceError, match=r"returns float32\[64, 32\] \(sparse_coo\)"):
-        estimate(Net(), step=TrainStep(inputs=inputs, optimizer="sgd"))
+        estimate(Net(), TrainStep(inputs=inputs, optimizer="sgd"))
     assert not [r for r in caplog.records if "failed while attempting to run meta" in r.getMessage()]
 
 
@@ -274,7 +274,7 @@ def test_inputs_the_real_kernel_refuses_too_are_named_as_wrong_inputs():
     same way)."""
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU())
     with pytest.raises(TraceError) as err:
-        estimate(net, (torch.randn(2, 4, 16, 16),))
+        estimate(net, TrainStep(inputs=(torch.randn(2, 4, 16, 16),)))
     msg = str(err.value)
     assert "real CPU kernel raises too" in msg
     assert "most likely does not run: check the inputs against the model" in msg
@@ -302,9 +302,9 @@ def test_operands_of_different_dtypes_are_refused_as_the_real_kernel_refuses_the
     with pytest.raises(RuntimeError):
         model(x)  # the real step
     with pytest.raises(TraceError, match=r"operands .*the real kernel refuses mixed dtypes"):
-        estimate(model, (x,))
+        estimate(model, TrainStep(inputs=(x,)))
     if case == "float32 batch, bfloat16 model":  # under autocast the operands agree
-        estimate(model, step=TrainStep(inputs=(x,), autocast_dtype=torch.bfloat16))
+        estimate(model, TrainStep(inputs=(x,), autocast_dtype=torch.bfloat16))
 
 
 def test_ops_only_cuda_autocast_casts_are_not_refused_for_a_cuda_target():
@@ -319,6 +319,6 @@ def test_ops_only_cuda_autocast_casts_are_not_refused_for_a_cuda_target():
             return torch.stack([torch.mv(self.w, r) for r in self.lin(x)])
 
     step = TrainStep(inputs=(torch.randn(3, 16),), autocast_dtype=torch.bfloat16)
-    assert estimate(_Mv(), step=step, device="h100").steady_peak_bytes > 0
+    assert estimate(_Mv(), step, device="h100").steady_peak_bytes > 0
     with pytest.raises(TraceError, match="aten.mv.default gets bfloat16 and float32 operands"):
-        estimate(_Mv(), step=step)  # the cpu target: CPU autocast leaves mv alone, as the real step does
+        estimate(_Mv(), step)  # the cpu target: CPU autocast leaves mv alone, as the real step does

@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 import estimators.tracing.fake_leaks as fake_leaks
 from estimators.tracing.estimation import estimate
 from estimators.tracing.fake_leaks import FakeTensorLeakWarning
+from estimators.step.train_step import TrainStep
 
 
 @functools.lru_cache(maxsize=4)
@@ -56,7 +57,7 @@ def test_an_lru_cache_the_trace_filled_is_cleared_and_real_training_stays_real(c
     model = _Cached(cache)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FakeTensorLeakWarning)
-        estimate(model, (torch.randn(4, 16),), optimizer="adamw")
+        estimate(model, TrainStep(inputs=(torch.randn(4, 16),), optimizer="adamw"))
     assert _positions.cache_info().currsize == 0 and _positions_and_count.cache_info().currsize == 0
     loss = model(torch.randn(4, 16)).sum()
     loss.backward()
@@ -68,14 +69,14 @@ def test_a_holder_the_planner_cannot_clear_is_named():
     _DICT_CACHE.clear()
     with pytest.warns(FakeTensorLeakWarning, match=r"left 1 fake tensor\(s\) .*held by a global of "
                                                    r"tests\.estimators\.test_fake_leaks|held by a dict"):
-        estimate(_Cached("dict"), (torch.randn(4, 16),))
+        estimate(_Cached("dict"), TrainStep(inputs=(torch.randn(4, 16),)))
     assert isinstance(_DICT_CACHE.pop(16), FakeTensor)
 
 
 def test_a_trace_that_leaves_nothing_costs_no_scan(monkeypatch):
     scans = []
     monkeypatch.setattr(fake_leaks, "_clear", lambda mode, report: scans.append(mode))
-    estimate(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), (torch.randn(2, 8),), optimizer="adamw")
+    estimate(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), TrainStep(inputs=(torch.randn(2, 8),), optimizer="adamw"))
     assert scans == []
 
 
@@ -103,7 +104,7 @@ def test_a_trace_that_raises_scans_the_heap_once_a_level_not_once_a_tensor(monke
     _positions.cache_clear()
     _positions(16)  # a real entry, left alone
     with pytest.raises(Exception, match="decoder_start_token_id"):
-        estimate(_RaisesMidForward(), (torch.randn(2, 8),), optimizer="adamw")
+        estimate(_RaisesMidForward(), TrainStep(inputs=(torch.randn(2, 8),), optimizer="adamw"))
     assert calls and max(calls) > 40  # the fake parameters, at least, in one call
     assert len(calls) <= fake_leaks._CACHE_SEARCH_DEPTH
     assert _positions.cache_info().currsize == 1

@@ -149,5 +149,5 @@ def test_a_shared_parameter_makes_no_stack():
 def test_real_mode_and_prepare_trace_every_block():
     model, inputs = _llama(6)
     prepared = []
-    est = estimate(model, inputs, loss_fn=model.loss_fn, device="h100", prepare=prepared.append)
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn), device="h100", prepare=prepared.append)
     assert not est.trace.twin_of and len(prepared[0].layers) == 6

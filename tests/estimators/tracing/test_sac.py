@@ -9,12 +9,13 @@ from torch import nn
 from estimators.tracing.estimation import EstimateOptions, TraceMode, estimate
 from estimators.contract.module_info import SACOp
 from estimators.tracing.sac import cumulative_curve, greedy_units
+from estimators.step.train_step import TrainStep
 
 REAL = EstimateOptions(mode=TraceMode.REAL)
 
 
 def _ops(model, *inputs, fqn):
-    info = estimate(model, inputs, options=REAL).module_info
+    info = estimate(model, TrainStep(inputs=inputs), options=REAL).module_info
     return info.stats(fqn)
 
 
@@ -177,7 +178,7 @@ def test_a_read_before_an_inplace_op_shares_the_decision_of_what_it_reads():
     # wrong gradients, 3.3e-4 off. The clone now goes with the conv (and silu_, its in-place op).
     x = torch.randn(2, 4, 6, 6)
     for options in (REAL, EstimateOptions()):
-        st = estimate(Wrap(ConvInplaceSiLU()), (x,), options=options).module_info.stats("Wrap.inner")
+        st = estimate(Wrap(ConvInplaceSiLU()), TrainStep(inputs=(x,)), options=options).module_info.stats("Wrap.inner")
         funcs = [o.func for o in st.ops]
         conv, clone, silu = (funcs.index(f) for f in ("aten.convolution.default", "aten.clone.default",
                                                         "aten.silu_.default"))

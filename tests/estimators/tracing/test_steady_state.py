@@ -19,7 +19,7 @@ from planner.analysis.measure import measure_steps
 
 def test_the_first_steps_view_has_no_optimizer_state_before_the_optimizer_phase():
     model, inputs = EXAMPLES["gpt_tiny"]()
-    info = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adamw").module_info
+    info = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw")).module_info
     first = first_step_module_info(info)
     assert len(first.memory_points) == len(info.memory_points)
     for a, b in zip(info.memory_points, first.memory_points):
@@ -45,7 +45,7 @@ class _WithUnused(torch.nn.Module):
 
 def test_optimizer_state_is_alive_from_the_start_of_the_traced_step():
     model, inputs = EXAMPLES["gpt_tiny"]()
-    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adamw")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     first_op = est.timeline.by_kind(0)
     assert 2 * params <= first_op[StorageKind.OPTIMIZER] <= 2 * params + 64 * len(list(model.parameters()))
@@ -65,7 +65,7 @@ def test_no_optimizer_state_for_parameters_that_get_no_gradient(micro_batches, a
     opt = torch.optim.AdamW(model.parameters())  # every parameter, frozen ones included
     step = TrainStep(inputs=(x,), loss_fn=lambda out, inputs: out[0].sum(), micro_batches=micro_batches,
                      optimizer=opt if as_instance else "adamw")
-    est = estimate(model, step=step)
+    est = estimate(model, step)
     measured = [m.peak_bytes for m in measure_steps(model, step, opt, n_steps=3)]
     assert model.pooler.weight.grad is None and not opt.state.get(model.pooler.weight)
     assert est.module_info.peak_bytes == measured[1] == measured[2]

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from estimators.tracing.estimation import EstimateOptions, TraceMode, estimate
+from estimators.step.train_step import TrainStep
 
 REAL = EstimateOptions(mode=TraceMode.REAL)
 
@@ -31,7 +32,7 @@ class Chain(nn.Module):
 
 def _info(model, mode=REAL):
     idx = torch.randint(0, 50, (3, 5))
-    return estimate(model, (idx,), options=mode).module_info
+    return estimate(model, TrainStep(inputs=(idx,)), options=mode).module_info
 
 
 def test_orders_of_a_chain():
@@ -154,19 +155,19 @@ def test_the_trace_frees_an_unread_output_when_the_real_run_does():
     still_alive, _ = _real_frees(model, x, loss_fn)
     assert still_alive == set()  # the real run freed both outputs once the loss was computed
     for mode in (REAL, EstimateOptions()):
-        trace = estimate(model, (x,), loss_fn=loss_fn, options=mode).trace
+        trace = estimate(model, TrainStep(inputs=(x,), loss_fn=loss_fn), options=mode).trace
         tanh = next(op for op in trace.ops if "tanh" in str(op.func))
         rec = trace.storages[tanh.new_sids[0]]
         loss_op = next(op.index for op in trace.ops if op.phase.name == "BW")
         assert rec.free_op is not None and rec.free_op < loss_op, mode
     step = TrainStep(inputs=(x,), loss_fn=loss_fn, optimizer="adamw")
     measured = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=2)[1].peak_bytes
-    assert estimate(model, step=step).module_info.peak_bytes == measured == 124_168
+    assert estimate(model, step).module_info.peak_bytes == measured == 124_168
 
 
 def test_pack_hook_aliases_are_not_ops_of_the_step():
     torch.manual_seed(0)
-    trace = estimate(_UnusedBranch(), (torch.randn(4, 64),), loss_fn=lambda o, i: o[1].sum(), options=REAL).trace
+    trace = estimate(_UnusedBranch(), TrainStep(inputs=(torch.randn(4, 64),), loss_fn=lambda o, i: o[1].sum()), options=REAL).trace
     assert not any(str(op.func) == "aten.detach.default" and op.phase.name == "FW" for op in trace.ops)
 
 
@@ -211,7 +212,7 @@ def test_the_trace_frees_the_storages_the_real_run_frees():
     with rec:
         run_step(model, (x,), loss_fn, None, on_phase=lambda p: phases.append((p, rec.ops, set(rec.alive))))
     bw_start, alive_real = next((ops, alive) for p, ops, alive in phases if p.name == "BW")
-    trace = estimate(model, (x,), loss_fn=loss_fn, options=REAL).trace
+    trace = estimate(model, TrainStep(inputs=(x,), loss_fn=loss_fn), options=REAL).trace
     made = [(op.index, i) for op in trace.ops for i, _ in enumerate(op.new_sids)]
     bw_op = next(op.index for op in trace.ops if op.phase.name == "BW")
     assert bw_op == bw_start

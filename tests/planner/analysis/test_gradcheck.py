@@ -10,6 +10,8 @@ from examples import EXAMPLES
 from planner.analysis.gradcheck import check_gradients
 from planner.plan import ModulePlan, Plan, model_fingerprint
 from tests.planner.conftest import budgets, plan_at
+from planner.options import PlanOptions
+from estimators.step.train_step import TrainStep
 
 
 def _snapshot(model):
@@ -30,7 +32,7 @@ def test_a_real_plan_is_bitwise_equal_and_the_model_is_left_as_found(keep_output
     model, inputs = EXAMPLES[name]()
     model(*inputs).sum().backward()  # gradients already there must survive the check
     before = _snapshot(model)
-    check = check_gradients(model, plan, inputs, loss_fn=model.loss_fn, keep_output=keep_output)
+    check = check_gradients(model, plan, TrainStep(inputs=inputs, loss_fn=model.loss_fn, keep_output=keep_output))
     assert check.equal and check.max_abs_diff == 0.0 and check.differing == ()
     assert check.n_params_compared == sum(1 for p in model.parameters() if p.requires_grad)
     assert check.loss_planned == check.loss_reference
@@ -79,7 +81,7 @@ def _full_plan(model: nn.Module, fqn: str) -> Plan:
 def test_a_recompute_that_differs_is_caught():
     torch.manual_seed(0)
     model, x = _Net(), torch.randn(4, 8)
-    check = check_gradients(model, _full_plan(model, "_Net.a"), (x,))
+    check = check_gradients(model, _full_plan(model, "_Net.a"), TrainStep(inputs=(x,)))
     assert not check.equal and check.loss_planned == check.loss_reference  # same forward
     assert "a.lin.weight" in check.differing and check.max_abs_diff > 0
     assert check.n_params_compared == 4
@@ -95,11 +97,11 @@ def test_a_bf16_plan_is_checked_under_autocast():
 
     model, inputs = EXAMPLES["gpt_tiny"]()
     step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, autocast_dtype=torch.bfloat16)
-    est = estimate(model, step=step)
+    est = estimate(model, step)
     budget = (est.module_info.peak_bytes + SACMilp(est.module_info).min_reachable_peak_bytes()) // 2
     plan = plan_for_budget(model, est, budget)
     assert plan.modules and plan.step.autocast == "bfloat16"
-    check = check_gradients(model, plan, inputs, loss_fn=model.loss_fn)
+    check = check_gradients(model, plan)  # the plan's own step: bf16
     assert check.equal
     torch.manual_seed(0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -107,7 +109,7 @@ def test_a_bf16_plan_is_checked_under_autocast():
     torch.manual_seed(0)
     fp32 = float(model.loss_fn(model(*inputs), inputs))
     assert bf16 != fp32 and check.loss_reference == bf16
-    assert check_gradients(model, plan, inputs, loss_fn=model.loss_fn, autocast_dtype=None).loss_reference == fp32
+    assert check_gradients(model, plan, TrainStep(inputs=inputs, loss_fn=model.loss_fn)).loss_reference == fp32
 
 
 class _NumpyMasked(nn.Module):
@@ -143,7 +145,7 @@ def test_numpy_draws_are_seeded_and_the_rng_streams_go_on(modules):
     torch.manual_seed(7), np.random.seed(7), random.seed(7)
     expected = (torch.rand(1).item(), np.random.rand(), random.random())
     torch.manual_seed(7), np.random.seed(7), random.seed(7)
-    check = check_gradients(model, plan, (x,))
+    check = check_gradients(model, plan, TrainStep(inputs=(x,)))
     assert check.equal, check.differing
     assert (torch.rand(1).item(), np.random.rand(), random.random()) == expected
 
@@ -162,7 +164,7 @@ def test_nan_gradients_of_the_same_bits_are_equal():
 
     torch.manual_seed(0)
     model, x = _Log(), torch.randn(4, 8)
-    check = check_gradients(model, _full_plan(model, "_Log.inner"), (x,))
+    check = check_gradients(model, _full_plan(model, "_Log.inner"), TrainStep(inputs=(x,)))
     assert check.equal and check.differing == () and check.n_params_compared == 5
 
 
@@ -182,8 +184,8 @@ def test_an_hf_model_whose_cached_step_rounds_otherwise_is_compared_with_the_cac
         max_position_embeddings=64, window_size=8)).train()
     ids = torch.randint(3, 128, (2, 32), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
-    plan = solve_sac(model, 1.0, step=TrainStep(inputs=batch, optimizer="adamw"), reserve_gib=0)
-    check = check_gradients(model, plan, batch)
+    plan = solve_sac(model, 1.0, TrainStep(inputs=batch, optimizer="adamw"), options=PlanOptions(reserve_gib=0))
+    check = check_gradients(model, plan, TrainStep(inputs=batch))
     assert model.config.use_cache is True
     if check.equal:  # a torch whose kernels round the cached step alike: nothing to explain
         assert check.equal_with_cache_off is None
@@ -192,7 +194,7 @@ def test_an_hf_model_whose_cached_step_rounds_otherwise_is_compared_with_the_cac
         assert "bitwise equal to it with use_cache off" in gradient_check_text(check)
     # Not an HF model: a real difference is the plan's, and no cache run is made.
     net = _Net()
-    assert check_gradients(net, _full_plan(net, "_Net.a"), (torch.randn(4, 8),)).equal_with_cache_off is None
+    assert check_gradients(net, _full_plan(net, "_Net.a"), TrainStep(inputs=(torch.randn(4, 8),))).equal_with_cache_off is None
 
 
 def test_an_hf_classifier_s_config_is_left_as_found():
@@ -207,9 +209,9 @@ def test_an_hf_classifier_s_config_is_left_as_found():
         image_size=16, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
         num_attention_heads=4, intermediate_size=64, num_labels=3)).train()
     batch = {"pixel_values": torch.randn(2, 3, 16, 16), "labels": torch.tensor([0, 2])}
-    plan = solve_sac(model, 1.0, step=TrainStep(inputs=batch, optimizer="adamw"), reserve_gib=0)
+    plan = solve_sac(model, 1.0, TrainStep(inputs=batch, optimizer="adamw"), options=PlanOptions(reserve_gib=0))
     before = dict(model.config.__dict__)
-    assert check_gradients(model, plan, batch).equal
+    assert check_gradients(model, plan, TrainStep(inputs=batch)).equal
     assert model.config.__dict__ == before and model.config.problem_type is None
 
 
@@ -218,4 +220,4 @@ def test_a_compiled_model_is_refused_with_the_module_to_check():
     net = _Net()
     compiled = torch.compile(net)
     with pytest.raises(TypeError, match=r"check_gradients got a torch.compile'd model.*_orig_mod"):
-        check_gradients(compiled, _full_plan(net, "_Net.a"), (torch.randn(4, 8),))
+        check_gradients(compiled, _full_plan(net, "_Net.a"), TrainStep(inputs=(torch.randn(4, 8),)))

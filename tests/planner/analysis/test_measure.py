@@ -114,7 +114,7 @@ def test_a_model_with_frozen_parameters_is_measured():
     model, x = _net()
     model.a.requires_grad_(False)
     step = TrainStep(inputs=(x,), optimizer="adamw")
-    predicted = estimate(copy.deepcopy(model), step=step).steady_peak_bytes
+    predicted = estimate(copy.deepcopy(model), step).steady_peak_bytes
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     steps = measure_steps(model, step, opt, n_steps=3)
     assert [s.peak_bytes for s in steps[1:]] == [predicted, predicted]
@@ -159,7 +159,7 @@ def test_a_whisper_step_is_measured_as_it_runs_untracked():
     batch = {"input_features": torch.randn(2, 8, 32, generator=g),
              "labels": torch.randint(0, 128, (2, 8), generator=g)}
     step = TrainStep(inputs=batch, optimizer="adamw", autocast_dtype=torch.bfloat16)
-    predicted = estimate(model, step=step).module_info.peak_bytes
+    predicted = estimate(model, step).module_info.peak_bytes
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # ModTracker warned "Module is None. Skipping PRE_BW hook."
         steps = measure_steps(model, step, torch.optim.AdamW(model.parameters()), n_steps=3)

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from examples import EXAMPLES
-from planner import AlreadyCheckpointedError, PlanMismatchError, apply_plan, remove_plan
+from planner import PlanMismatchError, apply_plan, remove_plan
+from planner.errors import AlreadyCheckpointedError
 from tests.planner.conftest import EXAMPLE_NAMES, budgets, plan_at
+from planner.options import PlanOptions
+from estimators.step.train_step import TrainStep
 
 
 def _loss_and_grads(model, inputs, seed=1234):
@@ -144,7 +147,8 @@ import warnings
 from torch import nn
 
 from estimators.tracing.estimation import estimate
-from planner import ModulePlan, PlanningError, solve_sac
+from planner import PlanningError, solve_sac
+from planner.plan import ModulePlan
 from planner.applying.checkpointing import apply_module_plans, unwrap_compiled
 from planner.applying.planned_forward import CheckpointDivergenceWarning
 from planner.planning.solve import plan_for_budget
@@ -264,7 +268,7 @@ def test_planning_a_planned_model_refuses_before_touching_it():
     model, inputs = EXAMPLES["gpt_demo"]()
     apply_plan(model, plan)
     with pytest.raises(AlreadyCheckpointedError, match="remove_plan"):
-        solve_sac(model, 1.0, inputs, loss_fn=model.loss_fn, device="cpu")
+        solve_sac(model, 1.0, TrainStep(inputs=inputs, loss_fn=model.loss_fn), options=PlanOptions(device="cpu"))
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -272,7 +276,7 @@ def test_estimate_of_a_planned_model_traces_its_copy_not_the_model():
     plan = plan_at("gpt_demo", budgets("gpt_demo", 3)[1])
     model, inputs = EXAMPLES["gpt_demo"]()
     apply_plan(model, plan)
-    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="cpu")
     assert all(p.grad is None for p in model.parameters())
     assert est.module_info.peak_bytes == plan.predicted_peak_bytes
 
@@ -305,7 +309,7 @@ class _InplaceNet(nn.Module):
 def test_module_mutating_its_input_is_never_planned():
     torch.manual_seed(0)
     model, x = _InplaceNet(), torch.randn(512, 32)
-    est = estimate(model, (x,), device="cpu")
+    est = estimate(model, TrainStep(inputs=(x,)), device="cpu")
     milp = SACMilp(est.module_info)  # built without ac_units, as a caller may
     high = est.module_info.peak_bytes
     # Only `scale` could lower the peak: the old planner chose it and the step crashed with
@@ -344,7 +348,7 @@ class _Twice(nn.Module):
 def test_module_called_twice_differently_is_excluded_with_reason():
     torch.manual_seed(0)
     model, x = _Twice(vary=True), torch.randn(32, 16)
-    est = estimate(model, (x,), device="cpu")
+    est = estimate(model, TrainStep(inputs=(x,)), device="cpu")
     milp = SACMilp(est.module_info)
     plan = plan_for_budget(model, est, milp.min_reachable_peak_bytes() + 1, milp=milp)
     ref = _step(model, (x,))
@@ -353,7 +357,7 @@ def test_module_called_twice_differently_is_excluded_with_reason():
     assert "_Twice.block" not in plan.checkpointed
     assert any(n.startswith("_Twice.block not checkpointed: called 2 times") for n in plan.notes)
     model2, x2 = _Twice(vary=False), torch.randn(32, 16)
-    assert estimate(model2, (x2,), device="cpu").module_info.stats("_Twice.block").sac_blocker == ""
+    assert estimate(model2, TrainStep(inputs=(x2,)), device="cpu").module_info.stats("_Twice.block").sac_blocker == ""
 
 
 def test_module_called_twice_alike_is_checkpointed_per_call():
@@ -431,7 +435,7 @@ def test_solve_sac_on_compiled_model_plans_orig_mod_and_leaves_compile_on():
 
     model, inputs = EXAMPLES["gpt_tiny"]()
     compiled = torch.compile(model, backend=backend)
-    plan = solve_sac(compiled, 1.0, inputs, loss_fn=model.loss_fn, device="cpu")
+    plan = solve_sac(compiled, 1.0, TrainStep(inputs=inputs, loss_fn=model.loss_fn), options=PlanOptions(device="cpu"))
     assert plan.model_name == type(model).__name__
     assert not graphs, "planning ran the compiled module"
     model.eval()  # no dropout: compiled and eager draw nothing

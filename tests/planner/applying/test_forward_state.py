@@ -269,4 +269,4 @@ def test_a_generator_the_module_owns_is_replayed_in_the_recompute(kind):
     step = TrainStep(inputs=(x,), optimizer="adamw")
     plan = _plan_at(model, step, 0.0)
     assert plan.modules
-    assert check_gradients(model, plan, (x,)).equal
+    assert check_gradients(model, plan, TrainStep(inputs=(x,))).equal

@@ -82,7 +82,7 @@ def _planning(name):
     model, inputs = _build(name)
     step = _step(model, inputs)
     with hf_cache_off(model):
-        est = estimate(model, step=step, device="cpu")
+        est = estimate(model, step, device="cpu")
     fresh, _ = _build(name)
     with hf_cache_off(fresh):
         measured = measure_steps(fresh, step, torch.optim.AdamW(fresh.parameters()), n_steps=2)
@@ -328,7 +328,7 @@ def _plans_of(handle):
 def test_micro_batches_offload_each_micro_batch():
     model, inputs = _build("gpt_demo")
     step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw", micro_batches=2)
-    est = estimate(model, step=step, device="cpu")
+    est = estimate(model, step, device="cpu")
     plans = _offload_plans(est, _CASES["gpt_demo"][0], "alone", MIN_OFFLOAD_BYTES)
     predicted = traced_estimate(model, plans, est)
     with apply_module_plans(model, plans) as handle:
@@ -374,7 +374,7 @@ def test_hf_mistral_bf16_autocast_micro_batches_host_bytes_are_predicted(monkeyp
     model, inputs = build()
     step = TrainStep(inputs=inputs, optimizer="adamw", micro_batches=2, autocast_dtype=torch.bfloat16)
     with hf_cache_off(model):
-        est = estimate(model, step=step, device="cpu")
+        est = estimate(model, step, device="cpu")
     plans = _offload_plans(est, ("MistralForCausalLM.model.layers.0",), "alone", 1024)
     host_predicted = sum(predicted_host_bytes(est.trace, plans, micro_batches=2).values())
     predicted = traced_estimate(model, plans, est)

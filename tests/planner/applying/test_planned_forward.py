@@ -14,6 +14,7 @@ from estimators.step.train_step import TrainStep
 from planner import PlanningError, apply_plan, solve_sac, tradeoff_curve
 from planner.analysis.measure import measure_steps
 from planner.applying.planned_forward import CheckpointDivergenceWarning
+from planner.options import PlanOptions
 
 
 class _SpectralBlocks(nn.Module):
@@ -42,7 +43,7 @@ def test_a_view_only_the_forward_runs_under_memtracker_is_not_a_divergence():
     model, x = _SpectralBlocks(), torch.randn(4, 3, 8, 8)
     ref = copy.deepcopy(model)
     step = TrainStep(inputs=(x,), optimizer="adamw")
-    table = tradeoff_curve(model, step=step)
+    table = tradeoff_curve(model, step)
     budget = (table.min_reachable_peak_bytes + table.no_ac_peak_bytes) / 2
     plan = solve_sac(model, budget_gib=budget / 2**30, step=step)
     assert plan.modules and not all(m.full for m in plan.modules)
@@ -67,9 +68,9 @@ def _train_side_by_side(model, ref, plan, step, n_steps):
 
 def _plan_at(model, step, frac: float):
     """The plan at ``frac`` of the way from the smallest reachable peak to the no-AC peak."""
-    table = tradeoff_curve(model, step=step)
+    table = tradeoff_curve(model, step)
     lo, hi = table.min_reachable_peak_bytes, table.no_ac_peak_bytes
-    return solve_sac(model, (lo + frac * (hi - lo)) / 2**30, step=step)
+    return solve_sac(model, (lo + frac * (hi - lo)) / 2**30, step)
 
 
 class _Encoder(nn.Module):
@@ -102,8 +103,8 @@ def test_multihead_self_attention_is_planned_measured_and_trained_unchanged():
     step = TrainStep(inputs=batch, loss_fn=lambda out, inputs: out, optimizer="adamw", micro_batches=2)
     attn = [f"_Encoder.enc.layers.{i}.self_attn" for i in range(2)]
     with pytest.raises(PlanningError) as floor:  # the smallest budget with only attention planned
-        solve_sac(model, budget_gib=1e-6, step=step, ac_units=attn)
-    plan = solve_sac(model, budget_gib=floor.value.min_budget_gib, step=step, ac_units=attn)
+        solve_sac(model, options=PlanOptions(ac_units=attn), budget_gib=1e-6, step=step)
+    plan = solve_sac(model, options=PlanOptions(ac_units=attn), budget_gib=floor.value.min_budget_gib, step=step)
     assert {m.fqn for m in plan.modules} == set(attn)
     planned = _train_side_by_side(model, ref, plan, step, n_steps=3)
     assert [s.peak_bytes for s in planned[1:]] == [plan.predicted_peak_bytes] * 2
@@ -331,10 +332,10 @@ def test_a_buffer_the_caller_updates_after_the_call_keeps_the_reader_unplanned()
     torch.manual_seed(0)
     ref = _UpdatesItsCentre()
     step = TrainStep(inputs=(torch.randn(64, 16),), optimizer="adamw")
-    peak = tradeoff_curve(ref, step=step).no_ac_peak_bytes
+    peak = tradeoff_curve(ref, step).no_ac_peak_bytes
     with pytest.raises(PlanningError, match=r"_UpdatesItsCentre\.blocks\.0 \(reads a tensor the caller "
                                             r"later overwrites in place"):
-        solve_sac(ref, 0.9 * peak / 2**30, step=step)
+        solve_sac(ref, 0.9 * peak / 2**30, step)
 
 
 class _Attn(nn.Module):

@@ -26,6 +26,8 @@ from planner.distributed.fsdp.memory import fsdp_module_info
 from planner.format import GiB
 from solver import SACMilp
 from tests.planner.spawned import leave_rank
+from planner.options import PlanOptions
+from estimators.step.train_step import TrainStep
 
 WORLD_SIZE = 2
 SEED = 1234
@@ -56,13 +58,14 @@ def _train_worker(rank: int, tmp: str, budget_gib: float) -> None:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import fully_shard
 
-    from planner import apply_plan, fsdp_units_of, plan_hash, solve_sac_distributed
+    from planner import apply_plan, solve_sac_distributed
+    from planner.distributed.fsdp import fsdp_units_of
+    from planner.distributed.ranks import plan_hash
     from planner.plan import model_fingerprint
 
     _init(rank, tmp)
     model, inputs = build_gpt(CONFIG, BATCH)
-    plan = solve_sac_distributed(model, budget_gib, inputs, loss_fn=model.loss_fn, optimizer="adam",
-                                 device="cpu", fsdp_units=UNITS, world_size=WORLD_SIZE)
+    plan = solve_sac_distributed(model, budget_gib, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="cpu", fsdp_units=UNITS, world_size=WORLD_SIZE))
     fingerprint = model_fingerprint(model)
     # The plan goes on before fully_shard (torchtitan's order): apply_plan resolves module names
     # from type(model).__name__, which fully_shard changes to "FSDPGPT".
@@ -109,7 +112,7 @@ def _budget_and_reference() -> tuple[float, torch.Tensor, int]:
     """A binding per-rank budget (halfway between the smallest reachable and the no-AC peak) and
     the loss of one unsharded, unplanned process with the same seed."""
     model, inputs = build_gpt(CONFIG, BATCH)
-    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="cpu")
     milp = SACMilp(fsdp_module_info(est.module_info, UNITS, WORLD_SIZE), world_size=WORLD_SIZE,
                    fsdp_units=UNITS)
     high, low = milp.no_ac_peak_bytes, milp.min_reachable_peak_bytes()
@@ -166,7 +169,8 @@ def _bad_input_worker(rank: int, tmp: str) -> None:
     units = UNITS[:3]  # the root and both blocks
 
     def solve(budget_gib=1.0, **kw):
-        return solve_sac_distributed(model, budget_gib, inputs, loss_fn=model.loss_fn, device="cpu", **kw)
+        return solve_sac_distributed(model, budget_gib, TrainStep(inputs=inputs, loss_fn=model.loss_fn),
+                                     options=PlanOptions(device="cpu", **kw))
 
     results = {
         "world_size": _raised(lambda: solve(fsdp_units=units, world_size=4)),
@@ -204,4 +208,4 @@ def test_needs_an_initialised_job():
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     with pytest.raises(RuntimeError, match="needs an initialised torch.distributed job"):
-        solve_sac_distributed(torch.nn.Linear(2, 2), 1.0, world_size=2)
+        solve_sac_distributed(torch.nn.Linear(2, 2), 1.0, options=PlanOptions(world_size=2))

@@ -23,6 +23,8 @@ from planner.format import GiB
 from planner.planning.module_plans import module_plan
 from solver import SACMilp
 from tests.planner.spawned import leave_rank
+from planner.options import PlanOptions
+from estimators.step.train_step import TrainStep
 
 WORLD_SIZE = 2
 CONFIG = GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, dim=64)
@@ -41,7 +43,7 @@ def _rank0_retrace(model, inputs, shared) -> dict:
     """Rank 0's planning trace, repeated with the merged timings: what it measured and priced."""
     runtime = shared.runtime(get_device_spec("cpu"))
     with benchmark_runtime_override(runtime):
-        est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu", options=BENCH)
+        est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="cpu", options=BENCH)
     cached = set(shared.entries.values())
     priced = [op.runtime_ms for op in est.trace.ops if op.runtime_ms != 0.0]
     return {
@@ -52,14 +54,16 @@ def _rank0_retrace(model, inputs, shared) -> dict:
 
 
 def _worker(rank: int, tmp: str, budget_gib: float) -> None:
-    from planner import plan_hash, solve_sac_distributed
+    from planner import solve_sac_distributed
+    from planner.distributed.ranks import plan_hash
     from planner.distributed.ranks import share_benchmarks
 
     _init(rank, tmp)
     model, inputs = build_gpt(CONFIG, BATCH)
-    kw = dict(loss_fn=model.loss_fn, optimizer="adam", device="cpu", fsdp_units=UNITS, estimate_options=BENCH)
-    shared = share_benchmarks(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
-    plan = solve_sac_distributed(model, budget_gib, inputs, benchmark=shared, **kw)
+    step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam")
+    options = PlanOptions(device="cpu", fsdp_units=UNITS, trace=BENCH)
+    shared = share_benchmarks(model, step, options=PlanOptions(device="cpu"))
+    plan = solve_sac_distributed(model, budget_gib, step, options=options, benchmark=shared)
     result = {
         "signature_count": shared.signature_count,
         "timed_by_rank": [list(keys) for keys in shared.timed_by_rank],
@@ -76,13 +80,12 @@ def _worker(rank: int, tmp: str, budget_gib: float) -> None:
             module_plan(info.stats(m.fqn), m.discarded_bytes).recompute_ms for m in plan.modules
         )
     # The whole protocol in one call: benchmark split, merge, plan, broadcast, hash check.
-    plan2 = solve_sac_distributed(model, budget_gib, inputs, **kw)
+    plan2 = solve_sac_distributed(model, budget_gib, step, options=options)
     result["hash2"] = plan_hash(plan2)
     result["notes2"] = list(plan2.notes)
     result["recompute2_ms"] = plan2.recompute_ms
     # A device with a link: the notes carry FSDP's collective time per step (roofline runtime).
-    h100 = solve_sac_distributed(model, 70.0, inputs, loss_fn=model.loss_fn, optimizer="adam",
-                                 device="h100", fsdp_units=UNITS)
+    h100 = solve_sac_distributed(model, 70.0, step, options=PlanOptions(device="h100", fsdp_units=UNITS))
     result["notes_h100"] = list(h100.notes)
     (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(result))
     leave_rank()
@@ -91,7 +94,7 @@ def _worker(rank: int, tmp: str, budget_gib: float) -> None:
 def _budget_gib() -> float:
     """A binding per-rank budget: halfway between the smallest reachable and the no-AC peak."""
     model, inputs = build_gpt(CONFIG, BATCH)
-    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="cpu")
     milp = SACMilp(fsdp_module_info(est.module_info, UNITS, WORLD_SIZE), world_size=WORLD_SIZE,
                    fsdp_units=UNITS)
     high, low = milp.no_ac_peak_bytes, milp.min_reachable_peak_bytes()
@@ -134,7 +137,7 @@ def test_benchmarks_are_split_merged_and_rank0_plans_from_them(tmp_path):
 def _h100_comm_note() -> str:
     """The collective note for the h100 plan, computed here in one process."""
     model, inputs = build_gpt(CONFIG, BATCH)
-    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="h100")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="h100")
     comm = fsdp_comm_ms(est.module_info, UNITS, WORLD_SIZE, AnalyticCollectiveModel.from_device("h100"))
     assert comm.all_gather_ms > 0 and comm.reduce_scatter_ms > 0
     assert "(analytic:nvlink4;" in comm.note()

@@ -28,6 +28,8 @@ from planner.planning.verification import traced_peak
 from planner.planning.tradeoff import tradeoff_curve
 from solver import SolverOptions, predict_peak_bytes
 from solver.plan_cost import module_recompute_ms
+from planner.options import PlanOptions
+from estimators.step.train_step import TrainStep
 
 EXACT = SolverOptions(rel_gap=0.0)
 """Proven optimal: the comparison must not depend on where the backend stopped."""
@@ -36,7 +38,7 @@ EXACT = SolverOptions(rel_gap=0.0)
 @functools.lru_cache(maxsize=None)
 def demo():
     model, inputs = EXAMPLES["gpt_demo"]()
-    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="cpu")
     return model, inputs, est
 
 
@@ -49,7 +51,7 @@ def test_planner_is_at_or_below_every_baseline_at_its_peak():
         "no AC", "full AC, every block", "full AC, every 2nd block", "full AC, every 3rd block",
         "op-level SAC (torchtitan 'op')", "attention core (Megatron)"]
     peaks = sorted({b.predicted_peak_bytes for b in bases})
-    table = tradeoff_curve(info, peaks, solver_options=EXACT)
+    table = tradeoff_curve(info, options=PlanOptions(solver=EXACT), budgets=peaks)
     at = {r.budget_bytes: r for r in table.rows}
     for b in bases:
         r = at[b.predicted_peak_bytes]
@@ -173,7 +175,7 @@ def test_find_blocks_picks_the_largest_sibling_group_of_non_leaves():
 
 def test_llama_layers_are_blocks_and_has_no_attention_core():
     model, inputs = EXAMPLES["llama_tiny"]()
-    info = estimate(model, inputs, loss_fn=model.loss_fn, device="cpu").module_info
+    info = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn), device="cpu").module_info
     blocks = find_blocks(info)
     assert blocks and all(f.startswith("Llama.layers.") for f in blocks)
     names = [b.name for b in hand_made_baselines(info, every_k=(2,))]

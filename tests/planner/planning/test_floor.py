@@ -16,6 +16,8 @@ from planner.planning.floor import PeakBreakdown, PeakContributor, floor_text, l
 from planner.format import GiB
 from planner.planning.solve import plan_for_budget
 from solver import SACMilp
+from planner.options import PlanOptions
+from estimators.step.train_step import TrainStep
 
 MiB = 2**20
 
@@ -27,7 +29,7 @@ def _full_vocab_gpt():
 
 def test_breakdown_sums_to_the_traced_peak():
     model, inputs = EXAMPLES["gpt_tiny"]()
-    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"))
     b = peak_breakdown(est)
     assert b.peak_bytes == est.timeline.peak_bytes == sum(c.memory_bytes for c in b.contributors)
     assert [c.memory_bytes for c in b.contributors] == sorted((c.memory_bytes for c in b.contributors), reverse=True)
@@ -39,7 +41,7 @@ def test_breakdown_sums_to_the_traced_peak():
 def test_full_vocabulary_floor_names_the_logits_and_the_loss():
     model, inputs = _full_vocab_gpt()
     with pytest.raises(PlanningError) as e:
-        solve_sac(model, 0.001, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
+        solve_sac(model, 0.001, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="cpu"))
     msg = str(e.value)
     assert "GPT.lm_head" in msg and "mm" in msg  # the logits
     assert "outside the model" in msg and "_log_softmax" in msg  # the loss
@@ -47,7 +49,7 @@ def test_full_vocabulary_floor_names_the_logits_and_the_loss():
     top = e.value.floor.contributors[:2]
     assert {c.module for c in top} == {"GPT.lm_head", "(outside every module)"}
     # ... and the stated figure is one the planner accepts.
-    plan = solve_sac(model, e.value.min_budget_gib, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
+    plan = solve_sac(model, e.value.min_budget_gib, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="cpu"))
     assert plan.predicted_peak_bytes <= plan.usable_budget_bytes
 
 
@@ -56,7 +58,7 @@ def test_optimizer_state_heavy_floor_suggests_sharding_and_lighter_optimizer():
     import torch
 
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512))
-    est = estimate(model, (torch.randn(2, 512),), optimizer="adam")
+    est = estimate(model, TrainStep(inputs=(torch.randn(2, 512),), optimizer="adam"))
     hints = " ".join(lowering_hints(peak_breakdown(est)))
     assert "world_size > 1" in hints and "sgd" in hints
 
@@ -65,8 +67,8 @@ def test_optimizer_state_heavy_floor_suggests_sharding_and_lighter_optimizer():
 def test_stated_smallest_budget_verifies(name):
     model, inputs = EXAMPLES[name]()
     with pytest.raises(PlanningError, match="smallest budget this model can reach") as e:
-        solve_sac(model, 1e-4, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
-    plan = solve_sac(model, e.value.min_budget_gib, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
+        solve_sac(model, 1e-4, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="cpu"))
+    plan = solve_sac(model, e.value.min_budget_gib, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="cpu"))
     assert plan.predicted_peak_bytes <= plan.usable_budget_bytes
     assert int(e.value.min_budget_gib * GiB) - e.value.min_budget_bytes < 2**10  # rounded up, by < 1 KiB
 
@@ -76,9 +78,9 @@ def test_stated_smallest_budget_verifies_with_the_default_cuda_reserve():
     # the budget asked" was refused again, by a larger figure, every time it was asked for.
     model, inputs = EXAMPLES["convnet_demo"]()
     with pytest.raises(PlanningError, match="incl. a .* reserve") as e:
-        solve_sac(model, 1.06, inputs, loss_fn=model.loss_fn, optimizer="adam", device="h100")
+        solve_sac(model, 1.06, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="h100"))
     stated = e.value.min_budget_bytes / GiB
-    plan = solve_sac(model, stated, inputs, loss_fn=model.loss_fn, optimizer="adam", device="h100")
+    plan = solve_sac(model, stated, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="h100"))
     assert plan.predicted_peak_bytes <= plan.usable_budget_bytes
 
 
@@ -96,7 +98,7 @@ def test_stated_smallest_budget_verifies_when_traces_overshoot_the_milp(monkeypa
 
     monkeypatch.setattr(verification, "traced_estimate", overshooting)
     model, inputs = EXAMPLES["gpt_demo"]()
-    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"))
     milp = SACMilp(est.module_info)
     low = milp.min_reachable_peak_bytes()
     kw = dict(milp=milp)

@@ -14,9 +14,11 @@ from planner import apply_plan
 from planner.analysis.gradcheck import check_gradients
 from planner.analysis.measure import measure_steps
 from planner.plan import Plan
-from planner.planning.solve import PlanningError, plan_for_budget
+from planner.errors import PlanningError
+from planner.planning.solve import plan_for_budget
 from planner.planning.tradeoff import step_time_curves
 from tests.planner.conftest import planning
+from planner.options import PlanOptions
 
 MiB = 2**20
 
@@ -37,7 +39,7 @@ def test_offload_plan_applies_exactly_and_measures_as_predicted():
         assert not set(m.offloaded_ops) & set(m.recomputed_ops)
     assert plan.step_ms == pytest.approx(plan.compute_ms + plan.recompute_ms + plan.exposed_comm_ms
                                          + plan.exposed_copy_ms)
-    assert check_gradients(model, plan, inputs, loss_fn=model.loss_fn).equal
+    assert check_gradients(model, plan, TrainStep(inputs=inputs, loss_fn=model.loss_fn)).equal
     fresh, _ = _gpt()
     step = TrainStep(inputs=inputs, loss_fn=fresh.loss_fn, optimizer="adamw")
     with apply_plan(fresh, plan) as handle:
@@ -91,7 +93,7 @@ def test_no_host_link_is_a_clear_error():
 
 def test_step_time_curves_side_by_side():
     est, _, _, _ = planning("gpt_demo", "adamw")
-    curves = step_time_curves(est, n_points=4, device="cpu")
+    curves = step_time_curves(est, options=PlanOptions(device="cpu"), n_points=4)
     assert len(curves.rows) == 4 and curves.baselines
     for r in curves.rows:
         if r.recompute_only_step_ms is not None:

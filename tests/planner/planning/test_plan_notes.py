@@ -11,19 +11,19 @@ from estimators.tracing.estimation import EstimateOptions, TraceMode
 from estimators.step.train_step import TrainStep
 from examples import EXAMPLES
 from planner import PlanningError, solve_sac
+from planner.options import PlanOptions
 
 
 def test_bytes_given_as_gib_are_refused_and_a_roomy_budget_says_so():
     model, inputs = EXAMPLES["gpt_tiny"]()
     with pytest.raises(PlanningError, match=r"budget_gib is in GiB.*pass budget_gib=0\.008382"):
-        solve_sac(model, budget_gib=9_000_000, inputs=inputs, loss_fn=model.loss_fn)
-    plan = solve_sac(model, budget_gib=64, inputs=inputs, loss_fn=model.loss_fn, verify=False)
+        solve_sac(model, budget_gib=9_000_000, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn))
+    plan = solve_sac(model, options=PlanOptions(verify=False), budget_gib=64, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn))
     assert not plan.modules
     assert any("nothing to checkpoint" in n for n in plan.notes)
     # 64 meant as MiB: thousands of times the step's peak, so the note names the GiB unit.
     assert any("budget_gib is in GiB: for 64 MiB pass budget_gib=0.0625" in n for n in plan.notes)
-    roomy = solve_sac(model, budget_gib=2 * plan.baseline_peak_bytes / 2**30, inputs=inputs,
-                      loss_fn=model.loss_fn, verify=False)
+    roomy = solve_sac(model, options=PlanOptions(verify=False), budget_gib=2 * plan.baseline_peak_bytes / 2**30, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn))
     assert not roomy.modules and not any("budget_gib is in GiB" in n for n in roomy.notes)
 
 
@@ -32,10 +32,10 @@ def test_a_dropped_output_the_size_of_a_few_percent_of_the_peak_is_named_in_the_
     # higher by up to the output's size (a Qwen2: 262,144 B of logits, 8 %), and nothing said so.
     model, inputs = EXAMPLES["gpt_tiny"]()
     step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer=lambda ps: torch.optim.AdamW(ps))
-    notes = solve_sac(model, budget_gib=0.01, step=step, verify=False).notes
+    notes = solve_sac(model, options=PlanOptions(verify=False), budget_gib=0.01, step=step).notes
     assert "optimizer a factory function" in notes[0]
     assert any("drops the model output (64.00 KiB)" in n and "TrainStep(keep_output=True)" in n for n in notes)
-    kept = solve_sac(model, budget_gib=0.01, step=dataclasses.replace(step, keep_output=True), verify=False)
+    kept = solve_sac(model, options=PlanOptions(verify=False), budget_gib=0.01, step=dataclasses.replace(step, keep_output=True))
     assert not any("drops the model output" in n for n in kept.notes)
 
 
@@ -44,15 +44,14 @@ def test_a_real_mode_plan_says_what_its_figures_stand_for(caplog):
     # ones, and the summary said "on h100" with no word.
     model, inputs = EXAMPLES["convnet_tiny"]()
     real = EstimateOptions(mode=TraceMode.REAL)
-    cpu = solve_sac(model, budget_gib=0.01, inputs=inputs, optimizer="adamw", estimate_options=real, verify=False)
+    cpu = solve_sac(model, options=PlanOptions(trace=real, verify=False), budget_gib=0.01, step=TrainStep(inputs=inputs, optimizer="adamw"))
     assert any(n.startswith("traced in real mode: the figures follow this batch's run") for n in cpu.notes)
     assert not any("memory is the CPU's" in n for n in cpu.notes)
     with caplog.at_level("WARNING", logger="planner.planning.plan_notes"):
-        gpu = solve_sac(model, budget_gib=0.01, inputs=inputs, optimizer="adamw", device="h100", reserve_gib=0,
-                        estimate_options=real, verify=False)
+        gpu = solve_sac(model, options=PlanOptions(device="h100", reserve_gib=0, trace=real, verify=False), budget_gib=0.01, step=TrainStep(inputs=inputs, optimizer="adamw"))
     assert any("memory is the CPU's (its kernels' saved tensors, no h100 allocation rounding)" in n for n in gpu.notes)
     assert "plan h100 with a fake trace" in caplog.text
-    fake = solve_sac(model, budget_gib=0.01, inputs=inputs, optimizer="adamw", verify=False)
+    fake = solve_sac(model, options=PlanOptions(verify=False), budget_gib=0.01, step=TrainStep(inputs=inputs, optimizer="adamw"))
     assert not any("real mode" in n for n in fake.notes)
 
 
@@ -60,9 +59,9 @@ def test_a_plan_without_an_optimizer_says_its_state_is_not_in_the_figures():
     # solve_sac's default is no optimizer: a plan made that way, trained with AdamW, measured
     # 5,246,584 B against a 4,294,967 B budget, and only "optimizer None" said why.
     model, inputs = EXAMPLES["gpt_tiny"]()
-    bare = solve_sac(model, budget_gib=0.01, inputs=inputs, loss_fn=model.loss_fn, verify=False)
+    bare = solve_sac(model, options=PlanOptions(verify=False), budget_gib=0.01, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn))
     assert any(n.startswith("planned without an optimizer (solve_sac's default; --optimizer none)") for n in bare.notes)
-    adamw = solve_sac(model, budget_gib=0.01, inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw", verify=False)
+    adamw = solve_sac(model, options=PlanOptions(verify=False), budget_gib=0.01, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"))
     assert not any("planned without an optimizer" in n for n in adamw.notes)
 
 

@@ -20,6 +20,7 @@ from planner.planning.solve import plan_for_budget
 from solver import SACMilp, predict_peak_bytes
 from tests.estimators.tracing.test_estimation import _assert_same, _snapshot
 from tests.planner.conftest import EXAMPLE_NAMES, budgets, plan_at
+from planner.options import PlanOptions
 
 REAL = EstimateOptions(mode=TraceMode.REAL)
 
@@ -53,7 +54,7 @@ def _megatron_gpt():
 
 def test_plan_no_worse_than_megatron_attention_core_recompute():
     model, inputs = _megatron_gpt()
-    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="cpu")
     info = est.module_info
     cores = [s for s in info.mod_stats if s.fqn.endswith("attn.core")]
     assert len(cores) == 2 and all(s.sac_memory_bytes > 0 for s in cores)
@@ -69,7 +70,7 @@ def test_plan_no_worse_than_megatron_attention_core_recompute():
 
 def test_short_form_uses_example_inputs():
     model, _ = EXAMPLES["gpt_tiny"]()
-    plan = solve_sac(model, budget_gib=1, device="cpu")
+    plan = solve_sac(model, options=PlanOptions(device="cpu"), budget_gib=1)
     assert plan.modules == () and plan.predicted_peak_bytes == plan.baseline_peak_bytes
 
 
@@ -81,9 +82,9 @@ def test_short_form_without_example_inputs_says_pass_inputs():
 def test_infeasible_budget_states_smallest_reachable():
     name = "convnet_demo"
     model, inputs = EXAMPLES[name]()
-    low = SACMilp(estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam").module_info).min_reachable_peak_bytes()
+    low = SACMilp(estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam")).module_info).min_reachable_peak_bytes()
     with pytest.raises(PlanningError, match=r"smallest budget this model can reach is .*" + f"{low:,} bytes") as e:
-        solve_sac(model, (low - 1) / GiB, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
+        solve_sac(model, (low - 1) / GiB, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="cpu"))
     assert e.value.min_budget_bytes == low
 
 
@@ -91,7 +92,7 @@ def test_infeasible_budget_states_smallest_reachable():
 def test_bad_budget(bad):
     model, inputs = EXAMPLES["gpt_tiny"]()
     with pytest.raises(PlanningError, match="budget_gib must be"):
-        solve_sac(model, bad, inputs)
+        solve_sac(model, bad, TrainStep(inputs=inputs))
 
 
 @pytest.mark.parametrize("bad", [-1, 0, float("nan"), "1"])
@@ -104,7 +105,7 @@ def test_bad_host_budget_names_host_budget_and_fails_before_tracing(bad, monkeyp
     monkeypatch.setattr(planner.planning.solve, "estimate", no_trace)
     model, inputs = EXAMPLES["gpt_tiny"]()
     with pytest.raises(PlanningError, match=r"^host_budget_gib must be .*offload=False"):
-        solve_sac(model, 40, inputs, offload=True, host_budget_gib=bad)
+        solve_sac(model, 40, TrainStep(inputs=inputs), options=PlanOptions(offload=True, host_budget_gib=bad))
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -125,15 +126,15 @@ def test_bad_arguments_are_refused_before_tracing(kwargs, message, monkeypatch):
     monkeypatch.setattr(planner.planning.solve, "estimate", no_trace)
     model, inputs = EXAMPLES["gpt_tiny"]()
     with pytest.raises(PlanningError, match=message):
-        solve_sac(model, 40, inputs, **kwargs)
+        solve_sac(model, 40, TrainStep(inputs=inputs), options=PlanOptions(**kwargs))
     with pytest.raises(TypeError, match="solve_sac plans a torch.nn.Module, got str"):
-        solve_sac("model", 40, inputs)
+        solve_sac("model", 40, TrainStep(inputs=inputs))
 
 
 def test_numpy_numbers_are_budgets():
     import numpy as np
 
-    from planner.planning.solve import check_budget_gib
+    from planner.format import check_budget_gib
 
     assert check_budget_gib(np.float32(0.5)) == 0.5 and check_budget_gib(np.int64(40)) == 40.0
     with pytest.raises(PlanningError, match=r"for 1e\+300 bytes pass budget_gib=9\.313e\+290$"):
@@ -142,7 +143,7 @@ def test_numpy_numbers_are_budgets():
 
 def test_cuda_reserve_is_stated():
     model, inputs = EXAMPLES["gpt_tiny"]()
-    plan = solve_sac(model, 40, inputs, loss_fn=model.loss_fn, device="h100")
+    plan = solve_sac(model, 40, TrainStep(inputs=inputs, loss_fn=model.loss_fn), options=PlanOptions(device="h100"))
     assert plan.reserve_bytes == int(GiB + 0.05 * 40 * GiB)
     assert f"(reserve {fmt_bytes(plan.reserve_bytes)}, usable {fmt_bytes(plan.usable_budget_bytes)})" in plan.summary()
 
@@ -152,7 +153,8 @@ def test_module_plan_ratios_stay_in_0_1(name):
     # Batch norm's statistics are recomputed whenever its module is checkpointed, so they are
     # not on the trade-off curve (sac_memory_bytes) but are in what the op plan discards:
     # dividing one by the other gave ratios like 1.000244 on convnet_demo.
-    est = estimate(*EXAMPLES[name](), optimizer="adam")
+    model, inputs = EXAMPLES[name]()
+    est = estimate(model, TrainStep(inputs=inputs, optimizer="adam"))
     seen = 0
     for s in est.module_info.mod_stats:
         for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
@@ -178,9 +180,9 @@ def test_one_default_target_everywhere():
 
 def test_step_and_shorthand_give_the_same_plan():
     model, inputs = EXAMPLES["gpt_tiny"]()
-    budget = _midpoint_gib(estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adamw"))
-    short = solve_sac(model, budget, inputs, loss_fn=model.loss_fn, optimizer="adamw")
-    full = solve_sac(model, budget, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"))
+    budget = _midpoint_gib(estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw")))
+    short = solve_sac(model, budget, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"))
+    full = solve_sac(model, budget, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"))
     assert short.modules and short.to_dict() | {"solve_time_s": 0} == full.to_dict() | {"solve_time_s": 0}
     assert short.binding_step == "steady state" and "binds            steady state" in short.summary()
 
@@ -216,8 +218,8 @@ def _reads_values():
 def test_real_mode_is_real_throughout_verification_included():
     model, inputs = _reads_values()
     with pytest.raises(TraceError, match="trace in real mode"):
-        estimate(model, inputs)
-    est = estimate(model, inputs, optimizer="adamw", options=REAL)
+        estimate(model, TrainStep(inputs=inputs))
+    est = estimate(model, TrainStep(inputs=inputs, optimizer="adamw"), options=REAL)
     budget = (est.module_info.peak_bytes + SACMilp(est.module_info).min_reachable_peak_bytes()) // 2
     plan = plan_for_budget(model, est, budget)
     assert plan.modules and plan.predicted_peak_bytes <= budget
@@ -236,8 +238,8 @@ def test_planning_in_real_mode_never_changes_the_model():
             opt.step()
     before = _snapshot(model, opt)
     rng = torch.get_rng_state()
-    budget = _midpoint_gib(estimate(model, inputs, loss_fn=model.loss_fn, optimizer=opt))
-    plan = solve_sac(model, budget, inputs, loss_fn=model.loss_fn, optimizer=opt, estimate_options=REAL)
+    budget = _midpoint_gib(estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer=opt)))
+    plan = solve_sac(model, budget, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer=opt), options=PlanOptions(trace=REAL))
     assert plan.modules, "the budget must bind so the verification trace applies a plan"
     _assert_same(before, _snapshot(model, opt))
     assert torch.equal(rng, torch.get_rng_state())
@@ -301,10 +303,10 @@ def test_modules_whose_recompute_diverges_are_left_out_not_crashed_on():
 
     model, step = _residual_step()
     before = copy.deepcopy(model.state_dict())
-    table = tradeoff_curve(model, step=step)
+    table = tradeoff_curve(model, step)
     # 90 % of the way up: one module checkpointed in part (a selective policy), blocks.0 first
     budget = table.min_reachable_peak_bytes + 0.9 * (table.no_ac_peak_bytes - table.min_reachable_peak_bytes)
-    plan = solve_sac(model, budget / GiB, step=step)
+    plan = solve_sac(model, budget / GiB, step)
     left_out = [n for n in plan.notes if "its recompute ran other ops than its forward" in n]
     assert left_out == ["_Residual.blocks.0 not checkpointed: its recompute ran other ops than its forward"], plan.notes
     assert plan.modules and "_Residual.blocks.0" not in {m.fqn for m in plan.modules}
@@ -312,7 +314,7 @@ def test_modules_whose_recompute_diverges_are_left_out_not_crashed_on():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     with warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointDivergenceWarning)
-        assert check_gradients(model, plan, step.inputs).equal
+        assert check_gradients(model, plan, TrainStep(inputs=step.inputs)).equal
         with apply_plan(copy.deepcopy(model), plan) as handle:
             handle.model(*step.inputs).sum().backward()
 
@@ -348,11 +350,11 @@ def test_a_full_checkpoint_torch_refuses_is_left_out_by_name():
         planned(*step.inputs).sum().backward()
     from planner.planning.tradeoff import tradeoff_curve
 
-    table = tradeoff_curve(model, step=step)
+    table = tradeoff_curve(model, step)
     with pytest.raises(PlanningError, match=r"left out as unsafe to checkpoint: Sequential\.1 \(its recompute"):
-        solve_sac(model, table.min_reachable_peak_bytes / GiB, step=step)
+        solve_sac(model, table.min_reachable_peak_bytes / GiB, step)
     lo, hi = table.min_reachable_peak_bytes, table.no_ac_peak_bytes
-    plan = solve_sac(model, (lo + 0.6 * (hi - lo)) / GiB, step=step)
+    plan = solve_sac(model, (lo + 0.6 * (hi - lo)) / GiB, step)
     assert "Sequential.1 not checkpointed: its recompute ran other ops than its forward" in plan.notes
     assert plan.modules and "Sequential.1" not in {m.fqn for m in plan.modules}
 
@@ -367,11 +369,11 @@ def test_a_divergence_first_met_in_the_min_peak_plan_is_a_planning_error():
     step = TrainStep(inputs=(torch.randn(256, 64),), optimizer="adamw")
     from planner.planning.tradeoff import tradeoff_curve
 
-    table = tradeoff_curve(model, step=step)
+    table = tradeoff_curve(model, step)
     with pytest.raises(PlanningError, match=r"left out as unsafe to checkpoint: Sequential\.\d \(its recompute ran "
                                             r"other ops than its forward\); Sequential\.\d") as e:
-        solve_sac(model, table.min_reachable_peak_bytes / GiB, step=step)
-    plan = solve_sac(model, e.value.min_budget_gib, step=step)
+        solve_sac(model, table.min_reachable_peak_bytes / GiB, step)
+    plan = solve_sac(model, e.value.min_budget_gib, step)
     assert plan.predicted_peak_bytes <= plan.usable_budget_bytes
     assert not {"Sequential.1", "Sequential.3"} & {m.fqn for m in plan.modules}
 
@@ -383,14 +385,14 @@ def test_every_candidate_left_out_for_divergence_is_a_planning_error():
     from planner.planning.tradeoff import tradeoff_curve
 
     model, step = _residual_step()
-    table = tradeoff_curve(model, step=step)
+    table = tradeoff_curve(model, step)
     alternating = ["_Residual.blocks.0", "_Residual.blocks.2"]
     with pytest.raises(PlanningError, match=r"smallest budget that verifies.*left out as unsafe to checkpoint: "
                                             r"_Residual\.blocks\.\d \(its recompute ran other ops") as e:
-        solve_sac(model, (table.no_ac_peak_bytes - 1024) / GiB, step=step, ac_units=alternating)
+        solve_sac(model, (table.no_ac_peak_bytes - 1024) / GiB, step, options=PlanOptions(ac_units=alternating))
     # The figure it states is one the planner accepts (as the infeasible-budget refusal's).
     assert e.value.floor is None and e.value.min_budget_bytes <= e.value.min_budget_gib * GiB
-    plan = solve_sac(model, e.value.min_budget_gib, step=step, ac_units=alternating)
+    plan = solve_sac(model, e.value.min_budget_gib, step, options=PlanOptions(ac_units=alternating))
     assert plan.predicted_peak_bytes <= plan.usable_budget_bytes
 
 
@@ -430,8 +432,7 @@ def test_peak_no_ac_is_the_model_as_it_runs_unplanned_with_hf_use_cache_on():
     mask = torch.ones_like(ids)
     mask[:, -8:] = 0
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
-    plan = solve_sac(model, budget_gib=3.45e6 / 2**30,
-                     step=TrainStep(inputs=batch, optimizer="adamw", autocast_dtype=torch.bfloat16))
+    plan = solve_sac(model, budget_gib=3.45e6 / 2**30, step=TrainStep(inputs=batch, optimizer="adamw", autocast_dtype=torch.bfloat16))
     assert model.config.use_cache is True  # planning left it as it was
     unplanned = _hf_loop_peaks(copy.deepcopy(model), batch)
     assert unplanned[1:] == [plan.baseline_peak_bytes] * 2
@@ -488,7 +489,7 @@ def test_a_module_called_twice_is_planned_exactly_and_fully_checkpointed_below_t
     with apply_plan(mine, plan):
         steps = measure_steps(mine, step, torch.optim.AdamW(mine.parameters()), n_steps=3)
     assert [s.peak_bytes for s in steps[1:]] == [plan.predicted_peak_bytes] * 2
-    assert check_gradients(model, plan, (x,)).equal
+    assert check_gradients(model, plan, TrainStep(inputs=(x,))).equal
     with pytest.raises(PlanningError, match=r"the smallest budget this model can reach is 0.002402 GiB "
                                             r"\(2,578,368 bytes\).*Note: _SharedBlockNet.shared \(2 calls\)"):
         solve_sac(model, budget_gib=2.5e6 / GiB, step=step)
@@ -527,10 +528,10 @@ def test_a_batchnorm_block_called_twice_is_checkpointed_with_its_statistics_as_u
     torch.manual_seed(0)
     model, x = _SharedBNNet(momentum), torch.randn(4, 3, 24, 24)
     step = TrainStep(inputs=(x,), optimizer="adamw")
-    plan = solve_sac(model, budget_gib=1.3e6 / GiB, step=step, reserve_gib=0)
+    plan = solve_sac(model, options=PlanOptions(reserve_gib=0), budget_gib=1.3e6 / GiB, step=step)
     assert [m.fqn for m in plan.modules] == ["_SharedBNNet.blk"] and plan.module("_SharedBNNet.blk").full
     assert not any("not checkpointed" in n for n in plan.notes)
-    assert check_gradients(model, plan, (x,)).equal
+    assert check_gradients(model, plan, TrainStep(inputs=(x,))).equal
     ref, mine = copy.deepcopy(model), copy.deepcopy(model)
     ref_steps = measure_steps(ref, step, torch.optim.AdamW(ref.parameters()), n_steps=3)
     with apply_plan(mine, plan):
@@ -562,7 +563,7 @@ def test_albert_shared_layer_is_checkpointed_below_the_milp_floor():
     with apply_plan(mine, plan):
         steps = measure_steps(mine, step, torch.optim.AdamW(mine.parameters()), n_steps=3)
     assert [s.peak_bytes for s in steps[1:]] == [plan.predicted_peak_bytes] * 2
-    assert check_gradients(model, plan, batch).equal
+    assert check_gradients(model, plan, TrainStep(inputs=batch)).equal
 
 
 def _eval_mode_net():
@@ -580,10 +581,10 @@ def test_a_model_left_in_eval_mode_is_planned_as_it_trains():
     model, inputs = _eval_mode_net()
     flags = [m.training for m in model.modules()]
     step = TrainStep(inputs=inputs, optimizer="sgd")
-    est = estimate(model, step=step)
-    as_is = estimate(model, step=TrainStep(inputs=inputs, optimizer="sgd", train_mode=False))
+    est = estimate(model, step)
+    as_is = estimate(model, TrainStep(inputs=inputs, optimizer="sgd", train_mode=False))
     trained = copy.deepcopy(model).train()
-    assert est.module_info.peak_bytes == estimate(trained, step=step).module_info.peak_bytes
+    assert est.module_info.peak_bytes == estimate(trained, step).module_info.peak_bytes
     assert as_is.module_info.peak_bytes < est.module_info.peak_bytes  # no dropout masks, no batch stats
     budget = (est.module_info.peak_bytes + SACMilp(est.module_info).min_reachable_peak_bytes()) // 2
     plan = plan_for_budget(model, est, budget)
@@ -616,10 +617,10 @@ def test_real_mode_planning_of_an_eval_model_puts_every_flag_back():
     model[1][1].train()  # mixed flags under an eval root
     flags = [m.training for m in model.modules()]
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    est = estimate(model, step=TrainStep(inputs=inputs, optimizer="sgd"), options=REAL)
+    est = estimate(model, TrainStep(inputs=inputs, optimizer="sgd"), options=REAL)
     assert [m.training for m in model.modules()] == flags
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # BN stats too
-    fake = estimate(model, step=TrainStep(inputs=inputs, optimizer="sgd"))
+    fake = estimate(model, TrainStep(inputs=inputs, optimizer="sgd"))
     assert est.module_info.peak_bytes == fake.module_info.peak_bytes
 
 
@@ -628,7 +629,7 @@ def test_a_plan_records_its_train_mode_and_the_check_runs_it():
     from planner.plan import Plan
 
     model, inputs = _eval_mode_net()
-    est = estimate(model, step=TrainStep(inputs=inputs, optimizer="sgd"))
+    est = estimate(model, TrainStep(inputs=inputs, optimizer="sgd"))
     budget = (est.module_info.peak_bytes + SACMilp(est.module_info).min_reachable_peak_bytes()) // 2
     plan = plan_for_budget(model, est, budget)
     import json
@@ -637,22 +638,22 @@ def test_a_plan_records_its_train_mode_and_the_check_runs_it():
     old_file = json.loads(plan.to_json())
     del old_file["step"]["train_mode"]  # a plan saved before train_mode was recorded
     assert Plan.from_dict(old_file).step.train_mode == "auto"
-    check = check_gradients(model, plan, inputs)
+    check = check_gradients(model, plan, TrainStep(inputs=inputs))
     assert check.equal and not model.training
     torch.manual_seed(0)
     trained = copy.deepcopy(model).train()
     assert check.loss_reference == float(trained(*inputs).sum().detach())  # dropout on, batch statistics
-    as_is = plan_for_budget(model, estimate(model, step=TrainStep(inputs=inputs, optimizer="sgd", train_mode=False)),
+    as_is = plan_for_budget(model, estimate(model, TrainStep(inputs=inputs, optimizer="sgd", train_mode=False)),
                             budget)
     assert as_is.step.train_mode == "as_is"
     torch.manual_seed(0)
-    assert check_gradients(model, as_is, inputs).loss_reference == float(model(*inputs).sum().detach())
+    assert check_gradients(model, as_is, TrainStep(inputs=inputs)).loss_reference == float(model(*inputs).sum().detach())
 
 
 def test_a_small_budget_for_a_gpu_names_the_default_reserve():
     model, inputs = EXAMPLES["gpt_tiny"]()
     with pytest.raises(PlanningError, match=r"the default on a CUDA target.*reserve_gib=0 plans the budget as given"):
-        solve_sac(model, budget_gib=0.003, inputs=inputs, loss_fn=model.loss_fn, device="h100", verify=False)
+        solve_sac(model, options=PlanOptions(device="h100", verify=False), budget_gib=0.003, step=TrainStep(inputs=inputs, loss_fn=model.loss_fn))
 
 
 class _FeatureBank(torch.nn.Module):
@@ -681,9 +682,9 @@ def test_a_refusal_never_states_a_smallest_budget_above_the_unplanned_peak():
     model = torch.nn.Sequential(_FeatureBank(), _FeatureBank(), _FeatureBank(), torch.nn.Linear(32, 4))
     step = TrainStep(inputs=(torch.randn(8, 16, 32),), loss_fn=lambda out, _: out.pow(2).mean(),
                      optimizer="adamw")
-    table = tradeoff_curve(model, step=step)
+    table = tradeoff_curve(model, step)
     lo, hi = table.min_reachable_peak_bytes, table.no_ac_peak_bytes
     with pytest.raises(PlanningError, match=f"smallest budget that verifies is .* \\({hi:,} bytes\\)") as e:
-        solve_sac(model, (lo + 0.3 * (hi - lo)) / GiB, step=step)
+        solve_sac(model, (lo + 0.3 * (hi - lo)) / GiB, step)
     assert e.value.min_budget_bytes == hi
-    assert solve_sac(model, e.value.min_budget_gib, step=step).predicted_peak_bytes <= hi
+    assert solve_sac(model, e.value.min_budget_gib, step).predicted_peak_bytes <= hi

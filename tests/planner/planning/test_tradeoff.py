@@ -26,6 +26,7 @@ from planner.planning.tradeoff import (
 )
 from solver import SACMilp, predict_peak_bytes
 from solver.plan_cost import module_recompute_ms
+from planner.options import PlanOptions
 
 MiB = 2**20
 
@@ -33,7 +34,7 @@ MiB = 2**20
 @functools.lru_cache(maxsize=None)
 def demo_estimate():
     model, inputs = EXAMPLES["gpt_demo"]()
-    return estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
+    return estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="cpu")
 
 
 def _two_module_info() -> ModuleInfo:
@@ -63,7 +64,7 @@ def _two_module_info() -> ModuleInfo:
 # ----------------------------------------------------------------------------- exact small case
 def test_hand_built_sweep_has_exact_rows():
     info = _two_module_info()
-    table = tradeoff_curve(info, [799, 800, 850, 900, 950, 1000, 1200])
+    table = tradeoff_curve(info, budgets=[799, 800, 850, 900, 950, 1000, 1200])
     assert table.no_ac_peak_bytes == 1000 and table.min_reachable_peak_bytes == 800
     assert table.step_ms == 10.0
     got = [(r.budget_bytes, r.status.value, r.predicted_peak_bytes, r.recompute_ms) for r in table.rows]
@@ -153,7 +154,7 @@ def test_infeasible_budgets_are_reported_and_the_sweep_goes_on():
     info = demo_estimate().module_info
     low = SACMilp(info).min_reachable_peak_bytes()
     budgets = [low // 4, low // 2, low - 1, low, (low + info.peak_bytes) // 2]
-    table = tradeoff_curve(info, budgets)
+    table = tradeoff_curve(info, budgets=budgets)
     assert [r.status.value for r in table.rows[:3]] == ["infeasible"] * 3
     assert all(not r.feasible and r.predicted_peak_bytes is None and not r.on_pareto
                for r in table.rows[:3])
@@ -170,7 +171,7 @@ def test_model_input_is_traced_once_and_matches_the_estimate(monkeypatch):
     real = est_mod.estimate
     monkeypatch.setattr(est_mod, "estimate", lambda *a, **k: calls.append(1) or real(*a, **k))
     model, inputs = EXAMPLES["gpt_small"]()
-    table = tradeoff_curve(model, inputs=inputs, loss_fn=model.loss_fn, optimizer="adam", n_points=3)
+    table = tradeoff_curve(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), n_points=3)
     assert len(calls) == 1
     est = real(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
     assert table.no_ac_peak_bytes == est.module_info.peak_bytes
@@ -196,7 +197,7 @@ def test_model_input_is_traced_once_and_matches_the_estimate(monkeypatch):
 )
 def test_bad_budgets_raise_before_any_work(budgets, match):
     with pytest.raises(ValueError, match=match):
-        tradeoff_curve(_two_module_info(), budgets)
+        tradeoff_curve(_two_module_info(), budgets=budgets)
 
 
 def test_bad_n_points_and_input_type():
@@ -210,7 +211,7 @@ def test_extra_budgets_are_merged_into_the_grid():
     info = _two_module_info()
     table = tradeoff_curve(info, n_points=3, extra_budgets=[975, 900.7, 975])
     assert [r.budget_bytes for r in table.rows] == [800, 900, 975, 1000]
-    table = tradeoff_curve(info, [850], extra_budgets=[700])
+    table = tradeoff_curve(info, extra_budgets=[700], budgets=[850])
     assert [(r.budget_bytes, r.status.value) for r in table.rows] == [(700, "infeasible"), (850, "optimal")]
     with pytest.raises(ValueError, match="positive, finite"):
         tradeoff_curve(info, extra_budgets=[math.nan])
@@ -259,7 +260,7 @@ def test_sweep_reuse_matches_independent_solves() -> None:
 
     info = chain()
     budgets = [b * MiB for b in (250, 275, 300, 350, 400, 425, 449)]
-    table = tradeoff_curve(info, budgets)
+    table = tradeoff_curve(info, budgets=budgets)
     for row in table.rows:
         alone = solve_milp(info, row.budget_bytes)
         assert row.recompute_ms == pytest.approx(alone.recompute_ms, rel=1e-4, abs=1e-9)
@@ -270,10 +271,10 @@ def test_budgets_given_in_gib_are_refused_with_the_conversion():
     """A user passing GiB ([4.0, 5.0]) to the byte-valued sweep got all-infeasible rows."""
     est = demo_estimate()
     with pytest.raises(ValueError, match=r"bytes per rank, not GiB"):
-        tradeoff_curve(est, [4.0, 5.0])
+        tradeoff_curve(est, budgets=[4.0, 5.0])
     # Under a byte each: floored to 0 they were refused as "not in ascending order".
     with pytest.raises(ValueError, match=r"0.0007 is under one byte: budgets are bytes per rank, not GiB"):
-        tradeoff_curve(_two_module_info(), [0.0007, 0.0009])
+        tradeoff_curve(_two_module_info(), budgets=[0.0007, 0.0009])
 
 
 def test_estimate_options_trace_the_model_as_asked():
@@ -286,13 +287,13 @@ def test_estimate_options_trace_the_model_as_asked():
     torch.manual_seed(0)
     model, x = _LSTMNet(), torch.randn(4, 12, 8)
     with pytest.raises(TraceError, match="TraceMode.REAL"):
-        tradeoff_curve(model, inputs=(x,), n_points=2)
+        tradeoff_curve(model, TrainStep(inputs=(x,)), n_points=2)
     real = EstimateOptions(mode=TraceMode.REAL)
-    table = tradeoff_curve(model, inputs=(x,), n_points=2, estimate_options=real)
-    traced = estimate(model, (x,), options=real)
+    table = tradeoff_curve(model, TrainStep(inputs=(x,)), options=PlanOptions(trace=real), n_points=2)
+    traced = estimate(model, TrainStep(inputs=(x,)), options=real)
     assert table.no_ac_peak_bytes == traced.steady_peak_bytes
     with pytest.raises(ValueError, match="leave estimate_options out"):
-        tradeoff_curve(traced, estimate_options=real)
+        tradeoff_curve(traced, options=PlanOptions(trace=real))
 
 
 class _InputMutatingBlock(torch.nn.Module):
@@ -314,11 +315,11 @@ def test_the_curve_leaves_out_the_modules_solve_sac_refuses_to_checkpoint():
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), _InputMutatingBlock(), _InputMutatingBlock(),
                                 torch.nn.Linear(32, 3))
     step = TrainStep(inputs=torch.randn(2, 32, 8), optimizer="adamw")
-    table = tradeoff_curve(model, step=step, n_points=3)
+    table = tradeoff_curve(model, step, n_points=3)
     assert all(not row.checkpointed for row in table.rows)
     assert table.min_reachable_peak_bytes == table.no_ac_peak_bytes
     with pytest.raises(PlanningError, match="left out as unsafe|Left out as unsafe"):
-        solve_sac(model, (table.no_ac_peak_bytes - 1024) / 2**30, step=step)
+        solve_sac(model, (table.no_ac_peak_bytes - 1024) / 2**30, step)
 
 
 def test_a_module_called_twice_gets_the_traced_floor_solve_sac_reaches():
@@ -333,21 +334,21 @@ def test_a_module_called_twice_gets_the_traced_floor_solve_sac_reaches():
     torch.manual_seed(0)
     model, x = _SharedBlockNet(), torch.randn(256, 64)
     step = TrainStep(inputs=(x,), optimizer="adamw")
-    table = tradeoff_curve(model, step=step, n_points=4)
+    table = tradeoff_curve(model, step, n_points=4)
     assert table.min_reachable_peak_bytes == 2_578_368
     floor_row = table.rows[0]
     assert floor_row.status is PointStatus.FEASIBLE and floor_row.predicted_peak_bytes == 2_578_368
     assert "_SharedBlockNet.shared" in floor_row.checkpointed
-    milp_floor = SACMilp(estimate(model, step=step, device="cpu").module_info).min_reachable_peak_bytes()
+    milp_floor = SACMilp(estimate(model, step, device="cpu").module_info).min_reachable_peak_bytes()
     assert milp_floor > 2_578_368
     assert all(r.feasible and r.predicted_peak_bytes <= r.budget_bytes for r in table.rows)
     assert any("_SharedBlockNet.shared (2 calls)" in n and f"{milp_floor:,} B" in n for n in table.notes)
-    plan = solve_sac(model, budget_gib=table.min_reachable_peak_bytes / 2**30, step=step, reserve_gib=0)
+    plan = solve_sac(model, options=PlanOptions(reserve_gib=0), budget_gib=table.min_reachable_peak_bytes / 2**30, step=step)
     assert plan.predicted_peak_bytes == table.min_reachable_peak_bytes
     mine = copy.deepcopy(model)
     with apply_plan(mine, plan):
         steps = measure_steps(mine, step, torch.optim.AdamW(mine.parameters()), n_steps=3)
     assert [s.peak_bytes for s in steps[1:]] == [table.min_reachable_peak_bytes] * 2
-    untraced = tradeoff_curve(estimate(model, step=step, device="cpu").module_info, n_points=2)
+    untraced = tradeoff_curve(estimate(model, step, device="cpu").module_info, n_points=2)
     assert untraced.min_reachable_peak_bytes == milp_floor
     assert any("states the MILP's floor" in n for n in untraced.notes)

@@ -12,6 +12,7 @@ from estimators.tracing.estimation import estimate
 from planner.planning.module_plans import module_plan
 from planner.planning.verification import RecomputeDivergedError, peak_in_backward_of, traced_or_diverged, traced_peak
 from tests.planner.planning.test_solve import _ExtraOpInBackward, _Mlp, _residual_step
+from estimators.step.train_step import TrainStep
 
 
 def _whole(est, fqn: str, *, full: bool):
@@ -22,7 +23,7 @@ def _whole(est, fqn: str, *, full: bool):
 
 def test_an_empty_plan_is_the_estimate_itself_and_a_plan_lowers_the_traced_peak():
     model, step = _residual_step()
-    est = estimate(model, step=step)
+    est = estimate(model, step)
     assert traced_peak(model, (), est) == (est.first_step_peak_bytes, est.steady_peak_bytes)
     plans = tuple(_whole(est, f"_Residual.blocks.{i}", full=False) for i in (1, 3))
     planned = traced_or_diverged(model, plans, est)
@@ -35,7 +36,7 @@ def test_an_empty_plan_is_the_estimate_itself_and_a_plan_lowers_the_traced_peak(
 
 def test_a_selective_recompute_that_diverges_is_named():
     model, step = _residual_step()
-    est = estimate(model, step=step)
+    est = estimate(model, step)
     plans = tuple(_whole(est, f"_Residual.blocks.{i}", full=False) for i in range(4))
     with pytest.raises(RecomputeDivergedError) as info:
         traced_or_diverged(model, plans, est)
@@ -45,7 +46,7 @@ def test_a_selective_recompute_that_diverges_is_named():
 def test_a_full_checkpoint_torch_refuses_is_named_by_replaying_it():
     torch.manual_seed(0)
     model = torch.nn.Sequential(_Mlp(32), _ExtraOpInBackward(32))
-    est = estimate(model, (torch.randn(64, 32),), optimizer="adamw")
+    est = estimate(model, TrainStep(inputs=(torch.randn(64, 32),), optimizer="adamw"))
     plans = tuple(_whole(est, f"Sequential.{i}", full=True) for i in range(2))
     with pytest.raises(RecomputeDivergedError) as info:
         traced_or_diverged(model, plans, est)

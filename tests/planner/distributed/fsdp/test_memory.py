@@ -12,6 +12,8 @@ from estimators.contract.module_info import MemoryPoint, ModOrder, ModStats, Mod
 from planner.distributed.fsdp.memory import FSDPExtraBytes, fsdp_extra_bytes, fsdp_module_info
 from planner.distributed.fsdp.units import FSDPUnitError
 from solver import predict_peak_bytes
+from planner.options import PlanOptions
+from estimators.step.train_step import TrainStep
 
 # A hand-built step. Root "M" owns an embedding (100 B) and "M.head" (400 B); blocks "M.a" (300 B,
 # of which its child "M.a.x" 100 B) and "M.b" (200 B). Gradients are parameter-sized.
@@ -207,8 +209,7 @@ def _planning_worker(rank: int, tmp: str, budget_gib: float) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     model, inputs = EXAMPLES["gpt_tiny"]()
-    plan = solve_sac_distributed(model, budget_gib, inputs, loss_fn=model.loss_fn, optimizer="adamw",
-                                 fsdp_units=_SPAWN_UNITS)
+    plan = solve_sac_distributed(model, budget_gib, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"), options=PlanOptions(fsdp_units=_SPAWN_UNITS))
     (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(plan.to_dict()))
     dist.barrier()  # neither rank tears gloo down while the other may still use the connection
     leave_rank()  # destroys the group; see tests/planner/spawned.py
@@ -226,13 +227,12 @@ def test_solve_sac_counts_fsdp_like_solve_sac_distributed(tmp_path):
     from solver import SACMilp
 
     model, inputs = EXAMPLES["gpt_tiny"]()
-    est = estimate(model, inputs, loss_fn=model.loss_fn, optimizer="adamw")
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"))
     milp = SACMilp(fsdp_module_info(est.module_info, _SPAWN_UNITS, 2), world_size=2, fsdp_units=_SPAWN_UNITS)
     budget_gib = (milp.min_reachable_peak_bytes() + milp.no_ac_peak_bytes) / 2 / GiB
     mp.spawn(_planning_worker, args=(str(tmp_path), budget_gib), nprocs=2)
     distributed = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    local = solve_sac(model, budget_gib, inputs, loss_fn=model.loss_fn, optimizer="adamw",
-                      world_size=2, fsdp_units=_SPAWN_UNITS)
+    local = solve_sac(model, budget_gib, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"), options=PlanOptions(world_size=2, fsdp_units=_SPAWN_UNITS))
     assert local.modules, "the budget must bind"
     for d in distributed:
         assert d["predicted_peak_bytes"] == local.predicted_peak_bytes
