@@ -210,6 +210,10 @@ def _sac_blocker(trace: StepTrace, calls: list[ModuleCall], last_fw_write: dict[
     return ""
 
 
+_GROWTH_ROWS = 8
+"""Units replayed together by ``_recompute_growth`` (a model's root has a thousand)."""
+
+
 def _recompute_growth(trace: StepTrace, call: ModuleCall, ops, units, forced: set[int]) -> tuple[int, ...]:
     """Peak growth of live bytes during the recompute of ``call``, at each curve breakpoint.
 
@@ -245,13 +249,16 @@ def _recompute_growth(trace: StepTrace, call: ModuleCall, ops, units, forced: se
             alive(i, diff)
     cur = np.cumsum(diff)[: last + 1]
     out = [max(0, int(cur.max()))]
-    for u in units:
-        add = np.zeros(last + 2, dtype=np.int64)
-        for i in u.ops:
-            if i <= last:
-                alive(i, add)
-        cur = cur + np.cumsum(add)[: last + 1]
-        out.append(max(0, int(cur.max())))
+    for start in range(0, len(units), _GROWTH_ROWS):  # a row per unit, a block of rows at a time
+        chunk = units[start : start + _GROWTH_ROWS]
+        adds = np.zeros((len(chunk), last + 2), dtype=np.int64)
+        for row, u in enumerate(chunk):
+            for i in u.ops:
+                if i <= last:
+                    alive(i, adds[row])
+        levels = np.cumsum(np.cumsum(adds, axis=1)[:, : last + 1], axis=0) + cur
+        out += [max(0, int(m)) for m in levels.max(axis=1)]
+        cur = levels[-1]
     return tuple(out)
 
 

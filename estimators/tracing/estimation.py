@@ -44,10 +44,9 @@ autograd saves them) is counted as the trace sees it: storages made in the forwa
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import enum
-import gc
+import functools
 import logging
 import time
 import warnings
@@ -74,7 +73,8 @@ from estimators.tracing.steady_state import first_step_module_info, first_step_p
 from estimators.tracing.trace import InplaceModifiedError, StepTrace, StepTracer
 from estimators.tracing.replicate import NotReplicable, expand_stacks
 from estimators.tracing.stacks import Stack, find_stacks
-from estimators.tracing.truncation import FullListsRuntime, pre_step_owners, skipped_param_ids, truncate_in_memo
+from estimators.tracing.fake_copy import FakeCopyError, fake_copy, fake_tensor
+from estimators.tracing.truncation import FullListsRuntime, gc_paused, may_index_blocks, pre_step_owners
 
 __all__ = [
     "DEFAULT_DEVICE",
@@ -190,55 +190,6 @@ def _check_real_devices(model: torch.nn.Module, inputs: Any) -> None:
             )
 
 
-def _fake_tensor(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
-    if t.device.type == "cpu" and not isinstance(t, torch.nn.Parameter):
-        return mode.from_tensor(t)
-    with mode:  # meta / other devices: same shape, stride and dtype, on the fake CPU
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-
-
-def _fake_buffer(mode: FakeTensorMode, b: torch.Tensor) -> torch.Tensor:
-    """A fake buffer; a one-element integer one (a counter) keeps a copy of its value, so code
-    that reads it goes on as in the real step: ``BatchNorm2d(momentum=None)`` divides by
-    ``float(num_batches_tracked)``, which a plain fake tensor refuses (torch's fake tensors run
-    ops on such constants and keep the result; a copy, so the user's buffer never changes)."""
-    if b.device.type == "cpu" and b.numel() == 1 and not b.is_floating_point() and not b.is_complex():
-        return mode.fake_tensor_converter.from_real_tensor(mode, b.detach().clone(), make_constant=True)
-    return _fake_tensor(mode, b)
-
-
-def _fake_copy(
-    model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] = ()
-) -> tuple[torch.nn.Module, dict]:
-    """Deep copy of ``model`` whose parameters and buffers are fake (shared ones stay shared);
-    the blocks of ``stacks`` a truncated trace skips are left out (their parameters map to None)."""
-    memo: dict[int, Any] = {}
-    mapping: dict[int, torch.Tensor | None] = {}
-    skipped = skipped_param_ids(model, stacks) if stacks else set()
-    for p in model.parameters():
-        if id(p) in skipped:
-            mapping[id(p)] = None
-        elif id(p) not in memo:
-            fp = torch.nn.Parameter(_fake_tensor(mode, p.detach()), requires_grad=p.requires_grad)
-            memo[id(p)] = fp
-            mapping[id(p)] = fp
-    for b in model.buffers():
-        if id(b) not in memo and id(b) not in skipped:
-            memo[id(b)] = _fake_buffer(mode, b)
-    left = fake_leaks.left_behind()  # held through the copy: their ids stay theirs
-    for t in left:  # shared, not copied (see left_behind)
-        memo.setdefault(id(t), t)
-    try:
-        if stacks:
-            truncate_in_memo(model, stacks, memo)
-        return copy.deepcopy(model, memo), mapping
-    except Exception as e:  # noqa: BLE001 - user modules can hold anything
-        raise TraceError(
-            f"could not copy {type(model).__name__} to fake tensors ({type(e).__name__}: {e}); "
-            "give the model on the meta device, or trace in real mode"
-        ) from e
-
-
 def as_train_step(model: torch.nn.Module, step: TrainStep | None) -> TrainStep:
     """``step`` checked and resolved: None is ``TrainStep()``, and a step without ``inputs`` takes
     ``model.example_inputs()``."""
@@ -292,7 +243,7 @@ def estimate(
         logger.info("%d parameter(s) get no gradient in the step (%s); traced again without their "
                     "optimizer state", len(without_grad), ", ".join(sorted(without_grad)[:3]))
         trace, _, _ = _trace(model, step, spec, options, prepare, cuda_rules, without_grad, stacks)
-    with _gc_paused():
+    with gc_paused():
         timeline = build_timeline(trace)
         info = build_module_info(trace, timeline)
     dt = time.perf_counter() - t0
@@ -336,38 +287,12 @@ def _trace(
                                                  box.mode, stacks)
             return trace, got_no_grad, stacks
         except (NotReplicable, TraceError) as e:
-            if not isinstance(e, NotReplicable) and not _indexes_blocks(e):
+            if not isinstance(e, NotReplicable) and not may_index_blocks(e):
                 raise  # the model's own error: the full model raises it too
             logger.debug("%s: every block traced (%s: %s)", type(model).__name__, type(e).__name__, e)
     with _trace_mode(fake) as box:
         trace, got_no_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad, box.mode)
     return trace, got_no_grad, []
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Building the records of a step makes a hundred thousand objects and no reference cycles:
-    the cyclic collector's passes over the whole heap meanwhile (a tenth of the time) find
-    nothing. Never around the traced step, whose frees the trace records."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _indexes_blocks(e: BaseException) -> bool:
-    """The error may come from the truncated model: its code looked up a block it does not hold
-    (``self.layers[40]``), which the full model has."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, (IndexError, KeyError)):
-            return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return False
 
 
 def _trace_mode(fake: bool) -> contextlib.AbstractContextManager[fake_leaks.FakeTrace]:
@@ -388,9 +313,12 @@ def _trace_step(
     the others in (``estimators.tracing.replicate``; raises NotReplicable where it cannot)."""
     fake = fake_mode is not None
     if fake:
-        traced, mapping = _fake_copy(model, fake_mode, stacks)
+        try:
+            traced, mapping = fake_copy(model, fake_mode, stacks)
+        except FakeCopyError as e:
+            raise TraceError(str(e)) from e.__cause__
         step_inputs = tree_map(
-            lambda t: _fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, step.inputs
+            lambda t: fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, step.inputs
         )
     else:
         _check_real_devices(model, step.inputs)
@@ -426,7 +354,7 @@ def _trace_step(
             previous_output=step.keep_output, held=step.held_tensors(), fake_mode=fake_mode,
         )
         if full_lists is not None:
-            full_lists.phase, full_lists.optimizer = (lambda: tracer.phase), opt
+            full_lists.phase, full_lists.optimizer = functools.partial(getattr, tracer, "phase"), opt
         owners = [pre_step_owners(tracer.sid_of, traced, st, opt) for st in stacks]
         applied = prepare(traced) if prepare is not None else None
         if fake:  # the user's model itself must not train in the step (see _refuse_calls_of)
@@ -474,7 +402,7 @@ def _trace_step(
         trace = tracer.finish()
         if stacks:
             try:
-                with _gc_paused():
+                with gc_paused():
                     trace = expand_stacks(trace, stacks, owners, type(model).__name__)
             except NotReplicable:
                 raise

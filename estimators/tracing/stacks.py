@@ -106,6 +106,7 @@ def _identical_runs(where: str, container: torch.nn.Module, owners: dict[int, in
     the ones that number them); each reason a run ends is said at DEBUG."""
     runs: list[list[tuple[str, torch.nn.Module]]] = []
     seen: set[int] = set()
+    first: tuple | None = None  # the structure of the current run's first block
     for key, child in container._modules.items():
         fit = child is not None and id(child) not in seen and _params_own(child, owners)
         if child is not None:
@@ -113,13 +114,16 @@ def _identical_runs(where: str, container: torch.nn.Module, owners: dict[int, in
         if not fit:
             logger.debug("%s.%s: not a block of a stack (absent, repeated, or sharing a parameter)", where, key)
             runs.append([])
+            first = None
             continue
-        if runs and runs[-1] and _structure(runs[-1][0][1]) == _structure(child):
+        structure = _structure(child)
+        if runs and runs[-1] and structure == first:
             runs[-1].append((key, child))
         else:
             if runs and runs[-1]:
                 logger.debug("%s.%s: differs in structure from %s.%s", where, key, where, runs[-1][0][0])
             runs.append([(key, child)])
+            first = structure
     out: list[list[str]] = []
     for run in runs:
         out += _split_by_attributes(where, run) if len(run) >= MIN_BLOCKS else []

@@ -25,11 +25,11 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from estimators.contract.module_info import Phase
+from estimators.tracing.op_args import PRIM_DEVICE, fake_device, op_tensors
 from estimators.tracing.records import (
     ModuleCall,
     OpRecord,
@@ -57,42 +57,8 @@ _DRAWN_NUMEL = 64
 """Outputs of random ops up to this many elements are decisions a model may branch on."""
 
 
-_PRIM_DEVICE = torch.ops.prim.device.default
-_fast_device_queries = True
-
-
-def _op_tensors(args: Any, kwargs: dict | None = None) -> list[torch.Tensor]:
-    """The tensors of an aten op's arguments (or outputs), in pytree's order: an op's schema
-    nests them in tuples, lists and the kwargs dict only (a faster ``tree_flatten``)."""
-    out: list[torch.Tensor] = []
-    _collect(args, out)
-    if kwargs:
-        _collect(kwargs.values(), out)
-    return out
-
-
-def _collect(items: Any, out: list) -> None:
-    # Not a closure: a recursive one is a reference cycle that kept ``out``'s tensors alive
-    # until the garbage collector ran, and the trace saw them freed late.
-    for x in items:
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif type(x) in (tuple, list):
-            _collect(x, out)
-        elif type(x) is dict:
-            _collect(x.values(), out)
-
-
 def _call(func, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
-
-
-def _fake_device(t: Any) -> torch.device | None:
-    """What ``FakeTensor`` answers to ``prim.device`` (None for other tensors)."""
-    mode = getattr(t, "fake_mode", None)
-    if mode is None or not isinstance(t, FakeTensor):
-        return None
-    return torch.device("meta") if mode.in_kernel_invocation else t.fake_device
 
 
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -275,10 +241,10 @@ class StepTracer(TorchDispatchMode):
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _PRIM_DEVICE and _fast_device_queries:
+        if func is PRIM_DEVICE:
             # C++ asks a fake tensor's device for nearly every op (the autograd engine, foreach
             # grouping): answered here as FakeTensor itself answers, not through every mode below.
-            device = _fake_device(args[0])
+            device = fake_device(args[0])
             if device is not None:
                 return device
         kwargs = kwargs or {}
@@ -289,7 +255,7 @@ class StepTracer(TorchDispatchMode):
         if facts.is_query or self._packing:
             return out
         index = len(self.ops)
-        in_tensors = _op_tensors(args, kwargs)
+        in_tensors = op_tensors(args, kwargs)
         arg_sids = []
         for t in in_tensors:
             if (t.requires_grad and t.is_leaf and id(t) not in self._own_leaves and id(t) not in self._foreign
@@ -308,7 +274,7 @@ class StepTracer(TorchDispatchMode):
                 arg_sids.append(sid)
         mutated = self._mutated_sids(written_args(facts, args, kwargs)) if facts.written else ()
         new_sids = []
-        flat_out = _op_tensors(out if isinstance(out, (tuple, list)) else (out,))
+        flat_out = op_tensors(out if isinstance(out, (tuple, list)) else (out,))
         for t in flat_out:
             if isinstance(t, torch.Tensor):
                 st = _storage_of(t)

@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import weakref
 from typing import Any, Callable
 
@@ -25,7 +27,8 @@ from torch.utils._pytree import tree_flatten
 from estimators.contract.module_info import Phase
 from estimators.tracing.stacks import Stack
 
-__all__ = ["truncate_in_memo", "skipped_param_ids", "pre_step_owners", "FullListsRuntime"]
+__all__ = ["truncate_in_memo", "skipped_param_ids", "pre_step_owners", "FullListsRuntime", "gc_paused",
+           "may_index_blocks"]
 
 
 def _container(model: torch.nn.Module, stack: Stack) -> torch.nn.Module:
@@ -159,3 +162,29 @@ def _widen(items, flags: list[bool], copies: int) -> list:
         out.append(item)
     out += run * (copies + 1)
     return out
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Building the records of a step makes a hundred thousand objects and no reference cycles:
+    the cyclic collector's passes over the whole heap meanwhile (a tenth of the time) find
+    nothing. Never around the traced step, whose frees the trace records."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def may_index_blocks(e: BaseException) -> bool:
+    """The error may come from the truncated model: its code looked up a block it does not hold
+    (``self.layers[40]``), which the full model has."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (IndexError, KeyError)):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False

@@ -151,3 +151,12 @@ def test_real_mode_and_prepare_trace_every_block():
     prepared = []
     est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn), device="h100", prepare=prepared.append)
     assert not est.trace.twin_of and len(prepared[0].layers) == 6
+
+
+def test_a_frozen_stack_without_backward_replicates():
+    stack = _Stack(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(7))
+    stack.requires_grad_(False)  # a frozen feature extractor: no backward runs through its blocks
+    model = nn.Sequential(stack, nn.Linear(16, 2))
+    full, rep = _both(model, TrainStep(inputs=(torch.randn(4, 16),), optimizer="adamw"), "h100")
+    assert rep.trace.twin_of
+    assert estimate_difference(full, rep) == ""
