@@ -12,7 +12,7 @@ to torch's roofline through the patch documented in ``benchmarks/_torch_pipeline
 
 What is timed (wall clock, ``time.perf_counter``), model construction excluded on both sides:
 
-* ours:   ``estimators.tracing.estimation(model, inputs, loss_fn=..., optimizer="adam", device="h100")`` on
+* ours:   ``estimate(model, TrainStep(inputs=..., loss_fn=..., optimizer="adam"), device="h100")`` on
           a model built on the meta device; the copy to fake tensors, the traced step, memory
           timeline, runtimes, SAC trade-offs and ModuleInfo are all inside the timed call.
 * theirs: under FakeTensorMode (model built there, not timed): MemTracker (2 steps), RuntimeEstimator

@@ -66,7 +66,7 @@ class TrainStep:
 
         step = TrainStep(inputs=(tokens,), loss_fn=my_loss, optimizer="adamw",
                          micro_batches=4, autocast_dtype=torch.bfloat16)
-        plan = solve_sac(model, budget_gib=40, step=step, device="h100")
+        plan = solve_sac(model, budget_gib=40, step=step, options=PlanOptions(device="h100"))
 
     The plan is made for the steady state (step 2 on: optimizer state alive from the start,
     gradients as the loop keeps them) and checked against the first step; see

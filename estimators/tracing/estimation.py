@@ -1,7 +1,6 @@
 """``estimate()``: trace one training step once and derive every estimate from that trace.
 
-    est = estimate(model, (idx,), loss_fn=my_loss, optimizer="adamw", device="h100")
-    est = estimate(model, step=TrainStep(inputs=(idx,), optimizer="adamw", micro_batches=4))
+    est = estimate(model, TrainStep(inputs=(idx,), loss_fn=my_loss, optimizer="adamw"), device="h100")
     est.module_info.peak_bytes           # steady-state step peak without checkpointing
     est.first_step_peak_bytes            # the first step's (optimizer state not yet created)
     est.module_info.stats("GPT.blocks.0").act_fw_bytes
@@ -30,15 +29,11 @@ torch's optimizers, which create all their state before any update math; in the 
 backward with ``ZeroGrad.ZERO`` and one micro-batch it is an upper bound (gradients are counted
 as alive from the start of backward). The prediction is the larger of the two peaks.
 
-Mixed precision: the trace runs ``torch.autocast`` of the traced tensors' device, so in fake mode
-(fake CPU tensors) CPU autocast's op lists decide which ops run in low precision, also when the
-target is a CUDA device. What is modelled for a CUDA target is therefore CPU autocast: matmuls,
-linear, convolutions, bmm/baddbmm and SDPA in low precision on both; CUDA's lists differ, e.g.
-CUDA runs ``layer_norm``, ``group_norm``, ``softmax`` / ``log_softmax``, ``exp``, ``log``,
-``pow`` and the losses in float32 where CPU autocast lets ``layer_norm`` and ``softmax`` follow a
-bf16 input, so CUDA keeps some activations at twice the bytes counted here. Autocast's cache of
-low-precision copies of the parameters (alive until the autocast region ends, longer where
-autograd saves them) is counted as the trace sees it: storages made in the forward.
+Mixed precision: a trace for a CUDA target (fake mode) runs the step's autocast regions with CUDA
+autocast's op policy, from torch's own lists (``estimators/tracing/cuda_autocast.py``, differences
+and their bytes in docs/cuda_autocast.md); a CPU target and a real-mode trace run CPU autocast.
+Autocast's cache of low-precision copies of the parameters lives as on the device: until the
+autocast region ends, longer where autograd saves them.
 """
 
 from __future__ import annotations
@@ -59,6 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from estimators.step import host_rng
 from estimators.tracing.aggregate import build_module_info
+from estimators.tracing.cuda_autocast import CudaAutocast
 from estimators.tracing.cuda_rules import CudaSemanticsMode
 from estimators.tracing.fake_kernels import FakeKernelError, RealKernelsMode
 from estimators.tracing.hf_paths import hf_real_paths
@@ -118,6 +114,9 @@ class EstimateOptions:
     cuda_semantics: bool | None = None
     """Apply the CUDA memory rules (estimators/tracing/cuda_rules.py). Default: when the target is a CUDA
     device and the trace is fake."""
+    cuda_autocast: bool | None = None
+    """Run autocast regions with CUDA autocast's op policy (estimators/tracing/cuda_autocast.py), not
+    the CPU's. Default: with the CUDA memory rules. Needs a fake trace."""
     progress: bool = False
     """Log progress (INFO on this module's logger) after each top-level module and phase."""
     replicate_blocks: bool = True
@@ -132,6 +131,9 @@ class EstimateOptions:
             object.__setattr__(self, "mode", TraceMode(self.mode))
         if not isinstance(self.runtime, RuntimeKind):
             object.__setattr__(self, "runtime", RuntimeKind(self.runtime))
+        if self.cuda_autocast and self.mode is TraceMode.REAL:
+            raise ValueError("EstimateOptions(cuda_autocast=True) needs mode=TraceMode.FAKE: a real trace "
+                             "runs this machine's kernels and its CPU autocast")
 
 
 @dataclass
@@ -374,10 +376,13 @@ def _trace_step(
                 modes.enter_context(tracer)
                 if cuda_rules:
                     modes.enter_context(CudaSemanticsMode())
+                amp = options.cuda_autocast if options.cuda_autocast is not None else (cuda_rules and fake)
+                autocast = modes.enter_context(CudaAutocast()) if amp else None
                 modes.enter_context(step_mode(traced, step.train_mode))
                 with torch.autograd.graph.saved_tensors_hooks(tracer.pack_hook, tracer.unpack_hook):
                     run_step(
-                        traced, step_inputs, step.loss_fn, opt, on_phase=tracer.set_phase,
+                        traced, step_inputs, step.loss_fn, opt,
+                        on_phase=autocast.on_phase(tracer.set_phase) if autocast else tracer.set_phase,
                         micro_batches=step.micro_batches, passes=1, autocast_dtype=step.autocast_dtype,
                         keep_output=step.keep_output,
                     )

@@ -250,9 +250,10 @@ or token ids into a Linear, were planned (17,320 B and 22,328 B) for a step that
 
 
 _CUDA_AUTOCAST_ONLY = frozenset({_aten.mv.default, _aten.addmv.default})
-"""On CUDA's autocast list, not on CPU's: a fake trace for a CUDA target runs CPU autocast, which
-leaves their operands as they are where CUDA's would cast them (``torch.mv(w_fp32, h_bf16)``
-runs on an h100 under autocast)."""
+"""On CUDA's autocast list, not on CPU's: a CUDA target traced with CPU autocast's policy
+(``EstimateOptions(cuda_autocast=False)``) leaves their operands as they are where CUDA's would
+cast them (``torch.mv(w_fp32, h_bf16)`` runs on an h100 under autocast). Under CUDA's policy (the
+default, estimators/tracing/cuda_autocast.py) they arrive cast already."""
 
 
 def _check_same_dtype(func, args: tuple) -> None:

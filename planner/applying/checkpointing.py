@@ -282,7 +282,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = 
 
     Example::
 
-        plan = solve_sac(model, budget_gib=40, inputs=batch)
+        plan = solve_sac(model, budget_gib=40, step=TrainStep(inputs=batch))
         with apply_plan(model, plan):
             loss_fn(model(*batch), batch).backward()
     """

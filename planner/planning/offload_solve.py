@@ -1,7 +1,7 @@
 """Plans that offload: the three-way MILP's decisions as ModulePlans, checked by tracing them.
 
-    plan = solve_sac(model, budget_gib=40, inputs=batch, device="h100", offload=True,
-                     host_budget_gib=128)
+    plan = solve_sac(model, budget_gib=40, step=TrainStep(inputs=batch),
+                     options=PlanOptions(device="h100", offload=True, host_budget_gib=128))
     plan.offloading, plan.host_peak_bytes, plan.step_ms, plan.exposed_copy_ms
 
 ``solve_sac(..., offload=True)`` comes here (``plan_offload``). The step is laid out on the

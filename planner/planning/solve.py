@@ -1,8 +1,7 @@
 """``solve_sac``: trace, solve, turn ratios into op decisions, and check the plan by tracing it.
 
-    plan = solve_sac(model, budget_gib=40, inputs=batch, optimizer="adamw", device="h100")
-    plan = solve_sac(model, budget_gib=40, step=TrainStep(inputs=batch, optimizer="adamw",
-                                                          micro_batches=4), device="h100")
+    step = TrainStep(inputs=batch, optimizer="adamw", micro_batches=4)
+    plan = solve_sac(model, budget_gib=40, step=step, options=PlanOptions(device="h100"))
     apply_plan(model, plan)
 
 Plans are made for the steady-state step (``estimators.tracing.estimation``): the memory points the MILP
