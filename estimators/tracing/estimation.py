@@ -39,9 +39,9 @@ autocast region ends, longer where autograd saves them.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import enum
+import functools
 import logging
 import time
 import warnings
@@ -67,6 +67,10 @@ from estimators.contract.module_info import ModuleInfo
 from estimators.step.optimizer import check_optimizer_params, param_groups, resolve_optimizer
 from estimators.tracing.steady_state import first_step_module_info, first_step_peak, steady_state
 from estimators.tracing.trace import InplaceModifiedError, StepTrace, StepTracer
+from estimators.tracing.replicate import NotReplicable, expand_stacks
+from estimators.tracing.stacks import Stack, find_stacks
+from estimators.tracing.fake_copy import FakeCopyError, fake_copy, fake_tensor
+from estimators.tracing.truncation import FullListsRuntime, gc_paused, may_index_blocks, pre_step_owners
 
 __all__ = [
     "DEFAULT_DEVICE",
@@ -115,6 +119,12 @@ class EstimateOptions:
     the CPU's. Default: with the CUDA memory rules. Needs a fake trace."""
     progress: bool = False
     """Log progress (INFO on this module's logger) after each top-level module and phase."""
+    replicate_blocks: bool = True
+    """In a fake trace without ``prepare``, run four blocks of each stack of identical blocks (a
+    ``ModuleList`` of at least five transformer layers: ``estimators.tracing.stacks``) and lay the
+    others in as copies of one (``estimators.tracing.replicate``): the trace the full step gives,
+    in the time of four blocks. Where the traced blocks differ, the full model is traced (said at
+    DEBUG on ``estimators.tracing.replicate``'s logger). False: always trace every block."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TraceMode):
@@ -182,47 +192,6 @@ def _check_real_devices(model: torch.nn.Module, inputs: Any) -> None:
             )
 
 
-def _fake_tensor(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
-    if t.device.type == "cpu" and not isinstance(t, torch.nn.Parameter):
-        return mode.from_tensor(t)
-    with mode:  # meta / other devices: same shape, stride and dtype, on the fake CPU
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-
-
-def _fake_buffer(mode: FakeTensorMode, b: torch.Tensor) -> torch.Tensor:
-    """A fake buffer; a one-element integer one (a counter) keeps a copy of its value, so code
-    that reads it goes on as in the real step: ``BatchNorm2d(momentum=None)`` divides by
-    ``float(num_batches_tracked)``, which a plain fake tensor refuses (torch's fake tensors run
-    ops on such constants and keep the result; a copy, so the user's buffer never changes)."""
-    if b.device.type == "cpu" and b.numel() == 1 and not b.is_floating_point() and not b.is_complex():
-        return mode.fake_tensor_converter.from_real_tensor(mode, b.detach().clone(), make_constant=True)
-    return _fake_tensor(mode, b)
-
-
-def _fake_copy(model: torch.nn.Module, mode: FakeTensorMode) -> tuple[torch.nn.Module, dict]:
-    """Deep copy of ``model`` whose parameters and buffers are fake (shared ones stay shared)."""
-    memo: dict[int, Any] = {}
-    mapping: dict[int, torch.Tensor] = {}
-    for p in model.parameters():
-        if id(p) not in memo:
-            fp = torch.nn.Parameter(_fake_tensor(mode, p.detach()), requires_grad=p.requires_grad)
-            memo[id(p)] = fp
-            mapping[id(p)] = fp
-    for b in model.buffers():
-        if id(b) not in memo:
-            memo[id(b)] = _fake_buffer(mode, b)
-    left = fake_leaks.left_behind()  # held through the copy: their ids stay theirs
-    for t in left:  # shared, not copied (see left_behind)
-        memo.setdefault(id(t), t)
-    try:
-        return copy.deepcopy(model, memo), mapping
-    except Exception as e:  # noqa: BLE001 - user modules can hold anything
-        raise TraceError(
-            f"could not copy {type(model).__name__} to fake tensors ({type(e).__name__}: {e}); "
-            "give the model on the meta device, or trace in real mode"
-        ) from e
-
-
 def as_train_step(model: torch.nn.Module, step: TrainStep | None) -> TrainStep:
     """``step`` checked and resolved: None is ``TrainStep()``, and a step without ``inputs`` takes
     ``model.example_inputs()``."""
@@ -266,8 +235,8 @@ def estimate(
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
     t0 = time.perf_counter()
-    with _trace_mode(fake) as box:
-        trace, without_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, frozenset(), box.mode)
+    stacks = find_stacks(model) if fake and options.replicate_blocks and prepare is None else []
+    trace, without_grad, stacks = _trace(model, step, spec, options, prepare, cuda_rules, frozenset(), stacks)
     if without_grad and (step.optimizer is not None or step.grads_alive_at_start):
         # torch's optimizers create no state for (and do not step) a parameter whose .grad is
         # None, and a parameter the loss never reaches never gets one (an unused pooler, a frozen
@@ -275,10 +244,10 @@ def estimate(
         # has them from step 2 on, without gradient or state.
         logger.info("%d parameter(s) get no gradient in the step (%s); traced again without their "
                     "optimizer state", len(without_grad), ", ".join(sorted(without_grad)[:3]))
-        with _trace_mode(fake) as box:
-            trace, _ = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad, box.mode)
-    timeline = build_timeline(trace)
-    info = build_module_info(trace, timeline)
+        trace, _, _ = _trace(model, step, spec, options, prepare, cuda_rules, without_grad, stacks)
+    with gc_paused():
+        timeline = build_timeline(trace)
+        info = build_module_info(trace, timeline)
     dt = time.perf_counter() - t0
     logger.info("traced %d ops, %d module calls in %.2f s", len(trace.ops), len(trace.calls), dt)
     return Estimate(
@@ -305,6 +274,29 @@ def _check_held_is_not_the_model(model: torch.nn.Module, step: TrainStep) -> Non
             )
 
 
+def _trace(
+    model: torch.nn.Module, step: TrainStep, spec: DeviceSpec, options: EstimateOptions,
+    prepare: Callable[[torch.nn.Module], Any] | None, cuda_rules: bool, without_grad: frozenset[str],
+    stacks: list[Stack],
+) -> tuple[StepTrace, frozenset[str], list[Stack]]:
+    """``_trace_step`` with the blocks of ``stacks`` traced once each (and the stacks used), or,
+    where that trace cannot stand for the full one, of the full model (and no stacks)."""
+    fake = options.mode is TraceMode.FAKE
+    if stacks:
+        try:
+            with _trace_mode(fake) as box:
+                trace, got_no_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad,
+                                                 box.mode, stacks)
+            return trace, got_no_grad, stacks
+        except (NotReplicable, TraceError) as e:
+            if not isinstance(e, NotReplicable) and not may_index_blocks(e):
+                raise  # the model's own error: the full model raises it too
+            logger.debug("%s: every block traced (%s: %s)", type(model).__name__, type(e).__name__, e)
+    with _trace_mode(fake) as box:
+        trace, got_no_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad, box.mode)
+    return trace, got_no_grad, []
+
+
 def _trace_mode(fake: bool) -> contextlib.AbstractContextManager[fake_leaks.FakeTrace]:
     """The fake mode of one trace (``.mode``, None in real mode); what the trace leaves held in
     the process is cleared when it ends (``estimators.tracing.fake_leaks``)."""
@@ -314,17 +306,21 @@ def _trace_mode(fake: bool) -> contextlib.AbstractContextManager[fake_leaks.Fake
 def _trace_step(
     model: torch.nn.Module, step: TrainStep, spec: DeviceSpec, options: EstimateOptions,
     prepare: Callable[[torch.nn.Module], Any] | None, cuda_rules: bool, without_grad: frozenset[str],
-    fake_mode: FakeTensorMode | None,
+    fake_mode: FakeTensorMode | None, stacks: list[Stack] = (),
 ) -> tuple[StepTrace, frozenset[str]]:
     """One traced step of the steady state, and the names of the trainable parameters that got
     no gradient in it. ``without_grad``: parameters that start the step with neither
     gradient nor optimizer state (they got none in a previous trace). ``fake_mode``: the mode
-    of a fake trace, None for a real one."""
+    of a fake trace, None for a real one. ``stacks`` (fake mode): run four blocks of each and lay
+    the others in (``estimators.tracing.replicate``; raises NotReplicable where it cannot)."""
     fake = fake_mode is not None
     if fake:
-        traced, mapping = _fake_copy(model, fake_mode)
+        try:
+            traced, mapping = fake_copy(model, fake_mode, stacks)
+        except FakeCopyError as e:
+            raise TraceError(str(e)) from e.__cause__
         step_inputs = tree_map(
-            lambda t: _fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, step.inputs
+            lambda t: fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, step.inputs
         )
     else:
         _check_real_devices(model, step.inputs)
@@ -350,13 +346,18 @@ def _trace_step(
                 steady_state(traced, opt, step, without_grad)
             except StepError as e:
                 raise TraceError(str(e)) from e.__cause__
+        runtime = make_runtime_model(options.runtime, spec)
+        full_lists = FullListsRuntime(runtime, stacks, traced) if stacks else None
         tracer = StepTracer(
-            traced, type(model).__name__, make_runtime_model(options.runtime, spec),
+            traced, type(model).__name__, full_lists or runtime,
             inputs=step_inputs, optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
             round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
             progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
             previous_output=step.keep_output, held=step.held_tensors(), fake_mode=fake_mode,
         )
+        if full_lists is not None:
+            full_lists.phase, full_lists.optimizer = functools.partial(getattr, tracer, "phase"), opt
+        owners = [pre_step_owners(tracer.sid_of, traced, st, opt) for st in stacks]
         applied = prepare(traced) if prepare is not None else None
         if fake:  # the user's model itself must not train in the step (see _refuse_calls_of)
             restore.callback(_refuse_calls_of(model))
@@ -370,8 +371,8 @@ def _trace_step(
                     modes.enter_context(hf_real_paths(step.inputs))  # HF's real-run code path
                     modes.enter_context(fake_mode)
                     # Below the tracer: it records outputs as the real kernels make them.
-                    modes.enter_context(RealKernelsMode(cuda=bool(cuda_rules),
-                                                        values=_batch_values(step.inputs, step_inputs)))
+                    kernels = RealKernelsMode(cuda=bool(cuda_rules), values=_batch_values(step.inputs, step_inputs))
+                    tracer.run_op = modes.enter_context(kernels.inline())
                 modes.enter_context(tracer)
                 if cuda_rules:
                     modes.enter_context(CudaSemanticsMode())
@@ -391,6 +392,8 @@ def _trace_step(
             raise TraceError(str(e)) from e
         finally:
             tracer.detach()
+            if full_lists is not None:
+                full_lists.close()
             own = {id(p) for p in model.parameters()} if fake else set()
             read = [t for t in tracer.foreign_leaves() if id(t) in own]
             tracer.restore_foreign_grads()
@@ -402,6 +405,14 @@ def _trace_step(
             raise _TheModelItself(f"reads the model's own parameters ({', '.join(names[:3])}"
                                   f"{', ...' if len(names) > 3 else ''}), from loss_fn or a hook")
         trace = tracer.finish()
+        if stacks:
+            try:
+                with gc_paused():
+                    trace = expand_stacks(trace, stacks, owners, type(model).__name__)
+            except NotReplicable:
+                raise
+            except Exception as e:  # noqa: BLE001 - a trace this code does not expect: trace it whole
+                raise NotReplicable(f"{type(e).__name__}: {e}") from e
         got_no_grad = frozenset(n for n in trainable if n not in graded)
         drawn_reads = tracer.random_value_reads
         del opt, tracer
@@ -503,9 +514,10 @@ _UNSIZED_WORKSPACE_BACKWARDS = {"aten.mkldnn_rnn_layer_backward.default": "LSTM/
 
 
 def _refuse_unsized_workspaces(trace: StepTrace) -> None:
+    unsized = {f for f in {op.func for op in trace.ops} if str(f) in _UNSIZED_WORKSPACE_BACKWARDS}
     for op in trace.ops:
-        what = _UNSIZED_WORKSPACE_BACKWARDS.get(str(op.func))
-        if what is not None:
+        if op.func in unsized:
+            what = _UNSIZED_WORKSPACE_BACKWARDS[str(op.func)]
             where = trace.calls[op.call].fqn if op.call >= 0 else "the model"
             raise TraceError(
                 f"{where} runs {what}, whose workspace kept for the backward has 0 bytes under "

@@ -68,6 +68,7 @@ are small), with the way out: trace in real mode.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -266,18 +267,30 @@ class RealKernelsMode(TorchDispatchMode):
         self._checked: set[tuple[int, int]] = set()
 
     def __enter__(self):
-        # torch logs every failing meta kernel with its traceback ("failed while attempting to run
-        # meta for ...", 20 lines on stderr) before the exception reaches this mode, which
-        # raises it again as a FakeKernelError that names the op and the way out.
-        logging.getLogger("torch._subclasses.fake_tensor").addFilter(_quiet_meta_failures)
+        _quiet_torch(True)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        logging.getLogger("torch._subclasses.fake_tensor").removeFilter(_quiet_meta_failures)
+        _quiet_torch(False)
         return super().__exit__(*exc)
 
+    @contextlib.contextmanager
+    def inline(self):
+        """``with kernels.inline() as run:`` the mode's work as a function, for the one caller
+        above it that runs every op itself (``StepTracer.run_op``), without entering the mode
+        (a dispatch level less per op)."""
+        _quiet_torch(True)
+        try:
+            yield self.run
+        finally:
+            _quiet_torch(False)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        return self.run(func, args, kwargs or {})
+
+    def run(self, func, args, kwargs):
+        """``func(*args, **kwargs)`` as the real kernel makes its outputs (the mode's work, for a
+        caller above it that runs the op itself: ``StepTracer.run_op``)."""
         replace = _REPLACED.get(func)
         if replace is not None:
             # Not the meta kernel first: its CUDA-only checks fail (and torch logs every failure)
@@ -295,7 +308,6 @@ class RealKernelsMode(TorchDispatchMode):
             raise FakeKernelError(_explain(func, args, kwargs, e)) from e
         rule = _OUTPUT_RULES.get(func)
         return rule(out, args, kwargs, self.cuda) if rule is not None else out
-
 
     def _check_ids(self, table: torch.Tensor, ids: Any) -> None:
         """Rule 10: the real values behind ``ids`` (a batch tensor or a view of one) are row
@@ -348,6 +360,14 @@ def _check_same_dtype(func, args: tuple) -> None:
             "the model inputs of its parameters' dtype (batch.to(torch.bfloat16) for a bfloat16 "
             "model; token ids go to an embedding, not a Linear), or run the step under autocast "
             "(TrainStep(autocast_dtype=...)) where the op is on autocast's list")
+
+
+def _quiet_torch(on: bool) -> None:
+    """torch logs every failing meta kernel with its traceback ("failed while attempting to run
+    meta for ...", 20 lines on stderr) before the exception reaches this mode, which raises it
+    again as a FakeKernelError that names the op and the way out."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    (log.addFilter if on else log.removeFilter)(_quiet_meta_failures)
 
 
 def _quiet_meta_failures(record: logging.LogRecord) -> bool:

@@ -29,12 +29,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from estimators.contract.module_info import Phase
+from estimators.tracing.op_args import PRIM_DEVICE, fake_device, op_tensors
 from estimators.tracing.records import (
     ModuleCall,
     OpRecord,
     StepTrace,
     StorageKind,
     StorageRecord,
+    final_storage_kind,
     held_tensors,
     tensor_numel,
 )
@@ -54,6 +56,10 @@ _VALUE_READS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.
 """Ops by which Python code reads a tensor's value (``.item()``, ``bool()``, ``if t:``)."""
 _DRAWN_NUMEL = 64
 """Outputs of random ops up to this many elements are decisions a model may branch on."""
+
+
+def _call(func, args: tuple, kwargs: dict) -> Any:
+    return func(*args, **kwargs)
 
 
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -146,6 +152,9 @@ class StepTracer(TorchDispatchMode):
         self.random_value_reads: list[str] = []
         """Modules (fqns) whose Python code read the value of a small tensor drawn from torch's
         RNG (LayerDrop's ``torch.rand([]) < p``): the trace followed that one draw."""
+        self.run_op: Callable[[Any, tuple, dict], Any] = _call
+        """Runs each op the step dispatches; a mode below the tracer may lend its own work here
+        instead of being entered (``RealKernelsMode.run``): one dispatch level less per op."""
         self._register_state(inputs, held)
 
     def set_phase(self, phase: Phase) -> None:
@@ -156,6 +165,11 @@ class StepTracer(TorchDispatchMode):
     # ------------------------------------------------------------------ storages
     def _sid(self, st: torch.UntypedStorage) -> int | None:
         return self._live.get(id(st))
+
+    def sid_of(self, t: torch.Tensor) -> int | None:
+        """The id of ``t``'s storage in this trace; None where the trace does not track it."""
+        st = _storage_of(t)
+        return self._sid(st) if st is not None else None
 
     def _register_state(self, inputs: Any, held: Any = ()) -> None:
         for p in self.model.parameters():
@@ -241,16 +255,21 @@ class StepTracer(TorchDispatchMode):
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is PRIM_DEVICE:
+            # C++ asks a fake tensor's device for nearly every op (the autograd engine, foreach
+            # grouping): answered here as FakeTensor itself answers, not through every mode below.
+            device = fake_device(args[0])
+            if device is not None:
+                return device
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = self.run_op(func, args, kwargs)
         facts = op_facts(func)
         if self._drawn and not self._packing and func in _VALUE_READS:
             self._note_value_read(args)
         if facts.is_query or self._packing:
             return out
         index = len(self.ops)
-        flat_in, _ = tree_flatten((args, kwargs))
-        in_tensors = [a for a in flat_in if isinstance(a, torch.Tensor)]
+        in_tensors = op_tensors(args, kwargs)
         arg_sids = []
         for t in in_tensors:
             if (t.requires_grad and t.is_leaf and id(t) not in self._own_leaves and id(t) not in self._foreign
@@ -271,7 +290,7 @@ class StepTracer(TorchDispatchMode):
                 arg_sids.append(sid)
         mutated = self._mutated_sids(written_args(facts, args, kwargs)) if facts.written else ()
         new_sids = []
-        flat_out, _ = tree_flatten(out)
+        flat_out = op_tensors(out if isinstance(out, (tuple, list)) else (out,))
         for t in flat_out:
             if isinstance(t, torch.Tensor):
                 st = _storage_of(t)
@@ -519,7 +538,7 @@ class StepTracer(TorchDispatchMode):
         grads = {self._register(p.grad, StorageKind.GRAD) for p in self.model.parameters() if p.grad is not None}
         state = {self._register(t, StorageKind.OPTIMIZER) for t in self._optimizer_tensors()}
         storages = [
-            s if s.alloc_op < 0 else dataclasses.replace(s, kind=_final_kind(s, grads, state))
+            s if s.alloc_op < 0 else dataclasses.replace(s, kind=final_storage_kind(s, grads, state))
             for s in self.storages
         ]
         held = self._previous_output_records(storages)
@@ -578,14 +597,3 @@ class StepTracer(TorchDispatchMode):
             param_bytes[fqn], grad_bytes[fqn] = pbytes, gbytes
         return leaves, param_bytes, grad_bytes
 
-
-def _final_kind(s: StorageRecord, grad_sids: set[int | None], optimizer_sids: set[int | None]) -> StorageKind:
-    """The category of a storage made during the step, decided once the step is over."""
-    if s.sid in grad_sids:
-        return StorageKind.GRAD
-    if s.sid in optimizer_sids or s.phase is Phase.OPTIM:
-        # Step temporaries count with the state: both scale with the (sharded) parameters.
-        return StorageKind.OPTIMIZER
-    if s.saved and s.phase is Phase.FW:
-        return StorageKind.ACTIVATION
-    return StorageKind.TEMP
