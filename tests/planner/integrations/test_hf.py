@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="the HF integration needs transformers")
+pytest.importorskip("transformers", minversion="5.0", reason="the HF integration reads transformers 5's Trainer")
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (pip install 'sac-planner[hf]')")
 
 import transformers as T  # noqa: E402
