@@ -16,6 +16,7 @@ the loop begins, read at each optimizer-step boundary (``planner.integrations`` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -143,13 +144,13 @@ class _NoModuleHooks:
         pass
 
 
-def _memory_tracker(model: torch.nn.Module) -> tuple[Any, list]:
+def _memory_tracker(model: torch.nn.Module, made_here_only: bool = False) -> tuple[Any, list]:
     """torch's MemTracker measuring storages only, and the gradient hooks that file a parameter's
     ``.grad`` as GRAD once accumulated (the handles, for removal): a post-accumulate hook reads
-    ``p.grad`` and holds nothing."""
+    ``p.grad`` and holds nothing. ``made_here_only``: see ``_made_here_tracker``."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-    mt = MemTracker()
+    mt = _made_here_tracker()() if made_here_only else MemTracker()
     mt._mod_tracker = _NoModuleHooks()
 
     def as_grad(p: torch.Tensor) -> None:
@@ -158,6 +159,38 @@ def _memory_tracker(model: torch.nn.Module) -> tuple[Any, list]:
 
     handles = [p.register_post_accumulate_grad_hook(as_grad) for p in model.parameters() if p.requires_grad]
     return mt, handles
+
+
+@functools.lru_cache(maxsize=None)
+def _made_here_tracker() -> type:
+    """A MemTracker that counts only storages made while it runs and those named to
+    ``track_external``. MemTracker starts counting a storage the first time an op's output holds
+    it, so a view of a storage made before it started (a row of a dataset tensor the loader
+    indexes, on the host) counted the whole dataset from then on (4,096 B over a Lightning step
+    whose batches index a 32 x 16 tensor); here an output that aliases an input's storage the
+    tracker never saw is left out. For StepPeaks, whose tracker starts before a loop that loads
+    its own data."""
+    import torch.distributed._tools.mem_tracker as mem_tracker
+
+    class MadeHereTracker(mem_tracker.MemTracker):
+        _unseen: frozenset = frozenset()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            outer = self._unseen
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            self._unseen = frozenset(id(st) for t in tensors for st in mem_tracker.get_untyped_storages(t)
+                                     if st not in self._WINFO)
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._unseen = outer
+
+        def _track(self, reftype, t):
+            if self._unseen and any(id(st) in self._unseen for st in mem_tracker.get_untyped_storages(t)):
+                return  # a view of (or in-place op on) a storage made before the tracker started
+            super()._track(reftype, t)
+
+    return MadeHereTracker
 
 
 @contextlib.contextmanager
@@ -228,7 +261,8 @@ class StepPeaks:
     ``start`` counts while it is alive: what a step inherits from the one before (the last loss a
     trainer keeps, a logged value, a batch fetched ahead) is in the next step's peak, as a GPU's
     allocator counts it. Of what exists before ``start`` only the model, the optimizer (its
-    state) and ``external`` tensors count; a trainer's host-side dataset does not.
+    state) and ``external`` tensors count, also where the loop takes views of the rest: a
+    trainer's host-side dataset does not.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -251,7 +285,7 @@ class StepPeaks:
             torch.cuda.reset_peak_memory_stats(self.device)
             return
         self._sparse.enter_context(_sparse_storages_seen())
-        self._mt, self._hooks = _memory_tracker(self.model)
+        self._mt, self._hooks = _memory_tracker(self.model, made_here_only=True)
         opt = [self.optimizer] if self.optimizer is not None else []
         self._mt.track_external(self.model, *opt, *self.external)
         self._mt.__enter__()

@@ -197,9 +197,10 @@ class SACPlanCallback(transformers.TrainerCallback):
         self._handle = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if getattr(model, "is_gradient_checkpointing", False):
-            disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-            disable()
+        # transformers 5 names it activation checkpointing (the gradient_ names warn, deprecated).
+        new = hasattr(model, "activation_checkpointing_disable")
+        if getattr(model, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False):
+            (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
             self.notes.append("the model's HF gradient checkpointing turned off: the plan replaces it")
         read = trainer_step(self.trainer, optimizer)
         options = plan_options(self.options, args.device)

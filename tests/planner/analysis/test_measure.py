@@ -197,14 +197,16 @@ def test_an_optimizer_over_another_copy_is_refused():
     assert len(measure_steps(a, step, n_steps=2)) == 2
 
 
-def _loop(model, x, meter, kept=None, n_steps=3):
-    """A loop someone else owns: StepPeaks is read at each optimizer-step boundary."""
+def _loop(model, x, meter, kept=None, n_steps=3, dataset=None):
+    """A loop someone else owns: StepPeaks is read at each optimizer-step boundary. ``dataset``:
+    a host tensor whose rows the loop indexes for its batch (x then only gives the shape)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     meter.optimizer = opt
     meter.start()
     try:
-        for _ in range(n_steps):
-            loss = model(x).sum()
+        for i in range(n_steps):
+            batch = x if dataset is None else dataset[3 * i:3 * i + 3].clone()
+            loss = model(batch).sum()
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -225,6 +227,14 @@ def test_step_peaks_count_what_a_step_inherits_from_the_one_before():
     # The first step's kept loss is alive through the second step's peak, both through the third.
     model, x = _net()
     assert _loop(model, x, StepPeaks(model, external=(x,)), kept=[]) == [PEAK, PEAK + 4, PEAK + 8]
+
+
+def test_step_peaks_leave_out_a_dataset_made_before_they_started():
+    # The loop indexes a 1 MiB host tensor: the view shares its storage, which MemTracker alone
+    # would count from then on; the batch copied from it is the step's.
+    model, x = _net()
+    dataset = torch.randn(65536, 4)
+    assert _loop(model, x, StepPeaks(model), dataset=dataset) == [PEAK, PEAK, PEAK]
 
 
 def test_step_peaks_count_the_batch_only_when_named():
