@@ -32,7 +32,7 @@ with no mask passed at all; the shape is what the trace can tell, not where valu
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -40,14 +40,25 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["hf_real_paths"]
 
 
-def _position_ids(inputs: Any) -> list[torch.Tensor] | None:
-    """The real ``position_ids`` the step passes (empty: none passed); None when unknowable."""
+def _by_name(inputs: Any, match: Callable[[str], bool]) -> list[Any]:
+    """Values of the dict entries whose key ``match``es, at any depth of ``inputs`` (dicts, lists
+    and tuples searched; a matched value is taken as it is)."""
     if isinstance(inputs, dict):
-        p = inputs.get("position_ids")
-        if p is None:
-            return []
-        return [p] if isinstance(p, torch.Tensor) else None
-    return []  # positional inputs: HF models take position_ids by keyword in practice
+        found = []
+        for key, value in inputs.items():
+            found += [value] if isinstance(key, str) and match(key) else _by_name(value, match)
+        return found
+    if isinstance(inputs, (list, tuple)):
+        return [v for item in inputs for v in _by_name(item, match)]
+    return []
+
+
+def _position_ids(inputs: Any) -> list[torch.Tensor] | None:
+    """The real ``position_ids`` the step passes by name, at any depth of the inputs (empty:
+    none passed); None when unknowable (passed as something other than a tensor). Positional
+    inputs carry none: HF models take position_ids by keyword in practice."""
+    given = [p for p in _by_name(inputs, lambda key: key == "position_ids") if p is not None]
+    return given if all(isinstance(p, torch.Tensor) for p in given) else None
 
 
 class _AnyShape(frozenset):
@@ -66,14 +77,18 @@ _ANY = _AnyShape()
 def _all_ones_shapes(inputs: Any) -> set[tuple[int, ...]] | None:
     """Shapes of the attention masks the step passes, where every passed mask of that shape is all
     ones in its real values; None when that cannot be known (meta tensors, 4D custom masks,
-    masks passed positionally)."""
-    if isinstance(inputs, dict):
-        masks = [v for k, v in inputs.items() if "attention_mask" in k and v is not None]
-    else:
-        tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
-        if len(tensors) > 1:
-            return None  # a positional mask cannot be told from other inputs
-        masks = []
+    masks passed positionally).
+
+    A mask is passed by name: a dict key containing ``attention_mask``, at any depth of the
+    inputs, so a batch dict inside positional arguments counts (Lightning's step is
+    ``training_step(batch, batch_idx)``: read only at the top level, the fake trace built the
+    4-D mask the real run skips, 1,024 B over on a tiny Llama). Tensors outside any dict are
+    positional; beside another tensor they cannot be told from a mask."""
+    tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+    in_dicts = [t for t in tree_flatten(_by_name(inputs, lambda key: True))[0] if isinstance(t, torch.Tensor)]
+    if len(in_dicts) < len(tensors) and len(tensors) > 1:
+        return None  # a positional mask cannot be told from other inputs
+    masks = [m for m in _by_name(inputs, lambda key: "attention_mask" in key) if m is not None]
     if not masks:
         return _ANY  # none passed: every mask the model makes is its own, of ones
     ones: dict[tuple[int, ...], bool] = {}
@@ -121,7 +136,7 @@ class hf_real_paths:
         given = _position_ids(self.inputs)
         if fn is not None and given is not None and not any(
             isinstance(t, torch.Tensor) and (t.device.type == "meta" or fn(t if t.dim() == 2 else t.view(1, -1)) is not None)
-            for t in tree_flatten(given)[0]
+            for t in given
         ):
             # Not packed in the real run (packed or unreadable: left alone, the fake trace's
             # mask is the real run's too).

@@ -47,6 +47,7 @@ from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_b
 
 __all__ = [
     "solve_sac",
+    "plan_estimate",
     "plan_for_budget",
     "default_reserve_bytes",
     "PlanningError",
@@ -187,15 +188,22 @@ def solve_sac(
     options = _check_options(options)
     model = unwrap_compiled(model)  # plan what torch.compile wraps; the compiled module is untouched
     check_plannable(model)  # before anything touches the model
-    budget = int(check_budget_gib(budget_gib) * GiB)
-    _check_reserve_gib(options.reserve_gib, budget / GiB)  # all before the trace, which can take minutes
-    host_budget = None if options.host_budget_gib is None else int(check_budget_gib(
-        options.host_budget_gib, "host_budget_gib",
-        "; pass None for no host limit, or offload=False to keep everything on the device") * GiB)
-    spec = options.spec
+    _check_budget(budget_gib, options)  # all before the trace, which can take minutes
     step = as_train_step(model, step)
     with hf_cache_off(model):  # trace the step as it runs once the plan is applied
-        est = estimate(model, step, device=spec, options=options.trace)
+        est = estimate(model, step, device=options.spec, options=options.trace)
+    return plan_estimate(model, est, budget_gib, options=options)
+
+
+def plan_estimate(model: torch.nn.Module, est: Estimate, budget_gib: float, *,
+                  options: PlanOptions | None = None) -> Plan:
+    """What :func:`solve_sac` does once it has traced the step: the plan for ``budget_gib`` from
+    ``est`` (an estimate of ``model``'s step, traced with ``hf_cache_off`` as solve_sac traces it).
+    For callers that trace the step themselves, e.g. to choose ``options.ac_units`` from the
+    traced module names (``planner.integrations``)."""
+    options = _check_options(options)
+    budget, host_budget = _check_budget(budget_gib, options)
+    spec = options.spec
     reserve = (int(options.reserve_gib * GiB) if options.reserve_gib is not None
                else default_reserve_bytes(spec, budget))
     return plan_for_budget(
@@ -212,6 +220,16 @@ def solve_sac(
         offload=options.offload,
         host_budget_bytes=host_budget,
     )
+
+
+def _check_budget(budget_gib: Any, options: PlanOptions) -> tuple[int, int | None]:
+    """The budget and the host budget in bytes, checked against each other and the reserve."""
+    budget = int(check_budget_gib(budget_gib) * GiB)
+    _check_reserve_gib(options.reserve_gib, budget / GiB)
+    host_budget = None if options.host_budget_gib is None else int(check_budget_gib(
+        options.host_budget_gib, "host_budget_gib",
+        "; pass None for no host limit, or offload=False to keep everything on the device") * GiB)
+    return budget, host_budget
 
 
 _OPTION_FIELDS = {"device": "device", "world_size": "world_size", "reserve_gib": "reserve_gib",
