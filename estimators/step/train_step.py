@@ -101,8 +101,8 @@ class TrainStep:
     """The modules' ``training`` flags during the step (dropout masks and BatchNorm batch
     statistics are part of a training step's memory). None: as the model is, except that a model
     whose root is in eval mode (``from_pretrained`` returns one) runs as ``model.train()`` leaves
-    it, since that is what its training loop will run (planned in eval mode, a BERT trained in
-    train mode measured 5.1 % over the plan's peak). True: always ``model.train()``; False:
+    it, since that is what its training loop will run (dropout masks are saved in train mode
+    only). True: always ``model.train()``; False:
     always the flags as they are (a loop that trains in eval mode). Every trace, measurement and
     gradient check runs so and puts each module's flag back afterwards."""
 

@@ -195,7 +195,7 @@ def _sac_blocker(trace: StepTrace, calls: list[ModuleCall], last_fw_write: dict[
                     return f"mutates a tensor made before its call in place ({op.func})"
             for sid in op.arg_sids:
                 # An input the caller overwrites in place after the call: the recompute would
-                # read the new values (`g = gate(h); h.relu_()`: gradients 2,011 off).
+                # read the new values (`g = gate(h); h.relu_()`: wrong gradients).
                 st = trace.storages[sid]
                 later = last_fw_write.get(sid)
                 # Batch norm passes its running statistics only to update them (a shared one

@@ -459,9 +459,9 @@ class _TheModelItself(TraceError):
 def _refuse_calls_of(model: torch.nn.Module) -> Callable[[], None]:
     """Forward pre-hooks on the user's modules, for the step's calls outside the traced copy:
     one that holds parameters is refused before its forward runs with grad on (its gradients and
-    optimizer state would be the user's, not the copy's: a SimCLR head called from loss_fn, 48 %
-    under); under no_grad it runs, its parameters counted as the step's inputs (FixMatch's
-    pseudo-label forward: 65,192 B over, where a refusal leaves no plan at all).
+    optimizer state would be the user's, not the copy's, and missing from the trace); under
+    no_grad it runs, its parameters counted as the step's inputs (FixMatch's pseudo-label
+    forward: counted high, where a refusal would leave no plan at all).
     One that holds only buffers runs as the copy's would (``CrossEntropyLoss(weight=...)`` kept
     on the model, a plain criterion), its buffers put back afterwards (a no-grad forward of a
     BatchNorm counts a batch into its statistics). Returns the removal of the hooks."""
@@ -507,9 +507,9 @@ class DrawnControlFlowWarning(UserWarning):
     flow followed one draw."""
 
 
-# Backward ops whose forward keeps a workspace that torch's fake (meta) kernel returns empty: the
-# oneDNN LSTM/GRU layer's is 1,019,904 B for 8 x 32 steps of hidden size 64, 41 % of that
-# step's measured peak. A fake trace cannot size it; a real one measures it.
+# Backward ops whose forward keeps a workspace that torch's fake (meta) kernel returns empty (the
+# oneDNN LSTM/GRU layer's is a large share of such a step's peak). A fake trace cannot size it; a
+# real one measures it.
 _UNSIZED_WORKSPACE_BACKWARDS = {"aten.mkldnn_rnn_layer_backward.default": "LSTM/GRU/RNN (aten.mkldnn_rnn_layer)"}
 
 

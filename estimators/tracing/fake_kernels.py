@@ -16,8 +16,7 @@ one rule per op, each measured against the real CPU kernel (tests/estimators/tes
    the dtype of ``mean`` (float32 after rule 2: twice the bytes of a bf16 gradient).
 4. ``native_layer_norm_backward``: ``grad_input`` is contiguous (the kernels write it over the
    contiguous input); the meta kernel copies the incoming gradient's strides, so behind a
-   transpose (Swin's patch merging) the next linear's backward copied it to reshape: 2,048 B
-   over-predicted on a tiny Swin.
+   transpose (Swin's patch merging) the next linear's backward would copy it to reshape.
 5. ``_grouped_mm`` (MoE experts in transformers 5): the meta kernel checks CUDA's limits (bf16
    only, 16-byte aligned strides) and refuses what the CPU kernel runs, e.g. float32 experts fed
    by autocast's float32 activations; the output is computed here as the CPU kernel makes it:
@@ -25,26 +24,24 @@ one rule per op, each measured against the real CPU kernel (tests/estimators/tes
 
 6. ``native_batch_norm`` (and its ``_legit`` forms): the saved ``mean`` / ``invstd`` follow
    rule 1 (float32 for a bf16 input with float32 weight, as BatchNorm2d under autocast runs on
-   CPU; float32 for every low-precision input on CUDA). A user's conv net with 5 BatchNorms
-   under bf16 autocast measured 320 B above the prediction before (64 B per live layer). The
+   CPU; float32 for every low-precision input on CUDA). The
    output is dense in the input's suggested memory format (the kernels' ``empty_like(input,
    suggest_memory_format())``): channels_last stays so, a transposed 3-D input gives a contiguous
    output, where the meta kernel kept the transposed strides. PatchTST normalises behind a
-   transpose: the fake trace saw a view where the next ``Linear`` copies, 6,144 B under.
+   transpose: with the meta strides the trace sees a view where the next ``Linear`` copies.
 
 7. ``_embedding_bag`` (and its forward-only form) on the CPU: ``offset2bag`` is empty on the
-   sum fast path, which the meta kernel takes for float32 weights only (a bf16 bag was 768 B
-   over), and otherwise sits on ``numel + 1`` elements, as ``bag_size`` with
-   ``include_last_offset`` does on ``bags + 1`` (the kernel allocates one more and narrows): 8 B
-   under per bag layer, measured on an ``nn.EmbeddingBag(mode="mean")`` net.
+   sum fast path, which the meta kernel takes for float32 weights only, and otherwise sits on
+   ``numel + 1`` elements, as ``bag_size`` with ``include_last_offset`` does on ``bags + 1``
+   (the kernel allocates one more and narrows).
 
 8. ``mse_loss``, ``smooth_l1_loss``, ``soft_margin_loss``, ``binary_cross_entropy`` with a
    ``mean`` or ``sum`` reduction: the 0-dim loss keeps the storage of the unreduced loss (the
    kernels compute it into their output and resize that to 0-dim, which keeps the storage),
    ``max(1, n)`` elements of the loss's dtype, ``n`` the broadcast size of input and target
    (``soft_margin_loss`` and ``binary_cross_entropy``: the input's size); the fake kernels give
-   one element. The loss lives through the backward, so the trace was under by the target's
-   bytes (``F.mse_loss(out, target)`` on a 64 x 16 batch: 4,092 B). Found by a sweep over
+   one element. The loss lives through the backward, so the fake kernels count the target's
+   bytes too little. Found by a sweep over
    every ``torch.nn.functional`` loss and reduction (tests/estimators/tracing/
    test_fake_kernels_losses.py). CUDA's kernels make the same allocation (the same structured kernel
    for mse / smooth_l1, a device-generic one for soft_margin, and CUDA's
@@ -340,7 +337,7 @@ _SAME_DTYPE = frozenset({
 })
 """Ops whose CPU and CUDA kernels refuse operands of different dtypes ("expected m1 and m2 to have
 the same dtype") where the meta kernel checks shapes only: a float32 batch into a bfloat16 model,
-or token ids into a Linear, were planned (17,320 B and 22,328 B) for a step that cannot run."""
+or token ids into a Linear, would be planned for a step that cannot run."""
 
 
 _CUDA_AUTOCAST_ONLY = frozenset({_aten.mv.default, _aten.addmv.default})

@@ -79,8 +79,8 @@ def measure_steps(
         raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
     _check_real(model)
     if optimizer is None and step.optimizer is not None:
-        # Measured without an optimizer step, a step named "adamw" lost AdamW's state from the
-        # peak and trained nothing (a GPT-NeoX: 2,098,456 B measured, loss unchanged each step).
+        # Measured without an optimizer step, a step named "adamw" would lose AdamW's state from
+        # the peak and train nothing.
         optimizer = _optimizer_of(model, step.optimizer)
     if optimizer is not None:
         # Seen: a TrainStep's optimizer built for model A, A's deepcopy measured: the loss
@@ -166,8 +166,7 @@ def _made_here_tracker() -> type:
     """A MemTracker that counts only storages made while it runs and those named to
     ``track_external``. MemTracker starts counting a storage the first time an op's output holds
     it, so a view of a storage made before it started (a row of a dataset tensor the loader
-    indexes, on the host) counted the whole dataset from then on (4,096 B over a Lightning step
-    whose batches index a 32 x 16 tensor); here an output that aliases an input's storage the
+    indexes, on the host) would count the whole dataset from then on; here an output that aliases an input's storage the
     tracker never saw is left out. For StepPeaks, whose tracker starts before a loop that loads
     its own data."""
     import torch.distributed._tools.mem_tracker as mem_tracker

@@ -175,8 +175,8 @@ class AppliedPlan:
     """Handle of an applied plan: ``remove()`` or use as a context manager.
 
     A handle removes only its own plan: after ``remove_plan(model)`` and another ``apply_plan``,
-    an old handle's ``remove()`` (a leftover ``with`` block, a ``finally:``) does nothing; it
-    had undone 2 of the new plan's 3 modules, measured 13 % over the new plan's peak."""
+    an old handle's ``remove()`` (a leftover ``with`` block, a ``finally:``) does nothing rather
+    than undo part of the new plan."""
 
     model: torch.nn.Module
     plan: Plan | None
@@ -368,9 +368,8 @@ def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan], *,
                 mod.forward.watch(shape)
             done.append(mod)
         _hook_siblings(model, targets)
-        # Even for a plan with no module: its peak was traced with the cache off (a bf16 T5 whose
-        # budget fell between the cache-off and cache-on peaks measured 71,680 B over an empty
-        # plan's prediction while the cache stayed on).
+        # Even for a plan with no module: its peak was traced with the cache off, and a budget
+        # can fall between the cache-off and cache-on peaks.
         cache = hf_cache_off(model)
         if cache.configs:
             cache.__enter__()

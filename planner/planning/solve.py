@@ -128,7 +128,7 @@ def _floor(milp: SACMilp, est: Estimate, info, model, world_size: int, solver_op
     if world_size == 1 and traced > unplanned:
         # The min-peak plan traced above the unplanned step (what its checkpoints hold: start
         # values of buffers their forwards rebind, inputs): no plan, which always verifies, is
-        # the floor. A refusal stated 3,579,112 B where 2,661,608 B was reachable.
+        # the floor; a refusal would state more than is reachable.
         return _Floor(unplanned, peak_breakdown(est, world_size=world_size))
     return _Floor(max(low, traced) if world_size == 1 else low,
                   peak_breakdown(planned, world_size=world_size))

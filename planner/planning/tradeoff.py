@@ -399,8 +399,7 @@ def _shared_floor_row(model, est, milp: SACMilp, min_peak: int,
     """For a model with modules that run more than once per step, the plan ``solve_sac`` takes
     under the MILP's floor (the min-peak plan with those modules fully checkpointed), traced:
     a row where it peaks under ``min_peak``, and the note to read the table with. The MILP
-    prices such a module with one window, so its floor can sit above what is reachable: a
-    block applied 3 times stated 291,884 B where this plan measures 217,644 B."""
+    prices such a module with one window, so its floor can sit above what is reachable."""
     from planner.applying.checkpointing import hf_cache_off
     from planner.planning.candidates import shared_full_plan
 
