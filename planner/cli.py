@@ -87,6 +87,9 @@ def load_callable(spec: str, flag: str, example: str) -> Callable:
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise CLIError(f"{flag} must look like MODULE:NAME (e.g. {example}), got {spec!r}")
     mod_name, fn_name = spec.split(":", 1)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        # As `python -m planner.apply` does: a module in the current directory imports.
+        sys.path.insert(0, os.getcwd())
     try:
         mod = importlib.import_module(mod_name)
     except Exception as e:  # ImportError, or the module itself raising on import

@@ -31,6 +31,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from estimators.contract.module_info import Phase
+from estimators.step.optimizer import check_optimizer_name
 
 if TYPE_CHECKING:
     from estimators.runtime.device import DeviceSpec
@@ -139,6 +140,8 @@ class TrainStep:
         if self.train_mode is not None and not isinstance(self.train_mode, bool):
             raise TypeError(f"train_mode must be None, True or False, got {self.train_mode!r}")
         _check_loss_signature(self.loss_fn)
+        if isinstance(self.optimizer, str):
+            check_optimizer_name(self.optimizer)
         if not isinstance(self.keep_output, bool):
             raise TypeError(f"keep_output must be True or False (does the loop hold the model output "
                             f"through backward?), got {self.keep_output!r}")

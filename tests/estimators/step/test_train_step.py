@@ -388,3 +388,9 @@ def test_a_batch_with_no_rows_is_refused_before_it_is_planned():
     with pytest.raises(TraceError, match=r"the batch has no rows \(tensors of shape \(0, 8\)\)"):
         estimate(_tiny(), step=step)
     estimate(_tiny(), step=TrainStep(inputs=(torch.randn(1, 8),)))  # one row is a batch
+
+
+def test_an_unknown_optimizer_name_is_refused_when_the_step_is_built():
+    with pytest.raises(ValueError, match=r"unknown optimizer 'adamm'; use one of \['adam', 'adamw', 'sgd'\]"):
+        TrainStep(optimizer="adamm")
+    assert TrainStep(optimizer="AdamW").optimizer == "AdamW"  # names are case-insensitive
