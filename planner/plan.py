@@ -24,6 +24,7 @@ __all__ = ["OpKey", "ModulePlan", "Plan", "PlanFormatError", "StepMismatchError"
 PLAN_VERSION = 1
 _KIND = "sac_planner.Plan"
 from planner.errors import PlanFormatError, StepMismatchError
+from planner.plan_pipeline import PipelineRecord
 from planner.plan_summary import plan_summary
 # Written by plan files of the first release: a timing, not part of the plan (read and dropped).
 _LEGACY_FIELDS = frozenset({"solve_time_s"})
@@ -296,6 +297,9 @@ class Plan:
     step: StepRecord | None = None
     """The training step the plan was made for (optimizer, micro-batches, zero_grad, autocast,
     keep_output); None: a plan file written before plans recorded it."""
+    pipeline: PipelineRecord | None = None
+    """A pipeline stage's plan: the stage, schedule and layout it holds for (the peak is the
+    rank's over its schedule) and the stage's times; None: not a pipeline stage."""
     solve_time_s: float = field(default=0.0, compare=False, repr=False)
     """Wall time of the solve. A timing, not part of the plan: left out of equality, of the JSON
     (so of ``plan_hash``), so identical solves give identical plans; 0 for a loaded plan."""
@@ -344,6 +348,8 @@ class Plan:
                 set_(name, _int(name, getattr(self, name)))
         if self.step is not None and not isinstance(self.step, StepRecord):
             raise PlanFormatError(f"step must be a StepRecord or None, got {type(self.step).__name__}")
+        if self.pipeline is not None and not isinstance(self.pipeline, PipelineRecord):
+            raise PlanFormatError(f"pipeline must be a PipelineRecord or None, got {type(self.pipeline).__name__}")
 
     def validate(self) -> None:
         """Re-run every check (PlanFormatError): ``apply_plan`` calls it, since a frozen
@@ -428,6 +434,8 @@ class Plan:
                 body["notes"] = tuple(body["notes"])
             if body.get("step") is not None:
                 body["step"] = StepRecord(**_fields("step", body["step"], StepRecord))
+            if body.get("pipeline") is not None:
+                body["pipeline"] = PipelineRecord.from_dict(body["pipeline"])
             return cls(**body)
         except PlanFormatError as e:
             raise PlanFormatError(f"corrupt plan: {e}") from None

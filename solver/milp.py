@@ -58,7 +58,7 @@ import numpy as np
 
 from solver.count_branch import CountBrancher, kind_groups
 from solver.errors import InfeasibleBudgetError, SolverError, SolverTimeoutError
-from solver.graph import Graph, Node
+from solver.graph import Graph, Node, is_submodule
 from solver.lp_model import _CROSS_CHECK_COLS, EQ, GE, LE, LinearModel
 from solver.prefix_dp import PrefixDP, ProgramTooLarge
 from solver.rounding import ExactPlans
@@ -281,7 +281,8 @@ class SACMilp:
         self._add_recompute_constraints()
         self._add_recompute_growth()
         self._add_memory_constraints()
-        if self.options.break_symmetry:
+        if self.options.break_symmetry and not self._memory.pipelined:
+            # a pipeline's rows tell stages apart that equal blocks in names and curves do not
             self._add_symmetry_constraints()
         if self.options.count_branching and self.options.backend is Backend.HIGHS and self._groups:
             self._counter = CountBrancher(self._prob, self._y, self._groups)
@@ -351,7 +352,8 @@ class SACMilp:
                 if fixed:
                     terms.append((self._y[k], -fixed))
                 self._add(terms, EQ, 0.0, f"cum_{what}_{i + 1}")
-        for (a, b, k, held), (base, t) in self._point_groups().items():
+        stage_discard = self._add_stage_discards()
+        for (a, b, k, held, in_flight, kw), (base, t) in self._point_groups().items():
             terms = [(self._peak, 1.0)]
             for h in held:  # inputs held through the backward of checkpointed candidate h
                 terms.append((self._y[h], -self._units(self._cands[h].stats.checkpoint_retain_bytes)))
@@ -361,9 +363,33 @@ class SACMilp:
                 terms.append((self._cum_bw[b - 1], -1.0))
             if k >= 0:
                 terms += self._recompute_terms(k)
+            if kw >= 0:  # recompute while the discard holds: growth on top of it
+                terms += self._recompute_terms(kw) + [
+                    (self._r[kw], -self._units(self._cands[kw].stats.sac_memory_bytes)),
+                    (self._y[kw], -self._units(fixed_discard_bytes(self._cands[kw].stats)))]
+            terms += [(stage_discard[g], float(n)) for g, n in in_flight if g in stage_discard]
             # (a, b) follow from t, so t plus the recomputed candidate names the point uniquely.
-            name = f"mem_at_op_{t}" + (f"_recompute_{k}" if k >= 0 else "") + (f"_held{held[0]}" if held else "")
+            name = (f"mem_at_op_{t}" + (f"_recompute_{k}" if k >= 0 else "") + (f"_held{held[0]}" if held else "")
+                    + (f"_recompute_in_window_{kw}" if kw >= 0 else "")
+                    + "".join(f"_in_flight_{_safe(g)}_x{n}" for g, n in in_flight))
             self._add(terms, GE, self._units(base), name)
+
+    def _add_stage_discards(self) -> dict[str, Any]:
+        """Pipeline schedules (``MemoryPoint.in_flight``): per stage root g, a variable D_g =
+        sum of S r + (F - R) y over its candidates, what each of its micro-batches in flight no
+        longer holds (one equality row per stage)."""
+        out = {}
+        for g in self._memory.in_flight_roots:
+            v = self._prob.add_var(f"stage_discard_{_safe(g)}", None)
+            terms = [(v, 1.0)]
+            for k, c in enumerate(self._cands):
+                if c.node.fqn == g or is_submodule(c.node.fqn, g):
+                    st = c.stats
+                    terms += [(self._r[k], -self._units(st.sac_memory_bytes)),
+                              (self._y[k], -self._units(fixed_discard_bytes(st)))]
+            self._add(terms, EQ, 0.0, f"stage_discard_{_safe(g)}")
+            out[g] = v
+        return out
 
     def _add_recompute_growth(self) -> None:
         """extra_k >= a_s r_k + b_s y_k: the lower convex hull of the recompute's memory change
@@ -418,9 +444,10 @@ class SACMilp:
                 self._add(terms, GE, 0.0, f"symmetry_touched_{a}_{b}")
         self._n_symmetry_pairs = len(pairs)
 
-    def _point_groups(self) -> dict[tuple[int, int, int, tuple[int, ...]], tuple[int, int]]:
+    def _point_groups(self) -> dict[tuple, tuple[int, int]]:
         """Points keyed by (#fw_post <= t, #bw_pre <= t, recomputed candidate, candidates whose
-        held inputs are alive at t): max base each."""
+        held inputs are alive at t, micro-batches in flight, candidate recomputing inside its
+        window): max base each."""
         fw_keys = [self._cands[k].stats.fw_post_op for k in self._fw_order]
         bw_keys = [self._cands[k].stats.bw_pre_op for k in self._bw_order]
         index = {c.node.fqn: k for k, c in enumerate(self._cands)}
@@ -428,14 +455,15 @@ class SACMilp:
         for k, c in enumerate(self._cands):
             for i in self._memory.held_points(c.node.fqn):
                 held.setdefault(i, []).append(k)
-        groups: dict[tuple[int, int, int, tuple[int, ...]], tuple[int, int]] = {}
+        groups: dict[tuple, tuple[int, int]] = {}
         for i, (p, base) in enumerate(zip(self._memory.points, self._memory.base)):
             t = p.op_index
             k = index.get(p.recompute_of, -1) if p.recompute_of is not None else -1
             if k >= 0 and not self._recompute_terms(k):
                 k = -1
+            kw = index.get(p.recompute_in_window, -1) if p.recompute_in_window is not None else -1
             key = (bisect.bisect_right(fw_keys, t), bisect.bisect_right(bw_keys, t), k,
-                   tuple(sorted(held.get(i, ()))))
+                   tuple(sorted(held.get(i, ()))), p.in_flight, kw)
             if key not in groups or base > groups[key][0]:
                 groups[key] = (base, t)
         return groups

@@ -238,6 +238,8 @@ class PrefixDP:
         cands = milp._cands
         if not cands:
             return "no candidates"
+        if milp._memory.pipelined:
+            return "a pipeline schedule's rows (micro-batches in flight) are not a chain"
         tie_y, tie_r = milp.tie_break_ms()
         index = {c.node.fqn: k for k, c in enumerate(cands)}
         below = [{index[d.fqn] for d in milp.graph.descendants(c.node.fqn) if d.fqn in index}

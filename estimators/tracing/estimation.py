@@ -66,6 +66,7 @@ from estimators.runtime.device import DeviceSpec, get_device_spec
 from estimators.tracing.memory import MemoryTimeline, build_timeline
 from estimators.runtime.models import RuntimeKind, make_runtime_model
 from estimators.tracing import fake_leaks
+from estimators.step.stage_step import run_stage_microbatch
 from estimators.step.train_step import StepError, TrainStep, run_step, step_mode
 from estimators.contract.module_info import ModuleInfo
 from estimators.step.optimizer import check_optimizer_params, param_groups, resolve_optimizer
@@ -321,13 +322,13 @@ def _trace_step(
     fake = fake_mode is not None
     if fake:
         traced, mapping = _fake_copy(model, fake_mode)
-        step_inputs = tree_map(
-            lambda t: _fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, step.inputs
+        step_inputs, step_target = tree_map(
+            lambda t: _fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, (step.inputs, step.target)
         )
     else:
         _check_real_devices(model, step.inputs)
         fake_mode, traced, mapping = None, model, {id(p): p for p in model.parameters()}
-        step_inputs = step.inputs
+        step_inputs, step_target = step.inputs, step.target
     with contextlib.ExitStack() as restore:
         # The user's `random` / numpy streams go on where they were; what the step drew is noted.
         draws = restore.enter_context(host_rng.Draws())
@@ -350,7 +351,7 @@ def _trace_step(
                 raise TraceError(str(e)) from e.__cause__
         tracer = StepTracer(
             traced, type(model).__name__, make_runtime_model(options.runtime, spec),
-            inputs=step_inputs, optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
+            inputs=(step_inputs, step_target), optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
             round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
             progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
             previous_output=step.keep_output, held=step.held_tensors(), fake_mode=fake_mode,
@@ -374,11 +375,16 @@ def _trace_step(
                     modes.enter_context(CudaSemanticsMode())
                 modes.enter_context(step_mode(traced, step.train_mode))
                 with torch.autograd.graph.saved_tensors_hooks(tracer.pack_hook, tracer.unpack_hook):
-                    run_step(
-                        traced, step_inputs, step.loss_fn, opt, on_phase=tracer.set_phase,
-                        micro_batches=step.micro_batches, passes=1, autocast_dtype=step.autocast_dtype,
-                        keep_output=step.keep_output,
-                    )
+                    if step.stage is not None:  # one micro-batch of a pipeline stage
+                        written = run_stage_microbatch(traced, step_inputs, step.loss_fn, step_target, opt,
+                                                       step.stage, on_phase=tracer.set_phase, on_mark=tracer.mark)
+                        graded.update(n for n, p in trainable.items() if id(p) in written)
+                    else:
+                        run_step(
+                            traced, step_inputs, step.loss_fn, opt, on_phase=tracer.set_phase,
+                            micro_batches=step.micro_batches, passes=1, autocast_dtype=step.autocast_dtype,
+                            keep_output=step.keep_output,
+                        )
         except StepError as e:
             raise TraceError(str(e)) from e.__cause__
         except (FakeKernelError, InplaceModifiedError) as e:

@@ -122,6 +122,8 @@ class StepTracer(TorchDispatchMode):
         self.storages: list[StorageRecord] = []
         self.calls: list[ModuleCall] = []
         self.phase = Phase.FW
+        self._marks: dict[str, int] = {}
+        self._marked_sids: dict[str, tuple[int, ...]] = {}
         self._live: dict[int, int] = {}  # id(storage pyobject) -> sid
         self._stack: list[int] = []  # module call ids, forward
         self._seq_probe = torch.zeros(1, requires_grad=True)  # real, tiny, outside every mode
@@ -152,6 +154,17 @@ class StepTracer(TorchDispatchMode):
         if phase is not self.phase and self.progress is not None and phase is not Phase.FW:
             self.progress(f"{phase.name.lower()} ... ({len(self.ops)} ops so far)")
         self.phase = phase
+
+    def mark(self, name: str, tensor: torch.Tensor | None = None) -> None:
+        """Name the next op's position (``tensor`` None) or a tensor's storage, for readers of
+        the trace (``StepTrace.marks`` / ``marked_sids``; a pipeline stage's parts)."""
+        if tensor is None:
+            self._marks.setdefault(name, len(self.ops))
+            return
+        st = _storage_of(tensor)
+        sid = self._sid(st) if st is not None else None
+        if sid is not None:
+            self._marked_sids[name] = self._marked_sids.get(name, ()) + (sid,)
 
     # ------------------------------------------------------------------ storages
     def _sid(self, st: torch.UntypedStorage) -> int | None:
@@ -513,6 +526,7 @@ class StepTracer(TorchDispatchMode):
             ops=self.ops, storages=storages + held, calls=self.calls, leaf_fqns=leaves,
             param_bytes_by_module=param_bytes, grad_bytes_by_module=grad_bytes, device=self.device,
             previous_output_sids=tuple(r.sid for r in held),
+            marks=dict(self._marks), marked_sids=dict(self._marked_sids),
         )
         self.model = self.optimizer = None  # the trace holds numbers only
         return trace

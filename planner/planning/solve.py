@@ -195,6 +195,8 @@ def solve_sac(
         "; pass None for no host limit, or offload=False to keep everything on the device") * GiB)
     spec = options.spec
     step = as_train_step(model, step)
+    if options.pipeline is not None:  # a pipeline stage: planned for its schedule, on its rank
+        return _solve_stage(model, budget_gib, step, options)
     with hf_cache_off(model):  # trace the step as it runs once the plan is applied
         est = estimate(model, step, device=spec, options=options.trace)
     reserve = (int(options.reserve_gib * GiB) if options.reserve_gib is not None
@@ -213,6 +215,19 @@ def solve_sac(
         offload=options.offload,
         host_budget_bytes=host_budget,
     )
+
+
+def _solve_stage(model: torch.nn.Module, budget_gib: float, step: TrainStep, options: PlanOptions) -> Plan:
+    from planner.planning.pipeline_solve import solve_pipeline_rank
+
+    pipe = options.pipeline
+    if pipe.virtual_stages > 1:
+        stages = pipe.layout.stages_of(pipe.layout.rank_of(pipe.stage_index))
+        raise PlanningError(
+            f"stage {pipe.stage_index} shares its rank with stages {list(stages)} ({pipe.virtual_stages} per rank): "
+            "plan them together with planner.distributed.pipeline.solve_pipeline_rank({stage: (module, step), ...}, "
+            "budget_gib, options=options)")
+    return solve_pipeline_rank({pipe.stage_index: (model, step)}, budget_gib, options=options)[pipe.stage_index]
 
 
 _OPTION_FIELDS = {"device": "device", "world_size": "world_size", "reserve_gib": "reserve_gib",
