@@ -109,29 +109,53 @@ class RankPlanner:
             raise PlanningError("a pipeline stage is planned without offload and without fsdp_units for now; "
                                 "world_size divides its parameters, gradients and optimizer state")
         t0 = time.perf_counter()
-        self.options, self.pipeline, self.stages = options, pipeline, stages
+        self.stages = stages
         self.rank, self.local = _rank_stages(pipeline, stages)
-        self.layout = layout = pipeline.layout
-        n = pipeline.n_microbatches
+        split = pipeline.layout.split_backward
         self.traced = {}
         for s in self.local:
             model, step = stages[s]
-            role = StageRole(is_first=s == 0, is_last=s == pipeline.n_stages - 1, split_backward=layout.split_backward)
-            self.traced[s] = estimate(model, _stage_step(step, role, n), device=options.spec, options=options.trace)
-        last = pipeline.n_stages - 1
+            role = StageRole(is_first=s == 0, is_last=s == pipeline.n_stages - 1, split_backward=split)
+            self.traced[s] = estimate(model, _stage_step(step, role, pipeline.n_microbatches), device=options.spec,
+                                      options=options.trace)
+        self._views = {s: StageView(*_view(e, s)) for s, e in self.traced.items()}
+        self._verified: dict[tuple, object] = {}
+        """(stage, its module plans) -> the planned stage's profile (traced once)."""
+        self.trace_time_s = time.perf_counter() - t0
+        self._schedule(options)
+
+    def for_options(self, options: PlanOptions) -> "RankPlanner":
+        """The same traced stages planned for other options: another schedule or micro-batch
+        count over the same stages with the same kind of backward (split or not), another
+        device reserve or solver. Shares the traces and verified plans."""
+        new, old = options.pipeline, next(iter(self.traced.values())).step.stage
+        if new is None or _rank_stages(new, self.stages)[1] != self.local:
+            raise PlanningError("for_options keeps the rank's stages: give a Pipeline with the same stages per rank")
+        if new.layout.split_backward != old.split_backward:
+            raise PlanningError("for_options keeps the traces: the new schedule must split the backward as the old one does")
+        if options.spec != self.options.spec or options.trace != self.options.trace or options.world_size != self.options.world_size:
+            raise PlanningError("for_options keeps the traces: device, trace options and world_size must not change")
+        other = object.__new__(RankPlanner)
+        other.__dict__.update({k: v for k, v in self.__dict__.items()})
+        other._schedule(options)
+        return other
+
+    def _schedule(self, options: PlanOptions) -> None:
+        """Lay the traced stages out on ``options.pipeline``'s schedule and build the rank's MILP."""
+        pipeline = options.pipeline
+        self.options, self.pipeline, self.layout = options, pipeline, pipeline.layout
+        n, last, stages = pipeline.n_microbatches, pipeline.n_stages - 1, self.stages
         batch = sum(n * (_tensor_bytes(stages[s][1].inputs) if s == 0 else 0)
                     + n * (_tensor_bytes(stages[s][1].target) if s == last else 0) for s in self.local)
         self.kw = dict(return_outputs=pipeline.return_outputs, batch_bytes=batch, world_size=options.world_size,
                        grads_at_start=any(stages[s][1].zero_grad is ZeroGrad.ZERO for s in self.local))
-        views = {s: StageView(*_view(e, s)) for s, e in self.traced.items()}
-        self.actions = layout.actions(self.rank)
-        info, self.names = rank_module_info(views, self.actions, n, layout.runtime, **self.kw)
+        self.actions = self.layout.actions(self.rank)
+        info, self.names = rank_module_info(self._views, self.actions, n, self.layout.runtime, **self.kw)
         allowed = None if options.ac_units is None else [
             f for f, (_s, own) in self.names.items() if own in set(options.ac_units)]
         self.milp = SACMilp(info, ac_units=allowed, options=options.solver)
-        self.unplanned = rank_memory(self.actions, {s: v.profile for s, v in views.items()}, n, layout.runtime,
-                                     **self.kw)
-        self.trace_time_s = time.perf_counter() - t0
+        self.unplanned = rank_memory(self.actions, {s: v.profile for s, v in self._views.items()}, n,
+                                     self.layout.runtime, **self.kw)
 
     @property
     def unplanned_peak_bytes(self) -> int:
@@ -179,8 +203,11 @@ class RankPlanner:
         """Every planned stage traced again and the rank laid out again: (RankMemory, profiles)."""
         profiles = {}
         for s, est in self.traced.items():
-            planned = traced_or_diverged(self.stages[s][0], modules[s], est) if modules[s] else est
-            profiles[s] = stage_profile(planned, stage_index=s)
+            key = (s, modules[s])
+            if key not in self._verified:
+                planned = traced_or_diverged(self.stages[s][0], modules[s], est) if modules[s] else est
+                self._verified[key] = stage_profile(planned, stage_index=s)
+            profiles[s] = self._verified[key]
         return rank_memory(self.actions, profiles, self.pipeline.n_microbatches, self.layout.runtime, **self.kw), profiles
 
 
@@ -231,8 +258,9 @@ def _plans(rp: RankPlanner, profiles, modules, verified, res, budget, reserve, n
             predicted_peak_bytes=verified.peak_bytes, solver_peak_bytes=res.predicted_peak_bytes,
             baseline_peak_bytes=rp.unplanned_peak_bytes, recompute_ms=sum(m.recompute_ms for m in modules[s]),
             baseline_step_ms=est.module_info.step_runtime_ms, solver_status=res.status.value,
-            notes=(est.step.describe(), f"pipeline: {record.describe()}; the rank's peak over its schedule, "
-                   f"at {verified.peak_where}", *notes),
+            notes=(step.describe().replace("1 micro-batch(es)", f"{pipeline.n_microbatches} micro-batches"),
+                   f"pipeline: {record.describe()}; the rank's peak over its schedule, at {verified.peak_where}",
+                   *notes),
             steady_peak_bytes=verified.peak_bytes, step=StepRecord.of(step), pipeline=record,
             solve_time_s=solve_s, train_step=est.step)
     return out
