@@ -36,6 +36,7 @@ from planner.options import Pipeline, PlanOptions
 from planner.plan import Plan, StepRecord, model_fingerprint, model_shape
 from planner.plan_pipeline import PipelineRecord
 from planner.planning.module_plans import module_plan
+from planner.planning.reserve import default_reserve_bytes
 from planner.planning.verification import traced_or_diverged
 from solver import InfeasibleBudgetError, SACMilp
 
@@ -217,8 +218,6 @@ def _view(est, s: int):
 
 
 def _default_reserve(options: PlanOptions, budget: int) -> int:
-    from planner.planning.solve import default_reserve_bytes
-
     return default_reserve_bytes(options.spec, budget)
 
 

@@ -43,6 +43,7 @@ from planner.planning.verification import RecomputeDivergedError
 from planner.planning.candidates import allowed_units, shared_full_plan, shared_modules
 from planner.errors import PlanningError
 from planner.planning.module_plans import module_plan
+from planner.planning.reserve import default_reserve_bytes
 from planner.planning.step_timeline import plan_timeline, step_layout_of, timeline_fields
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes
 
@@ -56,12 +57,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _MAX_TIGHTENINGS = 4
-
-
-def default_reserve_bytes(spec: DeviceSpec, budget_bytes: int) -> int:
-    """CUDA: 1 GiB for the context and library workspaces + 5% of the budget for fragmentation.
-    CPU: nothing (the host allocator has neither)."""
-    return int(GiB + 0.05 * budget_bytes) if spec.is_cuda else 0
 
 
 def _check_reserve_gib(reserve_gib: Any, budget_gib: float) -> None:
