@@ -60,7 +60,7 @@ class Pipeline:
             raise PlanningError(f"Pipeline.stage_index must be an int in [0, n_stages={self.n_stages}), got {s!r}")
         if not isinstance(self.return_outputs, bool):
             raise TypeError(f"Pipeline.return_outputs must be True or False, got {self.return_outputs!r}")
-        from estimators.pipeline.schedule import ScheduleError, ScheduleLayout
+        from estimators.pipeline.schedule import ScheduleError
 
         try:
             self.layout

@@ -19,7 +19,7 @@ from estimators.pipeline.profile import StageProfile
 from estimators.tracing.aggregate import memory_points
 from estimators.tracing.records import StepTrace, StorageKind as K
 
-__all__ = ["stage_profile", "stage_module_info", "resident_bytes_at", "MarksMissingError"]
+__all__ = ["stage_profile", "stage_module_info", "resident_bytes_at", "renamed", "MarksMissingError"]
 
 _OWN = (K.ACTIVATION, K.TEMP)
 
@@ -149,3 +149,25 @@ def stage_module_info(est) -> tuple[ModuleInfo, tuple[tuple[int, str], ...]]:
                                   recompute_in_window=fqn))
     points.sort(key=lambda p: (p.op_index, p.recompute_of or "", p.recompute_in_window or ""))
     return dataclasses.replace(info, mod_stats=tuple(stats), memory_points=tuple(points)), tuple(in_window)
+
+
+def renamed(est, rename):
+    """``est`` with every module name ``rename(fqn)``: one trace for the stages that run the same
+    modules under other names (the middle stages of a decoder: ``layers.8..15`` and
+    ``layers.16..23``), traced once. Only names change; the ops, storages and times are the
+    traced stage's."""
+    trace = dataclasses.replace(
+        est.trace, calls=[dataclasses.replace(c, fqn=rename(c.fqn)) for c in est.trace.calls],
+        leaf_fqns={rename(f) for f in est.trace.leaf_fqns},
+        param_bytes_by_module={rename(f): b for f, b in est.trace.param_bytes_by_module.items()},
+        grad_bytes_by_module={rename(f): b for f, b in est.trace.grad_bytes_by_module.items()})
+    info = est.module_info
+    order = dataclasses.replace(info.mod_order, **{k: tuple(rename(f) for f in getattr(info.mod_order, k))
+                                                   for k in ("fw_pre_order", "fw_post_order", "bw_pre_order",
+                                                             "bw_post_order")})
+    stats = tuple(dataclasses.replace(m, fqn=rename(m.fqn)) for m in info.mod_stats)
+    points = tuple(dataclasses.replace(p, fqn=rename(p.fqn) if p.fqn else p.fqn,
+                                       recompute_of=rename(p.recompute_of) if p.recompute_of else None)
+                   for p in info.memory_points)
+    info = dataclasses.replace(info, mod_order=order, mod_stats=stats, memory_points=points)
+    return dataclasses.replace(est, trace=trace, module_info=info)

@@ -92,20 +92,18 @@ def run_stage_microbatch(
     phase(Phase.FW)
     out = model(*args)
     outputs = out if isinstance(out, tuple) else (out,)
-    if role.is_last:
+    if role.is_last:  # the schedule computes the loss right after the forward
         loss = loss_fn(out, target)
         mark("loss", loss)
+    phase(Phase.BW)
+    mark("backward", None)
+    if role.is_last:
         bw_outputs, bw_grads = [loss], None
     else:
-        phase(Phase.BW)
-        mark("backward", None)
-        grads = [torch.empty_like(o) for o in outputs]  # the output gradients received
+        grads = [torch.empty_like(o) for o in outputs]  # the output gradients received (values unread)
         for g in grads:
             mark("output_grad", g)
         bw_outputs, bw_grads = list(outputs), grads
-    phase(Phase.BW)
-    if role.is_last:
-        mark("backward", None)
     input_values = [a for a in args if isinstance(a, torch.Tensor)]
     if not role.split_backward:
         sent = stage_backward(bw_outputs if not role.is_last else bw_outputs[0], bw_grads, input_values)

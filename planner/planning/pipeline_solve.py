@@ -24,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from estimators.pipeline.makespan import bubble_fractions, makespan_ms, simulate
-from estimators.pipeline.memory import rank_memory
+from estimators.pipeline.memory import RankMemory, rank_memory
 from estimators.pipeline.points import StageView, rank_module_info, stage_root
 from estimators.pipeline.stage_trace import resident_bytes_at, stage_module_info, stage_profile
 from estimators.step.stage_step import StageRole
@@ -40,7 +40,7 @@ from planner.planning.reserve import default_reserve_bytes
 from planner.planning.verification import traced_or_diverged
 from solver import InfeasibleBudgetError, SACMilp
 
-__all__ = ["solve_pipeline_rank", "RankPlanner"]
+__all__ = ["solve_pipeline_rank", "RankPlanner", "trace_stage"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,12 @@ def _stage_step(step: TrainStep, role: StageRole, n_microbatches: int) -> TrainS
     return dataclasses.replace(step, stage=role, micro_batches=max(2, n_microbatches))
 
 
+def trace_stage(model: torch.nn.Module, step: TrainStep, role: StageRole, options: PlanOptions):
+    """One micro-batch of a pipeline stage traced as ``RankPlanner`` traces it (``Estimate``)."""
+    return estimate(model, _stage_step(step, role, options.pipeline.n_microbatches), device=options.spec,
+                    options=options.trace)
+
+
 def _rank_stages(pipeline: Pipeline, stages: Mapping[int, tuple]) -> tuple[int, tuple[int, ...]]:
     layout = pipeline.layout
     rank = layout.rank_of(pipeline.stage_index)
@@ -102,7 +108,11 @@ class RankPlanner:
     """A rank of a pipeline, traced once and planned for any budget (``plan``): the unplanned
     peak over its schedule and the smallest one a plan reaches are known before any budget."""
 
-    def __init__(self, stages: Mapping[int, tuple[torch.nn.Module, TrainStep]], *, options: PlanOptions) -> None:
+    def __init__(self, stages: Mapping[int, tuple[torch.nn.Module, TrainStep]], *, options: PlanOptions,
+                 estimates: Mapping[int, object] | None = None) -> None:
+        """``estimates``: traces of some of the stages to use instead of tracing them (e.g. one
+        middle stage's, ``estimators.pipeline.stage_trace.renamed`` for the others): each must be
+        of that stage's micro-batch as this planner traces it (its role, device, trace options)."""
         pipeline = options.pipeline
         if pipeline is None:
             raise PlanningError("planning a pipeline rank needs options=PlanOptions(pipeline=Pipeline(...))")
@@ -117,8 +127,13 @@ class RankPlanner:
         for s in self.local:
             model, step = stages[s]
             role = StageRole(is_first=s == 0, is_last=s == pipeline.n_stages - 1, split_backward=split)
-            self.traced[s] = estimate(model, _stage_step(step, role, pipeline.n_microbatches), device=options.spec,
-                                      options=options.trace)
+            if estimates is not None and s in estimates:
+                if estimates[s].step.stage != role:
+                    raise PlanningError(f"the estimate given for stage {s} is of a {_role_text(estimates[s].step.stage)}, "
+                                        f"this stage is a {role.describe()}")
+                self.traced[s] = estimates[s]
+                continue
+            self.traced[s] = trace_stage(model, step, role, options)
         self._views = {s: StageView(*_view(e, s)) for s, e in self.traced.items()}
         self._verified: dict[tuple, object] = {}
         """(stage, its module plans) -> the planned stage's profile (traced once)."""
@@ -187,6 +202,11 @@ class RankPlanner:
                     f"unplanned {fmt_bytes(self.unplanned_peak_bytes)}. Raise the budget, or use more micro-batches "
                     "of fewer samples, or more stages") from e
             modules = _stage_modules(res.discarded_bytes, self.names, self.traced, options)
+            if not options.verify or options.world_size > 1:  # the MILP's figure, as solve_sac per rank
+                verified, profiles = _MilpFigure(res.predicted_peak_bytes), {s: v.profile for s, v in self._views.items()}
+                notes.append("predicted peak is the MILP's over the schedule (not traced: "
+                             + ("verify=False)" if not options.verify else "world_size > 1)"))
+                break
             verified, profiles = self._verify(modules)
             if verified.peak_bytes <= usable:
                 break
@@ -198,7 +218,7 @@ class RankPlanner:
             raise PlanningError(f"no plan for rank {self.rank} verified under {fmt_bytes(usable)} after "
                                 f"{_MAX_TIGHTENINGS} tightenings (last {fmt_bytes(verified.peak_bytes)})")
         return _plans(self, profiles, modules, verified, res, budget, reserve, notes,
-                      time.perf_counter() - t0 + self.trace_time_s)
+                      time.perf_counter() - t0 + self.trace_time_s, traced_plans=isinstance(verified, RankMemory))
 
     def _verify(self, modules):
         """Every planned stage traced again and the rank laid out again: (RankMemory, profiles)."""
@@ -212,9 +232,20 @@ class RankPlanner:
         return rank_memory(self.actions, profiles, self.pipeline.n_microbatches, self.layout.runtime, **self.kw), profiles
 
 
+def _role_text(role) -> str:
+    return "plain step (no stage role)" if role is None else role.describe()
+
+
 def _view(est, s: int):
     info, _ = stage_module_info(est)
     return info, stage_profile(est, stage_index=s), resident_bytes_at(est)
+
+
+class _MilpFigure:
+    """The MILP's peak standing for a verified one (no trace: ``verify=False``, or per rank)."""
+
+    def __init__(self, peak_bytes: int) -> None:
+        self.peak_bytes, self.peak_where = peak_bytes, "the MILP's peak point"
 
 
 def _default_reserve(options: PlanOptions, budget: int) -> int:
@@ -234,8 +265,14 @@ def _stage_modules(discarded: Mapping[str, int], names, traced, options) -> dict
     return {s: tuple(m) for s, m in out.items()}
 
 
-def _plans(rp: RankPlanner, profiles, modules, verified, res, budget, reserve, notes, solve_s) -> dict[int, Plan]:
+def _plans(rp: RankPlanner, profiles, modules, verified, res, budget, reserve, notes, solve_s, *,
+           traced_plans: bool) -> dict[int, Plan]:
     layout, pipeline, local, options, traced = rp.layout, rp.pipeline, rp.local, rp.options, rp.traced
+    if not traced_plans:  # the unplanned traces' times: add each plan's recompute to its backward
+        halves = 2 if layout.split_backward else 1  # a split backward recomputes in both halves
+        profiles = {s: dataclasses.replace(
+            p, bw_ms=p.bw_ms + sum(m.recompute_ms for m in modules[s]),
+            w_ms=p.w_ms + (halves - 1) * sum(m.recompute_ms for m in modules[s])) for s, p in profiles.items()}
     spans = _uniform_spans(layout, profiles)
     step_ms = makespan_ms(spans, {r: sum(p.optim_ms for p in profiles.values()) for r in spans})
     bubble = bubble_fractions(spans)[layout.rank_of(local[0])]
