@@ -91,14 +91,21 @@ def plan_ranks(planners: RankPlanners, schedule: str, n: int, fractions=FRACTION
     return out
 
 
-def run_group(kind: str, n_ranks: int, schedules, mbs, timed) -> list[dict]:
-    """Plan and run every configuration of one model on ``n_ranks`` ranks; one row per rank and level."""
-    configs, meta = [], []
+def run_group(kind: str, n_ranks: int, schedules, mbs, timed) -> tuple[list[dict], list[str]]:
+    """Plan and run every configuration of one model on ``n_ranks`` ranks: one row per rank and
+    level, and a miss per configuration that could not be planned (it is not run)."""
+    from planner import PlanningError
+
+    configs, meta, misses = [], [], []
     planners = RankPlanners(kind, n_ranks)
     for schedule in schedules:
         for n in mbs:
             t0 = time.perf_counter()
-            planned = plan_ranks(planners, schedule, n)
+            try:
+                planned = plan_ranks(planners, schedule, n)
+            except PlanningError as e:
+                misses.append(f"MISS {kind} p={n_ranks} {schedule} n={n}: not planned: {e}")
+                continue
             plan_s = time.perf_counter() - t0
             steps = 3 if (schedule, n) in timed else 0
             configs.append(RunConfig(schedule, n, None, steps))
@@ -120,7 +127,7 @@ def run_group(kind: str, n_ranks: int, schedules, mbs, timed) -> list[dict]:
                              budget=budget, predicted=plan.predicted_peak_bytes if plan else hi,
                              measured=max(got["peaks"][1:]), bitwise=got["grads"] == results[r][base]["grads"],
                              plans=plans, step_ms=got["step_ms"], plan_s=plan_s, floor=lo))
-    return rows
+    return rows, misses
 
 
 def check(row: dict) -> list[str]:
@@ -187,22 +194,24 @@ def main(argv=None) -> int:
                     help="schedules (default all four)")
     ap.add_argument("--mbs", nargs="+", type=int, default=[4, 8], help="micro-batches per step (default 4 8)")
     args = ap.parse_args(argv)
-    rows = []
+    rows, misses = [], []
     t0 = time.perf_counter()
     timed = {("1F1B", max(args.mbs))}
     for kind in args.models:
         for p in args.ranks:
-            rows += run_group(kind, p, args.schedules, args.mbs, timed if p == 4 else set())
+            group, not_planned = run_group(kind, p, args.schedules, args.mbs, timed if p == 4 else set())
             print(f"[{kind}, {p} ranks done after {time.perf_counter() - t0:.0f} s]", flush=True)
-    print(table(rows))
+            print(table(group), *not_planned, sep="\n", flush=True)
+            rows += group
+            misses += not_planned
     report = one_f_one_b_report(rows)
     if report:
         print()
         print(report)
-    misses = [(r, m) for r in rows for m in check(r)]
+    misses += [f"MISS {r['model']} p={r['ranks']} {r['schedule']} n={r['n']} level={r['level']} rank {r['rank']}: {m}"
+               for r in rows for m in check(r)]
     print()
-    for r, m in misses:
-        print(f"MISS {r['model']} p={r['ranks']} {r['schedule']} n={r['n']} level={r['level']} rank {r['rank']}: {m}")
+    print(*misses, sep="\n")
     print(f"{len(rows)} rank rows, {len(misses)} misses: {'PASS' if not misses else 'FAIL'} "
           f"(tolerance {100 * TOLERANCE:.0f} %, never above budget, gradients bitwise)")
     return 1 if misses else 0

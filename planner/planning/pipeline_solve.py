@@ -191,11 +191,13 @@ class RankPlanner:
                    else _default_reserve(options, budget))
         usable = budget - reserve
         target, notes = usable, []
-        for _attempt in range(_MAX_TIGHTENINGS + 1):
+        for attempt in range(_MAX_TIGHTENINGS + 1):
             try:
                 res = self.milp.solve(target)
             except InfeasibleBudgetError as e:
                 floor = self.min_peak_bytes()
+                if attempt > 0:  # tightened past the floor: the min-peak plan is the last candidate
+                    break
                 raise PlanningError(
                     f"rank {self.rank} ({_where(self.pipeline, self.local)}) cannot fit {fmt_bytes(usable)} usable: "
                     f"the smallest reachable peak over its schedule is {fmt_bytes(floor)} ({floor / GiB:.6f} GiB); "
@@ -213,10 +215,20 @@ class RankPlanner:
             over = verified.peak_bytes - usable
             notes.append(f"verified peak {fmt_bytes(verified.peak_bytes)} overshot the MILP's "
                          f"{fmt_bytes(res.predicted_peak_bytes)} by {fmt_bytes(over)}: target tightened")
-            target -= 2 * over + usable // 1000
-        else:
-            raise PlanningError(f"no plan for rank {self.rank} verified under {fmt_bytes(usable)} after "
-                                f"{_MAX_TIGHTENINGS} tightenings (last {fmt_bytes(verified.peak_bytes)})")
+            # The MILP misjudged this plan by `over`; a neighbouring plan may err the same way, and a
+            # partial discard maps to the same traced plan over a range of targets: step past it,
+            # twice as far on each attempt.
+            target -= (2 * over + usable // 1000) << attempt
+        if verified.peak_bytes > usable:  # every tightened plan verified over: the min-peak plan, if it fits
+            res = self.milp.solve(self.min_peak_bytes())
+            modules = _stage_modules(res.discarded_bytes, self.names, self.traced, options)
+            verified, profiles = self._verify(modules)
+            if verified.peak_bytes > usable:
+                raise PlanningError(
+                    f"no plan for rank {self.rank} ({_where(self.pipeline, self.local)}) verified under "
+                    f"{fmt_bytes(usable)}: the min-peak plan verifies at {fmt_bytes(verified.peak_bytes)}. "
+                    "Raise the budget to that")
+            notes.append("the least-recompute plans verified over budget: using the min-peak plan")
         return _plans(self, profiles, modules, verified, res, budget, reserve, notes,
                       time.perf_counter() - t0 + self.trace_time_s, traced_plans=isinstance(verified, RankMemory))
 
