@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.errors import PlanFormatError
+from planner.plan_fields import MAX_COUNT, check_bool, check_float, check_int, check_str, fields_of
 
 __all__ = ["PipelineRecord"]
 
@@ -51,13 +52,23 @@ class PipelineRecord:
     """This rank's idle share of that step."""
 
     def __post_init__(self) -> None:
+        # Bounded as every field of a plan file (planner.plan_fields): the file may come from anywhere.
+        check_str("pipeline.schedule", self.schedule, nonempty=True)
         for name in ("n_microbatches", "n_stages", "virtual_stages"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlanFormatError(f"pipeline: {name} must be an int >= 1, got {v!r}")
-        if not isinstance(self.stage_index, int) or not 0 <= self.stage_index < self.n_stages:
+            check_int(f"pipeline.{name}", getattr(self, name), low=1, high=MAX_COUNT)
+        if not isinstance(self.stage_index, int) or isinstance(self.stage_index, bool) \
+                or not 0 <= self.stage_index < self.n_stages:
             raise PlanFormatError(f"pipeline: stage_index must be in [0, {self.n_stages}), got {self.stage_index!r}")
-        object.__setattr__(self, "rank_stages", tuple(int(s) for s in self.rank_stages) or (self.stage_index,))
+        stages = self.rank_stages
+        if isinstance(stages, (str, bytes)) or not isinstance(stages, (list, tuple)) or len(stages) > self.n_stages:
+            raise PlanFormatError(f"pipeline.rank_stages must list at most n_stages ({self.n_stages}) stages")
+        stages = tuple(check_int("pipeline.rank_stages[]", s, high=self.n_stages - 1) for s in stages)
+        object.__setattr__(self, "rank_stages", stages or (self.stage_index,))
+        for name in ("split_backward", "return_outputs"):
+            check_bool(f"pipeline.{name}", getattr(self, name))
+        for name in ("fw_ms", "bw_ms", "w_ms", "optim_ms", "makespan_ms"):
+            object.__setattr__(self, name, check_float(f"pipeline.{name}", getattr(self, name)))
+        object.__setattr__(self, "bubble_fraction", check_float("pipeline.bubble_fraction", self.bubble_fraction, high=1.0))
 
     def describe(self) -> str:
         virtual = f", {self.virtual_stages} stages per rank" if self.virtual_stages > 1 else ""
@@ -69,13 +80,4 @@ class PipelineRecord:
 
     @classmethod
     def from_dict(cls, d: Any) -> "PipelineRecord":
-        if not isinstance(d, dict):
-            raise PlanFormatError(f"pipeline must be an object, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise PlanFormatError(f"pipeline: unknown field(s) {unknown}")
-        try:
-            return cls(**{**d, "rank_stages": tuple(d.get("rank_stages", ()))})
-        except TypeError as e:
-            raise PlanFormatError(f"pipeline: {e}") from None
+        return cls(**fields_of("pipeline", d, cls))

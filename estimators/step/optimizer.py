@@ -68,6 +68,8 @@ def param_groups(model: torch.nn.Module, optimizer: Any, mapping: dict) -> list[
     if isinstance(optimizer, torch.optim.Optimizer):
         # Their state would silently go uncounted.
         check_optimizer_params(model, optimizer, mapping, "plan")
-        return [{"params": [mapping[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
-    params = [mapping[id(p)] for p in model.parameters() if p.requires_grad]
+        return [{"params": [mapping[id(p)] for p in g["params"] if mapping[id(p)] is not None]}
+                for g in optimizer.param_groups]
+    # A parameter mapped to None is not traced (a block a truncated trace skips).
+    params = [mapping[id(p)] for p in model.parameters() if p.requires_grad and mapping[id(p)] is not None]
     return [{"params": params}]

@@ -29,12 +29,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from estimators.contract.module_info import Phase
+from estimators.tracing.op_args import PRIM_DEVICE, fake_device, op_tensors
 from estimators.tracing.records import (
     ModuleCall,
     OpRecord,
     StepTrace,
     StorageKind,
     StorageRecord,
+    final_storage_kind,
     held_tensors,
     tensor_numel,
 )
@@ -54,6 +56,10 @@ _VALUE_READS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.
 """Ops by which Python code reads a tensor's value (``.item()``, ``bool()``, ``if t:``)."""
 _DRAWN_NUMEL = 64
 """Outputs of random ops up to this many elements are decisions a model may branch on."""
+
+
+def _call(func, args: tuple, kwargs: dict) -> Any:
+    return func(*args, **kwargs)
 
 
 def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -122,8 +128,6 @@ class StepTracer(TorchDispatchMode):
         self.storages: list[StorageRecord] = []
         self.calls: list[ModuleCall] = []
         self.phase = Phase.FW
-        self._marks: dict[str, int] = {}
-        self._marked_sids: dict[str, tuple[int, ...]] = {}
         self._live: dict[int, int] = {}  # id(storage pyobject) -> sid
         self._stack: list[int] = []  # module call ids, forward
         self._seq_probe = torch.zeros(1, requires_grad=True)  # real, tiny, outside every mode
@@ -148,6 +152,9 @@ class StepTracer(TorchDispatchMode):
         self.random_value_reads: list[str] = []
         """Modules (fqns) whose Python code read the value of a small tensor drawn from torch's
         RNG (LayerDrop's ``torch.rand([]) < p``): the trace followed that one draw."""
+        self.run_op: Callable[[Any, tuple, dict], Any] = _call
+        """Runs each op the step dispatches; a mode below the tracer may lend its own work here
+        instead of being entered (``RealKernelsMode.run``): one dispatch level less per op."""
         self._register_state(inputs, held)
 
     def set_phase(self, phase: Phase) -> None:
@@ -155,20 +162,14 @@ class StepTracer(TorchDispatchMode):
             self.progress(f"{phase.name.lower()} ... ({len(self.ops)} ops so far)")
         self.phase = phase
 
-    def mark(self, name: str, tensor: torch.Tensor | None = None) -> None:
-        """Name the next op's position (``tensor`` None) or a tensor's storage, for readers of
-        the trace (``StepTrace.marks`` / ``marked_sids``; a pipeline stage's parts)."""
-        if tensor is None:
-            self._marks.setdefault(name, len(self.ops))
-            return
-        st = _storage_of(tensor)
-        sid = self._sid(st) if st is not None else None
-        if sid is not None:
-            self._marked_sids[name] = self._marked_sids.get(name, ()) + (sid,)
-
     # ------------------------------------------------------------------ storages
     def _sid(self, st: torch.UntypedStorage) -> int | None:
         return self._live.get(id(st))
+
+    def sid_of(self, t: torch.Tensor) -> int | None:
+        """The id of ``t``'s storage in this trace; None where the trace does not track it."""
+        st = _storage_of(t)
+        return self._sid(st) if st is not None else None
 
     def _register_state(self, inputs: Any, held: Any = ()) -> None:
         for p in self.model.parameters():
@@ -217,6 +218,19 @@ class StepTracer(TorchDispatchMode):
             # Gone before the real one: its id may be reused by a new storage, which is not sid.
             weakref.finalize(twin, self._drop_alias, id(twin), sid)
 
+    def _fake_twin_sid(self, t: torch.Tensor) -> int | None:
+        """In a fake trace, the storage already tracked that real tensor ``t`` stands for: the
+        fake copy the mode made of it (or of the tensor it views) as a step input. A loss that
+        closes over the batch it is also given (``lambda out, batch: F.mse_loss(out, x)`` with
+        ``inputs=(x,)``, an autoencoder's target) reads the real ``x``, which is the input, not
+        a second tensor to count again."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if self._fake_mode is None or isinstance(t, FakeTensor):
+            return None
+        twin = _storage_of(self._fake_mode.from_tensor(t))
+        return self._sid(twin) if twin is not None else None
+
     def _drop_alias(self, key: int, sid: int) -> None:
         if self._live.get(key) == sid:
             del self._live[key]
@@ -241,16 +255,21 @@ class StepTracer(TorchDispatchMode):
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is PRIM_DEVICE:
+            # C++ asks a fake tensor's device for nearly every op (the autograd engine, foreach
+            # grouping): answered here as FakeTensor itself answers, not through every mode below.
+            device = fake_device(args[0])
+            if device is not None:
+                return device
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = self.run_op(func, args, kwargs)
         facts = op_facts(func)
         if self._drawn and not self._packing and func in _VALUE_READS:
             self._note_value_read(args)
         if facts.is_query or self._packing:
             return out
         index = len(self.ops)
-        flat_in, _ = tree_flatten((args, kwargs))
-        in_tensors = [a for a in flat_in if isinstance(a, torch.Tensor)]
+        in_tensors = op_tensors(args, kwargs)
         arg_sids = []
         for t in in_tensors:
             if (t.requires_grad and t.is_leaf and id(t) not in self._own_leaves and id(t) not in self._foreign
@@ -261,6 +280,8 @@ class StepTracer(TorchDispatchMode):
             st = _storage_of(t)
             sid = self._sid(st) if st is not None else None
             if sid is None and st is not None:
+                sid = self._fake_twin_sid(t)
+            if sid is None and st is not None:
                 # A tensor made outside the trace (a constant, a tensor the user built): count it
                 # from here on, as a temporary of this op.
                 sid = self._new_storage(st, alloc_op=index)
@@ -269,7 +290,7 @@ class StepTracer(TorchDispatchMode):
                 arg_sids.append(sid)
         mutated = self._mutated_sids(written_args(facts, args, kwargs)) if facts.written else ()
         new_sids = []
-        flat_out, _ = tree_flatten(out)
+        flat_out = op_tensors(out if isinstance(out, (tuple, list)) else (out,))
         for t in flat_out:
             if isinstance(t, torch.Tensor):
                 st = _storage_of(t)
@@ -517,7 +538,7 @@ class StepTracer(TorchDispatchMode):
         grads = {self._register(p.grad, StorageKind.GRAD) for p in self.model.parameters() if p.grad is not None}
         state = {self._register(t, StorageKind.OPTIMIZER) for t in self._optimizer_tensors()}
         storages = [
-            s if s.alloc_op < 0 else dataclasses.replace(s, kind=_final_kind(s, grads, state))
+            s if s.alloc_op < 0 else dataclasses.replace(s, kind=final_storage_kind(s, grads, state))
             for s in self.storages
         ]
         held = self._previous_output_records(storages)
@@ -526,7 +547,6 @@ class StepTracer(TorchDispatchMode):
             ops=self.ops, storages=storages + held, calls=self.calls, leaf_fqns=leaves,
             param_bytes_by_module=param_bytes, grad_bytes_by_module=grad_bytes, device=self.device,
             previous_output_sids=tuple(r.sid for r in held),
-            marks=dict(self._marks), marked_sids=dict(self._marked_sids),
         )
         self.model = self.optimizer = None  # the trace holds numbers only
         return trace
@@ -577,14 +597,3 @@ class StepTracer(TorchDispatchMode):
             param_bytes[fqn], grad_bytes[fqn] = pbytes, gbytes
         return leaves, param_bytes, grad_bytes
 
-
-def _final_kind(s: StorageRecord, grad_sids: set[int | None], optimizer_sids: set[int | None]) -> StorageKind:
-    """The category of a storage made during the step, decided once the step is over."""
-    if s.sid in grad_sids:
-        return StorageKind.GRAD
-    if s.sid in optimizer_sids or s.phase is Phase.OPTIM:
-        # Step temporaries count with the state: both scale with the (sharded) parameters.
-        return StorageKind.OPTIMIZER
-    if s.saved and s.phase is Phase.FW:
-        return StorageKind.ACTIVATION
-    return StorageKind.TEMP
