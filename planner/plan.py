@@ -22,6 +22,7 @@ __all__ = ["OpKey", "ModulePlan", "Plan", "PlanFormatError", "StepMismatchError"
 PLAN_VERSION = 1
 _KIND = "sac_planner.Plan"
 from planner.errors import PlanFormatError, StepMismatchError
+from planner.plan_pipeline import PipelineRecord
 from planner.plan_summary import plan_summary
 from planner.plan_fields import (MAX_BYTES, MAX_COUNT, MAX_JSON_DEPTH, MAX_MODULES, MAX_NOTE_CHARS, MAX_NOTES,
                                  MAX_PLAN_FILE_BYTES,
@@ -233,6 +234,9 @@ class Plan:
     step: StepRecord | None = None
     """The training step the plan was made for (optimizer, micro-batches, zero_grad, autocast,
     keep_output); None: a plan file written before plans recorded it."""
+    pipeline: PipelineRecord | None = None
+    """A pipeline stage's plan: the stage, schedule and layout it holds for (the peak is the
+    rank's over its schedule) and the stage's times; None: not a pipeline stage."""
     solve_time_s: float = field(default=0.0, compare=False, repr=False)
     """Wall time of the solve. A timing, not part of the plan: left out of equality, of the JSON
     (so of ``plan_hash``), so identical solves give identical plans; 0 for a loaded plan."""
@@ -285,6 +289,8 @@ class Plan:
                 set_(name, check_int(name, getattr(self, name)))
         if self.step is not None and not isinstance(self.step, StepRecord):
             raise PlanFormatError(f"step must be a StepRecord or None, got {type(self.step).__name__}")
+        if self.pipeline is not None and not isinstance(self.pipeline, PipelineRecord):
+            raise PlanFormatError(f"pipeline must be a PipelineRecord or None, got {type(self.pipeline).__name__}")
 
     def validate(self) -> None:
         """Re-run every check (PlanFormatError): ``apply_plan`` calls it, since a frozen
@@ -374,6 +380,8 @@ class Plan:
                 body["notes"] = tuple(body["notes"])
             if body.get("step") is not None:
                 body["step"] = StepRecord(**fields_of("step", body["step"], StepRecord))
+            if body.get("pipeline") is not None:
+                body["pipeline"] = PipelineRecord.from_dict(body["pipeline"])
             return cls(**body)
         except PlanFormatError as e:
             raise PlanFormatError(f"corrupt plan: {e}") from None

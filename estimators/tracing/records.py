@@ -90,6 +90,12 @@ class StepTrace:
     previous_output_sids: tuple[int, ...] = ()
     """Records standing for the previous micro-batch's (or step's) output, which a loop that keeps
     the output holds until this forward returns (``StepTracer(previous_output=True)``)."""
+    marks: dict[str, int] = field(default_factory=dict)
+    """Named positions the step announced (``StepTracer.mark``): the index of the first op after
+    each name, e.g. where a pipeline stage's backward or its weight half begins."""
+    marked_sids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Named storages the step announced (a pipeline stage's loss, its received output gradient,
+    the input gradient it sends)."""
     twin_of: dict[int, int] = field(default_factory=dict)
     """Call id -> id of the call it is a copy of: the blocks of a stack laid in from one traced
     block (``estimators.tracing.replicate``), whose ops and storages are that call's at another
