@@ -233,6 +233,10 @@ def estimate(
     spec = get_device_spec(device)
     step = as_train_step(model, step)
     step.check_target(spec)
+    if step.target is not None and step.stage is None:
+        raise ValueError("TrainStep.target is the labels a pipeline's last stage hands to loss_fn(output, target) "
+                         "(plan it with PlanOptions(pipeline=...)); for a whole model the loss gets (output, inputs): "
+                         "close over the labels in loss_fn (they count as resident) or put them in the inputs")
     _check_held_is_not_the_model(model, step)
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)

@@ -394,3 +394,9 @@ def test_an_unknown_optimizer_name_is_refused_when_the_step_is_built():
     with pytest.raises(ValueError, match=r"unknown optimizer 'adamm'; use one of \['adam', 'adamw', 'sgd'\]"):
         TrainStep(optimizer="adamm")
     assert TrainStep(optimizer="AdamW").optimizer == "AdamW"  # names are case-insensitive
+
+
+def test_a_target_outside_a_pipeline_is_refused_with_where_labels_go():
+    step = TrainStep(inputs=torch.randn(2, 3), target=torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="close over the labels in loss_fn"):
+        estimate(torch.nn.Linear(3, 4), step, device="cpu")
