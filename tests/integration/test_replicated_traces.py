@@ -34,7 +34,7 @@ FULL = EstimateOptions(replicate_blocks=False)
 # Traced four blocks of each stack and laid the others in (the rest are traced whole: their
 # blocks differ, share parameters, or their code reads every block's output).
 REPLICATED = {"mixtral", "qwen2_moe", "falcon", "bloom", "deberta_v2", "whisper", "convnext", "resnet", "gpt2", "llama",
-              "qwen2", "gemma", "phi", "gpt_neox", "opt", "bert", "mamba", "mamba2", "bigbird", "clip"}
+              "qwen2", "gemma", "phi", "gpt_neox", "opt", "bert", "mamba", "mamba2", "bigbird", "clip", "mistral"}
 
 
 def _deepen(model: torch.nn.Module) -> torch.nn.Module:

@@ -160,7 +160,8 @@ def test_nan_gradients_of_the_same_bits_are_equal():
             self.scale = nn.Parameter(torch.tensor(2.0))  # 0-dim (CLIP's logit_scale): viewed as bytes
 
         def forward(self, x):
-            return torch.sqrt(self.inner(x) * self.scale - 1e6)  # NaN loss and gradients
+            # A finite loss (0) with NaN gradients: sqrt's inf slope at 0 times relu's 0.
+            return torch.sqrt(torch.relu(self.inner(x) * self.scale - 1e6))
 
     torch.manual_seed(0)
     model, x = _Log(), torch.randn(4, 8)
