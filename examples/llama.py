@@ -35,6 +35,7 @@ __all__ = [
     "llama_tiny",
     "llama3_8b",
     "llama3_70b",
+    "llama31_405b",
 ]
 
 
@@ -139,9 +140,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, hd)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, hd)
+        # -1 heads: under tensor parallelism a rank's projections hold H / tp and KV / tp heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, hd)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, KV, hd)
+        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, KV, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Each KV head serves n_heads // n_kv_heads query heads. repeat_interleave (rather than SDPA's
         # enable_gqa) works on every backend, meta and fake included.
@@ -149,7 +151,7 @@ class Attention(nn.Module):
         k = k.repeat_interleave(n_rep, dim=2)  # (B, T, H, hd)
         v = v.repeat_interleave(n_rep, dim=2)  # (B, T, H, hd)
         y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H * hd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * hd)
         return self.wo(y)
 
 
@@ -321,5 +323,19 @@ def llama3_70b(
     """
     config = LlamaConfig(
         vocab_size=128_256, seq_len=seq_len, n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28_672
+    )
+    return build_llama(config, batch_size=batch_size, device=device, dtype=dtype)
+
+
+def llama31_405b(
+    *,
+    device: torch.device | str | None = "meta",
+    seq_len: int = 8192,
+    batch_size: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[Llama, tuple[Tensor]]:
+    """Llama 3.1 405B shapes (126 layers, dim 16384, 128/8 heads, FFN 53248, vocab 128256) on meta."""
+    config = LlamaConfig(
+        vocab_size=128_256, seq_len=seq_len, n_layers=126, dim=16_384, n_heads=128, n_kv_heads=8, ffn_dim=53_248
     )
     return build_llama(config, batch_size=batch_size, device=device, dtype=dtype)

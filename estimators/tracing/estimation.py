@@ -44,7 +44,6 @@ autograd saves them) is counted as the trace sees it: storages made in the forwa
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import enum
 import logging
@@ -59,11 +58,15 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from estimators.step import host_rng
 from estimators.tracing.aggregate import build_module_info
+from estimators.tracing.comm_overlap import apply_comm_overlap
 from estimators.tracing.cuda_rules import CudaSemanticsMode
 from estimators.tracing.fake_kernels import FakeKernelError, RealKernelsMode
 from estimators.tracing.hf_paths import hf_real_paths
 from estimators.runtime.device import DeviceSpec, get_device_spec
 from estimators.tracing.memory import MemoryTimeline, build_timeline
+from estimators.tracing.model_copy import ModelCopyError, fake_copy, fake_tensor
+from estimators.tracing.sharded_model import fsdp_units_of, original_class_name
+from estimators.runtime.collective_ops import CollectivePricing
 from estimators.runtime.models import RuntimeKind, make_runtime_model
 from estimators.tracing import fake_leaks
 from estimators.step.train_step import StepError, TrainStep, run_step, step_mode
@@ -180,45 +183,12 @@ def _check_real_devices(model: torch.nn.Module, inputs: Any) -> None:
             )
 
 
-def _fake_tensor(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
-    if t.device.type == "cpu" and not isinstance(t, torch.nn.Parameter):
-        return mode.from_tensor(t)
-    with mode:  # meta / other devices: same shape, stride and dtype, on the fake CPU
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-
-
-def _fake_buffer(mode: FakeTensorMode, b: torch.Tensor) -> torch.Tensor:
-    """A fake buffer; a one-element integer one (a counter) keeps a copy of its value, so code
-    that reads it goes on as in the real step: ``BatchNorm2d(momentum=None)`` divides by
-    ``float(num_batches_tracked)``, which a plain fake tensor refuses (torch's fake tensors run
-    ops on such constants and keep the result; a copy, so the user's buffer never changes)."""
-    if b.device.type == "cpu" and b.numel() == 1 and not b.is_floating_point() and not b.is_complex():
-        return mode.fake_tensor_converter.from_real_tensor(mode, b.detach().clone(), make_constant=True)
-    return _fake_tensor(mode, b)
-
-
 def _fake_copy(model: torch.nn.Module, mode: FakeTensorMode) -> tuple[torch.nn.Module, dict]:
-    """Deep copy of ``model`` whose parameters and buffers are fake (shared ones stay shared)."""
-    memo: dict[int, Any] = {}
-    mapping: dict[int, torch.Tensor] = {}
-    for p in model.parameters():
-        if id(p) not in memo:
-            fp = torch.nn.Parameter(_fake_tensor(mode, p.detach()), requires_grad=p.requires_grad)
-            memo[id(p)] = fp
-            mapping[id(p)] = fp
-    for b in model.buffers():
-        if id(b) not in memo:
-            memo[id(b)] = _fake_buffer(mode, b)
-    left = fake_leaks.left_behind()  # held through the copy: their ids stay theirs
-    for t in left:  # shared, not copied (see left_behind)
-        memo.setdefault(id(t), t)
+    """``estimators.tracing.model_copy.fake_copy``, its failure a TraceError."""
     try:
-        return copy.deepcopy(model, memo), mapping
-    except Exception as e:  # noqa: BLE001 - user modules can hold anything
-        raise TraceError(
-            f"could not copy {type(model).__name__} to fake tensors ({type(e).__name__}: {e}); "
-            "give the model on the meta device, or trace in real mode"
-        ) from e
+        return fake_copy(model, mode)
+    except ModelCopyError as e:
+        raise TraceError(f"{e}; give the model on the meta device, or trace in real mode") from e
 
 
 def as_train_step(model: torch.nn.Module, step: TrainStep | None) -> TrainStep:
@@ -322,10 +292,15 @@ def _trace_step(
     if fake:
         traced, mapping = _fake_copy(model, fake_mode)
         step_inputs = tree_map(
-            lambda t: _fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, step.inputs
+            lambda t: fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, step.inputs
         )
     else:
         _check_real_devices(model, step.inputs)
+        if fsdp_units_of(model):
+            raise TraceError(
+                f"{type(model).__name__} is sharded with fully_shard: a real trace would run FSDP2's own "
+                "all-gathers, which the FSDP rules count again; trace it in fake mode (the default), or "
+                "trace the model before fully_shard")
         fake_mode, traced, mapping = None, model, {id(p): p for p in model.parameters()}
         step_inputs = step.inputs
     with contextlib.ExitStack() as restore:
@@ -349,7 +324,7 @@ def _trace_step(
             except StepError as e:
                 raise TraceError(str(e)) from e.__cause__
         tracer = StepTracer(
-            traced, type(model).__name__, make_runtime_model(options.runtime, spec),
+            traced, original_class_name(model), CollectivePricing.for_device(make_runtime_model(options.runtime, spec), spec),
             inputs=step_inputs, optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
             round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
             progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
@@ -377,7 +352,7 @@ def _trace_step(
                     run_step(
                         traced, step_inputs, step.loss_fn, opt, on_phase=tracer.set_phase,
                         micro_batches=step.micro_batches, passes=1, autocast_dtype=step.autocast_dtype,
-                        keep_output=step.keep_output,
+                        keep_output=step.keep_output, context=step.context,
                     )
         except StepError as e:
             raise TraceError(str(e)) from e.__cause__
@@ -396,6 +371,7 @@ def _trace_step(
             raise _TheModelItself(f"reads the model's own parameters ({', '.join(names[:3])}"
                                   f"{', ...' if len(names) > 3 else ''}), from loss_fn or a hook")
         trace = tracer.finish()
+        apply_comm_overlap(trace)  # a collective costs the step what its compute stream waits for
         got_no_grad = frozenset(n for n in trainable if n not in graded)
         drawn_reads = tracer.random_value_reads
         del opt, tracer

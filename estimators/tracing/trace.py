@@ -20,11 +20,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import sys
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -39,6 +41,7 @@ from estimators.tracing.records import (
     tensor_numel,
 )
 from estimators.runtime.op_facts import op_facts, written_args
+from estimators.tracing.subclasses import WAIT, defers, in_sharding_propagation, mark_sharding_propagation, storage_of
 
 if TYPE_CHECKING:
     from estimators.runtime.models import RuntimeModel
@@ -56,11 +59,7 @@ _DRAWN_NUMEL = 64
 """Outputs of random ops up to this many elements are decisions a model may branch on."""
 
 
-def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
-    try:
-        return t.untyped_storage()
-    except (NotImplementedError, RuntimeError):  # sparse, nested, functional wrappers
-        return None
+_storage_of = storage_of  # a DTensor's storage is its local shard's (estimators.tracing.subclasses)
 
 
 class InplaceModifiedError(RuntimeError):
@@ -114,6 +113,8 @@ class StepTracer(TorchDispatchMode):
                 mode's fake copy of it, and autograd saves the copy: both are one storage.
         """
         super().__init__()
+        if "torch.distributed.tensor" in sys.modules:  # no DTensor can exist before it is imported
+            mark_sharding_propagation()
         self.model, self.root_name, self.optimizer, self.device = model, root_name, optimizer, device
         self.runtime_model = runtime_model
         self.round_bytes = round_bytes
@@ -229,7 +230,15 @@ class StepTracer(TorchDispatchMode):
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if defers(types):
+            # A DTensor (or other wrapper) op: the rank runs its local ops and collectives, which
+            # come back through this mode at local shapes (estimators.tracing.subclasses).
+            self._note_foreign_leaves(tree_flatten((args, kwargs))[0])
+            return NotImplemented
+        if in_sharding_propagation() or active_fake_mode() is not self._fake_mode:
+            return func(*args, **kwargs)  # DTensor's output-metadata ops on fake global shapes
+        # Eagerly a wait returns its input; its fake kernel makes a new tensor (a second buffer).
+        out = args[0] if func is WAIT and self._fake_mode is not None else func(*args, **kwargs)
         facts = op_facts(func)
         if self._drawn and not self._packing and func in _VALUE_READS:
             self._note_value_read(args)
@@ -238,13 +247,9 @@ class StepTracer(TorchDispatchMode):
         index = len(self.ops)
         flat_in, _ = tree_flatten((args, kwargs))
         in_tensors = [a for a in flat_in if isinstance(a, torch.Tensor)]
+        self._note_foreign_leaves(in_tensors)
         arg_sids = []
         for t in in_tensors:
-            if (t.requires_grad and t.is_leaf and id(t) not in self._own_leaves and id(t) not in self._foreign
-                    and torch.is_grad_enabled()):  # under no_grad nothing accumulates into it
-                grad = t.grad
-                values = grad.detach().clone() if grad is not None and self._fake_mode is None else None
-                self._foreign[id(t)] = (weakref.ref(t), grad, values)
             st = _storage_of(t)
             sid = self._sid(st) if st is not None else None
             if sid is None and st is not None:
@@ -290,6 +295,15 @@ class StepTracer(TorchDispatchMode):
             where = self.calls[call].fqn if call >= 0 else "-"
             self.progress(f"{self.phase.name.lower()}: {index} ops, in {where}")
         return out
+
+    def _note_foreign_leaves(self, flat: list) -> None:
+        """Leaves outside the model that an op reads with grad on (see ``_foreign``)."""
+        for t in flat:
+            if (isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf and id(t) not in self._own_leaves
+                    and id(t) not in self._foreign and torch.is_grad_enabled()):  # no_grad: nothing accumulates
+                grad = t.grad
+                values = grad.detach().clone() if grad is not None and self._fake_mode is None else None
+                self._foreign[id(t)] = (weakref.ref(t), grad, values)
 
     def foreign_leaves(self) -> list[torch.Tensor]:
         """The leaves outside the model that the step's ops read with ``requires_grad`` (alive)."""
@@ -553,11 +567,11 @@ class StepTracer(TorchDispatchMode):
             seen: set[int] = set()
             pbytes = gbytes = 0
             for p in mod.parameters():
-                key = id(p.untyped_storage())
-                if key in seen:
+                st = _storage_of(p)  # a DTensor parameter: this rank's shard
+                if st is None or id(st) in seen:
                     continue
-                seen.add(key)
-                nb = self.round_bytes(p.untyped_storage().nbytes())
+                seen.add(id(st))
+                nb = self.round_bytes(st.nbytes())
                 pbytes += nb
                 gbytes += nb if p.requires_grad else 0
             param_bytes[fqn], grad_bytes[fqn] = pbytes, gbytes
