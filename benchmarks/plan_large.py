@@ -2,6 +2,13 @@
 
     python benchmarks/plan_large.py                    # world_size 64 (FSDP), budget 80 GiB
     python benchmarks/plan_large.py --world-size 1     # shows the smallest reachable budget
+    python benchmarks/plan_large.py --layout 70b-fsdp8-tp8      # per rank of FSDP 8 x TP 8, seq 8192
+    python benchmarks/plan_large.py --layout all                # 70B and 405B layouts (benchmarks/_layouts.py)
+
+``--layout``: a torchtitan-style layout planned per rank in this one process on torch's fake
+process group (tensor + sequence parallel + loss_parallel, FSDP2 over the other ranks, context
+parallel for 405B at 128k), printed beside the FSDP-only plan of the same ranks, with which share
+of the rank's memory dominates and the time each plan took (target <= 60 s).
 
 Model: 80 layers, hidden 8192, 64 heads / 8 KV heads, FFN 28672, vocab 128256, seq 4096,
 micro-batch 1, bf16, AdamW. FSDP2 units as a 70B user shards: every layer and the root
@@ -25,7 +32,8 @@ from estimators.step.train_step import TrainStep  # noqa: E402
 from examples.llama import llama3_70b  # noqa: E402
 from planner import PlanningError, solve_sac  # noqa: E402
 from solver import SolverOptions  # noqa: E402
-from planner.options import PlanOptions
+from planner.options import PlanOptions  # noqa: E402
+from benchmarks._layouts import LAYOUTS, plan_rank  # noqa: E402
 
 GiB = 2**30
 
@@ -41,7 +49,11 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="h100", help="target DeviceSpec (default h100)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--plan-out", help="write the plan JSON here")
+    p.add_argument("--layout", choices=["all", *LAYOUTS], help="plan a parallel layout per rank instead")
+    p.add_argument("--layers", type=int, help="with --layout: keep only this many layers (a quick look)")
     args = p.parse_args(argv)
+    if args.layout:
+        return layouts_main(args)
 
     t0 = time.perf_counter()
     model, inputs = llama3_70b(seq_len=args.seq_len)
@@ -78,6 +90,34 @@ def main(argv=None) -> int:
           f"{'PASS' if wall <= 120 else 'FAIL'}")
     print(f"{'max RSS of this process':44s} {rss:8.2f} GiB target <= 4 GiB  {'PASS' if rss <= 4 else 'FAIL'}")
     return 0 if (wall <= 120 and rss <= 4 and fits) else 1
+
+
+def layouts_main(args) -> int:
+    """Each layout's per-rank plan beside the FSDP-only plan of the same ranks."""
+    names = list(LAYOUTS) if args.layout == "all" else [args.layout]
+    ok = True
+    for name in names:
+        layout = LAYOUTS[name]
+        print(f"== {layout.title}: {layout.world_size} ranks, budget {args.budget_gib:g} GiB per rank, {args.device}")
+        for tensor_parallel in (True, False):
+            what = "this layout" if tensor_parallel else f"FSDP only over {layout.world_size // layout.cp} ranks"
+            try:
+                r = plan_rank(layout, args.budget_gib, args.device, layers=args.layers,
+                              tensor_parallel=tensor_parallel)
+            except PlanningError as e:
+                print(f"  {what}: {e}")
+                continue
+            plan = r.plan
+            print(f"  {what}: planned in {r.seconds:.1f} s "
+                  f"{'PASS' if r.seconds <= 60 else 'FAIL'} (target <= 60 s)")
+            print(f"    per-rank peak: no AC {plan.baseline_peak_bytes / GiB:.2f} GiB, planned "
+                  f"{plan.predicted_peak_bytes / GiB:.2f} GiB ({len(plan.modules)} modules checkpointed, "
+                  f"recompute {plan.recompute_ms:.0f} ms)")
+            print(f"    at the no-AC peak: sharded state {r.state_bytes / GiB:.2f} GiB, activations "
+                  f"{r.activation_bytes / GiB:.2f} GiB, FSDP2 buffers and temporaries {r.other_bytes / GiB:.2f} GiB")
+            print(f"    dominant: {r.dominant}")
+            ok &= r.seconds <= 60 or not tensor_parallel
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

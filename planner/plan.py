@@ -23,6 +23,7 @@ __all__ = ["OpKey", "ModulePlan", "Plan", "PlanFormatError", "StepMismatchError"
 
 PLAN_VERSION = 1
 _KIND = "sac_planner.Plan"
+from planner.distributed.layout import LayoutRecord
 from planner.errors import PlanFormatError, StepMismatchError
 from planner.plan_summary import plan_summary
 # Written by plan files of the first release: a timing, not part of the plan (read and dropped).
@@ -296,6 +297,10 @@ class Plan:
     step: StepRecord | None = None
     """The training step the plan was made for (optimizer, micro-batches, zero_grad, autocast,
     keep_output); None: a plan file written before plans recorded it."""
+    layout: LayoutRecord | None = None
+    """The parallel layout the per-rank figures are for (tensor-parallel placements, FSDP2
+    units and group size; ``planner.distributed.layout``); None: one process, or a plan file
+    written before plans recorded it. ``apply_plan`` refuses a model laid out otherwise."""
     solve_time_s: float = field(default=0.0, compare=False, repr=False)
     """Wall time of the solve. A timing, not part of the plan: left out of equality, of the JSON
     (so of ``plan_hash``), so identical solves give identical plans; 0 for a loaded plan."""
@@ -344,6 +349,8 @@ class Plan:
                 set_(name, _int(name, getattr(self, name)))
         if self.step is not None and not isinstance(self.step, StepRecord):
             raise PlanFormatError(f"step must be a StepRecord or None, got {type(self.step).__name__}")
+        if self.layout is not None and not isinstance(self.layout, LayoutRecord):
+            raise PlanFormatError(f"layout must be a LayoutRecord or None, got {type(self.layout).__name__}")
 
     def validate(self) -> None:
         """Re-run every check (PlanFormatError): ``apply_plan`` calls it, since a frozen
@@ -428,6 +435,8 @@ class Plan:
                 body["notes"] = tuple(body["notes"])
             if body.get("step") is not None:
                 body["step"] = StepRecord(**_fields("step", body["step"], StepRecord))
+            if body.get("layout") is not None:
+                body["layout"] = LayoutRecord(**_fields("layout", body["layout"], LayoutRecord))
             return cls(**body)
         except PlanFormatError as e:
             raise PlanFormatError(f"corrupt plan: {e}") from None

@@ -41,7 +41,7 @@ import functools
 import hashlib
 import json
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ from estimators.runtime.models import RuntimeKind, benchmark_runtime_override, m
 from planner.errors import PlanHashMismatchError, RemotePlanningError
 from planner.applying.checkpointing import hf_cache_off
 from planner.distributed.fsdp.comm import fsdp_comm_ms
-from planner.distributed.fsdp.model import fsdp_units_of
+from planner.distributed.layout import check_parallel_support, fsdp_options
 from planner.format import GiB
 from planner.plan import Plan
 from planner.format import check_budget_gib
@@ -146,9 +146,10 @@ def solve_sac_distributed(
     options = options if options is not None else PlanOptions()
     if not isinstance(options, PlanOptions):
         raise TypeError(f"options must be a PlanOptions, got {type(options).__name__}")
-    world_size = dist.get_world_size(group)
-    _check_world_size(options.world_size, world_size)
-    units = _check_fsdp_units(model, options.fsdp_units)
+    group_size = dist.get_world_size(group)
+    _check_world_size(options.world_size, group_size)
+    units, world_size = _fsdp_of(model, options, group_size)
+    check_parallel_support(model, options, traced_on_one_rank=True)
     shared = benchmark
     if shared is not None and options.trace.runtime is not RuntimeKind.BENCHMARK:
         raise ValueError(
@@ -165,25 +166,21 @@ def solve_sac_distributed(
 
 # ------------------------------------------------------------------------------ local checks
 def _check_world_size(asked: int, group_size: int) -> None:
-    if asked not in (1, group_size):
+    if group_size % asked:
         raise ValueError(
             f"world_size={asked!r} does not match the process group, which has {group_size} ranks "
-            "(dist.get_world_size(group)); leave world_size at 1 or pass the group you shard over"
+            "(dist.get_world_size(group)); leave world_size at 1 (FSDP2 over the whole group), or pass "
+            "the size of the mesh dim FSDP2 shards over (it divides the group: dp of a dp x tp mesh)"
         )
 
 
-def _check_fsdp_units(model: torch.nn.Module, fsdp_units: Iterable[str] | None) -> list[str] | None:
-    if fsdp_units_of(model):
-        raise ValueError(
-            f"{type(model).__name__} is already sharded (fully_shard was called): the plan is made "
-            "from a trace of the unsharded model; call solve_sac_distributed before fully_shard, or "
-            "give the model built on the meta device"
-        )
-    if fsdp_units is None:
-        return None
-    if isinstance(fsdp_units, str):
-        raise TypeError(f"fsdp_units must be a list of module names, not the string {fsdp_units!r}")
-    return list(fsdp_units)
+def _fsdp_of(model: torch.nn.Module, options: PlanOptions, group_size: int) -> tuple[list[str] | None, int]:
+    """(FSDP2 units, ranks each parameter is sharded over): the options' (world_size 1: the whole
+    group), or those of a model ``fully_shard`` sharded already; (None, 1) without FSDP2."""
+    units, size = fsdp_options(model, options.fsdp_units, options.world_size)
+    if units is None:
+        return None, group_size  # replicated (tensor parallel only, DDP): the notes give the group
+    return list(units), size if size > 1 else group_size
 
 
 # ------------------------------------------------------------------------------ rank 0 plans
@@ -230,7 +227,7 @@ def _solve_traced(model, budget_gib, step, options: PlanOptions, units, world_si
         f"FSDP2 over {world_size} ranks, {len(units)} units: per-rank memory counts gathered "
         "parameters and all-gather / reduce-scatter buffers (planner/distributed/fsdp/memory.py)"
         if units is not None
-        else f"replicated on {world_size} ranks (no fsdp_units): per-rank memory of one process"
+        else f"no FSDP2 over the {world_size} ranks: per-rank memory of one rank's traced program"
     )
     if units is not None:
         notes.append(_comm_note(est.module_info, units, world_size, spec))
