@@ -50,7 +50,7 @@ def test_every_tp_rank_gets_the_plan_it_measures(tmp_path, one_intra_op_thread, 
         assert r["no_ac_predicted"] == r["no_ac_measured"]
         for p, fake_hash in zip(r["plans"], fake_hashes):
             print(f"  budget {p['budget']:,}: predicted {p['predicted']:,} measured {p['measured']:,} "
-                  f"{p['checkpointed']} {p['note']}")
+                  f"{p['checkpointed']} {p['note']} hash {p['hash']}")
             assert p["predicted"] == p["measured"] <= p["budget"]
             assert p["bitwise"], p["note"]
             assert p["hash"] == p["common_hash"] == fake_hash
@@ -71,14 +71,16 @@ def test_an_hf_decoder_under_its_own_tp_plan(tmp_path, one_intra_op_thread):
         print(f"rank {rank}: no-AC predicted {r['no_ac_predicted']:,} measured {r['no_ac_measured']:,}")
         assert r["no_ac_predicted"] == r["no_ac_measured"]
         for p, fake_hash in zip(r["plans"], fake_hashes):
-            print(f"  budget {p['budget']:,}: predicted {p['predicted']:,} measured {p['measured']:,} {p['note']}")
+            print(f"  budget {p['budget']:,}: predicted {p['predicted']:,} measured {p['measured']:,} {p['note']} "
+                  f"hash {p['hash']}")
             assert p["predicted"] == p["measured"] <= p["budget"]
             assert p["bitwise"], p["note"]
             assert p["hash"] == p["common_hash"] == fake_hash
 
 
-def _fsdp_budgets(world: int, dp: int) -> list[int]:
-    """Three per-rank budgets between the FSDP2 x TP floor and no-AC peak (fake group, rank 0)."""
+def _fsdp_budgets(world: int, dp: int) -> tuple[list[int], list[str]]:
+    """Three per-rank budgets between the FSDP2 x TP floor and no-AC peak, and the plans the fake
+    process group makes for them in this process (rank 0)."""
     from planner.distributed.fsdp import fsdp_module_info
     from solver import SACMilp
 
@@ -89,21 +91,27 @@ def _fsdp_budgets(world: int, dp: int) -> list[int]:
         milp = SACMilp(fsdp_module_info(estimate(model, step).module_info, units, dp), world_size=dp,
                        fsdp_units=units)
         lo, hi = milp.min_reachable_peak_bytes(), milp.no_ac_peak_bytes
-    return [int(lo + f * (hi - lo)) for f in (0.1, 0.5, 0.9)]
+        budgets = [int(lo + f * (hi - lo)) for f in (0.1, 0.5, 0.9)]
+        options = PlanOptions(reserve_gib=0, world_size=dp, fsdp_units=units)
+        hashes = [plan_hash(solve_sac(model, b / GiB, step, options=options)) for b in budgets]
+    return budgets, hashes
 
 
 def test_fsdp_x_tp_in_torchtitan_s_order_and_on_a_sharded_model(tmp_path, one_intra_op_thread):
     world, dp = 4, 2
-    budgets = _fsdp_budgets(world, dp)
+    budgets, fake_hashes = _fsdp_budgets(world, dp)
     mp.spawn(tp_ranks.fsdp_tp_worker, args=(world, str(tmp_path), dp, budgets), nprocs=world)
     results = _read(tmp_path, world)
     for rank, r in enumerate(results):
         print(f"rank {rank}: no-AC predicted {r['no_ac_predicted']:,} measured {r['no_ac_measured']:,}")
         assert abs(r["no_ac_predicted"] - r["no_ac_measured"]) <= 0.01 * r["no_ac_measured"]
-        for p in r["plans"]:
+        for p, fake_hash in zip(r["plans"], fake_hashes):
             print(f"  budget {p['budget']:,}: predicted {p['predicted']:,} measured {p['measured']:,} "
-                  f"(applied after fully_shard: {p['measured_applied_after_sharding']:,})")
+                  f"(applied after fully_shard: {p['measured_applied_after_sharding']:,}) "
+                  f"{p['checkpointed']} bitwise {p['bitwise']} hash {p['hash']}")
             assert p["predicted"] <= p["budget"]
             for measured in (p["measured"], p["measured_applied_after_sharding"]):
                 assert abs(p["predicted"] - measured) <= 0.01 * measured
-            assert p["hash"] == p["common_hash"] == p["hash_from_sharded"]
+            assert p["bitwise"], "gradient shards differ from the unplanned FSDP2 x TP run"
+            assert p["hash"] == p["common_hash"] == p["hash_from_sharded"] == fake_hash
+    assert any(p["checkpointed"] for p in results[0]["plans"]), "the budgets must bind"

@@ -97,6 +97,18 @@ def fsdp_tp_worker(rank: int, world: int, tmp: str, dp: int, budgets: list[int])
                 opt.step()
         return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
+    def local_grads(model, step) -> list:
+        """One forward and backward: the loss and this rank's gradient shards (then dropped)."""
+        with loss_parallel():
+            loss = step.loss_fn(model(*step.inputs), step.inputs)
+            loss.backward()
+        grads = [p.grad.to_local().clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return [loss.to_local().detach().clone(), *grads]
+
+    unplanned, step = tp_llama(mesh["tp"], True)
+    shard_llama(unplanned, mesh["dp"])
+    reference = local_grads(unplanned, step)
     result = {"plans": []}
     for budget in [None, *budgets]:
         model, step = tp_llama(mesh["tp"], True)
@@ -114,6 +126,7 @@ def fsdp_tp_worker(rank: int, world: int, tmp: str, dp: int, budgets: list[int])
         plan = solve_sac(model, budget / GiB, step, options=options)  # before fully_shard
         apply_plan(model, plan)  # torchtitan's order: parallelize, AC, then fully_shard
         shard_llama(model, mesh["dp"])
+        grads = local_grads(model, step)
         measured = measure(model, step)
         sharded, _ = tp_llama(mesh["tp"], True)
         shard_llama(sharded, mesh["dp"])
@@ -121,6 +134,9 @@ def fsdp_tp_worker(rank: int, world: int, tmp: str, dp: int, budgets: list[int])
         apply_plan(sharded, plan)  # a plan applied to a model already sharded
         result["plans"].append({"budget": budget, "predicted": plan.predicted_peak_bytes, "measured": measured,
                                 "measured_applied_after_sharding": measure(sharded, step),
+                                "bitwise": len(grads) == len(reference) and all(
+                                    torch.equal(a, b) for a, b in zip(grads, reference)),
+                                "checkpointed": list(plan.checkpointed),
                                 "hash": plan_hash(plan), "hash_from_sharded": plan_hash(again),
                                 "common_hash": check_same_plan(plan)})
     write(tmp, rank, result)
