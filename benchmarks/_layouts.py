@@ -52,9 +52,9 @@ class RankPlan:
     state_bytes: int
     """Sharded parameters, gradients and optimizer state at the no-AC peak, per rank."""
     activation_bytes: int
-    """Saved activations there."""
+    """Tensors saved for backward there."""
     other_bytes: int
-    """The rest there: FSDP2's gathered parameters and buffers, temporaries, collective buffers."""
+    """The rest there: FSDP2's gathered units and buffers, temporaries, collective buffers."""
     seconds: float
 
     @property
@@ -101,13 +101,13 @@ def plan_rank(layout: Layout, budget_gib: float, device: str, *, layers: int | N
         # The MILP's per-rank figure (verify=False): one trace per layout, as the time target asks.
         plan = plan_for_budget(model, est, budget, world_size=fsdp_ranks, fsdp_units=units,
                                reserve_bytes=default_reserve_bytes(est.spec, budget), verify=False)
-    # The no-AC per-rank peak point of the memory model the plan was solved on, by share.
+    # The per-rank no-AC peak point of the memory model the plan was solved on, by share.
     info = fsdp_module_info(est.module_info, units, fsdp_ranks)
 
     def state(p) -> int:
-        return (p.param_bytes + p.grad_bytes + p.optimizer_bytes) // fsdp_ranks
+        return -(-(p.param_bytes + p.grad_bytes + p.optimizer_bytes) // fsdp_ranks)
 
-    top = max(info.points, key=lambda p: state(p) + p.activation_bytes + p.other_bytes)
+    top = max(info.memory_points, key=lambda p: state(p) + p.activation_bytes + p.other_bytes)
     return RankPlan(plan=plan, state_bytes=state(top), activation_bytes=top.activation_bytes,
                     other_bytes=top.other_bytes, seconds=time.perf_counter() - t0)
 

@@ -100,7 +100,8 @@ def layouts_main(args) -> int:
         layout = LAYOUTS[name]
         print(f"== {layout.title}: {layout.world_size} ranks, budget {args.budget_gib:g} GiB per rank, {args.device}")
         for tensor_parallel in (True, False):
-            what = "this layout" if tensor_parallel else f"FSDP only over {layout.world_size // layout.cp} ranks"
+            what = ("this layout" if tensor_parallel else f"FSDP2 over all {layout.world_size} ranks, no TP"
+                    + (f" (CP {layout.cp} kept)" if layout.cp > 1 else ""))
             try:
                 r = plan_rank(layout, args.budget_gib, args.device, layers=args.layers,
                               tensor_parallel=tensor_parallel)
@@ -114,7 +115,8 @@ def layouts_main(args) -> int:
                   f"{plan.predicted_peak_bytes / GiB:.2f} GiB ({len(plan.modules)} modules checkpointed, "
                   f"recompute {plan.recompute_ms:.0f} ms)")
             print(f"    at the no-AC peak: sharded state {r.state_bytes / GiB:.2f} GiB, activations "
-                  f"{r.activation_bytes / GiB:.2f} GiB, FSDP2 buffers and temporaries {r.other_bytes / GiB:.2f} GiB")
+                  f"{r.activation_bytes / GiB:.2f} GiB, FSDP2 gathered units, buffers and temporaries "
+                  f"{r.other_bytes / GiB:.2f} GiB")
             print(f"    dominant: {r.dominant}")
             ok &= r.seconds <= 60 or not tensor_parallel
     return 0 if ok else 1

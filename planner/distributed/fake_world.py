@@ -50,8 +50,22 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
             "traces its own program), or call this before init_process_group")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    _forget_meshes()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's sharding-propagation caches. A DeviceMesh compares equal to another of the
+    same ranks and dim names whatever its process groups, so a cached output spec of one world
+    would give the next world's DTensors a mesh over groups destroyed with the first (a collective
+    then fails: "Could not resolve the process group registered under the name ...")."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # the cache is torch's own detail: without this hook, nothing to clear
+        return
+    _clear_sharding_prop_cache()
