@@ -5,6 +5,7 @@ to ``<tmp>/rank<r>.json`` and leaves through ``tests.planner.spawned.leave_rank`
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import json
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from planner import PlanOptions, TrainStep, apply_plan, check_gradients, solve_s
 from planner.distributed.ranks import check_same_plan, plan_hash
 from planner.format import GiB
 
+DEADLINE_S = 900
+"""A rank still running after this long prints its stack and exits (the test then fails): a
+rank stuck outside a collective never outlives the test run (gloo's own timeout covers those inside)."""
 CONFIG = LlamaConfig(vocab_size=512, seq_len=64, n_layers=2, dim=128, n_heads=8, n_kv_heads=4, ffn_dim=256)
 BATCH = 4
 
@@ -33,6 +37,7 @@ def tp_llama(mesh, sequence_parallel: bool, *, loss_parallel_on: bool = True):
 
 
 def init(rank: int, world: int, tmp: str) -> None:
+    faulthandler.dump_traceback_later(DEADLINE_S, exit=True)
     torch.set_num_threads(1)
     store = dist.FileStore(str(Path(tmp) / "store"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
