@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from estimators.step.train_step import TrainStep
-from examples.llama import llama3_70b, llama31_405b
+from examples.llama import llama3_70b, llama3_405b
 from planner.format import GiB
 
 __all__ = ["Layout", "LAYOUTS", "plan_rank", "RankPlan"]
@@ -39,10 +39,10 @@ class Layout:
 
 LAYOUTS = {
     "70b-fsdp8-tp8": Layout("Llama-3-70B, FSDP 8 x TP 8 (64 H100s), seq 8192", llama3_70b, 8192, dp=8, tp=8),
-    "405b-fsdp64-tp8": Layout("Llama-3.1-405B, FSDP 64 x TP 8 (512 H100s), seq 8192", llama31_405b, 8192,
+    "405b-fsdp64-tp8": Layout("Llama-3.1-405B, FSDP 64 x TP 8 (512 H100s), seq 8192", llama3_405b, 8192,
                               dp=64, tp=8),
     "405b-fsdp4-cp16-tp8": Layout("Llama-3.1-405B, FSDP 4 x CP 16 x TP 8 (512 H100s), seq 131072",
-                                  llama31_405b, 131072, dp=4, tp=8, cp=16),
+                                  llama3_405b, 131072, dp=4, tp=8, cp=16),
 }
 
 

@@ -12,7 +12,7 @@ to torch's roofline through the patch documented in ``benchmarks/_torch_pipeline
 
 What is timed (wall clock, ``time.perf_counter``), model construction excluded on both sides:
 
-* ours:   ``estimators.tracing.estimation(model, inputs, loss_fn=..., optimizer="adam", device="h100")`` on
+* ours:   ``estimate(model, TrainStep(inputs=..., loss_fn=..., optimizer="adam"), device="h100")`` on
           a model built on the meta device; the copy to fake tensors, the traced step, memory
           timeline, runtimes, SAC trade-offs and ModuleInfo are all inside the timed call.
 * theirs: under FakeTensorMode (model built there, not timed): MemTracker (2 steps), RuntimeEstimator
@@ -22,16 +22,20 @@ What is timed (wall clock, ``time.perf_counter``), model construction excluded o
 Both sides first run once on ``gpt_tiny`` so one-time import and dispatch-cache costs are paid
 before timing. Each measurement is repeated ``--repeats`` times; the median is reported.
 
+Wall and CPU time of this process are both printed: on a shared machine the CPU time moves less
+with the other processes' load (the load average is printed too). The checks read wall times.
+
 Checks (exit code 1 if one fails):
-* speed:     ours / theirs <= 1/3 at ``--compare-layers`` layers;
-* linearity: ops traced grow linearly with layers (R^2 >= 0.999), the time per traced op at the
-             largest depth is at most 1.15x that at the smallest, and t(max) / t(min) does not exceed
-             the layer ratio by more than 15 % (growth no worse than proportional).
+* speed:     ours / theirs <= 1/25 at ``--compare-layers`` layers;
+* depth:     ops traced grow linearly with layers (R^2 >= 0.999: the trace is the full step's) and
+             our time does not: t(max layers) <= 2 x t(min layers), the repeated layers traced once
+             (``EstimateOptions.replicate_blocks``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -50,8 +54,9 @@ from estimators.runtime.device import get_device_spec  # noqa: E402
 from examples.gpt import gpt_bench, gpt_loss, gpt_tiny  # noqa: E402
 from estimators.step.train_step import TrainStep
 
-SPEED_TARGET = 1 / 3
-GROWTH_SLACK = 1.15
+SPEED_TARGET = 1 / 25
+DEPTH_TARGET = 2.0
+"""t(max layers) / t(min layers) at most this."""
 DEVICE = "h100"
 
 LossFn = Callable[[Tensor, tuple], Tensor]
@@ -68,6 +73,7 @@ LOSSES: dict[str, LossFn] = {"sum": _sum_loss, "model": gpt_loss}
 class OurRun:
     wall_s: float
     n_ops: int | None
+    cpu_s: float = 0.0
 
 
 def _our_estimate() -> Callable:
@@ -81,12 +87,12 @@ def run_ours(n_layer: int, loss_fn: LossFn) -> OurRun:
     """Build the benchmark decoder on meta (untimed), then time one ``estimate`` call."""
     estimate = _our_estimate()
     model, inputs = gpt_bench(device="meta", n_layer=n_layer)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     est = estimate(model, TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer="adam"), device=DEVICE)
-    wall_s = time.perf_counter() - start
+    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     trace = getattr(est, "trace", None)
     ops = getattr(trace, "ops", None)
-    return OurRun(wall_s=wall_s, n_ops=len(ops) if ops is not None else None)
+    return OurRun(wall_s=wall_s, n_ops=len(ops) if ops is not None else None, cpu_s=cpu_s)
 
 
 def run_theirs(n_layer: int, loss_fn: LossFn) -> TorchPipelineResult:
@@ -122,18 +128,25 @@ def _verdict(ok: bool) -> str:
 
 
 def compare(n_layer: int, loss_fn: LossFn, repeats: int, skip_torch: bool) -> bool:
-    """Print the side-by-side table; True when the speed target is met (or not checked)."""
-    ours = [run_ours(n_layer, loss_fn) for _ in range(repeats)]
-    ours_s = _median([r.wall_s for r in ours])
+    """Print the side-by-side table; True when the speed target is met (or not checked).
+    The two pipelines run alternately, so a change in the machine's load meets both."""
+    ours: list[OurRun] = []
+    theirs: list[TorchPipelineResult] = []
+    for _ in range(repeats):
+        ours.append(run_ours(n_layer, loss_fn))
+        if not skip_torch:
+            theirs.append(run_theirs(n_layer, loss_fn))
+    ours_s, ours_cpu = _median([r.wall_s for r in ours]), _median([r.cpu_s for r in ours])
     print(f"\n== Side by side: gpt_bench, {n_layer} layers, Adam, device={DEVICE}, median of {repeats} ==")
-    print(f"{'pipeline':<34}{'layers':>7}{'wall s':>10}{'ops traced':>12}")
-    print(f"{'ours (estimators.tracing.estimation)':<34}{n_layer:>7}{ours_s:>10.3f}{_fmt_ops(ours[0].n_ops):>12}")
+    print(f"{'pipeline':<34}{'layers':>7}{'wall s':>10}{'CPU s':>10}{'ops traced':>12}")
+    print(f"{'ours (estimators.tracing.estimation)':<34}{n_layer:>7}{ours_s:>10.3f}{ours_cpu:>10.3f}"
+          f"{_fmt_ops(ours[0].n_ops):>12}")
     if skip_torch:
         print("torch.distributed._tools: skipped (--skip-torch)")
         return True
-    theirs = [run_theirs(n_layer, loss_fn) for _ in range(repeats)]
-    theirs_s = _median([r.total_s for r in theirs])
-    print(f"{'torch.distributed._tools':<34}{n_layer:>7}{theirs_s:>10.3f}{theirs[0].roofline_calls:>12}")
+    theirs_s, theirs_cpu = _median([r.total_s for r in theirs]), _median([r.cpu_s for r in theirs])
+    print(f"{'torch.distributed._tools':<34}{n_layer:>7}{theirs_s:>10.3f}{theirs_cpu:>10.3f}"
+          f"{theirs[0].roofline_calls:>12}")
     for label, attr in (
         ("  MemTracker (2 steps)", "mem_tracker_s"),
         ("  RuntimeEstimator (warm-up + 1)", "runtime_estimator_s"),
@@ -146,7 +159,8 @@ def compare(n_layer: int, loss_fn: LossFn, repeats: int, skip_torch: bool) -> bo
     print(f"  torch's RuntimeEstimator step estimate on {DEVICE}: {theirs[0].total_runtime_ms:.2f} ms")
     ratio = ours_s / theirs_s
     ok = ratio <= SPEED_TARGET
-    print(f"ratio ours/theirs = {ratio:.3f} (target <= {SPEED_TARGET:.3f}, i.e. {1 / ratio:.1f}x faster)  {_verdict(ok)}")
+    print(f"ratio ours/theirs = {ratio:.3f} wall, {ours_cpu / theirs_cpu:.3f} CPU (target <= {SPEED_TARGET:.3f}, "
+          f"i.e. {1 / ratio:.1f}x faster on the wall clock, {theirs_cpu / ours_cpu:.1f}x in CPU time)  {_verdict(ok)}")
     return ok
 
 
@@ -155,42 +169,30 @@ def _fmt_ops(n: int | None) -> str:
 
 
 def scaling(layers: Sequence[int], loss_fn: LossFn, repeats: int) -> bool:
-    """Print our time per layer count; True when growth is linear (see module docstring)."""
-    print(f"\n== Ours vs depth: gpt_bench, median of {repeats} ==")
-    print(f"{'layers':>7}{'wall s':>10}{'s/layer':>10}{'marginal s/layer':>18}{'ops traced':>12}")
-    times: list[float] = []
-    n_ops: list[int] = []
-    prev: tuple[int, float] | None = None
+    """Print our time per layer count; True when the trace is the full step's (ops linear in
+    depth) and the time nearly flat (see the module docstring)."""
+    print(f"\n== Ours vs depth: gpt_bench, median of {repeats} (the depths alternate) ==")
+    print(f"{'layers':>7}{'wall s':>10}{'CPU s':>10}{'ms/op':>10}{'ops traced':>12}")
+    runs: dict[int, list[OurRun]] = {n: [] for n in layers}
+    for _ in range(repeats):
+        for n_layer in layers:
+            runs[n_layer].append(run_ours(n_layer, loss_fn))
+    times, cpus, n_ops = [], [], []
     for n_layer in layers:
-        runs = [run_ours(n_layer, loss_fn) for _ in range(repeats)]
-        t = _median([r.wall_s for r in runs])
-        times.append(t)
-        n_ops.append(runs[0].n_ops or 0)
-        marginal = "" if prev is None else f"{(t - prev[1]) / (n_layer - prev[0]):.4f}"
-        print(f"{n_layer:>7}{t:>10.3f}{t / n_layer:>10.4f}{marginal:>18}{_fmt_ops(runs[0].n_ops):>12}")
-        prev = (n_layer, t)
+        t, c = _median([r.wall_s for r in runs[n_layer]]), _median([r.cpu_s for r in runs[n_layer]])
+        k = runs[n_layer][0].n_ops or 0
+        times.append(t), cpus.append(c), n_ops.append(k)
+        print(f"{n_layer:>7}{t:>10.3f}{c:>10.3f}{1e3 * t / max(k, 1):>10.3f}{_fmt_ops(k):>12}")
     if len(layers) < 2:
-        print("linearity: needs at least two layer counts; not checked")
+        print("depth: needs at least two layer counts; not checked")
         return True
-    a, b, r2 = linear_fit([float(n) for n in layers], times)
-    growth, layer_ratio = times[-1] / times[0], layers[-1] / layers[0]
-    # Linear growth = the work (ops traced) is linear in depth and the cost of each op does not
-    # grow with depth. A fit of wall time alone also fails on *sub*-linear curves (the runtime
-    # cache makes later layers cheaper) and on one noisy point of a shared machine.
     _, _, ops_r2 = linear_fit([float(n) for n in layers], [float(k) for k in n_ops])
-    per_op = [times[0] / n_ops[0], times[-1] / n_ops[-1]] if all(n_ops) else [float("nan")] * 2
-    ok = ops_r2 >= 0.999 and per_op[1] <= per_op[0] * GROWTH_SLACK and growth <= layer_ratio * GROWTH_SLACK
-    print(f"fit: t = {a:.3f} s + {b:.4f} s/layer, R^2 = {r2:.4f} (information)")
+    growth, cpu_growth = times[-1] / times[0], cpus[-1] / cpus[0]
+    ok = ops_r2 >= 0.999 and growth <= DEPTH_TARGET
     print(f"ops traced vs layers: R^2 = {ops_r2:.6f} (target >= 0.999)")
-    print(
-        f"time per traced op: {1e3 * per_op[0]:.3f} ms at {layers[0]} layers, {1e3 * per_op[1]:.3f} ms at "
-        f"{layers[-1]} (must not exceed {GROWTH_SLACK:.2f}x)"
-    )
-    print(
-        f"t({layers[-1]})/t({layers[0]}) = {growth:.2f} vs layer ratio {layer_ratio:.0f} "
-        f"(must not exceed {layer_ratio * GROWTH_SLACK:.1f}; below it = fixed cost of embeddings/head)"
-    )
-    print(f"linearity: {_verdict(ok)}")
+    print(f"t({layers[-1]})/t({layers[0]}) = {growth:.2f} wall, {cpu_growth:.2f} CPU "
+          f"(target <= {DEPTH_TARGET:.1f}; the layer ratio is {layers[-1] / layers[0]:.0f})")
+    print(f"depth: {_verdict(ok)}")
     return ok
 
 
@@ -223,11 +225,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     loss_fn = LOSSES[args.loss]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, loss={args.loss}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, loss={args.loss}, "
+          f"load average {load} on {os.cpu_count()} cores")
     _warm_up(loss_fn, args.skip_torch)
     speed_ok = compare(args.compare_layers, loss_fn, args.repeats, args.skip_torch)
-    linear_ok = scaling(args.layers, loss_fn, args.repeats)
-    return 0 if speed_ok and linear_ok else 1
+    depth_ok = scaling(args.layers, loss_fn, args.repeats)
+    return 0 if speed_ok and depth_ok else 1
 
 
 if __name__ == "__main__":

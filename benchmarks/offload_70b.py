@@ -9,7 +9,7 @@ side by side:
 
 * recompute-only, as the planner solves it today (``SACMilp``: least recompute time), costed on
   the step timeline (``estimators/contract/timeline.py``: compute, FSDP2 collectives, copies);
-* keep / recompute / offload (``solver/offload_milp.py``: least step time on that timeline,
+* keep / recompute / offload (``solver/offload/milp.py``: least step time on that timeline,
   within ``--three-way-time-limit-s``, with the recompute-only plan as its incumbent as
   ``planner.planning.offload_solve`` does: HiGHS starts from it, an overshooting plan is repaired with
   its binaries fixed; where the backend's best plan is slower, or none was found in time, the
@@ -38,7 +38,7 @@ from planner.planning.baselines import find_blocks  # noqa: E402
 from planner.distributed.fsdp import fsdp_comm_ms, fsdp_module_info  # noqa: E402
 from solver import SACMilp, SolverOptions  # noqa: E402
 from solver.errors import InfeasibleBudgetError  # noqa: E402
-from solver.offload_milp import OffloadMilp  # noqa: E402
+from solver.offload.milp import OffloadMilp  # noqa: E402
 
 GiB = 2**30
 

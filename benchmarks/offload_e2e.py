@@ -2,7 +2,7 @@
 
     python benchmarks/offload_e2e.py                  # gpt_demo and llama_tiny, 3 budgets each
 
-For each model and budget: ``solve_sac(..., offload=True, device="cpu")`` (the CPU host store
+For each model and budget: ``solve_sac(model, budget_gib, step, options=PlanOptions(device="cpu", offload=True))`` (the CPU host store
 keeps offloaded bytes outside torch's allocator); the plan must offload; loss and gradients
 bitwise equal to the unplanned model (``planner.analysis.gradcheck``); 3 real AdamW steps with the plan
 applied, measured by torch's MemTracker (``planner.analysis.measure``): the largest peak within 3 % of

@@ -44,16 +44,18 @@ from solver.plan_cost import module_recompute_ms  # noqa: E402
 
 GiB = 2**30
 _OPTIONS = None
-"""SolverOptions for our solves (None: the defaults); --count-branching sets it."""
+"""SolverOptions for our solves (None: the defaults); --no-count-branching sets it."""
 _FLOPS = 989e12 * 0.7  # H100 bf16 dense, derated
 _BW = 3.35e12 * 0.85
 
 
 # ----------------------------------------------------------------------------- synthetic decoder
 @dataclass
-class _Mod:
+class ModuleNode:
+    """A module of a made-up model: its own saved bytes, op time and output, and its children."""
+
     fqn: str
-    children: list["_Mod"] = field(default_factory=list)
+    children: list["ModuleNode"] = field(default_factory=list)
     saved: int = 0
     """Bytes autograd saves in this module's own ops (leaves, or e.g. SDPA inside attn)."""
     ms: float = 0.0
@@ -61,19 +63,20 @@ class _Mod:
     params: int = 0
 
 
-def _leaf(fqn: str, saved: int, ms: float, out: int, params: int = 0) -> _Mod:
-    return _Mod(fqn, saved=saved, ms=ms, out=out, params=params)
+def _leaf(fqn: str, saved: int, ms: float, out: int, params: int = 0) -> ModuleNode:
+    return ModuleNode(fqn, saved=saved, ms=ms, out=out, params=params)
 
 
-def _decoder(n_blocks: int, s: int = 8192, b: int = 8, h: int = 1024, f: int = 2816,
-             vocab: int = 16384) -> _Mod:
+def decoder_modules(n_blocks: int, s: int = 8192, b: int = 8, h: int = 1024, f: int = 2816,
+                    vocab: int = 16384) -> ModuleNode:
+    """A decoder of ``n_blocks`` numbered blocks (``Decoder.blocks.<i>``), as the module docstring."""
     T, F = 2 * s * b * h, 2 * s * b * f  # bf16 bytes of one hidden / FFN activation
     mm = lambda k, n: 2 * s * b * k * n / _FLOPS * 1e3  # noqa: E731
     ew = lambda nbytes: nbytes / _BW * 1e3  # noqa: E731
-    root = _Mod("Decoder", [_leaf("Decoder.embed", 0, ew(T), T, 2 * vocab * h)])
+    root = ModuleNode("Decoder", [_leaf("Decoder.embed", 0, ew(T), T, 2 * vocab * h)])
     for i in range(n_blocks):
         p = f"Decoder.blocks.{i}"
-        attn = _Mod(f"{p}.attn", saved=T + T // 16, ms=2 * s * s * b * h / _FLOPS * 1e3, out=T, children=[
+        attn = ModuleNode(f"{p}.attn", saved=T + T // 16, ms=2 * s * s * b * h / _FLOPS * 1e3, out=T, children=[
             _leaf(f"{p}.attn.q_proj", T, mm(h, h), T, 2 * h * h),
             _leaf(f"{p}.attn.k_proj", 0, mm(h, h), T, 2 * h * h),
             _leaf(f"{p}.attn.v_proj", T, mm(h, h), T, 2 * h * h),
@@ -81,14 +84,14 @@ def _decoder(n_blocks: int, s: int = 8192, b: int = 8, h: int = 1024, f: int = 2
             _leaf(f"{p}.attn.o_proj", 0, mm(h, h), T, 2 * h * h),
             _leaf(f"{p}.attn.resid_dropout", T // 2, ew(2 * T), T),
         ])
-        mlp = _Mod(f"{p}.mlp", children=[
+        mlp = ModuleNode(f"{p}.mlp", children=[
             _leaf(f"{p}.mlp.gate_proj", T + F, mm(h, f), F, 2 * h * f),
             _leaf(f"{p}.mlp.up_proj", F, mm(h, f), F, 2 * h * f),
             _leaf(f"{p}.mlp.act_fn", F, ew(3 * F), F),
             _leaf(f"{p}.mlp.down_proj", 0, mm(f, h), T, 2 * h * f),
             _leaf(f"{p}.mlp.dropout", T // 2, ew(2 * T), T),
         ])
-        root.children.append(_Mod(p, children=[
+        root.children.append(ModuleNode(p, children=[
             _leaf(f"{p}.ln1", T, ew(3 * T), T, 2 * h), attn,
             _leaf(f"{p}.ln2", T, ew(3 * T), T, 2 * h), mlp,
         ]))
@@ -97,10 +100,11 @@ def _decoder(n_blocks: int, s: int = 8192, b: int = 8, h: int = 1024, f: int = 2
     return root
 
 
-def _walk(m: _Mod):
+def walk_modules(m: ModuleNode):
+    """``m`` and every module under it, in pre-order."""
     yield m
     for c in m.children:
-        yield from _walk(c)
+        yield from walk_modules(c)
 
 
 def _blocks_for(n_modules: int) -> int:
@@ -110,9 +114,9 @@ def _blocks_for(n_modules: int) -> int:
 class _Timeline:
     """Runs one made-up step over the tree and records points and op indices."""
 
-    def __init__(self, root: _Mod) -> None:
+    def __init__(self, root: ModuleNode) -> None:
         self.clock = itertools.count()
-        self.params = sum(m.params for m in _walk(root))
+        self.params = sum(m.params for m in walk_modules(root))
         self.act = self.grad = 0
         self.points: list[MemoryPoint] = []
         self.fw_post: dict[str, int] = {}
@@ -131,7 +135,7 @@ class _Timeline:
             recompute_of=rec))
         return t
 
-    def _forward(self, m: _Mod) -> None:
+    def _forward(self, m: ModuleNode) -> None:
         for c in m.children:
             self._forward(c)
         self.act += m.saved
@@ -139,8 +143,8 @@ class _Timeline:
         self.fw_post[m.fqn] = next(self.clock)
         self.fw_post_order.append(m.fqn)
 
-    def _backward(self, m: _Mod) -> None:
-        grad_in = max((c.out for c in _walk(m)), default=0)
+    def _backward(self, m: ModuleNode) -> None:
+        grad_in = max((c.out for c in walk_modules(m)), default=0)
         self.bw_pre[m.fqn] = self._point("bw", m.fqn, other=grad_in,
                                          rec=m.fqn if m.children else None)
         self.bw_pre_order.append(m.fqn)
@@ -151,23 +155,23 @@ class _Timeline:
 
 
 def synthetic_decoder(n_modules: int) -> ModuleInfo:
-    return module_info_of(_decoder(_blocks_for(n_modules)))
+    return module_info_of(decoder_modules(_blocks_for(n_modules)))
 
 
-def _random_tree(n_modules: int, seed: int = 0) -> _Mod:
+def random_module_tree(n_modules: int, seed: int = 0) -> ModuleNode:
     """A random module tree of ``n_modules`` (no repeated blocks): fan-out 1..6, saved bytes and
     op times drawn per module, so no two modules are alike."""
     import random
 
     rng = random.Random(seed)
     T = 2 * 8192 * 8 * 1024
-    root = _Mod("Tree")
+    root = ModuleNode("Tree")
     nodes = [root]
     for i in range(n_modules - 1):
         parent = rng.choice(nodes[-64:])  # recent nodes: deep, decoder-like nesting
         while len(parent.children) >= 6:
             parent = rng.choice(nodes)
-        child = _Mod(f"{parent.fqn}.m{i}", saved=int(T * rng.uniform(0, 2)),
+        child = ModuleNode(f"{parent.fqn}.m{i}", saved=int(T * rng.uniform(0, 2)),
                      ms=rng.uniform(0.05, 2.0), out=int(T * rng.uniform(0.5, 2)),
                      params=int(2 * 1024 * 1024 * rng.uniform(0, 8)))
         parent.children.append(child)
@@ -176,26 +180,26 @@ def _random_tree(n_modules: int, seed: int = 0) -> _Mod:
 
 
 def random_tree(n_modules: int) -> ModuleInfo:
-    return module_info_of(_random_tree(n_modules))
+    return module_info_of(random_module_tree(n_modules))
 
 
-def module_info_of(root: _Mod) -> ModuleInfo:
+def module_info_of(root: ModuleNode) -> ModuleInfo:
     tl = _Timeline(root)
     stats = []
-    for m in _walk(root):
-        units = sorted(((d.saved, d.ms) for d in _walk(m) if d.saved), key=lambda u: u[1] / u[0])
-        fixed = sum(d.ms for d in _walk(m) if not d.saved) if m.children else 0.0
+    for m in walk_modules(root):
+        units = sorted(((d.saved, d.ms) for d in walk_modules(m) if d.saved), key=lambda u: u[1] / u[0])
+        fixed = sum(d.ms for d in walk_modules(m) if not d.saved) if m.children else 0.0
         xs, ys = [0], [0.0]
         for nbytes, ms in units if m.children else []:
             xs.append(xs[-1] + nbytes)
             ys.append(ys[-1] + ms)
         curve = TradeoffCurve(discarded_bytes=tuple(xs), recompute_ms=tuple(ys))
         stats.append(ModStats(
-            fqn=m.fqn, is_leaf=not m.children, param_bytes=sum(d.params for d in _walk(m)),
+            fqn=m.fqn, is_leaf=not m.children, param_bytes=sum(d.params for d in walk_modules(m)),
             sac_memory_bytes=curve.total_bytes, sac_runtime_ms=curve.total_ms, tradeoff=curve,
             recompute_fixed_ms=fixed if curve.total_bytes else 0.0,
-            recompute_transient_bytes=max(d.out for d in _walk(m)) if m.children else 0,
-            fw_runtime_ms=sum(d.ms for d in _walk(m)), bw_runtime_ms=2 * sum(d.ms for d in _walk(m)),
+            recompute_transient_bytes=max(d.out for d in walk_modules(m)) if m.children else 0,
+            fw_runtime_ms=sum(d.ms for d in walk_modules(m)), bw_runtime_ms=2 * sum(d.ms for d in walk_modules(m)),
             fw_post_op=tl.fw_post[m.fqn], bw_pre_op=tl.bw_pre[m.fqn],
         ))
     pre = tuple(s.fqn for s in stats)
@@ -406,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                         "there are starred and left out of the speed-up verdict)")
     p.add_argument("--skip-torch", action="store_true", help="only time our solver")
     p.add_argument("--no-count-branching", dest="count_branching", action="store_false",
-                   help="SolverOptions(count_branching=False): HiGHS' own branch and bound only")
+                   help="SolverOptions(count_branching=False): stacks of blocks go to the program, "
+                        "then to HiGHS' own branch and bound")
     p.add_argument("--kinds", nargs="+", default=["decoder", "random"], choices=("decoder", "random"),
                    help="graph families: decoder-like stacks and random module trees")
     args = p.parse_args(argv)

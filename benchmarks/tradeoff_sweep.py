@@ -15,7 +15,7 @@ rest (exact re-evaluation of the plan).
 
 ``--warm-start`` re-runs the sweep with CBC given the previous point's solution as a start
 (PuLP's ``warmStart``; budgets ascend, so it is feasible). The solver does not expose that option,
-so this patches ``solver.options._make_pulp_solver`` for the benchmark only.
+so this wraps ``solver.milp.backend.make_pulp_solver`` for the benchmark only.
 
 The figure (``--figure``, default bench_out/tradeoff.png) shows the sweep and the hand-made
 baselines (planner.planning.baselines) costed by the same model.
@@ -63,7 +63,7 @@ def load_info(args) -> ModuleInfo:
 
 
 class BackendTimes(logging.Handler):
-    """Collects the backend wall time solver.options logs at DEBUG for every backend call."""
+    """Collects the backend wall time the solver logs at DEBUG for every backend call."""
 
     _RE = re.compile(r" in (\d+\.\d+)s$")
 
@@ -79,7 +79,7 @@ class BackendTimes(logging.Handler):
 
 @contextlib.contextmanager
 def backend_times():
-    logs = [logging.getLogger(n) for n in ("solver.options", "solver.lp_model")]
+    logs = [logging.getLogger(n) for n in ("solver.milp.backend", "solver.milp.linear_model")]
     handler, old = BackendTimes(), [log.level for log in logs]
     for log in logs:
         log.addHandler(handler)
@@ -95,20 +95,20 @@ def backend_times():
 @contextlib.contextmanager
 def cbc_warm_start():
     """Benchmark-only: every CBC call starts from the variables' current values."""
-    import solver.options as so
+    import solver.milp.backend as backend
 
-    original = so._make_pulp_solver
+    original = backend.make_pulp_solver
 
     def warm(*a, **k):
         s = original(*a, **k)
         s.optionsDict["warmStart"] = True
         return s
 
-    so._make_pulp_solver = warm
+    backend.make_pulp_solver = warm
     try:
         yield
     finally:
-        so._make_pulp_solver = original
+        backend.make_pulp_solver = original
 
 
 def print_points(table: TradeoffTable, backend_s: list[float]) -> None:
@@ -165,15 +165,14 @@ def model_write_seconds(info: ModuleInfo, args, options: SolverOptions) -> tuple
     """(SACMilp build, one array hand-over to HiGHS) in seconds: the Python side of a solve."""
     t0 = time.perf_counter()
     milp = SACMilp(info, world_size=args.world_size, options=options)
-    milp._model()  # the MILP itself, which the constructor leaves to the first solve needing it
+    model = milp.milp()  # the MILP itself, which the constructor leaves to the first solve needing it
     build = time.perf_counter() - t0
     import highspy
 
     t1 = time.perf_counter()
-    h = highspy.Highs()  # benchmark-only: what handing the arrays to HiGHS costs per solve
+    h = highspy.Highs()  # benchmark-only: what handing the arrays to HiGHS costs
     h.setOptionValue("output_flag", False)
-    milp._prob._lp = None
-    h.passModel(milp._prob._highs_lp())
+    h.passModel(model.lp.highs_lp())
     write = time.perf_counter() - t1
     print(f"MILP: {milp.n_variables} variables, {milp.n_constraints} constraints, "
           f"{len(info.mod_stats)} modules, {len(info.memory_points)} memory points")
@@ -196,7 +195,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-independent", action="store_true", help="do not time 20 independent solves")
     p.add_argument("--figure", default="bench_out/tradeoff.png", help="where to save the figure")
     p.add_argument("--no-count-branching", dest="count_branching", action="store_false",
-                   help="SolverOptions(count_branching=False): HiGHS' own branch and bound only")
+                   help="SolverOptions(count_branching=False): stacks of blocks go to the program, "
+                        "then to HiGHS' own branch and bound")
     args = p.parse_args(argv)
 
     info = load_info(args)

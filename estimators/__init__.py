@@ -1,7 +1,7 @@
 """Estimators: one traced training step -> module tree, memory timeline, runtimes, SAC trade-offs.
 
     from estimators import estimate
-    est = estimate(model, inputs, optimizer="adamw", device="h100")   # fake mode, no GPU needed
+    est = estimate(model, TrainStep(inputs=batch, optimizer="adamw"), device="h100")  # fake mode
     info = est.module_info                                            # what the solver takes
 
 The names below are loaded on first use (module ``__getattr__``): ``import estimators`` and

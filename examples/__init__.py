@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from examples.convnet import convnet_demo, convnet_tiny
 from examples.gpt import gpt_bench, gpt_demo, gpt_small, gpt_tiny
-from examples.llama import llama3_8b, llama3_70b, llama_tiny
+from examples.llama import llama3_8b, llama3_70b, llama3_405b, llama_tiny
 
 __all__ = ["EXAMPLES", "Factory", "LossFn", "get_example", "loss_fn_of"]
 
@@ -49,6 +49,7 @@ EXAMPLES: dict[str, Factory] = {
     "llama_tiny": llama_tiny,
     "llama3_8b": llama3_8b,
     "llama3_70b": llama3_70b,
+    "llama3_405b": llama3_405b,
 }
 """Name -> factory. The ``*_tiny``/``*_small`` ones run a training step on CPU in well under a second;
 ``*_demo`` ones are sized so activations dominate the step's memory (the CLI default is

@@ -44,11 +44,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from estimators.runtime.device import DEVICE_SPECS, get_device_spec
+from estimators.runtime.device import DEVICE_SPECS, UnknownDeviceError, get_device_spec
 from estimators.tracing.estimation import DEFAULT_DEVICE, EstimateOptions, TraceMode, estimate
 from estimators.step.train_step import StepError, TrainStep, ZeroGrad
-from planner.errors import AlreadyCheckpointedError, PlanMismatchError
-from planner.applying.checkpointing import apply_plan, hf_cache_off, other_model
+from planner.errors import AlreadyCheckpointedError, FileRefusedError, PlanMismatchError
+from planner.applying.checkpointing import apply_plan, check_plan_modules, hf_cache_off, other_model
+from planner.applying.offload import OffloadError
+from planner.distributed.fsdp.units import FSDPUnitError
 from planner.analysis.gradcheck import GradientCheck, check_gradients
 from planner.analysis.measure import MeasuredStep, measure_steps
 from planner.format import GiB
@@ -76,7 +78,8 @@ class CLIError(Exception):
 
 # Errors a user can cause and fix: one line, exit status 2 (a traceback only with --debug).
 _EXPECTED = (CLIError, PlanningError, PlanFormatError, PlanMismatchError, AlreadyCheckpointedError,
-             StepError, StepMismatchError, SolverError, OSError)
+             StepError, StepMismatchError, SolverError, OSError, FileRefusedError, OffloadError,
+             FSDPUnitError, UnknownDeviceError)
 
 
 def load_callable(spec: str, flag: str, example: str) -> Callable:
@@ -84,6 +87,9 @@ def load_callable(spec: str, flag: str, example: str) -> Callable:
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise CLIError(f"{flag} must look like MODULE:NAME (e.g. {example}), got {spec!r}")
     mod_name, fn_name = spec.split(":", 1)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        # As `python -m planner.apply` does: a module in the current directory imports.
+        sys.path.insert(0, os.getcwd())
     try:
         mod = importlib.import_module(mod_name)
     except Exception as e:  # ImportError, or the module itself raising on import
@@ -419,6 +425,12 @@ def target_device(args, plan: Plan | None) -> str:
 def _run(args) -> int:
     _check_args(args)
     model, inputs, loss_fn = _build(args.model, args.loss_fn)
+    if not any(True for _ in model.parameters()):
+        # The step of such a model trains nothing: no plan to make, no gradients to check (the
+        # check raised from measure_steps with a traceback, exit 1).
+        raise CLIError(f"--model {args.model}: {type(model).__name__} has no parameters, so its step "
+                       "trains nothing and there is nothing to plan; check that --model returns the "
+                       "model you train")
     if args.plan_in:
         try:
             plan = Plan.load(args.plan_in)
@@ -431,6 +443,9 @@ def _run(args) -> int:
             raise CLIError(f"--plan-in {args.plan_in}: the plan was made for {plan.model_name} "
                            f"(fingerprint {plan.model_fingerprint}), not this {other[0]} "
                            f"(fingerprint {other[1]}); re-plan for it (drop --plan-in)")
+        # The fingerprint does not cover the module list, which a file can have edited: checked
+        # with --no-verify too (a missing module and a parameter's name were printed, exit 0).
+        check_plan_modules(model, plan)
         args.device = target_device(args, plan)
         _settle_step(args, plan)
         plan.check_step(_step(args, inputs, loss_fn))  # the flags above make them agree

@@ -13,6 +13,8 @@ __all__ = [
     "AlreadyCheckpointedError",
     "PlanHashMismatchError",
     "RemotePlanningError",
+    "RankDisagreementError",
+    "FileRefusedError",
 ]
 
 
@@ -51,3 +53,17 @@ class RemotePlanningError(PlanningError):
         super().__init__(message)
         self.error_type = error_type
         """Class name of the exception rank 0 raised."""
+
+
+class RankDisagreementError(PlanningError):
+    """Ranks of one planning job were asked for different plans, or one rank could not plan;
+    raised on every rank with the same message. ``ranks``: those that failed or differ from
+    rank 0."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class FileRefusedError(ValueError):
+    """A file that is not a regular file, too large, or JSON beyond the reader's limits."""

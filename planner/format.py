@@ -46,6 +46,10 @@ def check_budget_gib(budget_gib: Any, name: str = "budget_gib", hint: str = "") 
     budget_gib = float(budget_gib)
     if not math.isfinite(budget_gib) or budget_gib <= 0:
         raise PlanningError(f"{name} must be a positive finite number of GiB, got {budget_gib}{hint}")
+    if budget_gib * GiB < 1:  # the reserve (0 B) was blamed for a budget of 0 bytes
+        raise PlanningError(
+            f"{name}={budget_gib:g} GiB is {budget_gib * GiB:.3g} bytes, less than one byte: budgets "
+            f"are in GiB (0.5 is 512 MiB; 1 MiB is {1 / 1024:g}){hint}")
     if budget_gib >= _PIB_IN_GIB:  # bytes typed where GiB are asked for (9_000_000 planned nothing)
         nbytes = f"{budget_gib:.0f}" if budget_gib < 1e18 else f"{budget_gib:g}"
         raise PlanningError(

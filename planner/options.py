@@ -107,6 +107,7 @@ class PlanOptions:
             raise TypeError(f"trace must be an EstimateOptions, got {type(self.trace).__name__}")
         if not isinstance(self.device, (str, DeviceSpec)):
             raise TypeError(f"device must be a device name or a DeviceSpec, got {type(self.device).__name__}")
+        get_device_spec(self.device)  # an unknown name fails here, listing the known ones
 
     @property
     def spec(self) -> DeviceSpec:

@@ -10,8 +10,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
-import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,10 @@ _KIND = "sac_planner.Plan"
 from planner.distributed.layout import LayoutRecord
 from planner.errors import PlanFormatError, StepMismatchError
 from planner.plan_summary import plan_summary
+from planner.plan_fields import (MAX_BYTES, MAX_COUNT, MAX_JSON_DEPTH, MAX_MODULES, MAX_NOTE_CHARS, MAX_NOTES,
+                                 MAX_PLAN_FILE_BYTES,
+                                 check_bool, check_float, check_int, check_str, fields_of, op_keys, short)
+from planner.safe_io import FileRefusedError, parse_json, read_regular_file, write_atomic
 # Written by plan files of the first release: a timing, not part of the plan (read and dropped).
 _LEGACY_FIELDS = frozenset({"solve_time_s"})
 
@@ -45,71 +47,6 @@ def op_key(func_name: str) -> str:
 
 OpKey = tuple[str, int]
 """(op key, occurrence of that key within one call of the module)."""
-
-
-# ------------------------------------------------------------------ field checks
-# Each returns the value or raises PlanFormatError naming the field: a plan is applied to a
-# model and drives the checkpointing of real training, so nothing out of range may get that far.
-def _int(where: str, v: Any, *, low: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        raise PlanFormatError(f"{where} must be an integer, got {v!r}")
-    if v < low:
-        raise PlanFormatError(f"{where} must be >= {low}, got {v}")
-    return int(v)
-
-
-def _float(where: str, v: Any, *, high: float = math.inf) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise PlanFormatError(f"{where} must be a number, got {v!r}")
-    if not (math.isfinite(v) and 0 <= v <= high):
-        bound = f"in [0, {high:g}]" if math.isfinite(high) else "finite and >= 0"
-        raise PlanFormatError(f"{where} must be {bound}, got {v!r}")
-    return float(v)
-
-
-def _str(where: str, v: Any, *, nonempty: bool = False) -> str:
-    if not isinstance(v, str) or (nonempty and not v):
-        raise PlanFormatError(f"{where} must be a {'non-empty ' if nonempty else ''}string, got {v!r}")
-    return v
-
-
-def _bool(where: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise PlanFormatError(f"{where} must be true or false, got {v!r}")
-    return v
-
-
-def _op_keys(where: str, v: Any) -> tuple["OpKey", ...]:
-    if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
-        raise PlanFormatError(f"{where} must be a list of [op, occurrence] pairs, got {v!r}")
-    keys = []
-    for i, k in enumerate(v):
-        if isinstance(k, (str, bytes)) or not isinstance(k, (list, tuple)) or len(k) != 2:
-            raise PlanFormatError(f"{where}[{i}] must be an [op, occurrence] pair, got {k!r}")
-        keys.append((_str(f"{where}[{i}][0] (op)", k[0], nonempty=True),
-                     _int(f"{where}[{i}][1] (occurrence)", k[1])))
-    if len(set(keys)) != len(keys):
-        dup = next(k for k in keys if keys.count(k) > 1)
-        raise PlanFormatError(f"{where} lists {list(dup)} twice")
-    return tuple(keys)
-
-
-def _fields(where: str, d: Any, cls: type, legacy: frozenset = frozenset()) -> dict[str, Any]:
-    """``d`` as keyword arguments of ``cls``: a dict, no unknown keys, every required key."""
-    if not isinstance(d, dict):
-        raise PlanFormatError(f"{where} must be a JSON object, got {type(d).__name__}")
-    names = {f.name for f in dataclasses.fields(cls) if f.init and f.metadata.get("saved", True)} - legacy
-    unknown = sorted(set(d) - names - legacy)
-    if unknown:
-        raise PlanFormatError(
-            f"{where} has unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(names))}"
-        )
-    required = {f.name for f in dataclasses.fields(cls)
-                if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    missing = sorted(required - set(d))
-    if missing:
-        raise PlanFormatError(f"{where} is missing field(s) {', '.join(map(repr, missing))}")
-    return {k: v for k, v in d.items() if k in names}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,15 +79,15 @@ class ModulePlan:
     recorded (a hand-written plan, or one saved before this field)."""
 
     def __post_init__(self) -> None:
-        w = f"module {self.fqn!r}" if isinstance(self.fqn, str) else "module"
-        _str(f"{w}: fqn", self.fqn, nonempty=True)
+        w = f"module {short(self.fqn)}" if isinstance(self.fqn, str) else "module"
+        check_str(f"{w}: fqn", self.fqn, nonempty=True)
         set_ = functools.partial(object.__setattr__, self)
-        set_("discard_ratio", _float(f"{w}: discard_ratio", self.discard_ratio, high=1.0))
-        set_("full", _bool(f"{w}: full", self.full))
-        set_("saved_ops", _op_keys(f"{w}: saved_ops", self.saved_ops))
-        set_("recomputed_ops", _op_keys(f"{w}: recomputed_ops", self.recomputed_ops))
-        set_("discarded_bytes", _int(f"{w}: discarded_bytes", self.discarded_bytes))
-        set_("recompute_ms", _float(f"{w}: recompute_ms", self.recompute_ms))
+        set_("discard_ratio", check_float(f"{w}: discard_ratio", self.discard_ratio, high=1.0))
+        set_("full", check_bool(f"{w}: full", self.full))
+        set_("saved_ops", op_keys(f"{w}: saved_ops", self.saved_ops))
+        set_("recomputed_ops", op_keys(f"{w}: recomputed_ops", self.recomputed_ops))
+        set_("discarded_bytes", check_int(f"{w}: discarded_bytes", self.discarded_bytes))
+        set_("recompute_ms", check_float(f"{w}: recompute_ms", self.recompute_ms))
         if self.full and self.saved_ops:
             raise PlanFormatError(
                 f"{w}: full checkpointing saves no op, but saved_ops lists {len(self.saved_ops)}"
@@ -158,9 +95,9 @@ class ModulePlan:
         both = set(self.saved_ops) & set(self.recomputed_ops)
         if both:
             raise PlanFormatError(f"{w}: op {list(min(both))} is both saved and recomputed")
-        set_("offloaded_ops", _op_keys(f"{w}: offloaded_ops", self.offloaded_ops))
-        set_("offloaded_bytes", _int(f"{w}: offloaded_bytes", self.offloaded_bytes))
-        set_("input_numel", _int(f"{w}: input_numel", self.input_numel))
+        set_("offloaded_ops", op_keys(f"{w}: offloaded_ops", self.offloaded_ops))
+        set_("offloaded_bytes", check_int(f"{w}: offloaded_bytes", self.offloaded_bytes))
+        set_("input_numel", check_int(f"{w}: input_numel", self.input_numel))
         if self.full and self.offloaded_ops:
             raise PlanFormatError(
                 f"{w}: full checkpointing keeps no op output to offload, but offloaded_ops lists "
@@ -214,12 +151,12 @@ class StepRecord:
     leaves it), ``"train"`` (True) or ``"as_is"`` (False). Plans saved before it: ``"auto"``."""
 
     def __post_init__(self) -> None:
-        _str("step: optimizer", self.optimizer, nonempty=True)
-        object.__setattr__(self, "micro_batches", _int("step: micro_batches", self.micro_batches, low=1))
+        check_str("step: optimizer", self.optimizer, nonempty=True)
+        object.__setattr__(self, "micro_batches", check_int("step: micro_batches", self.micro_batches, low=1, high=MAX_COUNT))
         for name, known in (("zero_grad", _ZERO_GRADS), ("autocast", _AUTOCASTS), ("train_mode", tuple(TRAIN_MODES))):
             if getattr(self, name) not in known:
-                raise PlanFormatError(f"step: {name} must be one of {', '.join(known)}, got {getattr(self, name)!r}")
-        _bool("step: keep_output", self.keep_output)
+                raise PlanFormatError(f"step: {name} must be one of {', '.join(known)}, got {short(getattr(self, name))}")
+        check_bool("step: keep_output", self.keep_output)
 
     @classmethod
     def of(cls, step: Any) -> "StepRecord":
@@ -313,6 +250,8 @@ class Plan:
         mods = self.modules
         if isinstance(mods, (str, bytes, dict)) or not isinstance(mods, (list, tuple)):
             raise PlanFormatError(f"modules must be a list of module plans, got {type(mods).__name__}")
+        if len(mods) > MAX_MODULES:
+            raise PlanFormatError(f"modules lists {len(mods):,} modules, more than the {MAX_MODULES:,} a plan takes")
         for i, m in enumerate(mods):
             if not isinstance(m, ModulePlan):
                 raise PlanFormatError(f"modules[{i}] must be a ModulePlan, got {type(m).__name__}")
@@ -323,30 +262,32 @@ class Plan:
             raise PlanFormatError(f"the plan lists module(s) {', '.join(map(repr, dup))} more than once")
         set_("modules", tuple(mods))
         for name in ("model_name", "model_fingerprint", "device", "solver_status"):
-            _str(name, getattr(self, name), nonempty=name in ("model_name", "device"))
-        set_("world_size", _int("world_size", self.world_size, low=1))
-        set_("budget_bytes", _int("budget_bytes", self.budget_bytes, low=1))
-        set_("reserve_bytes", _int("reserve_bytes", self.reserve_bytes))
+            check_str(name, getattr(self, name), nonempty=name in ("model_name", "device"))
+        set_("world_size", check_int("world_size", self.world_size, low=1, high=MAX_COUNT))
+        set_("budget_bytes", check_int("budget_bytes", self.budget_bytes, low=1))
+        set_("reserve_bytes", check_int("reserve_bytes", self.reserve_bytes))
         if self.reserve_bytes >= self.budget_bytes:
             raise PlanFormatError(
                 f"reserve_bytes ({self.reserve_bytes}) must be below budget_bytes ({self.budget_bytes})"
             )
         for name in ("predicted_peak_bytes", "solver_peak_bytes", "baseline_peak_bytes"):
-            set_(name, _int(name, getattr(self, name)))
+            set_(name, check_int(name, getattr(self, name)))
         for name in ("recompute_ms", "baseline_step_ms", "compute_ms", "exposed_comm_ms",
                      "exposed_copy_ms", "step_ms"):
-            set_(name, _float(name, getattr(self, name)))
-        set_("host_peak_bytes", _int("host_peak_bytes", self.host_peak_bytes))
-        set_("host_bytes_per_step", _int("host_bytes_per_step", self.host_bytes_per_step))
-        set_("trainable_numel", _int("trainable_numel", self.trainable_numel))
+            set_(name, check_float(name, getattr(self, name)))
+        set_("host_peak_bytes", check_int("host_peak_bytes", self.host_peak_bytes))
+        set_("host_bytes_per_step", check_int("host_bytes_per_step", self.host_bytes_per_step, high=MAX_BYTES * MAX_COUNT))
+        set_("trainable_numel", check_int("trainable_numel", self.trainable_numel))
         notes = self.notes
         if isinstance(notes, (str, bytes)) or not isinstance(notes, (list, tuple)):
-            raise PlanFormatError(f"notes must be a list of strings, got {notes!r}")
-        set_("notes", tuple(_str(f"notes[{i}]", n) for i, n in enumerate(notes)))
-        set_("solve_time_s", _float("solve_time_s", self.solve_time_s))
+            raise PlanFormatError(f"notes must be a list of strings, got {short(notes)}")
+        if len(notes) > MAX_NOTES:
+            raise PlanFormatError(f"notes lists {len(notes):,} notes, more than the {MAX_NOTES:,} a plan takes")
+        set_("notes", tuple(check_str(f"notes[{i}]", n, max_chars=MAX_NOTE_CHARS) for i, n in enumerate(notes)))
+        set_("solve_time_s", check_float("solve_time_s", self.solve_time_s))
         for name in ("first_step_peak_bytes", "steady_peak_bytes"):
             if getattr(self, name) is not None:
-                set_(name, _int(name, getattr(self, name)))
+                set_(name, check_int(name, getattr(self, name)))
         if self.step is not None and not isinstance(self.step, StepRecord):
             raise PlanFormatError(f"step must be a StepRecord or None, got {type(self.step).__name__}")
         if self.layout is not None and not isinstance(self.layout, LayoutRecord):
@@ -414,7 +355,10 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1, allow_nan=False)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        """Write the plan to ``path`` atomically: the file is the old plan or the new one, never a
+        part (a full disk leaves the old plan). ``FileRefusedError`` (planner.safe_io) where
+        ``path`` exists and is not a regular file; ``OSError`` where the system refuses."""
+        write_atomic(path, self.to_json().encode("utf-8"), what=f"plan file {path}")
 
     @classmethod
     def from_dict(cls, d: Any) -> "Plan":
@@ -423,39 +367,43 @@ class Plan:
             raise PlanFormatError("not a SAC Planner plan (kind != 'sac_planner.Plan')")
         _check_version(d.get("version", _MISSING))
         try:
-            body = _fields("the plan", {k: v for k, v in d.items() if k not in ("kind", "version")},
+            body = fields_of("the plan", {k: v for k, v in d.items() if k not in ("kind", "version")},
                            cls, _LEGACY_FIELDS)
             mods = body["modules"]
             if not isinstance(mods, list):
                 raise PlanFormatError(f"modules must be a list, got {type(mods).__name__}")
+            if len(mods) > MAX_MODULES:  # before building any
+                raise PlanFormatError(f"modules lists {len(mods):,} modules, more than the {MAX_MODULES:,} a plan takes")
             body["modules"] = tuple(
-                ModulePlan(**_fields(f"modules[{i}]", m, ModulePlan)) for i, m in enumerate(mods)
+                ModulePlan(**fields_of(f"modules[{i}]", m, ModulePlan)) for i, m in enumerate(mods)
             )
             if "notes" in body and isinstance(body["notes"], list):
                 body["notes"] = tuple(body["notes"])
             if body.get("step") is not None:
-                body["step"] = StepRecord(**_fields("step", body["step"], StepRecord))
+                body["step"] = StepRecord(**fields_of("step", body["step"], StepRecord))
             if body.get("layout") is not None:
-                body["layout"] = LayoutRecord(**_fields("layout", body["layout"], LayoutRecord))
+                body["layout"] = LayoutRecord(**fields_of("layout", body["layout"], LayoutRecord))
             return cls(**body)
         except PlanFormatError as e:
             raise PlanFormatError(f"corrupt plan: {e}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
-        """Read a plan file; PlanFormatError (one line) for anything that is not a valid plan."""
-        raw = Path(path).read_bytes()
+        """Read a plan file; PlanFormatError (one line) for anything that is not a valid plan:
+        not a regular file (a FIFO, a device), over ``MAX_PLAN_FILE_BYTES``, not UTF-8 JSON,
+        JSON beyond the reader's limits, or fields out of range. ``OSError`` where the system
+        refuses (no such file, no permission)."""
+        what = f"plan file {path}"
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            what = "a Python pickle" if raw[:1] == b"\x80" else "binary data"
-            raise PlanFormatError(
-                f"plan file {path} is {what}, not a JSON plan; save plans with plan.save(path)"
-            ) from None
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanFormatError(f"plan file {path} is not valid JSON: {e}") from None
+            raw = read_regular_file(path, max_bytes=MAX_PLAN_FILE_BYTES, what=what)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                kind = "a Python pickle" if raw[:1] == b"\x80" else "binary data"
+                raise PlanFormatError(f"{what} is {kind}, not a JSON plan; save plans with plan.save(path)") from None
+            d = parse_json(text, what=what, max_depth=MAX_JSON_DEPTH)
+        except FileRefusedError as e:
+            raise PlanFormatError(str(e)) from None
         return cls.from_dict(d)
 
     def summary(self) -> str:
@@ -470,7 +418,7 @@ def _check_version(v: Any) -> None:
     if v is _MISSING:
         raise PlanFormatError("corrupt plan: no 'version' field; re-save it with Plan.save")
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise PlanFormatError(f"corrupt plan: version must be an integer >= 1, got {v!r}")
+        raise PlanFormatError(f"corrupt plan: version must be an integer >= 1, got {short(v)}")
     if v > PLAN_VERSION:
         raise PlanFormatError(
             f"plan version {v} is newer than this SAC Planner reads ({PLAN_VERSION}); "

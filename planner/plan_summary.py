@@ -12,10 +12,18 @@ from planner.format import fmt_bytes
 
 __all__ = ["plan_summary"]
 
+MAX_ROWS = 200
+"""Module rows printed; the rest are counted (``plan.modules`` holds them all)."""
+MAX_NOTES = 20
+MAX_NOTE_CHARS = 2_000
+MAX_NAME_CHARS = 120
+"""Names (module, model, device, solver status) printed up to this many characters: a plan file
+from anywhere gives a summary of bounded size."""
+
 
 def plan_summary(plan: Any) -> str:
     lines = [
-        f"SAC plan for {plan.model_name} on {plan.device} (world_size {plan.world_size})",
+        f"SAC plan for {_clip(plan.model_name)} on {_clip(plan.device)} (world_size {plan.world_size})",
         f"  budget           {fmt_bytes(plan.budget_bytes)}  (reserve {fmt_bytes(plan.reserve_bytes)},"
         f" usable {fmt_bytes(plan.usable_budget_bytes)})",
         f"  peak, no AC      {fmt_bytes(plan.baseline_peak_bytes)}",
@@ -23,7 +31,7 @@ def plan_summary(plan: Any) -> str:
         *_binding_line(plan),
         _recompute_line(plan),
         *_timeline_lines(plan),
-        f"  solver           {plan.solver_status}"
+        f"  solver           {_clip(plan.solver_status)}"
         + (f", {plan.solve_time_s:.2f} s" if plan.solve_time_s else ""),
         "",
     ]
@@ -32,9 +40,10 @@ def plan_summary(plan: Any) -> str:
         lines.append("  nothing to checkpoint: the step fits as it is"
                      + (" once applied, with HF use_cache off (see the use_cache note)" if cache else ""))
     else:
-        w = max(len(m.fqn) for m in plan.modules)
+        shown = plan.modules[:MAX_ROWS]
+        w = max(len(_clip(m.fqn)) for m in shown)
         lines.append(f"  {'module':<{w}}  {'discard':>7}  {'freed':>10}  {'recompute':>10}  policy")
-        for m in plan.modules:
+        for m in shown:
             policy = "full" if m.full else f"SAC: save {len(m.saved_ops)} ops, recompute {len(m.recomputed_ops)}"
             if m.offloaded_ops:
                 host = f" ({fmt_bytes(m.offloaded_bytes)})" if m.offloaded_bytes else ""
@@ -42,12 +51,26 @@ def plan_summary(plan: Any) -> str:
                     f"; recompute {len(m.recomputed_ops)}" if m.recomputed_ops else "")
             # Freed on the device: what the recompute discards plus what goes to host.
             lines.append(
-                f"  {m.fqn:<{w}}  {m.discard_ratio:>7.1%}  {fmt_bytes(m.discarded_bytes + m.offloaded_bytes):>10}  "
+                f"  {_clip(m.fqn):<{w}}  {m.discard_ratio:>7.1%}  {fmt_bytes(m.discarded_bytes + m.offloaded_bytes):>10}  "
                 f"{m.recompute_ms:>7.3f} ms  {policy}"
             )
-    for n in plan.notes:
-        lines.append(f"  note: {n}")
+        if len(plan.modules) > MAX_ROWS:
+            lines.append(f"  ... and {len(plan.modules) - MAX_ROWS:,} more modules (plan.modules lists them all)")
+    for n in plan.notes[:MAX_NOTES]:
+        lines.append(f"  note: {_clip(n, MAX_NOTE_CHARS)}")
+    if len(plan.notes) > MAX_NOTES:
+        lines.append(f"  ... and {len(plan.notes) - MAX_NOTES:,} more notes (plan.notes lists them all)")
     return "\n".join(lines)
+
+
+def _clip(text: str, max_chars: int = MAX_NAME_CHARS) -> str:
+    """``text`` up to ``max_chars`` characters, the cut said; one line (a note's newlines kept
+    the summary's lines from being counted)."""
+    text = " ".join(text.split()) if "\n" in text or "\r" in text else text
+    if len(text) <= max_chars:
+        return text
+    cut = f" ... ({len(text) - max_chars:,} more characters)"
+    return text[:max_chars] + cut
 
 
 def _recompute_line(plan: Any) -> str:

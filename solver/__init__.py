@@ -7,7 +7,7 @@
 
 from solver.errors import InfeasibleBudgetError
 from solver.graph import Graph
-from solver.milp import SACMilp, min_reachable_peak_bytes, predict_peak_bytes, solve_milp
+from solver.sac_milp import SACMilp, min_reachable_peak_bytes, predict_peak_bytes, solve_milp
 from solver.op_milp import OpDecision, solve_op_milp
 from solver.options import Backend, SolveResult, SolverOptions, SolveStatus
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from estimators.contract.sac_groups import SACGroup, sac_groups  # torch-free, like ModuleInfo
-from solver.options import SolverOptions, SolveStatus, run_backend
+from solver.milp.backend import run_pulp
+from solver.options import SolverOptions, SolveStatus
 
 if TYPE_CHECKING:
     from estimators.contract.module_info import SACOp
@@ -159,7 +160,7 @@ def _knapsack(groups: Sequence[SACGroup], keep: int, n_ops: int, options: Solver
     prob.setObjective(pulp.LpAffineExpression(  # min recompute == max runtime saved
         [(v, -g.runtime_ms + _TIE * scale * (1 + g.ops[0] / max(1, n_ops))) for v, g in zip(x, groups)]))
     for attempt in range(4):
-        out = run_backend(prob, options, rel_gap=0.0, tight=True)
+        out = run_pulp(prob, options, rel_gap=0.0, tight=True)
         if not out.has_solution:
             if out.infeasible:  # saving nothing is always feasible: numerical trouble
                 raise SolverError("op-level MILP reported a feasible knapsack infeasible; "

@@ -1,8 +1,5 @@
-"""Solver options (what the user may tune) and results (what a solve returns).
-
-Also the one place that turns options into a PuLP backend and reads back its status and gap, so
-``milp`` and ``op_milp`` solve the same way.
-"""
+"""Solver options (what the user may tune), results (what a solve returns), and which backends
+can run here. Running a backend is ``solver/milp/backend.py``'s."""
 
 from __future__ import annotations
 
@@ -11,34 +8,29 @@ import importlib.util
 import logging
 import math
 import os
-import re
 import shutil
-import tempfile
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Mapping
 
 from solver.errors import BackendUnavailableError
 
-if TYPE_CHECKING:  # pulp is imported where a model is solved
-    import pulp
-
-__all__ = ["Backend", "SolverOptions", "SolveStatus", "SolveResult", "backend_available", "default_backend"]
+__all__ = ["Backend", "SolverOptions", "SolveStatus", "SolveResult", "backend_available",
+           "default_backend", "cbc_path", "highs_load_error"]
 
 logger = logging.getLogger(__name__)
 
 
 class Backend(str, enum.Enum):
     """MILP backend. HiGHS (highspy, a core dependency) is the default; the module-level MILP
-    calls it directly (``solver/lp_model.py``), the op-level one through PuLP. CBC (through PuLP,
+    calls it directly (``solver/milp/linear_model.py``), the op-level one through PuLP. CBC (through PuLP,
     the binary PuLP bundles) stays selectable and is the fallback where highspy cannot load."""
 
     CBC = "cbc"
     HIGHS = "highs"
 
 
-def _cbc_path() -> str | None:
+def cbc_path() -> str | None:
     """A ``cbc`` on PATH (e.g. from ``pulp[cbc]``) or the binary bundled with PuLP < 4."""
     on_path = shutil.which("cbc")
     if on_path:
@@ -54,7 +46,7 @@ def _cbc_path() -> str | None:
     return None
 
 
-def _highs_load_error() -> str | None:
+def highs_load_error() -> str | None:
     """Why highspy cannot be used here (None: it loads). Imported once, then remembered."""
     global _HIGHS_ERROR
     if _HIGHS_ERROR is _UNCHECKED:
@@ -76,13 +68,13 @@ def backend_available(backend: Backend) -> bool:
     if importlib.util.find_spec("pulp") is None:
         return False
     if backend is Backend.CBC:
-        return _cbc_path() is not None
-    return _highs_load_error() is None
+        return cbc_path() is not None
+    return highs_load_error() is None
 
 
 def default_backend() -> Backend:
     """HiGHS; CBC (with a logged reason) where highspy cannot load."""
-    why = _highs_load_error()
+    why = highs_load_error()
     if why is None:
         return Backend.HIGHS
     logger.warning("highspy cannot load (%s); falling back to the CBC backend, which is slower "
@@ -112,35 +104,22 @@ class SolverOptions:
     """Wall-clock limit of one backend call; ``None`` for no limit. At the limit the best plan
     found so far is returned with status ``FEASIBLE``."""
     rel_gap: float = 1e-4
-    """Relative optimality gap at which the backend may stop; 0 asks for exact optimality.
-
-    1e-4 by default: plans are proven optimal, not approximately so. The symmetric choices among
-    identical blocks that made closing the gap expensive are broken by the solver (see
-    ``solver.symmetry``) and searched by count (``count_branching``); graphs without repeated
-    blocks are proven by the program (``dynamic_program``). Measured on a 2-core CPU: the traced
-    Llama-3-70B graph proves each of 20 sweep budgets in <= 0.49 s, 1000-module synthetic
-    decoders in 0.1-0.3 s, random 1000-module trees (no repeated blocks) in 0.5-0.65 s. At
-    ``time_limit_s`` the best plan found is returned with status FEASIBLE
-    (benchmarks/solver_scaling.py, benchmarks/tradeoff_sweep.py)."""
-    break_symmetry: bool = True
-    """Order identical candidates (repeated blocks) with constraints that keep every optimal
-    value (proof in ``solver/symmetry.py``); False solves the plain MILP."""
+    """Relative optimality gap at which a solve may stop; 0 asks for exact optimality. 1e-4 by
+    default: plans are proven optimal, not approximately so (the program and count branching
+    make that affordable on stacks of blocks and trees of distinct modules; see ``SACMilp``). At
+    ``time_limit_s`` the best plan found is returned with status FEASIBLE and its gap."""
     count_branching: bool = True
-    """Branch on how many modules of each kind are checkpointed (``solver/count_branch.py``):
-    the fast way to prove stacks of nearly identical blocks (Llama-3-70B: every budget in about
-    a second). HiGHS only; graphs with no two modules of a kind are solved by HiGHS alone.
-    False solves every graph with HiGHS' own branch and bound (same optimum within rel_gap,
-    tests/solver/test_count_branch.py)."""
+    """Prove big stacks of numbered blocks by branching on how many modules of each kind are
+    checkpointed (``solver/milp/count_branch.py``; HiGHS only): where the blocks are nearly
+    identical the plain branch and bound moves a fractional block from block to block without
+    raising its bound, and the count search proves them fastest. False: such stacks go to the
+    program and then to the plain branch and bound, with the same optimum within rel_gap."""
     dynamic_program: bool = True
-    """Solve models whose step is a clean nest by dynamic programming (``solver/prefix_dp.py``)
-    before asking the backend, proven within ``rel_gap`` by its own bound: every such model of
-    at most 48 candidates (on small stacks of blocks HiGHS has called plans optimal that cost
-    8.8 % and 15 % more than the optimum, tests/solver/test_prefix_dp.py) and bigger ones
-    without repeated blocks (random 1,000-module trees in 0.5-0.65 s, where HiGHS takes
-    2.7-4.9 s). Stacks of blocks beyond 48 candidates go to count branching first and to the
-    program where it gives up (traced GPT-2-medium, BERT-large, Whisper, T5-large: 0.2-1.7 s
-    proven, where HiGHS on the whole model ran into a 20-60 s limit); models the program cannot take,
-    and those that outgrow its work cap, go to the backend. False: the backend alone."""
+    """Solve models whose step is a clean nest by the exact program (``solver/exact/``), proven
+    within ``rel_gap`` by its own bound, before the backend: it shares no code with the backend,
+    is exact where the backend's tolerances decide (small stacks at their smallest peak), and
+    proves trees of distinct modules that the backend cannot in its time limit. False: the
+    backend alone."""
     threads: int = 1
     """Backend threads. 1 keeps results reproducible run to run."""
     verbose: bool = False
@@ -174,7 +153,7 @@ class SolverOptions:
             raise ValueError(f"rel_gap must be in [0, 1), got {self.rel_gap!r}")
         if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {self.threads!r}")
-        for name in ("break_symmetry", "count_branching", "dynamic_program"):
+        for name in ("count_branching", "dynamic_program"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.verbose, bool):
@@ -226,124 +205,10 @@ class SolveResult:
     backend: Backend = Backend.HIGHS
     """The backend the options asked for (``solved_by`` says what made this plan)."""
     solved_by: str = ""
-    """What made the plan: ``"program"`` (the dynamic program of ``solver/prefix_dp.py``),
+    """What made the plan: ``"program"`` (the dynamic program of ``solver/exact/prefix_dp.py``),
     ``"highs"`` or ``"cbc"`` (the backend on the MILP), ``"min-peak plan"`` (no plan from the
     backend, see ``SACMilp``), ``"nothing to plan"`` (the budget fits the unplanned step)."""
     n_variables: int = 0
     """Size of the MILP built for this ModuleInfo (0 when nothing can be checkpointed, or when
     the program made the plan before the MILP was needed)."""
     n_constraints: int = 0
-
-
-# ----------------------------------------------------------------------------- backend plumbing
-@dataclass(frozen=True)
-class _BackendOutcome:
-    has_solution: bool
-    proven: bool
-    """Optimal within the gap (True) or stopped early (False); meaningless without a solution."""
-    infeasible: bool
-    gap: float | None
-    seconds: float
-    stopped: bool = False
-    """Stopped by a limit (time, nodes, interrupt) rather than by a verdict."""
-
-
-_TIGHT_TOL = 1e-9
-"""Integrality / feasibility tolerance for models whose rows must be exact to the byte."""
-
-
-def _make_pulp_solver(options: SolverOptions, rel_gap: float, log_path: str | None,
-                      tight: bool, start: Mapping[str, float] | None = None) -> Any:
-    import pulp
-
-    limit = options.time_limit_s
-    if options.backend is Backend.CBC:
-        # CBC's preprocessing and default tolerances accept x = 0.99999998, which on a row with
-        # 1e8-byte coefficients is an overshoot of a few bytes (or a bogus "infeasible").
-        extra = [f"integerT {_TIGHT_TOL}", f"primalT {_TIGHT_TOL}", "preprocess off"] if tight else []
-        return pulp.COIN_CMD(
-            path=_cbc_path(), msg=options.verbose, timeLimit=limit, gapRel=rel_gap,
-            threads=options.threads, logPath=None if options.verbose else log_path, options=extra,
-        )
-    params = ({"mip_feasibility_tolerance": _TIGHT_TOL, "primal_feasibility_tolerance": _TIGHT_TOL}
-              if tight else {})
-    highs = _highs_from_start(start) if start else pulp.HiGHS
-    return highs(msg=options.verbose, timeLimit=limit, gapRel=rel_gap, threads=options.threads, **params)
-
-
-def _highs_from_start(start: Mapping[str, float]) -> type:
-    """PuLP's HiGHS, handed a (partial) start before it runs: ``{variable name: value}``. HiGHS
-    completes it (the other columns solved with these fixed) and keeps it as its first incumbent
-    where it is feasible; it only prunes the search, never changes the optimum."""
-    import numpy as np
-    import pulp
-
-    class _HighsFromStart(pulp.HiGHS):
-        def callSolver(self, lp):
-            cols = [(v.index, start[v.name]) for v in lp.variables() if v.name in start]
-            if cols:
-                idx, val = zip(*cols)
-                lp.solverModel.setSolution(len(idx), np.array(idx, dtype=np.int32),
-                                           np.array(val, dtype=np.float64))
-            lp.solverModel.run()
-
-    return _HighsFromStart
-
-
-_BOUND_RE = re.compile(r"^(?:Lower|Upper) bound:\s*(\S+)", re.M)
-_OBJ_RE = re.compile(r"^Objective value:\s*(\S+)", re.M)
-
-
-def _cbc_gap(log_text: str) -> float | None:
-    obj, bound = _OBJ_RE.search(log_text), _BOUND_RE.search(log_text)
-    if obj is None:
-        return None
-    if bound is None:  # CBC prints a bound only when it stopped before proving optimality
-        return 0.0
-    o, b = float(obj.group(1)), float(bound.group(1))
-    return abs(o - b) / max(abs(o), 1e-12)
-
-
-def run_backend(prob: "pulp.LpProblem", options: SolverOptions, *, rel_gap: float | None = None,
-                tight: bool = False, start: Mapping[str, float] | None = None) -> _BackendOutcome:
-    """Solve ``prob`` with the configured backend and classify the outcome.
-
-    ``tight``: byte-exact rows (tight tolerances, no CBC preprocessing); for small models.
-    ``start``: a known plan as ``{variable name: value}`` (HiGHS only; CBC ignores it)."""
-    import pulp
-
-    if options.write_lp_path is not None:
-        prob.writeLP(str(options.write_lp_path))
-    gap_req = options.rel_gap if rel_gap is None else rel_gap
-    if options.backend is Backend.HIGHS:
-        # PuLP makes its own HiGHS instance: the first one of the process prints HiGHS' banner
-        # on stdout whatever its options (the CLI's --offload --json printed invalid JSON).
-        from solver.lp_model import _stop_highs_threads_at_exit
-
-        _stop_highs_threads_at_exit()
-    with tempfile.TemporaryDirectory(prefix="sac_milp_") as tmp:
-        log_path = os.path.join(tmp, "cbc.log")
-        solver = _make_pulp_solver(options, gap_req, log_path, tight, start)
-        t0 = time.perf_counter()
-        prob.solve(solver)
-        seconds = time.perf_counter() - t0
-        log_text = Path(log_path).read_text() if os.path.exists(log_path) else ""
-    sol = prob.sol_status
-    has_solution = sol in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-    infeasible = prob.status == pulp.LpStatusInfeasible or sol == pulp.LpSolutionInfeasible
-    if options.backend is Backend.HIGHS and has_solution:
-        gap = float(prob.solverModel.getInfo().mip_gap)
-        gap = gap if math.isfinite(gap) else None
-    else:
-        gap = _cbc_gap(log_text) if has_solution else None
-    proven = sol == pulp.LpSolutionOptimal
-    logger.debug("backend %s: status=%s sol_status=%s gap=%s in %.3fs",
-                 options.backend.value, prob.status, sol, gap, seconds)
-    return _BackendOutcome(has_solution, proven, infeasible and not has_solution, gap, seconds)
-
-
-def options_until(options: SolverOptions, deadline: float | None) -> SolverOptions:
-    """``options`` with the time limit left until ``deadline`` (perf_counter; None: unchanged)."""
-    if deadline is None:
-        return options
-    return replace(options, time_limit_s=max(0.05, deadline - time.perf_counter()))

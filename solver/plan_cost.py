@@ -5,7 +5,7 @@ some modules are checkpointed (each discarding some bytes), and their recompute 
     predict_peak_bytes(info, {"GPT.blocks.3": 123456})        # bytes, exact integers
     module_recompute_ms(info.stats("GPT.blocks.3"), 123456)    # ms, on the exact curve
 
-The MILPs (``solver/milp.py``, ``solver/offload_milp.py``) are linear models of these numbers;
+The MILPs (``solver/sac_milp.py``, ``solver/offload/milp.py``) are linear models of these numbers;
 every plan they return is re-evaluated here, so a reported peak never comes from an LP variable.
 """
 
@@ -77,9 +77,8 @@ class MemoryModel:
     def held_points(self, fqn: str) -> list[int]:
         """Points during ``fqn``'s backward (bw_pre_op..bw_post_op) other than its recompute
         point: the inputs its checkpoint holds are still alive there, and the unplanned step freed
-        them before that backward (that is what ``checkpoint_retain_bytes`` counts). Traced:
-        without this term the last block's attention core of gpt_demo was priced 3 MiB (2 %) low,
-        the peak falling in its own backward."""
+        them before that backward (that is what ``checkpoint_retain_bytes`` counts). Without
+        this term a checkpoint whose own backward holds the peak is priced low."""
         s = self.stats[fqn]
         if s.checkpoint_retain_bytes <= 0 or s.bw_pre_op < 0 or not has_window(s):
             return []
@@ -189,8 +188,7 @@ def cost_envelope(s: ModStats) -> tuple[list[tuple[float, float]], bool]:
 def _all_on_envelope(segs: list[tuple[float, float]], pts: list[tuple[float, float]]) -> bool:
     """Every point on the envelope ``max_s(a x + b)`` (its lower convex hull: none lies under
     it), within 1e-9 relative: the curve is convex. Every segment at every point, as arrays in
-    blocks of about a million products: the same test in Python loops took 0.84 s of a
-    1,000-module solve (1,000 points x 999 segments on one module)."""
+    blocks of about a million products (a module of a thousand ops has a million pairs)."""
     slopes = np.array([a for a, _ in segs])
     icepts = np.array([b for _, b in segs])
     xs, ys = np.array([x for x, _ in pts]), np.array([y for _, y in pts])

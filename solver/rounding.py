@@ -30,8 +30,8 @@ _POLISH_BYTES, _POLISH_FRACTION = 64, 1e-7
 tolerance (or that fraction of the module, if more), not a decision."""
 
 _POLISH_EVALS = 256
-"""Exact peak evaluations ``ExactPlans.trim`` and ``polish`` may each spend on one plan (a few
-ms each on 1,000-module graphs)."""
+"""Exact peak evaluations ``ExactPlans.trim`` and ``polish`` may each spend on one plan (each
+costs milliseconds on big graphs)."""
 
 
 class ExactPlans:
@@ -81,11 +81,9 @@ class ExactPlans:
         budget and its recompute never grows.
 
         Why: the MILP prices the convex envelope, and its ratios are exact to about 1e-8. At the
-        smallest reachable peak of two identical blocks one solve read as {30,408,702, 30,408,704}
-        bytes (the second block whole, its last byte a 5 ms op: 7.1 ms) where {30,408,703,
-        30,408,703} fits the same peak at 2.1 ms; another fell back to the min-peak plan (both
-        blocks whole, 12.1 ms) where one byte fewer in each fits too, 2.1 ms
-        (tests/solver/test_symmetry.py)."""
+        smallest reachable peak of two identical blocks a plan can read a byte past the last
+        step of one curve (an expensive op) where a byte fewer there and one more in the other
+        block fits the same peak (tests/solver/milp/test_linear_model.py)."""
         plan = dict(plan)
         evals = _POLISH_EVALS
         for f in sorted(plan, key=lambda f: self.order[f]):
@@ -123,10 +121,10 @@ class ExactPlans:
         """Where ``margin`` bytes were discarded beyond the backend's plan (the repair of its
         rounding, or a tighter target): each module gives back what of them the exact peak does
         not need (binary search over the last ``margin`` bytes it discards, every step evaluated
-        exactly). Seen at the smallest reachable peak of a stack: the backend's plan left one
-        block 831 bytes short of whole and another 831 bytes over what it needed (the same MILP
-        value, equal slopes); the repair completed the first, 2.0e-5 ms over the plan that
-        HiGHS alone returned."""
+        exactly). At the smallest reachable peak of a stack the backend's plan can leave one block
+        short of whole and another as much over what it needs (one MILP value, equal slopes):
+        the repair completes the first, and this gives the second's excess back
+        (tests/solver/milp/test_count_branch.py)."""
         if margin <= 0:
             return plan
         plan = dict(plan)

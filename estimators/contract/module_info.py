@@ -6,7 +6,7 @@
 * ``mod_stats``      one ``ModStats`` per module, in forward pre-order;
 * ``memory_points``  the step's memory, by category, at the instants where a peak can occur.
 
-The exact memory model the solver uses (see ``solver/milp.py``)::
+The exact memory model the solver uses (see ``solver/sac_milp.py``)::
 
     memory(point) = (param + grad + optimizer) / world_size + activation + other
                     - sum of d_j over modules j with fw_post_op_j <= point.op_index < bw_pre_op_j

@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from networkx.utils import UnionFind
 
 if TYPE_CHECKING:
     from estimators.contract.module_info import SACOp
@@ -64,7 +63,7 @@ def cached_if_saved(op: SACOp) -> bool:
     """A saved group caches this op's output: autograd saves it, it is no view, and caching it
     costs nothing the unplanned step did not hold. The one test of what a plan caches
     (``planner.planning.solve.module_plan``), what a recompute re-makes (``estimators.tracing.aggregate``) and
-    what may go to host (``solver.offload_milp.offload_ops``)."""
+    what may go to host (``solver.offload.cost.offload_ops``)."""
     return op.is_saved and not op.is_view and not op.cache_cost_bytes
 
 
@@ -97,9 +96,40 @@ def unsafe_reads(ops: Sequence[SACOp]) -> tuple[int, ...]:
     return _settle(ops)[3]
 
 
-def _settle(ops: Sequence[SACOp]) -> tuple[UnionFind, dict[int, bool], dict[int, bool], tuple[int, ...]]:
+class _UnionFind:
+    """Disjoint sets over ``range(n)`` (union by size, path halving): ``uf[i]`` is i's root."""
+
+    def __init__(self, n: int) -> None:
+        self.parent = list(range(n))
+        self.size = [1] * n
+
+    def __getitem__(self, i: int) -> int:
+        parent = self.parent
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def union(self, *items: int) -> None:
+        roots = list(dict.fromkeys(self[i] for i in items))
+        if not roots:
+            return
+        best = max(roots, key=lambda r: self.size[r])
+        for r in roots:
+            if r != best:
+                self.parent[r] = best
+                self.size[best] += self.size[r]
+
+    def to_sets(self) -> list[set[int]]:
+        sets: dict[int, set[int]] = {}
+        for i in range(len(self.parent)):
+            sets.setdefault(self[i], set()).add(i)
+        return list(sets.values())
+
+
+def _settle(ops: Sequence[SACOp]) -> tuple[_UnionFind, dict[int, bool], dict[int, bool], tuple[int, ...]]:
     """(union-find of the groups, must-save and must-recompute by root, unsafe readers)."""
-    uf = UnionFind(range(len(ops)))
+    uf = _UnionFind(len(ops))
     for i, op in enumerate(ops):
         p = op.inplace_parent
         if p == -1 or p == i:

@@ -20,7 +20,7 @@ for it. Every wait is charged to the stream of the transfer it waited for, so
     step_ms == compute_ms + recompute_ms + exposed_comm_ms + exposed_copy_ms
 
 exactly. ``step_layout`` lays out a traced step (``ModuleInfo``) on this model at the
-granularity of repeated blocks; ``solver/offload_milp.py`` writes the same recurrences as linear
+granularity of repeated blocks; ``solver/offload/milp.py`` writes the same recurrences as linear
 constraints (the longest path of a max-plus system is what an LP minimising the end time finds).
 
 What is modelled, and what not (each rule is tested against hand-computed cases in

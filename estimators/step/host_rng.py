@@ -13,7 +13,7 @@ generator objects reachable only outside the module's attributes (a global ``ran
 of the user's script, a generator in a closure), the compiled path (a
 compiled forward's recompute is torch's), and draws other threads make while a recompute has
 set the states back (torch's ``fork_rng`` has the same limit). Cost: reading and comparing the
-states costs 25-90 us per checkpointed forward on this 2-core CPU.
+states once per checkpointed forward (microseconds).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _set_gen_state(g: Any, state: Any) -> None:
 def _same_gen_state(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         # A torch.Generator's state: a fake tensor inside a fake trace, whose bytes cannot be
-        # read. Kept as drawn (5,056 B per CPU generator); replaying an undrawn state is a no-op.
+        # read. Kept as drawn (a CPU generator's few KiB); replaying an undrawn state is a no-op.
         return False
     return _equal(a, b)
 

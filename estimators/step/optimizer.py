@@ -11,9 +11,18 @@ import torch
 
 from estimators.runtime.device import DeviceSpec
 
-__all__ = ["resolve_optimizer", "check_optimizer_params", "param_groups"]
+__all__ = ["resolve_optimizer", "check_optimizer_params", "check_optimizer_name", "param_groups"]
 
 _OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
+def check_optimizer_name(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is an optimizer the step can build by name."""
+    if name.lower() not in _OPTIMIZERS:
+        raise ValueError(
+            f"unknown optimizer {name!r}; use one of {sorted(_OPTIMIZERS)}, "
+            "an optimizer class, or a torch.optim.Optimizer instance"
+        )
 
 
 def resolve_optimizer(
@@ -23,12 +32,8 @@ def resolve_optimizer(
     if optimizer is None:
         return None
     if isinstance(optimizer, str):
-        cls = _OPTIMIZERS.get(optimizer.lower())
-        if cls is None:
-            raise ValueError(
-                f"unknown optimizer {optimizer!r}; use one of {sorted(_OPTIMIZERS)}, "
-                "an optimizer class, or a torch.optim.Optimizer instance"
-            )
+        check_optimizer_name(optimizer)
+        cls = _OPTIMIZERS[optimizer.lower()]
         kw = {"foreach": True} if spec.is_cuda and fake and cls is not torch.optim.SGD else {}
         return cls(params_by_group, **kw)
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -68,6 +73,8 @@ def param_groups(model: torch.nn.Module, optimizer: Any, mapping: dict) -> list[
     if isinstance(optimizer, torch.optim.Optimizer):
         # Their state would silently go uncounted.
         check_optimizer_params(model, optimizer, mapping, "plan")
-        return [{"params": [mapping[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
-    params = [mapping[id(p)] for p in model.parameters() if p.requires_grad]
+        return [{"params": [mapping[id(p)] for p in g["params"] if mapping[id(p)] is not None]}
+                for g in optimizer.param_groups]
+    # A parameter mapped to None is not traced (a block a truncated trace skips).
+    params = [mapping[id(p)] for p in model.parameters() if p.requires_grad and mapping[id(p)] is not None]
     return [{"params": params}]

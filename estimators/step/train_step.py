@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
@@ -30,6 +31,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from estimators.contract.module_info import Phase
+from estimators.step.optimizer import check_optimizer_name
 
 if TYPE_CHECKING:
     from estimators.runtime.device import DeviceSpec
@@ -66,7 +68,7 @@ class TrainStep:
 
         step = TrainStep(inputs=(tokens,), loss_fn=my_loss, optimizer="adamw",
                          micro_batches=4, autocast_dtype=torch.bfloat16)
-        plan = solve_sac(model, budget_gib=40, step=step, device="h100")
+        plan = solve_sac(model, budget_gib=40, step=step, options=PlanOptions(device="h100"))
 
     The plan is made for the steady state (step 2 on: optimizer state alive from the start,
     gradients as the loop keeps them) and checked against the first step; see
@@ -100,8 +102,8 @@ class TrainStep:
     """The modules' ``training`` flags during the step (dropout masks and BatchNorm batch
     statistics are part of a training step's memory). None: as the model is, except that a model
     whose root is in eval mode (``from_pretrained`` returns one) runs as ``model.train()`` leaves
-    it, since that is what its training loop will run (planned in eval mode, a BERT trained in
-    train mode measured 5.1 % over the plan's peak). True: always ``model.train()``; False:
+    it, since that is what its training loop will run (dropout masks are saved in train mode
+    only). True: always ``model.train()``; False:
     always the flags as they are (a loop that trains in eval mode). Every trace, measurement and
     gradient check runs so and puts each module's flag back afterwards."""
 
@@ -147,6 +149,8 @@ class TrainStep:
         if self.train_mode is not None and not isinstance(self.train_mode, bool):
             raise TypeError(f"train_mode must be None, True or False, got {self.train_mode!r}")
         _check_loss_signature(self.loss_fn)
+        if isinstance(self.optimizer, str):
+            check_optimizer_name(self.optimizer)
         if not isinstance(self.keep_output, bool):
             raise TypeError(f"keep_output must be True or False (does the loop hold the model output "
                             f"through backward?), got {self.keep_output!r}")
@@ -313,6 +317,7 @@ def run_step(
     ``held_output``: a one-element list standing for the loop's ``out`` variable across steps
     (with ``keep_output``): the previous step's output in it is held until this step's first
     forward returns, and this step's last output is left in it."""
+    check_batch(inputs)
     args, kwargs = split_inputs(inputs)
     value = None
     held = held_output[0] if held_output else None  # the output a keep_output loop still references
@@ -384,17 +389,52 @@ def _local_loss(loss: torch.Tensor) -> torch.Tensor:
 
 
 def _check_loss(loss: Any) -> None:
+    """A loss a step can train on: a real scalar that requires grad and, where it has a value
+    (real tensors: a real-mode trace, ``measure_steps``, ``check_gradients``), is finite. A NaN
+    or infinite loss trains nothing, and gradients compared against it say nothing ("bitwise
+    equal, max diff nan"); a fake trace cannot see values, so the real runs catch it."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise StepError(
             f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) "
             "or pass loss_fn=lambda output, inputs: ... returning a scalar"
         )
+    if loss.is_complex():
+        raise StepError(
+            f"the loss is complex ({str(loss.dtype).replace('torch.', '')}); backward needs a real "
+            "scalar: return a real one from the loss (e.g. loss.abs() or loss.real)"
+        )
     if not loss.requires_grad:
         raise StepError(
             "the loss does not require grad: no parameter took part in it "
             "(is the model in no_grad / are all parameters frozen?)"
         )
+    value = _value(loss)
+    if value is not None and not math.isfinite(value) and not _collectives_are_fake():
+        raise StepError(
+            f"the loss is {value}: a step on it trains nothing and its gradients "
+            "mean nothing; check the batch (token ids within the vocabulary and >= 0, no NaN or "
+            "inf in the data, labels the loss accepts) and the loss function"
+        )
+
+
+def _collectives_are_fake() -> bool:
+    """The default process group is torch's fake one (``planner.distributed.fake_world``): its
+    collectives move no data, so a loss computed through them (``loss_parallel``'s reductions)
+    has no meaningful value, only its shape and its memory."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def check_batch(inputs: Any) -> None:
+    """Refuse a batch with no rows: every tensor in it is empty along its first dimension (a
+    loss over it is NaN, and a fake trace, which sees shapes only, would plan it)."""
+    tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if tensors and all(t.shape[0] == 0 for t in tensors):
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors[:3])
+        raise StepError(f"the batch has no rows (tensors of shape {shapes}); plan with a batch "
+                        "of the size the loop trains on")
 
 
 def _default_loss(out: Any) -> torch.Tensor:

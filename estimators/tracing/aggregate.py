@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from estimators.tracing.sac import (
     module_ops,
     cumulative_curve,
 )
-from estimators.contract.sac_groups import cached_if_saved, unsafe_reads
+from estimators.contract.sac_groups import cached_if_saved, sac_groups, unsafe_reads
 from estimators.tracing.trace import ModuleCall, StepTrace, StorageKind
 
 __all__ = ["build_module_info"]
@@ -73,36 +74,59 @@ def _sum_bytes(trace: StepTrace, sids) -> int:
     return sum(trace.storages[s].nbytes for s in set(sids))
 
 
+def _local_stats(
+    trace: StepTrace, fqn: str, calls: list[ModuleCall], saved: dict[int, set[int]],
+    last_fw_write: dict[int, tuple[int, Any]],
+) -> dict:
+    """The fields of a module's ModStats that depend on its own ops and storages only: the same
+    for a call laid in as a copy of another (``StepTrace.twin_of``) as for that call."""
+    is_leaf = fqn in trace.leaf_fqns
+    first = calls[0]
+    ops = () if is_leaf else module_ops(trace, calls)
+    groups = sac_groups(ops) if ops else ()
+    units = greedy_units(ops, groups) if ops else []
+    curve = cumulative_curve(units)
+    forced = set(forced_recompute_ops(ops, groups)) if ops else set()
+    return dict(
+        is_leaf=is_leaf,
+        input_bytes=_sum_bytes(trace, first.input_sids),
+        input_numel=max(c.input_numel for c in calls),
+        output_bytes=_sum_bytes(trace, first.output_sids),
+        act_fw_bytes=_sum_bytes(trace, set().union(*(saved.get(c.cid, set()) for c in calls))),
+        sac_memory_bytes=curve.total_bytes,
+        sac_runtime_ms=curve.total_ms,
+        recompute_fixed_ms=fixed_recompute_ms(ops, groups),
+        checkpoint_retain_bytes=0 if is_leaf else _retained_inputs(trace, calls),
+        tradeoff=curve,
+        ops=ops,
+        recompute_growth_bytes=_recompute_growth(trace, first, ops, units, forced) if ops else (),
+        forced_discard_bytes=sum(ops[i].memory_bytes for i in forced),
+        sac_blocker="" if is_leaf else (_sac_blocker(trace, calls, last_fw_write) or _unsafe_read_blocker(ops)),
+    )
+
+
 def _mod_stats(
     trace: StepTrace,
     tl: MemoryTimeline,
     fqn: str,
     calls: list[ModuleCall],
-    saved: dict[int, set[int]],
+    local: dict,
     bw_rt: dict[int, float],
     fw_rt_cum: np.ndarray,
     live_act: np.ndarray,
-    last_fw_write: dict[int, tuple[int, str]],
 ) -> ModStats:
-    is_leaf = fqn in trace.leaf_fqns
     first, last = calls[0], max(calls, key=lambda c: c.fw_last_op)
     temp = tl.live_by_kind[:, StorageKind.TEMP]
     bw_calls = [c for c in calls if c.bw_first_op >= 0]
     bw_pre = min((c.bw_first_op for c in bw_calls), default=-1)
     bw_post = max((c.bw_last_op for c in bw_calls), default=-1)
-
-    ops = () if is_leaf else module_ops(trace, calls)
-    units = greedy_units(ops) if ops else []
-    curve = cumulative_curve(units)
-    forced = set(forced_recompute_ops(ops)) if ops else set()
-    growth = _recompute_growth(trace, first, ops, units, forced) if ops else ()
     transient = 0
     act_bw_peak = act_grad = grad_total = 0
     if bw_pre >= 0:
         act_bw_peak = int(live_act[bw_pre : bw_post + 1].max())
         act_grad = max(0, int(temp[bw_pre : bw_post + 1].max() - temp[bw_pre]))
         grad_total = int(tl.live_by_kind[bw_pre, StorageKind.GRAD])
-    if not is_leaf and first.fw_last_op >= first.fw_first_op:
+    if not local["is_leaf"] and first.fw_last_op >= first.fw_first_op:
         # The recompute replays the forward, and with it the forward's temporaries (tensors
         # autograd does not keep, e.g. attention scores before softmax): their peak growth.
         w = temp[first.fw_first_op : first.fw_last_op + 1]
@@ -113,34 +137,21 @@ def _mod_stats(
     )
     return ModStats(
         fqn=fqn,
-        is_leaf=is_leaf,
         n_calls=len(calls),
         param_bytes=trace.param_bytes_by_module.get(fqn, 0),
         grad_bytes=trace.grad_bytes_by_module.get(fqn, 0),
-        input_bytes=_sum_bytes(trace, first.input_sids),
-        input_numel=max(c.input_numel for c in calls),
-        output_bytes=_sum_bytes(trace, first.output_sids),
-        act_fw_bytes=_sum_bytes(trace, set().union(*(saved.get(c.cid, set()) for c in calls))),
         act_total_bytes=int(live_act[last.fw_last_op]),
         grad_total_bytes=grad_total,
         act_bw_peak_bytes=act_bw_peak,
         act_grad_bytes=act_grad,
         fw_runtime_ms=fw_ms,
         bw_runtime_ms=sum(bw_rt.get(c.cid, 0.0) for c in calls),
-        sac_memory_bytes=curve.total_bytes,
-        sac_runtime_ms=curve.total_ms,
-        recompute_fixed_ms=fixed_recompute_ms(ops),
-        checkpoint_retain_bytes=0 if is_leaf else _retained_inputs(trace, calls),
-        tradeoff=curve,
-        ops=ops,
         recompute_transient_bytes=transient,
-        recompute_growth_bytes=growth,
-        forced_discard_bytes=sum(ops[i].memory_bytes for i in forced),
         fw_pre_op=min(c.fw_first_op for c in calls),
         fw_post_op=last.fw_last_op + 1,
         bw_pre_op=bw_pre,
         bw_post_op=bw_post,
-        sac_blocker="" if is_leaf else (_sac_blocker(trace, calls, last_fw_write) or _unsafe_read_blocker(ops)),
+        **local,
     )
 
 
@@ -153,19 +164,19 @@ def _unsafe_read_blocker(ops) -> str:
             "must be saved: its recompute would read the new values")
 
 
-def _last_fw_writes(trace: StepTrace) -> dict[int, tuple[int, str]]:
+def _last_fw_writes(trace: StepTrace) -> dict[int, tuple[int, Any]]:
     """Storage id -> (index, func) of the last forward op that mutates it in place."""
-    out: dict[int, tuple[int, str]] = {}
+    out: dict[int, tuple[int, Any]] = {}
     for op in trace.ops:
         if op.phase is Phase.FW:
             for sid in op.mutated_sids:
-                out[sid] = (op.index, str(op.func))
+                out[sid] = (op.index, op.func)
     return out
 
 
-def _sac_blocker(trace: StepTrace, calls: list[ModuleCall], last_fw_write: dict[int, tuple[int, str]]) -> str:
+def _sac_blocker(trace: StepTrace, calls: list[ModuleCall], last_fw_write: dict[int, tuple[int, Any]]) -> str:
     """Why a checkpoint of this module would be unsafe, from the trace ("" if it is not)."""
-    seqs = set()
+    seqs = set()  # the ops of each call (OpOverloads are one object per op)
     for c in calls:
         ops = [trace.ops[k] for k in range(c.fw_first_op, c.fw_last_op + 1)]
         # Buffers this call writes in place are given back to its recompute as the forward found
@@ -184,7 +195,7 @@ def _sac_blocker(trace: StepTrace, calls: list[ModuleCall], last_fw_write: dict[
                     return f"mutates a tensor made before its call in place ({op.func})"
             for sid in op.arg_sids:
                 # An input the caller overwrites in place after the call: the recompute would
-                # read the new values (`g = gate(h); h.relu_()`: gradients 2,011 off).
+                # read the new values (`g = gate(h); h.relu_()`: wrong gradients).
                 st = trace.storages[sid]
                 later = last_fw_write.get(sid)
                 # Batch norm passes its running statistics only to update them (a shared one
@@ -193,10 +204,14 @@ def _sac_blocker(trace: StepTrace, calls: list[ModuleCall], last_fw_write: dict[
                         and not (st.kind is StorageKind.BUFFER and "batch_norm" in str(op.func))
                         and sid not in own_buffers):
                     return f"reads a tensor the caller later overwrites in place ({later[1]})"
-        seqs.add(tuple(str(op.func) for op in ops if op.phase is Phase.FW))
+        seqs.add(tuple(op.func for op in ops if op.phase is Phase.FW))
     if len(seqs) > 1:
         return f"called {len(calls)} times per step with different ops in each call"
     return ""
+
+
+_GROWTH_ROWS = 8
+"""Units replayed together by ``_recompute_growth`` (a model's root has a thousand)."""
 
 
 def _recompute_growth(trace: StepTrace, call: ModuleCall, ops, units, forced: set[int]) -> tuple[int, ...]:
@@ -234,13 +249,16 @@ def _recompute_growth(trace: StepTrace, call: ModuleCall, ops, units, forced: se
             alive(i, diff)
     cur = np.cumsum(diff)[: last + 1]
     out = [max(0, int(cur.max()))]
-    for u in units:
-        add = np.zeros(last + 2, dtype=np.int64)
-        for i in u.ops:
-            if i <= last:
-                alive(i, add)
-        cur = cur + np.cumsum(add)[: last + 1]
-        out.append(max(0, int(cur.max())))
+    for start in range(0, len(units), _GROWTH_ROWS):  # a row per unit, a block of rows at a time
+        chunk = units[start : start + _GROWTH_ROWS]
+        adds = np.zeros((len(chunk), last + 2), dtype=np.int64)
+        for row, u in enumerate(chunk):
+            for i in u.ops:
+                if i <= last:
+                    alive(i, adds[row])
+        levels = np.cumsum(np.cumsum(adds, axis=1)[:, : last + 1], axis=0) + cur
+        out += [max(0, int(m)) for m in levels.max(axis=1)]
+        cur = levels[-1]
     return tuple(out)
 
 
@@ -312,10 +330,16 @@ def build_module_info(trace: StepTrace, tl: MemoryTimeline) -> ModuleInfo:
     # Activations, temporaries and inputs live at every op: computed once for all modules.
     act_kinds = [StorageKind.ACTIVATION, StorageKind.TEMP, StorageKind.INPUT]
     live_act = tl.live_by_kind[:, act_kinds].sum(axis=1)
-    stats = [
-        _mod_stats(trace, tl, fqn, calls, saved, bw_rt, fw_rt_cum, live_act, last_fw_write)
-        for fqn, calls in by_fqn.items()
-    ]
+    local_of: dict[int, dict] = {}  # call id -> local stats of the module called once there
+    stats = []
+    for fqn, calls in by_fqn.items():
+        key = trace.twin_of.get(calls[0].cid, calls[0].cid) if len(calls) == 1 else -1
+        local = local_of.get(key)
+        if local is None:
+            local = _local_stats(trace, fqn, calls, saved, last_fw_write)
+            if key >= 0:
+                local_of[key] = local
+        stats.append(_mod_stats(trace, tl, fqn, calls, local, bw_rt, fw_rt_cum, live_act))
     peak_k = tl.peak_op_index
     peak_op = ""
     if 0 <= peak_k < len(trace.ops):

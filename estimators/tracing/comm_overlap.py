@@ -56,6 +56,11 @@ def exposed_comm_ms(ops: Sequence[OpRecord], is_collective: Callable[[OpRecord],
         if op.phase is not phase:
             drain()
             phase = op.phase
+        if not pending and comm_free <= clock:
+            # Both streams idle: times from here on are measured from here, so a block's
+            # collectives get the same exposed ms wherever the block runs (not a rounding of
+            # the step's elapsed time), as a laid-in copy of a block assumes.
+            clock = comm_free = 0.0
         if is_collective(op):
             start = max(clock, comm_free)
             comm_free = start + op.runtime_ms

@@ -1,7 +1,6 @@
 """``estimate()``: trace one training step once and derive every estimate from that trace.
 
-    est = estimate(model, (idx,), loss_fn=my_loss, optimizer="adamw", device="h100")
-    est = estimate(model, step=TrainStep(inputs=(idx,), optimizer="adamw", micro_batches=4))
+    est = estimate(model, TrainStep(inputs=(idx,), loss_fn=my_loss, optimizer="adamw"), device="h100")
     est.module_info.peak_bytes           # steady-state step peak without checkpointing
     est.first_step_peak_bytes            # the first step's (optimizer state not yet created)
     est.module_info.stats("GPT.blocks.0").act_fw_bytes
@@ -30,15 +29,11 @@ torch's optimizers, which create all their state before any update math; in the 
 backward with ``ZeroGrad.ZERO`` and one micro-batch it is an upper bound (gradients are counted
 as alive from the start of backward). The prediction is the larger of the two peaks.
 
-Mixed precision: the trace runs ``torch.autocast`` of the traced tensors' device, so in fake mode
-(fake CPU tensors) CPU autocast's op lists decide which ops run in low precision, also when the
-target is a CUDA device. What is modelled for a CUDA target is therefore CPU autocast: matmuls,
-linear, convolutions, bmm/baddbmm and SDPA in low precision on both; CUDA's lists differ, e.g.
-CUDA runs ``layer_norm``, ``group_norm``, ``softmax`` / ``log_softmax``, ``exp``, ``log``,
-``pow`` and the losses in float32 where CPU autocast lets ``layer_norm`` and ``softmax`` follow a
-bf16 input, so CUDA keeps some activations at twice the bytes counted here. Autocast's cache of
-low-precision copies of the parameters (alive until the autocast region ends, longer where
-autograd saves them) is counted as the trace sees it: storages made in the forward.
+Mixed precision: a trace for a CUDA target (fake mode) runs the step's autocast regions with CUDA
+autocast's op policy, from torch's own lists (``estimators/tracing/cuda_autocast.py``, differences
+and their bytes in docs/cuda_autocast.md); a CPU target and a real-mode trace run CPU autocast.
+Autocast's cache of low-precision copies of the parameters lives as on the device: until the
+autocast region ends, longer where autograd saves them.
 """
 
 from __future__ import annotations
@@ -46,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import time
 import warnings
@@ -59,12 +55,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 from estimators.step import host_rng
 from estimators.tracing.aggregate import build_module_info
 from estimators.tracing.comm_overlap import apply_comm_overlap
+from estimators.tracing.cuda_autocast import CudaAutocast
 from estimators.tracing.cuda_rules import CudaSemanticsMode
 from estimators.tracing.fake_kernels import FakeKernelError, RealKernelsMode
 from estimators.tracing.hf_paths import hf_real_paths
 from estimators.runtime.device import DeviceSpec, get_device_spec
 from estimators.tracing.memory import MemoryTimeline, build_timeline
-from estimators.tracing.model_copy import ModelCopyError, fake_copy, fake_tensor
 from estimators.tracing.sharded_model import fsdp_units_of, original_class_name
 from estimators.runtime.collective_ops import CollectivePricing
 from estimators.runtime.models import RuntimeKind, make_runtime_model
@@ -74,6 +70,10 @@ from estimators.contract.module_info import ModuleInfo
 from estimators.step.optimizer import check_optimizer_params, param_groups, resolve_optimizer
 from estimators.tracing.steady_state import first_step_module_info, first_step_peak, steady_state
 from estimators.tracing.trace import InplaceModifiedError, StepTrace, StepTracer
+from estimators.tracing.replicate import NotReplicable, expand_stacks
+from estimators.tracing.stacks import Stack, find_stacks
+from estimators.tracing.fake_copy import FakeCopyError, fake_copy, fake_tensor
+from estimators.tracing.truncation import FullListsRuntime, gc_paused, may_index_blocks, pre_step_owners
 
 __all__ = [
     "DEFAULT_DEVICE",
@@ -117,14 +117,26 @@ class EstimateOptions:
     cuda_semantics: bool | None = None
     """Apply the CUDA memory rules (estimators/tracing/cuda_rules.py). Default: when the target is a CUDA
     device and the trace is fake."""
+    cuda_autocast: bool | None = None
+    """Run autocast regions with CUDA autocast's op policy (estimators/tracing/cuda_autocast.py), not
+    the CPU's. Default: with the CUDA memory rules. Needs a fake trace."""
     progress: bool = False
     """Log progress (INFO on this module's logger) after each top-level module and phase."""
+    replicate_blocks: bool = True
+    """In a fake trace without ``prepare``, run four blocks of each stack of identical blocks (a
+    ``ModuleList`` of at least five transformer layers: ``estimators.tracing.stacks``) and lay the
+    others in as copies of one (``estimators.tracing.replicate``): the trace the full step gives,
+    in the time of four blocks. Where the traced blocks differ, the full model is traced (said at
+    DEBUG on ``estimators.tracing.replicate``'s logger). False: always trace every block."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TraceMode):
             object.__setattr__(self, "mode", TraceMode(self.mode))
         if not isinstance(self.runtime, RuntimeKind):
             object.__setattr__(self, "runtime", RuntimeKind(self.runtime))
+        if self.cuda_autocast and self.mode is TraceMode.REAL:
+            raise ValueError("EstimateOptions(cuda_autocast=True) needs mode=TraceMode.FAKE: a real trace "
+                             "runs this machine's kernels and its CPU autocast")
 
 
 @dataclass
@@ -183,14 +195,6 @@ def _check_real_devices(model: torch.nn.Module, inputs: Any) -> None:
             )
 
 
-def _fake_copy(model: torch.nn.Module, mode: FakeTensorMode) -> tuple[torch.nn.Module, dict]:
-    """``estimators.tracing.model_copy.fake_copy``, its failure a TraceError."""
-    try:
-        return fake_copy(model, mode)
-    except ModelCopyError as e:
-        raise TraceError(f"{e}; give the model on the meta device, or trace in real mode") from e
-
-
 def as_train_step(model: torch.nn.Module, step: TrainStep | None) -> TrainStep:
     """``step`` checked and resolved: None is ``TrainStep()``, and a step without ``inputs`` takes
     ``model.example_inputs()``."""
@@ -234,8 +238,10 @@ def estimate(
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
     t0 = time.perf_counter()
-    with _trace_mode(fake) as box:
-        trace, without_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, frozenset(), box.mode)
+    # A model fully_shard sharded is copied unit by unit (estimators.tracing.sharded_model): traced whole.
+    stacks = (find_stacks(model) if fake and options.replicate_blocks and prepare is None
+              and not fsdp_units_of(model) else [])
+    trace, without_grad, stacks = _trace(model, step, spec, options, prepare, cuda_rules, frozenset(), stacks)
     if without_grad and (step.optimizer is not None or step.grads_alive_at_start):
         # torch's optimizers create no state for (and do not step) a parameter whose .grad is
         # None, and a parameter the loss never reaches never gets one (an unused pooler, a frozen
@@ -243,10 +249,10 @@ def estimate(
         # has them from step 2 on, without gradient or state.
         logger.info("%d parameter(s) get no gradient in the step (%s); traced again without their "
                     "optimizer state", len(without_grad), ", ".join(sorted(without_grad)[:3]))
-        with _trace_mode(fake) as box:
-            trace, _ = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad, box.mode)
-    timeline = build_timeline(trace)
-    info = build_module_info(trace, timeline)
+        trace, _, _ = _trace(model, step, spec, options, prepare, cuda_rules, without_grad, stacks)
+    with gc_paused():
+        timeline = build_timeline(trace)
+        info = build_module_info(trace, timeline)
     dt = time.perf_counter() - t0
     logger.info("traced %d ops, %d module calls in %.2f s", len(trace.ops), len(trace.calls), dt)
     return Estimate(
@@ -273,6 +279,29 @@ def _check_held_is_not_the_model(model: torch.nn.Module, step: TrainStep) -> Non
             )
 
 
+def _trace(
+    model: torch.nn.Module, step: TrainStep, spec: DeviceSpec, options: EstimateOptions,
+    prepare: Callable[[torch.nn.Module], Any] | None, cuda_rules: bool, without_grad: frozenset[str],
+    stacks: list[Stack],
+) -> tuple[StepTrace, frozenset[str], list[Stack]]:
+    """``_trace_step`` with the blocks of ``stacks`` traced once each (and the stacks used), or,
+    where that trace cannot stand for the full one, of the full model (and no stacks)."""
+    fake = options.mode is TraceMode.FAKE
+    if stacks:
+        try:
+            with _trace_mode(fake) as box:
+                trace, got_no_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad,
+                                                 box.mode, stacks)
+            return trace, got_no_grad, stacks
+        except (NotReplicable, TraceError) as e:
+            if not isinstance(e, NotReplicable) and not may_index_blocks(e):
+                raise  # the model's own error: the full model raises it too
+            logger.debug("%s: every block traced (%s: %s)", type(model).__name__, type(e).__name__, e)
+    with _trace_mode(fake) as box:
+        trace, got_no_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad, box.mode)
+    return trace, got_no_grad, []
+
+
 def _trace_mode(fake: bool) -> contextlib.AbstractContextManager[fake_leaks.FakeTrace]:
     """The fake mode of one trace (``.mode``, None in real mode); what the trace leaves held in
     the process is cleared when it ends (``estimators.tracing.fake_leaks``)."""
@@ -282,15 +311,19 @@ def _trace_mode(fake: bool) -> contextlib.AbstractContextManager[fake_leaks.Fake
 def _trace_step(
     model: torch.nn.Module, step: TrainStep, spec: DeviceSpec, options: EstimateOptions,
     prepare: Callable[[torch.nn.Module], Any] | None, cuda_rules: bool, without_grad: frozenset[str],
-    fake_mode: FakeTensorMode | None,
+    fake_mode: FakeTensorMode | None, stacks: list[Stack] = (),
 ) -> tuple[StepTrace, frozenset[str]]:
     """One traced step of the steady state, and the names of the trainable parameters that got
     no gradient in it. ``without_grad``: parameters that start the step with neither
     gradient nor optimizer state (they got none in a previous trace). ``fake_mode``: the mode
-    of a fake trace, None for a real one."""
+    of a fake trace, None for a real one. ``stacks`` (fake mode): run four blocks of each and lay
+    the others in (``estimators.tracing.replicate``; raises NotReplicable where it cannot)."""
     fake = fake_mode is not None
     if fake:
-        traced, mapping = _fake_copy(model, fake_mode)
+        try:
+            traced, mapping = fake_copy(model, fake_mode, stacks)
+        except FakeCopyError as e:
+            raise TraceError(str(e)) from e.__cause__
         step_inputs = tree_map(
             lambda t: fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, step.inputs
         )
@@ -323,13 +356,18 @@ def _trace_step(
                 steady_state(traced, opt, step, without_grad)
             except StepError as e:
                 raise TraceError(str(e)) from e.__cause__
+        runtime = make_runtime_model(options.runtime, spec)
+        full_lists = FullListsRuntime(runtime, stacks, traced) if stacks else None
         tracer = StepTracer(
-            traced, original_class_name(model), CollectivePricing.for_device(make_runtime_model(options.runtime, spec), spec),
+            traced, original_class_name(model), CollectivePricing.for_device(full_lists or runtime, spec),
             inputs=step_inputs, optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
             round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
             progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
             previous_output=step.keep_output, held=step.held_tensors(), fake_mode=fake_mode,
         )
+        if full_lists is not None:
+            full_lists.phase, full_lists.optimizer = functools.partial(getattr, tracer, "phase"), opt
+        owners = [pre_step_owners(tracer.sid_of, traced, st, opt) for st in stacks]
         applied = prepare(traced) if prepare is not None else None
         if fake:  # the user's model itself must not train in the step (see _refuse_calls_of)
             restore.callback(_refuse_calls_of(model))
@@ -343,14 +381,18 @@ def _trace_step(
                     modes.enter_context(hf_real_paths(step.inputs))  # HF's real-run code path
                     modes.enter_context(fake_mode)
                     # Below the tracer: it records outputs as the real kernels make them.
-                    modes.enter_context(RealKernelsMode(cuda=bool(cuda_rules)))
+                    kernels = RealKernelsMode(cuda=bool(cuda_rules), values=_batch_values(step.inputs, step_inputs))
+                    tracer.run_op = modes.enter_context(kernels.inline())
                 modes.enter_context(tracer)
                 if cuda_rules:
                     modes.enter_context(CudaSemanticsMode())
+                amp = options.cuda_autocast if options.cuda_autocast is not None else (cuda_rules and fake)
+                autocast = modes.enter_context(CudaAutocast()) if amp else None
                 modes.enter_context(step_mode(traced, step.train_mode))
                 with torch.autograd.graph.saved_tensors_hooks(tracer.pack_hook, tracer.unpack_hook):
                     run_step(
-                        traced, step_inputs, step.loss_fn, opt, on_phase=tracer.set_phase,
+                        traced, step_inputs, step.loss_fn, opt,
+                        on_phase=autocast.on_phase(tracer.set_phase) if autocast else tracer.set_phase,
                         micro_batches=step.micro_batches, passes=1, autocast_dtype=step.autocast_dtype,
                         keep_output=step.keep_output, context=step.context,
                     )
@@ -360,6 +402,8 @@ def _trace_step(
             raise TraceError(str(e)) from e
         finally:
             tracer.detach()
+            if full_lists is not None:
+                full_lists.close()
             own = {id(p) for p in model.parameters()} if fake else set()
             read = [t for t in tracer.foreign_leaves() if id(t) in own]
             tracer.restore_foreign_grads()
@@ -371,6 +415,14 @@ def _trace_step(
             raise _TheModelItself(f"reads the model's own parameters ({', '.join(names[:3])}"
                                   f"{', ...' if len(names) > 3 else ''}), from loss_fn or a hook")
         trace = tracer.finish()
+        if stacks:
+            try:
+                with gc_paused():
+                    trace = expand_stacks(trace, stacks, owners, original_class_name(model))
+            except NotReplicable:
+                raise
+            except Exception as e:  # noqa: BLE001 - a trace this code does not expect: trace it whole
+                raise NotReplicable(f"{type(e).__name__}: {e}") from e
         apply_comm_overlap(trace)  # a collective costs the step what its compute stream waits for
         got_no_grad = frozenset(n for n in trainable if n not in graded)
         drawn_reads = tracer.random_value_reads
@@ -395,6 +447,14 @@ def _trace_step(
     return trace, got_no_grad
 
 
+def _batch_values(real: Any, fake: Any) -> dict[int, torch.Tensor]:
+    """``id(fake batch tensor) -> real one`` where the real one has values (not on the meta
+    device): what ``RealKernelsMode`` checks token ids against."""
+    pairs = zip(tree_flatten(real)[0], tree_flatten(fake)[0])
+    return {id(f): r for r, f in pairs
+            if isinstance(r, torch.Tensor) and isinstance(f, torch.Tensor) and r.device.type != "meta"}
+
+
 class _TheModelItself(TraceError):
     """A fake trace runs a copy of the model; the step used the model itself (loss_fn holds it)."""
 
@@ -410,9 +470,9 @@ class _TheModelItself(TraceError):
 def _refuse_calls_of(model: torch.nn.Module) -> Callable[[], None]:
     """Forward pre-hooks on the user's modules, for the step's calls outside the traced copy:
     one that holds parameters is refused before its forward runs with grad on (its gradients and
-    optimizer state would be the user's, not the copy's: a SimCLR head called from loss_fn, 48 %
-    under); under no_grad it runs, its parameters counted as the step's inputs (FixMatch's
-    pseudo-label forward: 65,192 B over, where a refusal leaves no plan at all).
+    optimizer state would be the user's, not the copy's, and missing from the trace); under
+    no_grad it runs, its parameters counted as the step's inputs (FixMatch's pseudo-label
+    forward: counted high, where a refusal would leave no plan at all).
     One that holds only buffers runs as the copy's would (``CrossEntropyLoss(weight=...)`` kept
     on the model, a plain criterion), its buffers put back afterwards (a no-grad forward of a
     BatchNorm counts a batch into its statistics). Returns the removal of the hooks."""
@@ -458,16 +518,17 @@ class DrawnControlFlowWarning(UserWarning):
     flow followed one draw."""
 
 
-# Backward ops whose forward keeps a workspace that torch's fake (meta) kernel returns empty: the
-# oneDNN LSTM/GRU layer's is 1,019,904 B for 8 x 32 steps of hidden size 64, 41 % of that
-# step's measured peak. A fake trace cannot size it; a real one measures it.
+# Backward ops whose forward keeps a workspace that torch's fake (meta) kernel returns empty (the
+# oneDNN LSTM/GRU layer's is a large share of such a step's peak). A fake trace cannot size it; a
+# real one measures it.
 _UNSIZED_WORKSPACE_BACKWARDS = {"aten.mkldnn_rnn_layer_backward.default": "LSTM/GRU/RNN (aten.mkldnn_rnn_layer)"}
 
 
 def _refuse_unsized_workspaces(trace: StepTrace) -> None:
+    unsized = {f for f in {op.func for op in trace.ops} if str(f) in _UNSIZED_WORKSPACE_BACKWARDS}
     for op in trace.ops:
-        what = _UNSIZED_WORKSPACE_BACKWARDS.get(str(op.func))
-        if what is not None:
+        if op.func in unsized:
+            what = _UNSIZED_WORKSPACE_BACKWARDS[str(op.func)]
             where = trace.calls[op.call].fqn if op.call >= 0 else "the model"
             raise TraceError(
                 f"{where} runs {what}, whose workspace kept for the backward has 0 bytes under "

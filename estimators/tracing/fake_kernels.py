@@ -16,8 +16,7 @@ one rule per op, each measured against the real CPU kernel (tests/estimators/tes
    the dtype of ``mean`` (float32 after rule 2: twice the bytes of a bf16 gradient).
 4. ``native_layer_norm_backward``: ``grad_input`` is contiguous (the kernels write it over the
    contiguous input); the meta kernel copies the incoming gradient's strides, so behind a
-   transpose (Swin's patch merging) the next linear's backward copied it to reshape: 2,048 B
-   over-predicted on a tiny Swin.
+   transpose (Swin's patch merging) the next linear's backward would copy it to reshape.
 5. ``_grouped_mm`` (MoE experts in transformers 5): the meta kernel checks CUDA's limits (bf16
    only, 16-byte aligned strides) and refuses what the CPU kernel runs, e.g. float32 experts fed
    by autocast's float32 activations; the output is computed here as the CPU kernel makes it:
@@ -25,18 +24,39 @@ one rule per op, each measured against the real CPU kernel (tests/estimators/tes
 
 6. ``native_batch_norm`` (and its ``_legit`` forms): the saved ``mean`` / ``invstd`` follow
    rule 1 (float32 for a bf16 input with float32 weight, as BatchNorm2d under autocast runs on
-   CPU; float32 for every low-precision input on CUDA). A user's conv net with 5 BatchNorms
-   under bf16 autocast measured 320 B above the prediction before (64 B per live layer). The
+   CPU; float32 for every low-precision input on CUDA). The
    output is dense in the input's suggested memory format (the kernels' ``empty_like(input,
    suggest_memory_format())``): channels_last stays so, a transposed 3-D input gives a contiguous
    output, where the meta kernel kept the transposed strides. PatchTST normalises behind a
-   transpose: the fake trace saw a view where the next ``Linear`` copies, 6,144 B under.
+   transpose: with the meta strides the trace sees a view where the next ``Linear`` copies.
 
 7. ``_embedding_bag`` (and its forward-only form) on the CPU: ``offset2bag`` is empty on the
-   sum fast path, which the meta kernel takes for float32 weights only (a bf16 bag was 768 B
-   over), and otherwise sits on ``numel + 1`` elements, as ``bag_size`` with
-   ``include_last_offset`` does on ``bags + 1`` (the kernel allocates one more and narrows): 8 B
-   under per bag layer, measured on an ``nn.EmbeddingBag(mode="mean")`` net.
+   sum fast path, which the meta kernel takes for float32 weights only, and otherwise sits on
+   ``numel + 1`` elements, as ``bag_size`` with ``include_last_offset`` does on ``bags + 1``
+   (the kernel allocates one more and narrows).
+
+8. ``mse_loss``, ``smooth_l1_loss``, ``soft_margin_loss``, ``binary_cross_entropy`` with a
+   ``mean`` or ``sum`` reduction: the 0-dim loss keeps the storage of the unreduced loss (the
+   kernels compute it into their output and resize that to 0-dim, which keeps the storage),
+   ``max(1, n)`` elements of the loss's dtype, ``n`` the broadcast size of input and target
+   (``soft_margin_loss`` and ``binary_cross_entropy``: the input's size); the fake kernels give
+   one element. The loss lives through the backward, so the fake kernels count the target's
+   bytes too little. Found by a sweep over
+   every ``torch.nn.functional`` loss and reduction (tests/estimators/tracing/
+   test_fake_kernels_losses.py). CUDA's kernels make the same allocation (the same structured kernel
+   for mse / smooth_l1, a device-generic one for soft_margin, and CUDA's
+   ``binary_cross_entropy`` resizes its output alike), so the rule holds for a CUDA target;
+   read from the kernels' source, not measured on a GPU here.
+9. ``_ctc_loss`` (``F.ctc_loss``): the meta kernel refuses (its ``log_alpha`` output is
+   ``[batch, T, 2 L + 1]``, ``L`` the longest target, a value); with target lengths given as
+   ints ``L`` is known, with a tensor of them (fake: no values) ``L`` is the most the targets
+   can hold (padded ``[batch, S]`` targets: ``S``; concatenated 1-D targets: all of them),
+   exact when the longest target fills the padding and an upper bound otherwise.
+
+10. ``embedding`` and ``_embedding_bag``: a fake tensor has no values, so ids past the table
+    (or negative) were planned, where the real step raises "index out of range". Where the ids
+    are a batch tensor the trace was given (or a view of one), its real values are checked
+    against the table's rows (``values=`` maps each fake batch tensor to the real one).
 
 Any other meta kernel that raises is reported by :class:`FakeKernelError`, naming the op and its
 arguments and saying what the real kernel does with the same arguments (run on zeros where they
@@ -45,6 +65,7 @@ are small), with the way out: trace in real mode.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -150,7 +171,33 @@ def _one_more(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape[0] + 1, dtype=t.dtype, device=t.device)[: t.shape[0]]
 
 
+def _reduced_loss(out, args, kwargs, cuda: bool, *, reduction_at: int, broadcast: bool):
+    """Rule 8: a reduced loss over the storage of the unreduced one."""
+    reduction = _arg(args, kwargs, reduction_at, "reduction")
+    if reduction == 0 or out.dim() != 0:  # Reduction::None: the loss is the full tensor already
+        return out
+    x, target = args[0], args[1]
+    n = torch.broadcast_shapes(x.shape, target.shape).numel() if broadcast else x.numel()
+    return torch.empty(max(n, 1), dtype=out.dtype, device=out.device).as_strided((), ())
+
+
+def _mse_like(out, args, kwargs, cuda: bool):  # mse_loss(self, target, reduction=Mean[, beta])
+    return _reduced_loss(out, args, kwargs, cuda, reduction_at=2, broadcast=True)
+
+
+def _soft_margin(out, args, kwargs, cuda: bool):  # soft_margin_loss(self, target, reduction=Mean)
+    return _reduced_loss(out, args, kwargs, cuda, reduction_at=2, broadcast=False)
+
+
+def _bce(out, args, kwargs, cuda: bool):  # binary_cross_entropy(self, target, weight=None, reduction=Mean)
+    return _reduced_loss(out, args, kwargs, cuda, reduction_at=3, broadcast=False)
+
+
 _OUTPUT_RULES = {
+    aten.mse_loss.default: _mse_like,
+    aten.smooth_l1_loss.default: _mse_like,
+    aten.soft_margin_loss.default: _soft_margin,
+    aten.binary_cross_entropy.default: _bce,
     aten._embedding_bag.default: _embedding_bag,
     aten._embedding_bag_forward_only.default: _embedding_bag_forward_only,
     aten.native_batch_norm.default: _batch_norm,
@@ -184,7 +231,24 @@ def _grouped_mm(args, kwargs) -> torch.Tensor:
     return torch.empty(shape, dtype=out_dtype, device=a.device)
 
 
-_REPLACED = {aten._grouped_mm.default: _grouped_mm}
+def _ctc_loss(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rule 9: ``(neg_log_likelihood [batch], log_alpha [batch, T, 2 L + 1])`` of
+    ``_ctc_loss(log_probs [T, batch, C], targets, input_lengths, target_lengths, ...)``."""
+    log_probs, targets, target_lengths = args[0], args[1], args[3]
+    batch = log_probs.shape[1] if log_probs.dim() == 3 else 1
+    if isinstance(target_lengths, torch.Tensor):
+        longest = targets.shape[1] if targets.dim() == 2 else targets.numel()
+    else:
+        longest = max(target_lengths, default=0)
+    return (torch.empty(batch, dtype=log_probs.dtype, device=log_probs.device),
+            torch.empty(batch, log_probs.shape[0], 2 * longest + 1, dtype=log_probs.dtype, device=log_probs.device))
+
+
+_REPLACED = {
+    aten._grouped_mm.default: _grouped_mm,
+    aten._ctc_loss.default: _ctc_loss,
+    aten._ctc_loss.Tensor: _ctc_loss,
+}
 
 
 class RealKernelsMode(TorchDispatchMode):
@@ -192,23 +256,38 @@ class RealKernelsMode(TorchDispatchMode):
     outputs as the real kernels make them (see the module docstring). ``cuda``: the trace stands
     for a CUDA target (CUDA's layer-norm statistics)."""
 
-    def __init__(self, *, cuda: bool = False) -> None:
+    def __init__(self, *, cuda: bool = False, values: dict[int, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.cuda = cuda
+        self.values = values or {}
+        """``id(fake batch tensor) -> the real tensor``: values rule 10 can check."""
+        self._checked: set[tuple[int, int]] = set()
 
     def __enter__(self):
-        # torch logs every failing meta kernel with its traceback ("failed while attempting to run
-        # meta for ...", 20 lines on stderr) before the exception reaches this mode, which
-        # raises it again as a FakeKernelError that names the op and the way out.
-        logging.getLogger("torch._subclasses.fake_tensor").addFilter(_quiet_meta_failures)
+        _quiet_torch(True)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        logging.getLogger("torch._subclasses.fake_tensor").removeFilter(_quiet_meta_failures)
+        _quiet_torch(False)
         return super().__exit__(*exc)
 
+    @contextlib.contextmanager
+    def inline(self):
+        """``with kernels.inline() as run:`` the mode's work as a function, for the one caller
+        above it that runs every op itself (``StepTracer.run_op``), without entering the mode
+        (a dispatch level less per op)."""
+        _quiet_torch(True)
+        try:
+            yield self.run
+        finally:
+            _quiet_torch(False)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        return self.run(func, args, kwargs or {})
+
+    def run(self, func, args, kwargs):
+        """``func(*args, **kwargs)`` as the real kernel makes its outputs (the mode's work, for a
+        caller above it that runs the op itself: ``StepTracer.run_op``)."""
         replace = _REPLACED.get(func)
         if replace is not None:
             # Not the meta kernel first: its CUDA-only checks fail (and torch logs every failure)
@@ -216,6 +295,8 @@ class RealKernelsMode(TorchDispatchMode):
             return replace(args, kwargs)
         if func in _SAME_DTYPE and not (self.cuda and func in _CUDA_AUTOCAST_ONLY):
             _check_same_dtype(func, args)
+        if func in _EMBEDDINGS and self.values:
+            self._check_ids(args[0], args[1])
         try:
             out = func(*args, **kwargs)
         except Exception as e:
@@ -225,21 +306,45 @@ class RealKernelsMode(TorchDispatchMode):
         rule = _OUTPUT_RULES.get(func)
         return rule(out, args, kwargs, self.cuda) if rule is not None else out
 
+    def _check_ids(self, table: torch.Tensor, ids: Any) -> None:
+        """Rule 10: the real values behind ``ids`` (a batch tensor or a view of one) are row
+        numbers of ``table``."""
+        if not isinstance(ids, torch.Tensor):
+            return
+        real = self.values.get(id(ids))
+        if real is None and ids._base is not None:
+            real = self.values.get(id(ids._base))
+        if real is None or (id(real), table.shape[0]) in self._checked or real.numel() == 0:
+            return
+        self._checked.add((id(real), table.shape[0]))
+        with torch._C._DisableTorchDispatch():
+            low, high = int(real.min()), int(real.max())
+        rows = table.shape[0]
+        if low < 0 or high >= rows:
+            raise FakeKernelError(
+                f"the batch's ids run from {low} to {high}, but the embedding they index has {rows:,} "
+                f"rows (ids must be in [0, {rows:,})): the real step raises 'index out of range'; "
+                "check the tokenizer against the model's vocabulary size (vocab_size) and that "
+                "padding or ignored positions (-100) are not fed to the embedding")
+
 
 _aten = torch.ops.aten
+_EMBEDDINGS = frozenset({_aten.embedding.default, _aten._embedding_bag.default,
+                         _aten._embedding_bag_forward_only.default})
 _SAME_DTYPE = frozenset({
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
     _aten.addbmm.default, _aten.mv.default, _aten.addmv.default, _aten.dot.default,
 })
 """Ops whose CPU and CUDA kernels refuse operands of different dtypes ("expected m1 and m2 to have
 the same dtype") where the meta kernel checks shapes only: a float32 batch into a bfloat16 model,
-or token ids into a Linear, were planned (17,320 B and 22,328 B) for a step that cannot run."""
+or token ids into a Linear, would be planned for a step that cannot run."""
 
 
 _CUDA_AUTOCAST_ONLY = frozenset({_aten.mv.default, _aten.addmv.default})
-"""On CUDA's autocast list, not on CPU's: a fake trace for a CUDA target runs CPU autocast, which
-leaves their operands as they are where CUDA's would cast them (``torch.mv(w_fp32, h_bf16)``
-runs on an h100 under autocast)."""
+"""On CUDA's autocast list, not on CPU's: a CUDA target traced with CPU autocast's policy
+(``EstimateOptions(cuda_autocast=False)``) leaves their operands as they are where CUDA's would
+cast them (``torch.mv(w_fp32, h_bf16)`` runs on an h100 under autocast). Under CUDA's policy (the
+default, estimators/tracing/cuda_autocast.py) they arrive cast already."""
 
 
 def _check_same_dtype(func, args: tuple) -> None:
@@ -252,6 +357,14 @@ def _check_same_dtype(func, args: tuple) -> None:
             "the model inputs of its parameters' dtype (batch.to(torch.bfloat16) for a bfloat16 "
             "model; token ids go to an embedding, not a Linear), or run the step under autocast "
             "(TrainStep(autocast_dtype=...)) where the op is on autocast's list")
+
+
+def _quiet_torch(on: bool) -> None:
+    """torch logs every failing meta kernel with its traceback ("failed while attempting to run
+    meta for ...", 20 lines on stderr) before the exception reaches this mode, which raises it
+    again as a FakeKernelError that names the op and the way out."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    (log.addFilter if on else log.removeFilter)(_quiet_meta_failures)
 
 
 def _quiet_meta_failures(record: logging.LogRecord) -> bool:

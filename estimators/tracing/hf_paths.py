@@ -5,8 +5,8 @@ assumes the worst. ``masking_utils.find_packed_sequence_indices`` checks whether
 pack several sequences in a row; on a fake tensor it always answers "maybe", so the trace
 materializes a causal mask, and attention then runs another path (a float mask, ``repeat_kv``
 instead of SDPA's ``enable_gqa`` for grouped-query attention: Mistral, Phi-3, GPT-NeoX...). The
-ops a plan names by ``(op, occurrence)`` then point at other tensors in the real run: an offload
-plan moved 1,048,576 B where 1,245,184 B were predicted (tiny Mistral, bf16 autocast).
+ops a plan names by ``(op, occurrence)`` then point at other tensors in the real run, and an
+offload plan moves other bytes than it predicted.
 
 While tracing, :class:`hf_real_paths` answers that question as the real run would: "not packed"
 when the step passes no ``position_ids`` (the model makes them with ``arange``, one sequence per
@@ -15,16 +15,16 @@ row) or passes ones that the real check finds not packed (evaluated once on the 
 The same holds for SDPA's mask skip: with no padding (an attention mask of ones, or none) the
 real run passes no mask to SDPA (``_ignore_causal_mask_sdpa`` / ``_ignore_bidirectional_mask_sdpa``
 read ``padding_mask.all()``), but ``is_tracing`` is true for a fake tensor, so the trace built a
-boolean mask: a tiny BERT checkpointed layer kept it as an input through its backward, and the
-plan's peak was 2,048 B (one layer) to 18,432 B over the measured one. While tracing those two
+boolean mask that a checkpointed layer keeps as an input through its backward, which the real
+run never makes. While tracing those two
 checks are asked about an all-ones mask of the fake mask's shape, as the real run is, where the
 fake mask stands for ones: the step passes no mask, or the fake mask has the shape of passed masks
 that are all ones in their real values; so is Mamba-2's ``create_recurrent_attention_mask`` (None
-for all ones: no padding multiply; 8,192 B over before). A mask of another shape is one the model
-built from other inputs (Pix2Struct's decoder mask from labels padded with -100): it is asked
-about as it is, and the trace builds it (answering "ones" for it was 256 B under the measured
-peak; where the real one is all ones, as Pix2Struct's with unpadded labels, or a passed mask the
-model extends, BLIP-2's query tokens, the trace is that much over). Still low: a mask the model
+for all ones: no padding multiply). A mask of another shape is one the model built from other
+inputs (Pix2Struct's decoder mask from labels padded with -100): it is asked about as it is, and
+the trace builds it (answering "ones" for it would count too little where it has zeros; where the
+real one is all ones, as Pix2Struct's with unpadded labels, or a passed mask the model extends,
+BLIP-2's query tokens, the trace is over by the mask). Still low: a mask the model
 builds with zeros in the shape of a passed all-ones mask (equal encoder and decoder lengths), or
 with no mask passed at all; the shape is what the trace can tell, not where values came from.
 """
@@ -32,7 +32,7 @@ with no mask passed at all; the shape is what the trace can tell, not where valu
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -40,14 +40,25 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["hf_real_paths"]
 
 
-def _position_ids(inputs: Any) -> list[torch.Tensor] | None:
-    """The real ``position_ids`` the step passes (empty: none passed); None when unknowable."""
+def _by_name(inputs: Any, match: Callable[[str], bool]) -> list[Any]:
+    """Values of the dict entries whose key ``match``es, at any depth of ``inputs`` (dicts, lists
+    and tuples searched; a matched value is taken as it is)."""
     if isinstance(inputs, dict):
-        p = inputs.get("position_ids")
-        if p is None:
-            return []
-        return [p] if isinstance(p, torch.Tensor) else None
-    return []  # positional inputs: HF models take position_ids by keyword in practice
+        found = []
+        for key, value in inputs.items():
+            found += [value] if isinstance(key, str) and match(key) else _by_name(value, match)
+        return found
+    if isinstance(inputs, (list, tuple)):
+        return [v for item in inputs for v in _by_name(item, match)]
+    return []
+
+
+def _position_ids(inputs: Any) -> list[torch.Tensor] | None:
+    """The real ``position_ids`` the step passes by name, at any depth of the inputs (empty:
+    none passed); None when unknowable (passed as something other than a tensor). Positional
+    inputs carry none: HF models take position_ids by keyword in practice."""
+    given = [p for p in _by_name(inputs, lambda key: key == "position_ids") if p is not None]
+    return given if all(isinstance(p, torch.Tensor) for p in given) else None
 
 
 class _AnyShape(frozenset):
@@ -66,14 +77,18 @@ _ANY = _AnyShape()
 def _all_ones_shapes(inputs: Any) -> set[tuple[int, ...]] | None:
     """Shapes of the attention masks the step passes, where every passed mask of that shape is all
     ones in its real values; None when that cannot be known (meta tensors, 4D custom masks,
-    masks passed positionally)."""
-    if isinstance(inputs, dict):
-        masks = [v for k, v in inputs.items() if "attention_mask" in k and v is not None]
-    else:
-        tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
-        if len(tensors) > 1:
-            return None  # a positional mask cannot be told from other inputs
-        masks = []
+    masks passed positionally).
+
+    A mask is passed by name: a dict key containing ``attention_mask``, at any depth of the
+    inputs, so a batch dict inside positional arguments counts (Lightning's step is
+    ``training_step(batch, batch_idx)``: read only at the top level, the fake trace would build
+    the 4-D mask the real run skips). Tensors outside any dict are
+    positional; beside another tensor they cannot be told from a mask."""
+    tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+    in_dicts = [t for t in tree_flatten(_by_name(inputs, lambda key: True))[0] if isinstance(t, torch.Tensor)]
+    if len(in_dicts) < len(tensors) and len(tensors) > 1:
+        return None  # a positional mask cannot be told from other inputs
+    masks = [m for m in _by_name(inputs, lambda key: "attention_mask" in key) if m is not None]
     if not masks:
         return _ANY  # none passed: every mask the model makes is its own, of ones
     ones: dict[tuple[int, ...], bool] = {}
@@ -121,7 +136,7 @@ class hf_real_paths:
         given = _position_ids(self.inputs)
         if fn is not None and given is not None and not any(
             isinstance(t, torch.Tensor) and (t.device.type == "meta" or fn(t if t.dim() == 2 else t.view(1, -1)) is not None)
-            for t in tree_flatten(given)[0]
+            for t in given
         ):
             # Not packed in the real run (packed or unreadable: left alone, the fake trace's
             # mask is the real run's too).
@@ -139,7 +154,6 @@ class hf_real_paths:
             recurrent = getattr(mu, "create_recurrent_attention_mask", None)
             if callable(recurrent):
                 # Mamba-2 / linear-attention models import it by name: patch every holder.
-                # A tiny Mamba-2 was over-predicted by 8,192 B with an all-ones mask passed.
                 replacement = _no_mask_when_ones(recurrent, shapes)
                 for module in list(sys.modules.values()):
                     if getattr(module, "create_recurrent_attention_mask", None) is recurrent:

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from estimators.contract.module_info import Phase
 
-__all__ = ["StorageKind", "StorageRecord", "OpRecord", "ModuleCall", "StepTrace", "tensor_numel", "held_tensors"]
+__all__ = ["StorageKind", "StorageRecord", "OpRecord", "ModuleCall", "StepTrace", "tensor_numel", "held_tensors", "final_storage_kind"]
 
 
 class StorageKind(enum.IntEnum):
@@ -93,6 +93,10 @@ class StepTrace:
     collective_ms: dict[int, float] = field(default_factory=dict)
     """Whole communication time of each collective op (by op index); its ``runtime_ms`` is the
     part the compute stream waits for (``estimators.tracing.comm_overlap``)."""
+    twin_of: dict[int, int] = field(default_factory=dict)
+    """Call id -> id of the call it is a copy of: the blocks of a stack laid in from one traced
+    block (``estimators.tracing.replicate``), whose ops and storages are that call's at another
+    place. Estimators may reuse what they derived from the call's own ops."""
 
 
 def tensor_numel(obj: Any) -> int:
@@ -127,3 +131,15 @@ def held_tensors(obj: Any, max_depth: int = 6) -> list[torch.Tensor]:
             continue
         todo.extend((x, depth + 1) for x in inner)
     return found
+
+
+def final_storage_kind(s: StorageRecord, grad_sids: set[int | None], optimizer_sids: set[int | None]) -> StorageKind:
+    """The category of a storage made during the step, decided once the step is over."""
+    if s.sid in grad_sids:
+        return StorageKind.GRAD
+    if s.sid in optimizer_sids or s.phase is Phase.OPTIM:
+        # Step temporaries count with the state: both scale with the (sharded) parameters.
+        return StorageKind.OPTIMIZER
+    if s.saved and s.phase is Phase.FW:
+        return StorageKind.ACTIVATION
+    return StorageKind.TEMP

@@ -20,6 +20,7 @@ The greedy order takes units by memory freed per ms of recompute, largest first,
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
@@ -34,6 +35,12 @@ __all__ = [
 ]
 
 _TO_COPY = torch.ops.aten._to_copy.default
+
+
+@functools.lru_cache(maxsize=None)
+def _name(func) -> str:
+    """``str(func)`` once per op (an OpOverload builds it anew at each call)."""
+    return str(func)
 
 
 def subtree(trace: StepTrace, call: ModuleCall) -> set[int]:
@@ -55,7 +62,7 @@ def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
     recs = [r for r in trace.ops[call.fw_first_op : call.fw_last_op + 1] if r.phase is Phase.FW]
     last_write = {sid: i for i, r in enumerate(recs) for sid in r.mutated_sids}
     for rec in recs:
-        name = str(rec.func)
+        name = _name(rec.func)
         occ = seen.get(name, 0)
         seen[name] = occ + 1
         i = len(ops)
@@ -120,13 +127,13 @@ def module_ops(trace: StepTrace, calls: list[ModuleCall]) -> tuple[SACOp, ...]:
     )
 
 
-def greedy_units(ops: tuple[SACOp, ...]) -> list[SACGroup]:
+def greedy_units(ops: tuple[SACOp, ...], groups: tuple[SACGroup, ...] | None = None) -> list[SACGroup]:
     """Units worth recomputing, in greedy order (most bytes per ms first, then op order).
 
     A unit is a group of ``estimators.contract.sac_groups``; groups whose decision the rules fix (must
     save, must recompute) are not choices, so they are not on the curve, nor are groups that
-    free nothing."""
-    units = [g for g in sac_groups(ops) if g.is_choice and g.memory_bytes > 0]
+    free nothing. ``groups``: ``sac_groups(ops)`` where the caller has them."""
+    units = [g for g in (sac_groups(ops) if groups is None else groups) if g.is_choice and g.memory_bytes > 0]
     # Cheapest time per byte first; ties by first op so the order is deterministic.
     units.sort(key=lambda u: (u.runtime_ms / u.memory_bytes, u.ops[0]))
     return units
@@ -148,16 +155,17 @@ def replay_ms(ops: tuple[SACOp, ...], rerun: Callable[[int, SACOp], bool]) -> fl
     return sum(o.runtime_ms for i, o in enumerate(ops[: last + 1]) if not o.is_view and rerun(i, o))
 
 
-def fixed_recompute_ms(ops: tuple[SACOp, ...]) -> float:
+def fixed_recompute_ms(ops: tuple[SACOp, ...], groups: tuple[SACGroup, ...] | None = None) -> float:
     """Recompute time paid by any checkpoint of the module: the ops autograd does not save are
     re-run (saving them would cost memory the baseline never held), and so are the forced ones."""
-    forced = set(forced_recompute_ops(ops))
+    forced = set(forced_recompute_ops(ops, groups))
     return replay_ms(ops, lambda i, o: not o.is_saved or i in forced)
 
 
-def forced_recompute_ops(ops: tuple[SACOp, ...]) -> list[int]:
+def forced_recompute_ops(ops: tuple[SACOp, ...], groups: tuple[SACGroup, ...] | None = None) -> list[int]:
     """Ops (views aside: they launch nothing) re-run whenever the module is checkpointed: the
     must-recompute groups of ``estimators.contract.sac_groups``."""
     return [
-        i for g in sac_groups(ops) if g.must_recompute for i in g.ops if not ops[i].is_view
+        i for g in (sac_groups(ops) if groups is None else groups) if g.must_recompute
+        for i in g.ops if not ops[i].is_view
     ]

@@ -31,16 +31,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from estimators.contract.module_info import Phase
+from estimators.tracing.op_args import PRIM_DEVICE, fake_device, op_tensors
 from estimators.tracing.records import (
     ModuleCall,
     OpRecord,
     StepTrace,
     StorageKind,
     StorageRecord,
+    final_storage_kind,
     held_tensors,
     tensor_numel,
 )
 from estimators.runtime.op_facts import op_facts, written_args
+from estimators.tracing.foreign_leaves import ForeignLeaves
 from estimators.tracing.subclasses import WAIT, defers, in_sharding_propagation, mark_sharding_propagation, storage_of
 
 if TYPE_CHECKING:
@@ -57,6 +60,10 @@ _VALUE_READS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.
 """Ops by which Python code reads a tensor's value (``.item()``, ``bool()``, ``if t:``)."""
 _DRAWN_NUMEL = 64
 """Outputs of random ops up to this many elements are decisions a model may branch on."""
+
+
+def _call(func, args: tuple, kwargs: dict) -> Any:
+    return func(*args, **kwargs)
 
 
 _storage_of = storage_of  # a DTensor's storage is its local shard's (estimators.tracing.subclasses)
@@ -136,17 +143,15 @@ class StepTracer(TorchDispatchMode):
         self._packing = False  # inside pack_hook: its own alias is not an op of the step
         self._output_sids: tuple[int, ...] = ()  # the root call's output, with what pytree does not open
         self._fake_mode = fake_mode
-        self._own_leaves = {id(p) for p in model.parameters()}
-        self._foreign: dict[int, tuple[weakref.ref, torch.Tensor | None, torch.Tensor | None]] = {}
-        """Leaves that require grad outside the model (another module the loss runs: a GAN's
-        discriminator in the generator's step), by weak reference (a strong one kept the step's
-        own leaves alive, and the trace counted them longer), with the ``.grad`` each had
-        before the step and, in a real trace (whose backward adds into it in place), a copy of
-        its values."""
+        self._foreign = ForeignLeaves({id(p) for p in model.parameters()}, real=fake_mode is None)
+        """Leaves outside the model the step reads (``estimators.tracing.foreign_leaves``)."""
         self._drawn: set[int] = set()  # sids of small tensors computed from torch's RNG draws
         self.random_value_reads: list[str] = []
         """Modules (fqns) whose Python code read the value of a small tensor drawn from torch's
         RNG (LayerDrop's ``torch.rand([]) < p``): the trace followed that one draw."""
+        self.run_op: Callable[[Any, tuple, dict], Any] = _call
+        """Runs each op the step dispatches; a mode below the tracer may lend its own work here
+        instead of being entered (``RealKernelsMode.run``): one dispatch level less per op."""
         self._register_state(inputs, held)
 
     def set_phase(self, phase: Phase) -> None:
@@ -157,6 +162,11 @@ class StepTracer(TorchDispatchMode):
     # ------------------------------------------------------------------ storages
     def _sid(self, st: torch.UntypedStorage) -> int | None:
         return self._live.get(id(st))
+
+    def sid_of(self, t: torch.Tensor) -> int | None:
+        """The id of ``t``'s storage in this trace; None where the trace does not track it."""
+        st = _storage_of(t)
+        return self._sid(st) if st is not None else None
 
     def _register_state(self, inputs: Any, held: Any = ()) -> None:
         for p in self.model.parameters():
@@ -205,6 +215,19 @@ class StepTracer(TorchDispatchMode):
             # Gone before the real one: its id may be reused by a new storage, which is not sid.
             weakref.finalize(twin, self._drop_alias, id(twin), sid)
 
+    def _fake_twin_sid(self, t: torch.Tensor) -> int | None:
+        """In a fake trace, the storage already tracked that real tensor ``t`` stands for: the
+        fake copy the mode made of it (or of the tensor it views) as a step input. A loss that
+        closes over the batch it is also given (``lambda out, batch: F.mse_loss(out, x)`` with
+        ``inputs=(x,)``, an autoencoder's target) reads the real ``x``, which is the input, not
+        a second tensor to count again."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if self._fake_mode is None or isinstance(t, FakeTensor):
+            return None
+        twin = _storage_of(self._fake_mode.from_tensor(t))
+        return self._sid(twin) if twin is not None else None
+
     def _drop_alias(self, key: int, sid: int) -> None:
         if self._live.get(key) == sid:
             del self._live[key]
@@ -229,29 +252,36 @@ class StepTracer(TorchDispatchMode):
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is PRIM_DEVICE:
+            # C++ asks a fake tensor's device for nearly every op (the autograd engine, foreach
+            # grouping): answered here as FakeTensor itself answers, not through every mode below.
+            device = fake_device(args[0])
+            if device is not None:
+                return device
         kwargs = kwargs or {}
         if defers(types):
             # A DTensor (or other wrapper) op: the rank runs its local ops and collectives, which
             # come back through this mode at local shapes (estimators.tracing.subclasses).
-            self._note_foreign_leaves(tree_flatten((args, kwargs))[0])
+            self._foreign.note(op_tensors(args, kwargs))
             return NotImplemented
         if in_sharding_propagation() or active_fake_mode() is not self._fake_mode:
             return func(*args, **kwargs)  # DTensor's output-metadata ops on fake global shapes
         # Eagerly a wait returns its input; its fake kernel makes a new tensor (a second buffer).
-        out = args[0] if func is WAIT and self._fake_mode is not None else func(*args, **kwargs)
+        out = args[0] if func is WAIT and self._fake_mode is not None else self.run_op(func, args, kwargs)
         facts = op_facts(func)
         if self._drawn and not self._packing and func in _VALUE_READS:
             self._note_value_read(args)
         if facts.is_query or self._packing:
             return out
         index = len(self.ops)
-        flat_in, _ = tree_flatten((args, kwargs))
-        in_tensors = [a for a in flat_in if isinstance(a, torch.Tensor)]
-        self._note_foreign_leaves(in_tensors)
+        in_tensors = op_tensors(args, kwargs)
+        self._foreign.note(in_tensors)
         arg_sids = []
         for t in in_tensors:
             st = _storage_of(t)
             sid = self._sid(st) if st is not None else None
+            if sid is None and st is not None:
+                sid = self._fake_twin_sid(t)
             if sid is None and st is not None:
                 # A tensor made outside the trace (a constant, a tensor the user built): count it
                 # from here on, as a temporary of this op.
@@ -261,7 +291,7 @@ class StepTracer(TorchDispatchMode):
                 arg_sids.append(sid)
         mutated = self._mutated_sids(written_args(facts, args, kwargs)) if facts.written else ()
         new_sids = []
-        flat_out, _ = tree_flatten(out)
+        flat_out = op_tensors(out if isinstance(out, (tuple, list)) else (out,))
         for t in flat_out:
             if isinstance(t, torch.Tensor):
                 st = _storage_of(t)
@@ -296,32 +326,13 @@ class StepTracer(TorchDispatchMode):
             self.progress(f"{self.phase.name.lower()}: {index} ops, in {where}")
         return out
 
-    def _note_foreign_leaves(self, flat: list) -> None:
-        """Leaves outside the model that an op reads with grad on (see ``_foreign``)."""
-        for t in flat:
-            if (isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf and id(t) not in self._own_leaves
-                    and id(t) not in self._foreign and torch.is_grad_enabled()):  # no_grad: nothing accumulates
-                grad = t.grad
-                values = grad.detach().clone() if grad is not None and self._fake_mode is None else None
-                self._foreign[id(t)] = (weakref.ref(t), grad, values)
-
     def foreign_leaves(self) -> list[torch.Tensor]:
         """The leaves outside the model that the step's ops read with ``requires_grad`` (alive)."""
-        return [t for t in (ref() for ref, _, _ in self._foreign.values()) if t is not None]
+        return self._foreign.alive()
 
     def restore_foreign_grads(self) -> None:
-        """Put back the ``.grad`` of every leaf outside the model that the step's backward
-        reached: the trace's backward accumulated into them (fake tensors in a fake trace, and
-        the user's next real step trained on them)."""
-        for ref, grad, values in self._foreign.values():
-            t = ref()
-            if t is None:
-                continue
-            if values is not None:
-                with torch.no_grad():
-                    grad.copy_(values)
-            t.grad = grad
-        self._foreign.clear()
+        """Put back the ``.grad`` of every leaf outside the model that the step's backward reached."""
+        self._foreign.restore()
 
     def _note_drawn(self, flat_out: list) -> None:
         """Small outputs of a random op, or of an op on drawn values only, are drawn values (a
@@ -518,7 +529,7 @@ class StepTracer(TorchDispatchMode):
         grads = {self._register(p.grad, StorageKind.GRAD) for p in self.model.parameters() if p.grad is not None}
         state = {self._register(t, StorageKind.OPTIMIZER) for t in self._optimizer_tensors()}
         storages = [
-            s if s.alloc_op < 0 else dataclasses.replace(s, kind=_final_kind(s, grads, state))
+            s if s.alloc_op < 0 else dataclasses.replace(s, kind=final_storage_kind(s, grads, state))
             for s in self.storages
         ]
         held = self._previous_output_records(storages)
@@ -577,14 +588,3 @@ class StepTracer(TorchDispatchMode):
             param_bytes[fqn], grad_bytes[fqn] = pbytes, gbytes
         return leaves, param_bytes, grad_bytes
 
-
-def _final_kind(s: StorageRecord, grad_sids: set[int | None], optimizer_sids: set[int | None]) -> StorageKind:
-    """The category of a storage made during the step, decided once the step is over."""
-    if s.sid in grad_sids:
-        return StorageKind.GRAD
-    if s.sid in optimizer_sids or s.phase is Phase.OPTIM:
-        # Step temporaries count with the state: both scale with the (sharded) parameters.
-        return StorageKind.OPTIMIZER
-    if s.saved and s.phase is Phase.FW:
-        return StorageKind.ACTIVATION
-    return StorageKind.TEMP

@@ -5,7 +5,7 @@ and plots.
 """
 
 from planner.analysis.gradcheck import GradientCheck, check_gradients
-from planner.analysis.measure import MeasuredStep, measure_steps
+from planner.analysis.measure import MeasuredStep, StepPeaks, measure_steps
 from planner.analysis.plotting import plot_tradeoff
 from planner.analysis.report import (
     gradient_check_text,
@@ -22,6 +22,7 @@ __all__ = [
     "GradientCheck",
     "measure_steps",
     "MeasuredStep",
+    "StepPeaks",
     "hand_made_baselines",
     "BaselinePoint",
     "step_time_curves",

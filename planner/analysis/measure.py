@@ -8,11 +8,15 @@ estimators, so a prediction checked against it is checked against an independent
 
     steps = measure_steps(model, TrainStep(inputs=batch, optimizer="adamw"), n_steps=3)
     max(s.peak_bytes for s in steps)      # the steady state binds from step 2 on
+
+A loop someone else runs (a framework's trainer) is measured with ``StepPeaks``: started when
+the loop begins, read at each optimizer-step boundary (``planner.integrations`` do this).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +29,7 @@ from estimators.step.optimizer import check_optimizer_params, resolve_optimizer
 from estimators.step.train_step import TrainStep, run_step, step_mode, zero_grads
 from estimators.tracing.trace import held_tensors
 
-__all__ = ["MeasuredStep", "measure_step", "measure_steps"]
+__all__ = ["MeasuredStep", "StepPeaks", "measure_step", "measure_steps"]
 
 
 @dataclass(frozen=True)
@@ -75,8 +79,8 @@ def measure_steps(
         raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
     _check_real(model)
     if optimizer is None and step.optimizer is not None:
-        # Measured without an optimizer step, a step named "adamw" lost AdamW's state from the
-        # peak and trained nothing (a GPT-NeoX: 2,098,456 B measured, loss unchanged each step).
+        # Measured without an optimizer step, a step named "adamw" would lose AdamW's state from
+        # the peak and train nothing.
         optimizer = _optimizer_of(model, step.optimizer)
     if optimizer is not None:
         # Seen: a TrainStep's optimizer built for model A, A's deepcopy measured: the loss
@@ -140,13 +144,13 @@ class _NoModuleHooks:
         pass
 
 
-def _memory_tracker(model: torch.nn.Module) -> tuple[Any, list]:
+def _memory_tracker(model: torch.nn.Module, made_here_only: bool = False) -> tuple[Any, list]:
     """torch's MemTracker measuring storages only, and the gradient hooks that file a parameter's
     ``.grad`` as GRAD once accumulated (the handles, for removal): a post-accumulate hook reads
-    ``p.grad`` and holds nothing."""
+    ``p.grad`` and holds nothing. ``made_here_only``: see ``_made_here_tracker``."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-    mt = MemTracker()
+    mt = _made_here_tracker()() if made_here_only else MemTracker()
     mt._mod_tracker = _NoModuleHooks()
 
     def as_grad(p: torch.Tensor) -> None:
@@ -155,6 +159,37 @@ def _memory_tracker(model: torch.nn.Module) -> tuple[Any, list]:
 
     handles = [p.register_post_accumulate_grad_hook(as_grad) for p in model.parameters() if p.requires_grad]
     return mt, handles
+
+
+@functools.lru_cache(maxsize=None)
+def _made_here_tracker() -> type:
+    """A MemTracker that counts only storages made while it runs and those named to
+    ``track_external``. MemTracker starts counting a storage the first time an op's output holds
+    it, so a view of a storage made before it started (a row of a dataset tensor the loader
+    indexes, on the host) would count the whole dataset from then on; here an output that aliases an input's storage the
+    tracker never saw is left out. For StepPeaks, whose tracker starts before a loop that loads
+    its own data."""
+    import torch.distributed._tools.mem_tracker as mem_tracker
+
+    class MadeHereTracker(mem_tracker.MemTracker):
+        _unseen: frozenset = frozenset()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            outer = self._unseen
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            self._unseen = frozenset(id(st) for t in tensors for st in mem_tracker.get_untyped_storages(t)
+                                     if st not in self._WINFO)
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._unseen = outer
+
+        def _track(self, reftype, t):
+            if self._unseen and any(id(st) in self._unseen for st in mem_tracker.get_untyped_storages(t)):
+                return  # a view of (or in-place op on) a storage made before the tracker started
+            super()._track(reftype, t)
+
+    return MadeHereTracker
 
 
 @contextlib.contextmanager
@@ -209,3 +244,74 @@ def _measure(model: torch.nn.Module, inputs: Any, optimizer, run, held: list | N
     state = sum(v for k, v in snap.items() if getattr(k, "name", "") in ("PARAM", "BUFFER", "GRAD", "OPT"))
     peak = int(snap["Total"])
     return MeasuredStep(peak, loss, dt * 1e3, "torch.distributed._tools.MemTracker", peak - int(state))
+
+
+class StepPeaks:
+    """Peak memory of each optimizer step of a loop this process runs but does not own (a
+    framework's trainer), with the meter ``measure_steps`` uses.
+
+        meter = StepPeaks(model, optimizer)
+        meter.start()                 # where the loop begins
+        peak = meter.step_done()      # at each step boundary: peak bytes since the last one
+        meter.stop()
+
+    CUDA: ``max_memory_allocated``, reset at each boundary. CPU: one MemTracker (storages only)
+    from ``start`` to ``stop``, its peak read and reset at each boundary, so everything made since
+    ``start`` counts while it is alive: what a step inherits from the one before (the last loss a
+    trainer keeps, a logged value, a batch fetched ahead) is in the next step's peak, as a GPU's
+    allocator counts it. Of what exists before ``start`` only the model, the optimizer (its
+    state) and ``external`` tensors count, also where the loop takes views of the rest: a
+    trainer's host-side dataset does not.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 external: tuple = ()) -> None:
+        _check_real(model)
+        self.model, self.optimizer, self.external = model, optimizer, tuple(external)
+        self.device = next(model.parameters()).device
+        self.peaks_bytes: list[int] = []
+        """The peak of each step measured so far, in order."""
+        self._mt: Any = None
+        self._hooks: list = []
+        self._sparse: contextlib.ExitStack | None = None
+
+    def start(self) -> None:
+        if self._mt is not None or self._sparse is not None:
+            raise RuntimeError("StepPeaks.start() called twice; call stop() first")
+        self._sparse = contextlib.ExitStack()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self._sparse.enter_context(_sparse_storages_seen())
+        self._mt, self._hooks = _memory_tracker(self.model, made_here_only=True)
+        opt = [self.optimizer] if self.optimizer is not None else []
+        self._mt.track_external(self.model, *opt, *self.external)
+        self._mt.__enter__()
+
+    def step_done(self) -> int:
+        """The peak since ``start`` or the last ``step_done``, in bytes; the next step starts here."""
+        if self._sparse is None:
+            raise RuntimeError("StepPeaks.step_done() before start()")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = int(torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            mt = self._mt
+            peak = int(mt.get_tracker_snapshot("peak")[self.device]["Total"])
+            mt._peak_mem_snap = mt.get_tracker_snapshot()  # what MemTracker.__enter__ resets
+            mt._peak_mem = {dev: snap["Total"] for dev, snap in mt._peak_mem_snap.items()}
+        self.peaks_bytes.append(peak)
+        return peak
+
+    def stop(self) -> None:
+        """End the measurement (idempotent): the tracker and its gradient hooks are removed."""
+        if self._mt is not None:
+            self._mt.__exit__(None, None, None)
+            for h in self._hooks:
+                h.remove()
+            self._mt, self._hooks = None, []
+        if self._sparse is not None:
+            self._sparse.close()
+            self._sparse = None

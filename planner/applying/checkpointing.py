@@ -176,8 +176,8 @@ class AppliedPlan:
     """Handle of an applied plan: ``remove()`` or use as a context manager.
 
     A handle removes only its own plan: after ``remove_plan(model)`` and another ``apply_plan``,
-    an old handle's ``remove()`` (a leftover ``with`` block, a ``finally:``) does nothing; it
-    had undone 2 of the new plan's 3 modules, measured 13 % over the new plan's peak."""
+    an old handle's ``remove()`` (a leftover ``with`` block, a ``finally:``) does nothing rather
+    than undo part of the new plan."""
 
     model: torch.nn.Module
     plan: Plan | None
@@ -278,12 +278,46 @@ def other_model(model: torch.nn.Module, plan: Plan) -> tuple[str, str] | None:
     return None if (plan.model_name, plan.model_fingerprint) == (name, fp) else (name, fp)
 
 
+def check_plan_modules(model: torch.nn.Module, plan: Plan) -> None:
+    """Raise PlanMismatchError where a module ``plan`` names is not a module of ``model`` (a
+    layer it lacks, a parameter's name): what ``apply_plan`` checks, for the paths that read a
+    plan without applying it (the CLI's ``--plan-in --no-verify``). A fingerprint that matches
+    does not cover it: the module list of a file can be edited."""
+    _resolve(model, plan.modules)
+
+
+def _resolve(model: torch.nn.Module, modules: Iterable[ModulePlan]) -> tuple[list, list[str]]:
+    """``([(module, module plan)], [name relative to the root])`` of the plan's modules."""
+    root = original_class_name(model)
+    targets, names = [], []
+    seen: set[str] = set()
+    for mp in modules:
+        if mp.fqn in seen:
+            raise PlanMismatchError(f"plan module {mp.fqn!r} is listed twice")
+        seen.add(mp.fqn)
+        name = _root_relative(mp.fqn, root)
+        try:
+            targets.append((model.get_submodule(name) if name else model, mp))
+        except AttributeError as e:
+            what = ("a parameter or buffer, not a module" if _is_tensor_name(model, name)
+                    else "not a module of the model")
+            raise PlanMismatchError(
+                f"plan module {mp.fqn!r} is {what}: the plan file was edited or made for another "
+                f"version of this {root}; re-plan it") from e
+        names.append(name)
+    return targets, names
+
+
+def _is_tensor_name(model: torch.nn.Module, name: str) -> bool:
+    return any(n == name for n, _ in itertools.chain(model.named_parameters(), model.named_buffers()))
+
+
 def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = True) -> AppliedPlan:
     """Checkpoint ``model``'s modules as ``plan`` says. Atomic: on any error the model is unchanged.
 
     Example::
 
-        plan = solve_sac(model, budget_gib=40, inputs=batch)
+        plan = solve_sac(model, budget_gib=40, step=TrainStep(inputs=batch))
         with apply_plan(model, plan):
             loss_fn(model(*batch), batch).backward()
     """
@@ -321,19 +355,7 @@ def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan], *,
     own verification trace uses it on the fake copy it traces). Atomic."""
     _check_not_compiled(model)
     check_plannable(model)
-    root = original_class_name(model)
-    targets, names = [], []
-    seen: set[str] = set()
-    for mp in modules:  # resolve everything before touching the model
-        if mp.fqn in seen:
-            raise PlanMismatchError(f"plan module {mp.fqn!r} is listed twice")
-        seen.add(mp.fqn)
-        name = _root_relative(mp.fqn, root)
-        try:
-            targets.append((model.get_submodule(name) if name else model, mp))
-        except AttributeError as e:
-            raise PlanMismatchError(f"plan module {mp.fqn!r} does not exist in the model") from e
-        names.append(name)
+    targets, names = _resolve(model, modules)  # everything before touching the model
     _check_offload(targets)
     done: list[torch.nn.Module] = []
     # A lazy module grows its parameters at its first call: not a change to watch for.
@@ -351,9 +373,8 @@ def apply_module_plans(model: torch.nn.Module, modules: Iterable[ModulePlan], *,
                 mod.forward.watch(shape)
             done.append(mod)
         _hook_siblings(model, targets)
-        # Even for a plan with no module: its peak was traced with the cache off (a bf16 T5 whose
-        # budget fell between the cache-off and cache-on peaks measured 71,680 B over an empty
-        # plan's prediction while the cache stayed on).
+        # Even for a plan with no module: its peak was traced with the cache off, and a budget
+        # can fall between the cache-off and cache-on peaks.
         cache = hf_cache_off(model)
         if cache.configs:
             cache.__enter__()

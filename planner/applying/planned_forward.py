@@ -244,9 +244,8 @@ class PlannedForward:
     def watch(self, shape: ModelShape) -> None:
         """Check, once per call, the whole model (the root of its ancestors) against ``shape``,
         its parameters when the plan was applied: one planned module does it for the plan. A
-        change elsewhere moves every figure of the plan with no planned module changed:
-        ``resize_token_embeddings`` after apply measured 592 % over the prediction, ``.double()``
-        97 % over on a model whose planned modules hold no parameters, unfreezing layers 46 %."""
+        change elsewhere moves every figure of the plan with no planned module changed
+        (``resize_token_embeddings``, ``.double()``, unfreezing layers after apply)."""
         self._watch = shape
 
     @property
@@ -286,10 +285,9 @@ class PlannedForward:
 
     def _warn_if_stale(self, args: tuple, kwargs: dict) -> None:
         """Once per module: the model or its inputs changed since the plan was made in a way its
-        trace did not see. Seen: ``.to(torch.bfloat16)`` after apply measured 1,349,884 B against
-        the fp32 plan's 2,123,932 B; HF gradient checkpointing enabled after apply nested a second
-        checkpoint around the plan's (2,009,500 B measured, 2,123,932 B predicted); a bigger
-        batch than planned grows every activation with it, silently over the budget."""
+        trace did not see: a dtype change (``.to(torch.bfloat16)``) after apply, HF gradient
+        checkpointing enabled after apply (a second checkpoint nested around the plan's), a
+        bigger batch than planned (every activation grows with it, silently over the budget)."""
         module, why = self.module, None
         numel = tensor_numel((args, kwargs)) if self.mp.input_numel else 0
         if self._dtypes is None:

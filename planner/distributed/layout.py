@@ -167,7 +167,7 @@ def has_dtensors(model: torch.nn.Module) -> bool:
 def check_parallel_support(model: torch.nn.Module, options: Any, *, traced_on_one_rank: bool = False) -> None:
     """Raise :class:`PlanningError` naming what cannot be planned for ``model``'s layout yet,
     before any trace (never a figure for the global shapes). ``traced_on_one_rank``: only rank 0
-    traces (``solve_sac_distributed``)."""
+    traces the planned steps it verifies (``solve_sac_distributed``)."""
     if not has_dtensors(model):
         return
     if getattr(options, "offload", False):
@@ -178,5 +178,5 @@ def check_parallel_support(model: torch.nn.Module, options: Any, *, traced_on_on
     if traced_on_one_rank and getattr(mode, "value", mode) == "real":
         raise PlanningError(
             "a real-mode trace of a tensor-parallel model runs its collectives, and solve_sac_distributed "
-            "traces on rank 0 alone (the other ranks would never join them): trace in fake mode (the "
-            "default), or call solve_sac on every rank")
+            "traces the plans it verifies on rank 0 alone (the other ranks would never join them): trace in "
+            "fake mode (the default), or call solve_sac on every rank")

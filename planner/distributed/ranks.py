@@ -12,16 +12,22 @@
 
 The protocol, on the ranks of ``group`` (default: the whole job):
 
-1. every rank validates its arguments locally (same arguments -> same error, no collective yet);
-2. rank 0 traces one step of the *unsharded* model in fake mode (``step.inputs`` is one rank's batch),
-   makes the memory FSDP-aware (``planner.distributed.fsdp.memory.fsdp_module_info``) and solves per rank; the
-   plan's notes state FSDP's all-gather / reduce-scatter time per step (``fsdp_comm_ms`` on the
-   device's default link). With ``PlanOptions(trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK))``
-   a shared benchmark comes first (:func:`share_benchmarks`): every rank traces the step once in
-   fake mode recording the distinct op signatures, rank ``r`` times those with index
-   ``% world_size == r``, the timings are all-gathered and merged, and rank 0 traces with the
-   merged cache: it times no kernel unless its trace meets a signature the split missed (the
-   plan's notes give its hits / misses);
+1. every rank checks its own arguments and describes what it was asked (model fingerprint,
+   budget, step, options: ``planner.distributed.agreement``); one all-gather compares them, and
+   any rank's refusal or any difference from rank 0 raises the same
+   :class:`RankDisagreementError` on every rank, naming the ranks, before anyone traces;
+2. every rank traces one step of the *unsharded* model in fake mode (``step.inputs`` is one
+   rank's batch; in parallel, rank 0's trace being the one planned) and a second all-gather
+   compares the outcomes: a loss that raises on one rank stops every rank there. Rank 0 makes
+   the memory FSDP-aware (``planner.distributed.fsdp.memory.fsdp_module_info``) and solves per
+   rank; the plan's notes state FSDP's all-gather / reduce-scatter time per step
+   (``fsdp_comm_ms`` on the device's default link). With
+   ``PlanOptions(trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK))`` a shared benchmark comes
+   first (:func:`share_benchmarks`): every rank traces the step once in fake mode recording the
+   distinct op signatures, rank ``r`` times those with index ``% world_size == r``, the timings
+   are all-gathered and merged, and the ranks trace with the merged cache: they time no kernel
+   unless a trace meets a signature the split missed (the plan's notes give rank 0's hits /
+   misses);
 3. rank 0 broadcasts the plan's JSON (``dist.broadcast_object_list``), or, if planning raised, an
    error payload: rank 0 re-raises its exception and every other rank raises
    :class:`RemotePlanningError` with the same message, so no rank is left waiting;
@@ -29,13 +35,14 @@ The protocol, on the ranks of ``group`` (default: the whole job):
    hashes are all-gathered (``dist.all_gather_object``); any difference raises
    :class:`PlanHashMismatchError` naming the ranks on every rank.
 
-No step waits without bound: each collective runs under the group's timeout (the ``timeout`` of
-``init_process_group`` / ``new_group``), so a rank that never arrives (a hard crash before the
-broadcast) makes the others raise torch's timeout error instead of hanging.
+No rank waits for another that has failed: every failure a rank can report reaches the others
+in the next collective, which every rank reaches. A rank that never arrives (a hard crash) makes
+the others raise torch's timeout error after the group's timeout (``init_process_group``'s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -52,6 +59,7 @@ from estimators.tracing.estimation import TraceMode, as_train_step, estimate
 from estimators.runtime.kernel_bench import BenchmarkRuntime
 from estimators.runtime.op_signatures import SignatureRecorder
 from estimators.runtime.models import RuntimeKind, benchmark_runtime_override, make_runtime_model
+from planner.distributed.agreement import agree, request_fields
 from planner.errors import PlanHashMismatchError, RemotePlanningError
 from planner.applying.checkpointing import hf_cache_off
 from planner.distributed.fsdp.comm import fsdp_comm_ms
@@ -119,15 +127,16 @@ def solve_sac_distributed(
 ) -> Plan:
     """:func:`planner.solve_sac` for a running torch.distributed job: the same plan on every rank.
 
-    Call it on every rank of ``group`` with the same arguments, before ``fully_shard`` (the trace
-    needs the unsharded model; a model built on the meta device is fine). ``budget_gib`` is per
-    rank, ``step.inputs`` one rank's batch. ``options.fsdp_units`` names the modules you will
-    ``fully_shard`` (ModuleInfo names: ``"GPT"``, ``"GPT.blocks.0"``...; the root included):
-    parameters, gradients and optimizer state are then sharded over the group and FSDP2's
-    gathered parameters and communication buffers are counted (``planner.distributed.fsdp``).
-    Without ``fsdp_units`` the model is planned replicated (e.g. DDP; its gradient buckets are
-    not modelled): per-rank memory is the single-process step's. ``options.world_size`` must be
-    1 (the default: the group's size is used) or the group's size. With
+    Call it on every rank of ``group`` with the same arguments, before ``fully_shard`` or after it
+    (a sharded model gives its own units and group size; a model built on the meta device is
+    fine). ``budget_gib`` is per rank, ``step.inputs`` one rank's batch. ``options.fsdp_units``
+    names the modules you will ``fully_shard`` (ModuleInfo names: ``"GPT"``, ``"GPT.blocks.0"``...;
+    the root included): parameters, gradients and optimizer state are then sharded over
+    ``options.world_size`` ranks (1, the default: the whole group; the ``dp`` size of a ``dp x tp``
+    mesh) and FSDP2's gathered parameters and communication buffers are counted
+    (``planner.distributed.fsdp``). Without ``fsdp_units`` the model is planned replicated (e.g.
+    DDP; its gradient buckets are not modelled): per-rank memory is one rank's traced step, a
+    tensor-parallel model's at its local shard shapes (``planner.distributed.layout``). With
     ``options.trace.runtime == RuntimeKind.BENCHMARK`` the op timings are measured across the
     ranks first (:func:`share_benchmarks`), unless ``benchmark`` passes timings already shared
     that way (e.g. to plan several budgets).
@@ -143,25 +152,50 @@ def solve_sac_distributed(
             "solve_sac_distributed needs an initialised torch.distributed job "
             "(dist.init_process_group(...)); in a single process use solve_sac"
         )
+    world_size = dist.get_world_size(group)
+    asked, error = None, None
+    try:  # every check of this rank's own arguments; what they raise goes to every rank
+        options, units, fsdp_world, step = _checked(model, budget_gib, step, options, world_size, benchmark)
+        asked = request_fields(model=model, budget_gib=budget_gib, step=step, options=options,
+                               benchmark="given" if benchmark is not None else "none")
+    except Exception as e:  # noqa: BLE001 - reported on every rank by agree
+        error = e
+    agree("the arguments", asked, error, group)
+    shared = benchmark
+    if shared is None and options.trace.runtime is RuntimeKind.BENCHMARK:
+        shared = share_benchmarks(model, step, options=options, group=group)
+    runtime = shared.runtime(options.spec) if shared is not None else None
+    # Every rank traces its own step (in parallel: rank 0 needs its trace anyway), so that a
+    # loss that raises, or a step that traces otherwise, on one rank stops every rank now.
+    est, traced, error = None, None, None
+    try:
+        est = _trace(model, step, options, runtime)
+        traced = {"trace": f"peak {est.module_info.peak_bytes:,} B, {len(est.trace.ops):,} ops"}
+    except Exception as e:  # noqa: BLE001 - reported on every rank by agree
+        error = e
+    agree("the traced step", traced, error, group)
+    solve = functools.partial(_solve, model, budget_gib, est, options, units, fsdp_world, runtime)
+    plan = _receive(_plan_on_rank0(solve, group), group)
+    check_same_plan(plan, group)
+    return plan
+
+
+def _checked(model, budget_gib, step, options, world_size: int, benchmark) -> tuple:
+    """``(options, fsdp units, ranks FSDP2 shards over, step)`` after every local check of one
+    rank's arguments (``world_size``: the group's)."""
     options = options if options is not None else PlanOptions()
     if not isinstance(options, PlanOptions):
         raise TypeError(f"options must be a PlanOptions, got {type(options).__name__}")
-    group_size = dist.get_world_size(group)
-    _check_world_size(options.world_size, group_size)
-    units, world_size = _fsdp_of(model, options, group_size)
+    _check_world_size(options.world_size, world_size)
+    units, fsdp_world = _fsdp_of(model, options, world_size)
     check_parallel_support(model, options, traced_on_one_rank=True)
-    shared = benchmark
-    if shared is not None and options.trace.runtime is not RuntimeKind.BENCHMARK:
+    check_budget_gib(budget_gib)
+    if benchmark is not None and options.trace.runtime is not RuntimeKind.BENCHMARK:
         raise ValueError(
             "benchmark= holds measured op timings, which only the BENCHMARK runtime uses; pass "
             "options=PlanOptions(trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK)) or drop benchmark="
         )
-    if shared is None and options.trace.runtime is RuntimeKind.BENCHMARK:
-        shared = share_benchmarks(model, step, options=options, group=group)
-    solve = functools.partial(_solve, model, budget_gib, step, options, units, world_size, shared)
-    plan = _receive(_plan_on_rank0(solve, group), group)
-    check_same_plan(plan, group)
-    return plan
+    return options, units, fsdp_world, as_train_step(model, step)
 
 
 # ------------------------------------------------------------------------------ local checks
@@ -196,33 +230,29 @@ def _plan_on_rank0(solve: Callable[[], Plan], group) -> tuple:
         raise
 
 
-def _solve(model, budget_gib, step, options: PlanOptions, units, world_size,
-           shared: "SharedBenchmark | None" = None) -> Plan:
-    """Rank 0's planning; with ``shared``, every trace prices ops from the merged timings."""
-    if shared is None:
-        return _solve_traced(model, budget_gib, step, options, units, world_size)
-    runtime = shared.runtime(options.spec)
-    with benchmark_runtime_override(runtime):
-        return _solve_traced(model, budget_gib, step, options, units, world_size, runtime)
+def _trace(model, step: TrainStep, options: PlanOptions, runtime: BenchmarkRuntime | None):
+    """One rank's trace of its step; with ``runtime`` (a shared benchmark), ops priced from it."""
+    override = benchmark_runtime_override(runtime) if runtime is not None else contextlib.nullcontext()
+    with override, hf_cache_off(model):  # trace the step as it runs once the plan is applied
+        return estimate(model, step, device=options.spec, options=options.trace)
 
 
-def _solve_traced(model, budget_gib, step, options: PlanOptions, units, world_size,
-                  runtime: BenchmarkRuntime | None = None) -> Plan:
-    """Rank 0's trace and plan: the same path as :func:`planner.solve_sac` (``plan_for_budget``
-    adds FSDP2's per-rank memory for ``units``)."""
+def _solve(model, budget_gib, est, options: PlanOptions, units, world_size,
+           runtime: BenchmarkRuntime | None = None) -> Plan:
+    """Rank 0's plan from its trace ``est`` (the same path as :func:`planner.solve_sac`;
+    ``plan_for_budget`` adds FSDP2's per-rank memory for ``units``); with ``runtime``, every
+    verification trace prices ops from the shared timings too."""
     budget = int(check_budget_gib(budget_gib) * GiB)
     spec = options.spec
-    step = as_train_step(model, step)
-    with hf_cache_off(model):  # trace the step as it runs once the plan is applied
-        est = estimate(model, step, device=spec, options=options.trace)
     notes = [] if runtime is None else [_bench_note(runtime, world_size)]
     shard = world_size if units is not None else 1
     reserve = (int(options.reserve_gib * GiB) if options.reserve_gib is not None
                else default_reserve_bytes(spec, budget))
-    plan = plan_for_budget(
-        model, est, budget, world_size=shard, reserve_bytes=reserve, ac_units=options.ac_units,
-        fsdp_units=units, solver_options=options.solver, verify=options.verify,
-    )
+    with benchmark_runtime_override(runtime) if runtime is not None else contextlib.nullcontext():
+        plan = plan_for_budget(
+            model, est, budget, world_size=shard, reserve_bytes=reserve, ac_units=options.ac_units,
+            fsdp_units=units, solver_options=options.solver, verify=options.verify,
+        )
     note = (
         f"FSDP2 over {world_size} ranks, {len(units)} units: per-rank memory counts gathered "
         "parameters and all-gather / reduce-scatter buffers (planner/distributed/fsdp/memory.py)"

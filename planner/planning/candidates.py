@@ -16,7 +16,7 @@ __all__ = ["allowed_units", "shared_modules", "shared_full_plan"]
 
 def allowed_units(info, ac_units) -> tuple[list[str] | None, dict[str, str]]:
     """The modules the MILP may checkpoint (``ac_units`` as given), and the candidates it
-    leaves out itself (``ModStats.sac_blocker``, see ``solver.milp``) with the reason why, for
+    leaves out itself (``ModStats.sac_blocker``, see ``solver.sac_milp``) with the reason why, for
     the notes: a module that mutates its inputs in place would crash in the recompute; one whose
     calls run different ops cannot be given one per-call plan."""
     excluded = {

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from estimators.contract.module_info import ModStats
+import functools
+
+from estimators.contract.module_info import ModStats, SACOp
 from estimators.contract.sac_groups import cached_if_saved
 from estimators.tracing.sac import replay_ms
 from planner.errors import PlanningError
@@ -16,7 +18,7 @@ __all__ = ["PlanningError", "module_plan", "recompute_ms_with_saved"]
 def module_plan(stats: ModStats, discarded_bytes: int, options: SolverOptions | None = None) -> ModulePlan:
     """Concrete op decisions for discarding at least ``discarded_bytes`` of ``stats``."""
     keep = max(0, stats.sac_memory_bytes - discarded_bytes)
-    op_plan = solve_op_milp(stats.ops, keep_bytes=keep, options=options)
+    op_plan = _op_plan(stats.ops, keep, options)
     saved, recomputed = [], []
     for op, dec in zip(stats.ops, op_plan.decisions):
         key = (op_key(op.func), op.occurrence)
@@ -41,6 +43,13 @@ def module_plan(stats: ModStats, discarded_bytes: int, options: SolverOptions | 
         recompute_ms=recompute_ms_with_saved(stats, frozenset(saved)),
         input_numel=stats.input_numel,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _op_plan(ops: tuple[SACOp, ...], keep_bytes: int, options: SolverOptions | None):
+    """``solve_op_milp``, once per distinct op table and budget: the blocks of a stack share
+    one table (``StepTrace.twin_of``), and their plans at one ratio are one op plan."""
+    return solve_op_milp(ops, keep_bytes=keep_bytes, options=options)
 
 
 def recompute_ms_with_saved(stats: ModStats, saved: frozenset) -> float:

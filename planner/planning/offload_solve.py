@@ -1,13 +1,13 @@
 """Plans that offload: the three-way MILP's decisions as ModulePlans, checked by tracing them.
 
-    plan = solve_sac(model, budget_gib=40, inputs=batch, device="h100", offload=True,
-                     host_budget_gib=128)
+    plan = solve_sac(model, budget_gib=40, step=TrainStep(inputs=batch),
+                     options=PlanOptions(device="h100", offload=True, host_budget_gib=128))
     plan.offloading, plan.host_peak_bytes, plan.step_ms, plan.exposed_copy_ms
 
 ``solve_sac(..., offload=True)`` comes here (``plan_offload``). The step is laid out on the
 timeline at the granularity of the repeated blocks (``planner.planning.baselines.find_blocks``), with
 FSDP2's collectives when ``fsdp_units`` and ``world_size > 1`` are given, and solved by
-``solver.offload_milp.OffloadMilp`` with the recompute-only plan of ``SACMilp`` as its incumbent
+``solver.offload.milp.OffloadMilp`` with the recompute-only plan of ``SACMilp`` as its incumbent
 (so a three-way plan is never slower on the timeline than the recompute-only one). An
 offloading block's ModulePlan lists the ops whose saved outputs go to host
 (``offloaded_ops``), in forward order until the MILP's bytes are reached. The applied plan is
@@ -36,12 +36,12 @@ from planner.planning.module_plans import module_plan
 from planner.planning.step_timeline import offloaded_bytes, plan_timeline, step_layout_of, timeline_fields
 from planner.planning.verification import traced_estimate
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions
-from solver.offload_cost import (
+from solver.offload.cost import (
     offload_take,
     offloadable_bytes,
     predict_offload_peak_bytes,
 )
-from solver.offload_milp import OffloadMilp
+from solver.offload.milp import OffloadMilp
 
 __all__ = ["plan_offload", "offload_module_plan"]
 
@@ -53,7 +53,7 @@ _MAX_TIGHTENINGS = 4
 def offload_module_plan(stats: ModStats, offload_bytes: int, min_bytes: int,
                         cap_bytes: int | None = None) -> tuple[ModulePlan, int]:
     """The ops of ``stats`` whose saved outputs go to host, in the MILP's order
-    (``solver.offload_milp.offload_take``: largest first, the cheapest bytes per ms of copy
+    (``solver.offload.cost.offload_take``: largest first, the cheapest bytes per ms of copy
     stream) until at least ``offload_bytes`` (over all calls) are covered, skipping any that
     would pass ``cap_bytes`` (what is left of the host budget); and the bytes they really
     offload. ``offloaded_ops`` lists them in forward order."""

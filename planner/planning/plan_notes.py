@@ -45,7 +45,7 @@ _OUTPUT_NOTE_FRACTION = 0.01
 def output_note(info, step: TrainStep) -> str | None:
     """The step drops the model output before backward (``keep_output=False``, the default); a
     loop that holds it (``out = model(**batch); out.loss.backward()``) peaks higher by up to its
-    size and nothing else would say so (a Qwen2: 262,144 B of logits, 8 %, over budget)."""
+    size (the logits, for a language model) and nothing else would say so."""
     root = info.stats(info.mod_order.fw_pre_order[0]) if info.mod_order.fw_pre_order else None
     if step.keep_output or root is None or root.output_bytes < _OUTPUT_NOTE_FRACTION * info.peak_bytes:
         return None
@@ -106,9 +106,9 @@ def shared_note(info, shared: list[str]) -> str:
     The memory model gives a module one window, from its last call's forward end to its first
     call's backward start (``ModStats.fw_post_op`` / ``bw_pre_op``); the activations of its other
     calls, which a checkpoint discards too, count as kept before and after it. Plans with such a
-    module are traced, so their prediction holds, but its checkpoint is under-rated: a tiny
-    AlbertForMaskedLM (4 calls of its layer) was given a smallest reachable peak of 4,897,912 B
-    while a full checkpoint of the shared layer traces and measures 2,339,192 B."""
+    module are traced, so their prediction holds, but its checkpoint is under-rated: the smallest
+    reachable peak stated (ALBERT's shared layer, called once per layer) can sit well above what a
+    full checkpoint of the shared module traces and measures."""
     outer = [info.stats(f) for f in shared]
     if not outer:
         return ""
@@ -125,7 +125,7 @@ def shared_note(info, shared: list[str]) -> str:
 def no_optimizer_note(step: TrainStep) -> str | None:
     """A step planned without an optimizer holds no optimizer state; ``solve_sac``'s default. A
     loop that trains with one peaks higher by its state (AdamW: twice the trainable parameters'
-    bytes: 5,246,584 B measured against a 4,294,967 B budget on a small model), so say so."""
+    bytes), so say so."""
     if step.optimizer is not None:
         return None
     note = ("planned without an optimizer (solve_sac's default; --optimizer none): no optimizer state is "

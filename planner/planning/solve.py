@@ -1,8 +1,7 @@
 """``solve_sac``: trace, solve, turn ratios into op decisions, and check the plan by tracing it.
 
-    plan = solve_sac(model, budget_gib=40, inputs=batch, optimizer="adamw", device="h100")
-    plan = solve_sac(model, budget_gib=40, step=TrainStep(inputs=batch, optimizer="adamw",
-                                                          micro_batches=4), device="h100")
+    step = TrainStep(inputs=batch, optimizer="adamw", micro_batches=4)
+    plan = solve_sac(model, budget_gib=40, step=step, options=PlanOptions(device="h100"))
     apply_plan(model, plan)
 
 Plans are made for the steady-state step (``estimators.tracing.estimation``): the memory points the MILP
@@ -49,6 +48,7 @@ from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_b
 
 __all__ = [
     "solve_sac",
+    "plan_estimate",
     "plan_for_budget",
     "default_reserve_bytes",
     "PlanningError",
@@ -129,7 +129,7 @@ def _floor(milp: SACMilp, est: Estimate, info, model, world_size: int, solver_op
     if world_size == 1 and traced > unplanned:
         # The min-peak plan traced above the unplanned step (what its checkpoints hold: start
         # values of buffers their forwards rebind, inputs): no plan, which always verifies, is
-        # the floor. A refusal stated 3,579,112 B where 2,661,608 B was reachable.
+        # the floor; a refusal would state more than is reachable.
         return _Floor(unplanned, peak_breakdown(est, world_size=world_size))
     return _Floor(max(low, traced) if world_size == 1 else low,
                   peak_breakdown(planned, world_size=world_size))
@@ -189,17 +189,26 @@ def solve_sac(
     options = _check_options(options)
     model = unwrap_compiled(model)  # plan what torch.compile wraps; the compiled module is untouched
     check_plannable(model)  # before anything touches the model
-    budget = int(check_budget_gib(budget_gib) * GiB)
-    _check_reserve_gib(options.reserve_gib, budget / GiB)  # all before the trace, which can take minutes
-    host_budget = None if options.host_budget_gib is None else int(check_budget_gib(
-        options.host_budget_gib, "host_budget_gib",
-        "; pass None for no host limit, or offload=False to keep everything on the device") * GiB)
-    spec = options.spec
-    fsdp_units, world_size = fsdp_options(model, options.fsdp_units, options.world_size)
+    _check_budget(budget_gib, options)  # all before the trace, which can take minutes
+    fsdp_options(model, options.fsdp_units, options.world_size)  # refuses options a sharded model contradicts
     check_parallel_support(model, options)
     step = as_train_step(model, step)
     with hf_cache_off(model):  # trace the step as it runs once the plan is applied
-        est = estimate(model, step, device=spec, options=options.trace)
+        est = estimate(model, step, device=options.spec, options=options.trace)
+    return plan_estimate(model, est, budget_gib, options=options)
+
+
+def plan_estimate(model: torch.nn.Module, est: Estimate, budget_gib: float, *,
+                  options: PlanOptions | None = None) -> Plan:
+    """What :func:`solve_sac` does once it has traced the step: the plan for ``budget_gib`` from
+    ``est`` (an estimate of ``model``'s step, traced with ``hf_cache_off`` as solve_sac traces it).
+    For callers that trace the step themselves, e.g. to choose ``options.ac_units`` from the
+    traced module names (``planner.integrations``)."""
+    options = _check_options(options)
+    budget, host_budget = _check_budget(budget_gib, options)
+    fsdp_units, world_size = fsdp_options(model, options.fsdp_units, options.world_size)
+    check_parallel_support(model, options)
+    spec = options.spec
     reserve = (int(options.reserve_gib * GiB) if options.reserve_gib is not None
                else default_reserve_bytes(spec, budget))
     return plan_for_budget(
@@ -216,6 +225,16 @@ def solve_sac(
         offload=options.offload,
         host_budget_bytes=host_budget,
     )
+
+
+def _check_budget(budget_gib: Any, options: PlanOptions) -> tuple[int, int | None]:
+    """The budget and the host budget in bytes, checked against each other and the reserve."""
+    budget = int(check_budget_gib(budget_gib) * GiB)
+    _check_reserve_gib(options.reserve_gib, budget / GiB)
+    host_budget = None if options.host_budget_gib is None else int(check_budget_gib(
+        options.host_budget_gib, "host_budget_gib",
+        "; pass None for no host limit, or offload=False to keep everything on the device") * GiB)
+    return budget, host_budget
 
 
 _OPTION_FIELDS = {"device": "device", "world_size": "world_size", "reserve_gib": "reserve_gib",

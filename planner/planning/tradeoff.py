@@ -11,13 +11,12 @@ model build once. Each row is costed by the solver's exact model: the peak is
 ``module_recompute_ms`` (fixed cost + exact trade-off curve), the same numbers the baselines in
 ``planner.planning.baselines`` are costed with.
 
-What is reused across budgets: the PuLP model with its symmetry-breaking constraints between
-identical blocks (``solver/symmetry.py``, built once; only the budget row's right-hand side
-changes), the smallest reachable peak (one solve, then every budget below it is marked
+What is reused across budgets: one ``SACMilp`` (its exact program and its MILP are built once;
+a solve changes only the budget), the smallest reachable peak (one solve, then every budget below it is marked
 infeasible without a solve), and plans: budgets are solved largest first, and a plan proven
 optimal at one budget whose peak fits the next smaller budget is optimal there too (the least
 recompute never falls as the budget shrinks), so that budget needs no solve. The backend is
-called directly (``solver/lp_model.py``), so a solve pays no model-building in Python. Rows
+called directly (``solver/milp/linear_model.py``), so a solve pays no model-building in Python. Rows
 come back in ascending order. No warm start is passed to the
 backend: measured with CBC's ``warmStart`` it did not help (``benchmarks/tradeoff_sweep.py
 --warm-start``), because the slow points find their best plan early and spend the time proving
@@ -400,8 +399,7 @@ def _shared_floor_row(model, est, milp: SACMilp, min_peak: int,
     """For a model with modules that run more than once per step, the plan ``solve_sac`` takes
     under the MILP's floor (the min-peak plan with those modules fully checkpointed), traced:
     a row where it peaks under ``min_peak``, and the note to read the table with. The MILP
-    prices such a module with one window, so its floor can sit above what is reachable: a
-    block applied 3 times stated 291,884 B where this plan measures 217,644 B."""
+    prices such a module with one window, so its floor can sit above what is reachable."""
     from planner.applying.checkpointing import hf_cache_off
     from planner.planning.candidates import shared_full_plan
 
@@ -440,7 +438,7 @@ class StepTimePoint:
     recompute_only_step_ms: float | None = None
     """Step time of the least-recompute plan (``SACMilp``); None when no plan fits."""
     three_way_step_ms: float | None = None
-    """Step time of the three-way plan (``solver.offload_milp``); None when no plan fits."""
+    """Step time of the three-way plan (``solver.offload.milp``); None when no plan fits."""
     three_way_exposed_copy_ms: float | None = None
     three_way_host_bytes: int | None = None
     """Bytes on host (per rank) of the three-way plan."""
@@ -488,7 +486,7 @@ def step_time_curves(
     """
     from planner.planning.baselines import hand_made_baselines
     from planner.planning.step_timeline import step_layout_of
-    from solver.offload_milp import OffloadMilp
+    from solver.offload.milp import OffloadMilp
 
     info, _ = _module_info(source, step, options)
     options = options or PlanOptions()

@@ -73,3 +73,26 @@ def test_the_collectives_are_priced_on_the_link_and_their_exposed_part_is_in_the
     # The step's compute stream: every op's runtime, the collectives' exposed part included.
     total = sum(op.runtime_ms for op in est.trace.ops)
     assert est.module_info.step_runtime_ms == pytest.approx(total, rel=1e-9)
+
+
+@pytest.mark.parametrize("sp", [pytest.param(True, id="sp+loss_parallel"),
+                                pytest.param(False, id="tp", marks=pytest.mark.slow)])
+def test_a_tp_rank_traced_once_per_block_is_the_full_trace(one_intra_op_thread, sp):
+    """The repeated-block trace (four layers traced, the others laid in) of a TP rank is the
+    trace of every layer, record for record, collectives and their buffers included. (Without
+    sequence parallel the norms stay plain tensors beside DTensors, which a foreach optimizer, as
+    on CUDA, refuses to mix: that case is traced for the CPU.)"""
+    from tests.estimators.tracing.trace_equivalence import trace_difference
+
+    config = LlamaConfig(vocab_size=256, seq_len=32, n_layers=6, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    with fake_process_group(world_size=2, rank=0):
+        model, inputs = build_llama(config, batch_size=2)
+        parallelize_llama(model, init_device_mesh("cpu", (2,)), sequence_parallel=sp, loss_parallel=sp)
+        step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw", context=loss_parallel if sp else None)
+        device = "h100" if sp else "cpu"
+        once = estimate(model, step, device=device)
+        full = estimate(model, step, device=device, options=EstimateOptions(replicate_blocks=False))
+    assert once.trace.twin_of, "the layers were not laid in: this test checks nothing"
+    assert trace_difference(once.trace, full.trace) == ""
+    assert once.trace.collective_ms == full.trace.collective_ms
+    assert once.module_info == full.module_info

@@ -24,3 +24,24 @@ def leave_rank() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_ranks(worker, world_size: int, args: tuple = (), *, timeout_s: float = 120.0) -> None:
+    """Spawn ``worker(rank, *args)`` on ``world_size`` processes and wait at most ``timeout_s``:
+    a rank still running then is killed (SIGKILL, by the pid this call started) and the test
+    fails, so no test waits for a hung collective."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(worker, args=args, nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"ranks still running after {timeout_s:.0f} s")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from planner.cli import main
+from planner.cli import load_callable, main
 from planner.plan import ModulePlan, Plan, model_fingerprint
 from planner.format import fmt_bytes
 from planner.options import PlanOptions
@@ -378,3 +378,12 @@ def test_plan_in_of_a_plan_for_a_devicespec_of_the_users_own(tmp_path, capsys):
     assert main(["--model", "examples:convnet_tiny", "--quiet", "--plan-in", str(out), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["gradient_check"]["equal"] and "note" not in report
+
+
+def test_a_model_module_in_the_current_directory_imports_as_with_python_m(tmp_path, monkeypatch):
+    # The `sac-plan` console script starts without the current directory on sys.path.
+    (tmp_path / "mymodels_here.py").write_text("def make():\n    return 42\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "mymodels_here", raising=False)
+    assert load_callable("mymodels_here:make", "--model", "examples:gpt_demo")() == 42

@@ -1,5 +1,7 @@
 """planner/format.py: byte units at their edges."""
 
+import pytest
+
 from planner.format import byte_unit, fmt_bytes
 
 
@@ -11,3 +13,15 @@ def test_byte_units_at_their_edges():
         (1, "B"), (2**10, "KiB"), (2**20, "MiB"), (2**30, "GiB")]
 
 
+
+
+@pytest.mark.parametrize("budget_gib", [1e-12, 5e-10, 9.3e-10])
+def test_a_budget_under_one_byte_says_so(budget_gib):
+    # Issue 33, row 12. Before: solve_sac(model, 1e-12) blamed "the reserve (0 B)", which must be
+    # "below the budget (0 B)".
+    from planner.errors import PlanningError
+    from planner.format import check_budget_gib
+
+    with pytest.raises(PlanningError, match=rf"budget_gib={budget_gib:g} GiB is .* bytes, less than one byte: budgets are in GiB"):
+        check_budget_gib(budget_gib)
+    assert check_budget_gib(1 / 2**30) == 1 / 2**30  # one byte is a budget (an infeasible one)

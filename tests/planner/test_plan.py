@@ -265,3 +265,124 @@ def test_a_plan_records_its_step_and_refuses_another(plan, tmp_path):
     old = Plan.load(p)
     assert old.step is None
     old.check_step(TrainStep(keep_output=True))
+
+
+# ------------------------------------------------------------------ plan files from anywhere
+def _write(tmp_path, d) -> "Path":
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(d))
+    return p
+
+
+def _refused(path, message: str) -> str:
+    with pytest.raises(PlanFormatError, match=message) as e:
+        Plan.load(path)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 600
+    return str(e.value)
+
+
+def test_deep_nesting_is_one_line_not_a_recursion_error(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text("[" * 100_000)
+    _refused(p, "nests arrays or objects deeper")
+
+
+def test_an_integer_of_5000_digits_is_one_line(plan, tmp_path):
+    text = plan.to_json().replace(f'"budget_bytes": {plan.budget_bytes}', '"budget_bytes": ' + "9" * 5000)
+    p = tmp_path / "p.json"
+    p.write_text(text)
+    _refused(p, "holds a number beyond any field's range")
+
+
+@pytest.mark.parametrize("field, value", [("budget_bytes", 10**400), ("predicted_peak_bytes", 2**50 + 1),
+                                          ("host_bytes_per_step", 2**80), ("world_size", 2**21),
+                                          ("recompute_ms", 1e300), ("step_ms", 1e11)])
+def test_fields_past_what_a_machine_has_are_refused(plan, tmp_path, field, value):
+    _refused(_write(tmp_path, _mutated(plan, lambda d: d.update({field: value}))), f"{field} must be")
+
+
+def test_the_largest_plan_in_range_has_a_summary(plan):
+    from planner.plan_fields import MAX_BYTES, MAX_MS
+
+    big = dataclasses.replace(plan, budget_bytes=MAX_BYTES, predicted_peak_bytes=MAX_BYTES,
+                              baseline_peak_bytes=MAX_BYTES, solver_peak_bytes=MAX_BYTES,
+                              recompute_ms=MAX_MS, baseline_step_ms=MAX_MS, step_ms=MAX_MS)
+    assert "1048576.00 GiB" in big.summary()
+
+
+def test_ops_torch_does_not_know_are_refused(plan, tmp_path):
+    change = _set_module(full=False, saved_ops=[["aten.no_such_op.default", 0]], recomputed_ops=[])
+    _refused(_write(tmp_path, _mutated(plan, change)), "names 'aten.no_such_op.default', an op torch does not know")
+    change = _set_module(full=False, saved_ops=[["mm", 0]], recomputed_ops=[])
+    _refused(_write(tmp_path, _mutated(plan, change)), "must name an op as namespace.op.overload")
+
+
+def test_a_custom_op_registered_after_the_first_look_is_known(plan, tmp_path):
+    import torch
+
+    change = _set_module(full=False, saved_ops=[["hardtest.late.default", 0]], recomputed_ops=[])
+    path = _write(tmp_path, _mutated(plan, change))
+    _refused(path, "an op torch does not know: a typo, or a custom op whose library is not imported yet")
+
+    lib = torch.library.Library("hardtest", "FRAGMENT")  # a user's library, imported late
+    lib.define("late(Tensor x) -> Tensor")
+    assert Plan.load(path).modules[0].saved_ops == (("hardtest.late.default", 0),)
+
+
+def test_more_ops_than_a_module_runs_are_refused_before_they_are_checked(plan, tmp_path):
+    from planner.plan_fields import MAX_OPS
+
+    many = [["aten.mm.default", i] for i in range(MAX_OPS + 1)]
+    _refused(_write(tmp_path, _mutated(plan, _set_module(full=False, saved_ops=many, recomputed_ops=[]))),
+             f"saved_ops lists {MAX_OPS + 1:,} ops, more than the {MAX_OPS:,}")
+
+
+def test_a_fifo_or_a_device_is_refused_unread(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    _refused(fifo, "is a FIFO")  # the read would block forever: the check comes first
+    zero = tmp_path / "zero.json"
+    zero.symlink_to("/dev/zero")
+    _refused(zero, "is a character device")
+
+
+def test_a_file_past_the_cap_is_refused(plan, tmp_path, monkeypatch):
+    import planner.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "MAX_PLAN_FILE_BYTES", 1000)
+    _refused(_write(tmp_path, _mutated(plan, lambda d: d.update(notes=["x" * 2000]))), "larger than 1,000 bytes")
+
+
+def test_long_notes_and_names_are_refused_and_summaries_stay_short(plan, tmp_path):
+    from planner.plan_fields import MAX_NOTE_CHARS
+
+    _refused(_write(tmp_path, _mutated(plan, lambda d: d.update(notes=["x" * (MAX_NOTE_CHARS + 1)]))),
+             r"notes\[0\] has 100,001 characters")
+    _refused(_write(tmp_path, _mutated(plan, _set_module(fqn="M" * 5000))), "fqn has 5,000 characters")
+    wordy = dataclasses.replace(plan, notes=("x" * MAX_NOTE_CHARS,) * 100, model_name="N" * 4000)
+    text = wordy.summary()
+    assert len(text) < 60_000 and "... and 80 more notes" in text and "(3,880 more characters)" in text
+
+
+def test_save_is_atomic_and_leaves_the_old_plan_on_a_full_disk(plan, tmp_path):
+    import os
+    import resource
+    import signal
+
+    p = tmp_path / "plan.json"
+    plan.save(p)
+    before = p.read_bytes()
+    bigger = dataclasses.replace(plan, notes=("x" * 50_000,))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) + 10, hard))  # the disk fills up mid-write
+    try:
+        with pytest.raises(OSError):
+            bigger.save(p)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert p.read_bytes() == before and Plan.load(p) == plan
+    assert os.listdir(tmp_path) == ["plan.json"]

@@ -178,6 +178,7 @@ def _brute_force_ms(ops: list[SACOp], keep: int, unit: int = 1) -> float:
     return best
 
 
+@pytest.mark.property
 @settings(max_examples=80, deadline=None)
 @given(op_tables())
 def test_matches_brute_force(table) -> None:

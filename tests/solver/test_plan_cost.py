@@ -14,7 +14,7 @@ from solver.plan_cost import (
     predict_peak_bytes,
     recompute_extra_bytes,
 )
-from tests.solver.test_milp import MiB, chain, make_info, mod, pt
+from tests.solver.builders import MiB, chain, make_info, mod, pt
 
 
 def test_memory_at_every_point_of_the_chain() -> None:

@@ -3,6 +3,7 @@ peak evaluations, on hand-made graphs and on the random graphs of test_milp_prop
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -10,8 +11,8 @@ from estimators.contract.module_info import ModuleInfo
 from solver.graph import Graph
 from solver.plan_cost import MemoryModel, has_window, module_recompute_ms
 from solver.rounding import ExactPlans
-from tests.solver.test_milp import MiB, chain, make_info, mod, pt
-from tests.solver.test_milp_properties import PROPS, module_infos
+from tests.solver.builders import MiB, chain, make_info, mod, pt
+from tests.solver.strategies import PROPS, module_infos
 
 
 def _exact(info) -> ExactPlans:
@@ -78,6 +79,7 @@ def test_repair_says_how_many_bytes_the_plan_s_modules_cannot_free() -> None:
     assert exact.repair({"M.b2": 50 * MiB}, budget) == ({"M.b2": 50 * MiB}, 7)
 
 
+@pytest.mark.property
 @PROPS
 @given(info=module_infos(), data=st.data())
 def test_each_step_keeps_the_budget_and_never_adds_recompute(info, data) -> None:

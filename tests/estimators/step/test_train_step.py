@@ -338,3 +338,59 @@ def test_loss_functions_are_checked_for_output_and_inputs():
         TrainStep(inputs=(torch.randn(2, 4),), loss_fn=lambda out: out.sum())
     with pytest.raises(TypeError, match="train_mode"):
         TrainStep(train_mode=0)
+
+
+# ------------------------------------------------------------------ losses that mean nothing
+def _tiny():
+    return torch.nn.Sequential(torch.nn.Linear(8, 4))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_loss_that_is_not_finite_is_refused_where_it_has_a_value(value):
+    # Before: planned and measured (920 B); the CLI's gradient check printed "bitwise EQUAL ...
+    # max diff nan" and exited 0. A fake trace has no values: the real runs refuse it.
+    from estimators.tracing.estimation import EstimateOptions, TraceError, TraceMode, estimate
+    from planner.analysis.gradcheck import check_gradients
+    from planner.analysis.measure import measure_steps
+
+    step = TrainStep(inputs=(torch.randn(16, 8),), loss_fn=lambda out, batch: out.sum() * 0 + value)
+    with pytest.raises(TraceError, match=f"the loss is {value}: a step on it trains nothing"):
+        estimate(_tiny(), step=step, options=EstimateOptions(mode=TraceMode.REAL))
+    with pytest.raises(StepError, match="check the batch"):
+        measure_steps(_tiny(), step, n_steps=1)
+    model = _tiny()
+    with pytest.raises(StepError, match=f"the loss is {value}"):
+        check_gradients(model, _empty_plan(model), step)
+
+
+def _empty_plan(model):
+    from planner.plan import Plan, model_fingerprint
+
+    return Plan(modules=(), model_name=type(model).__name__, model_fingerprint=model_fingerprint(model),
+                device="cpu", world_size=1, budget_bytes=10**6, reserve_bytes=0, predicted_peak_bytes=0,
+                solver_peak_bytes=0, baseline_peak_bytes=0, recompute_ms=0.0, baseline_step_ms=0.0)
+
+
+def test_a_complex_loss_is_refused_in_the_steps_own_words():
+    # Before: torch's "grad can be implicitly created only for real scalar outputs".
+    from estimators.tracing.estimation import TraceError, estimate
+
+    step = TrainStep(inputs=(torch.randn(16, 8),), loss_fn=lambda out, batch: out.sum() * (1 + 1j))
+    with pytest.raises(TraceError, match=r"the loss is complex \(complex64\).*loss.abs\(\) or loss.real"):
+        estimate(_tiny(), step=step)
+
+
+def test_a_batch_with_no_rows_is_refused_before_it_is_planned():
+    # Before: planned silently (fake tensors see shapes only; the loss over it is NaN).
+    from estimators.tracing.estimation import TraceError, estimate
+
+    step = TrainStep(inputs=(torch.randn(0, 8),), loss_fn=lambda out, batch: out.mean())
+    with pytest.raises(TraceError, match=r"the batch has no rows \(tensors of shape \(0, 8\)\)"):
+        estimate(_tiny(), step=step)
+    estimate(_tiny(), step=TrainStep(inputs=(torch.randn(1, 8),)))  # one row is a batch
+
+
+def test_an_unknown_optimizer_name_is_refused_when_the_step_is_built():
+    with pytest.raises(ValueError, match=r"unknown optimizer 'adamm'; use one of \['adam', 'adamw', 'sgd'\]"):
+        TrainStep(optimizer="adamm")
+    assert TrainStep(optimizer="AdamW").optimizer == "AdamW"  # names are case-insensitive

@@ -322,3 +322,29 @@ def test_ops_only_cuda_autocast_casts_are_not_refused_for_a_cuda_target():
     assert estimate(_Mv(), step, device="h100").steady_peak_bytes > 0
     with pytest.raises(TraceError, match="aten.mv.default gets bfloat16 and float32 operands"):
         estimate(_Mv(), step)  # the cpu target: CPU autocast leaves mv alone, as the real step does
+
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self, bag: bool = False):
+        super().__init__()
+        self.bag = bag
+        self.emb = torch.nn.EmbeddingBag(100, 16) if bag else torch.nn.Embedding(100, 16)
+        self.head = torch.nn.Linear(16, 100)
+
+    def forward(self, input_ids):
+        if self.bag:
+            return self.head(self.emb(input_ids))
+        return self.head(self.emb(input_ids.view(-1, input_ids.shape[-1])))  # a view, as GPT-2's
+
+
+@pytest.mark.parametrize("bag", [False, True])
+@pytest.mark.parametrize("ids, low, high", [(torch.full((4, 8), 100), 100, 100), (torch.full((4, 8), -1), -1, -1)])
+def test_ids_past_the_table_are_refused_in_a_fake_trace(bag, ids, low, high):
+    # Rule 10. Before: planned (28,712 B; fake tensors have no values); the real step raises
+    # "index out of range".
+    ids = ids.clone()
+    ids[0, 0] = 3
+    with pytest.raises(TraceError, match=rf"the batch's ids run from {min(low, 3)} to {max(high, 3)}, but the "
+                                         r"embedding they index has 100 rows \(ids must be in \[0, 100\)\)"):
+        estimate(_TinyLM(bag), TrainStep(inputs={"input_ids": ids}))
+    estimate(_TinyLM(bag), TrainStep(inputs={"input_ids": torch.randint(0, 100, (4, 8))}))  # in range: traced

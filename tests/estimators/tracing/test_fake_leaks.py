@@ -11,8 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import estimators.tracing.fake_leaks as fake_leaks
 from estimators.tracing.estimation import estimate
-from estimators.tracing.fake_leaks import FakeTensorLeakWarning
 from estimators.step.train_step import TrainStep
+from estimators.tracing.fake_leaks import FakeTensorLeakWarning
 
 
 @functools.lru_cache(maxsize=4)
@@ -113,6 +113,7 @@ def test_a_trace_that_raises_scans_the_heap_once_a_level_not_once_a_tensor(monke
 _HOOKED = '''
 import warnings, torch
 from estimators.tracing.estimation import estimate
+from estimators.step.train_step import TrainStep
 class M(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -126,7 +127,7 @@ warnings.simplefilter("ignore")
 torch.manual_seed(0)
 m = M()
 for _ in range(5):
-    estimate(m, (torch.randn(4, 64, 16),), optimizer="adamw")
+    estimate(m, TrainStep(inputs=(torch.randn(4, 64, 16),), optimizer="adamw"))
 print("ok", len(m.kept))
 '''
 

@@ -65,3 +65,22 @@ def test_a_mask_the_model_builds_in_another_shape_is_asked_about_as_it_is():
     # Two passed masks of one shape: ones only if both are.
     mixed = {"attention_mask": enc, "decoder_attention_mask": torch.tensor([[1] * 8, [1] * 7 + [0]])}
     assert not _mask_skipped_on_fake(mixed, torch.ones(2, 8))
+
+
+def test_a_batch_dict_inside_positional_arguments_passes_its_mask_by_name():
+    # Lightning's step is training_step(batch, batch_idx): the batch dict sits inside a tuple.
+    # Read at the top level only, its all-ones mask was "positional, unknowable" and the fake
+    # trace built the 4-D mask the real run skips (1,024 B over on a tiny Llama).
+    ones, padded = torch.ones(2, 8, dtype=torch.long), torch.tensor([[1] * 8, [1] * 6 + [0] * 2])
+    assert _mask_skipped_on_fake(({"input_ids": ones, "attention_mask": ones}, 0), ones)
+    assert not _mask_skipped_on_fake(({"input_ids": ones, "attention_mask": padded}, 0), padded)
+    assert _mask_skipped_on_fake(({"input_ids": ones}, 0), ones)  # no mask in the batch: HF's ones
+    # A tensor outside any dict beside the batch may be a mask: still unknowable.
+    assert not _mask_skipped_on_fake(({"input_ids": ones}, padded), ones)
+
+
+def test_position_ids_inside_a_nested_batch_decide():
+    flat = torch.arange(8).unsqueeze(0)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    assert not _packed_on_fake(({"input_ids": flat, "position_ids": flat}, 0))
+    assert _packed_on_fake(({"input_ids": flat, "position_ids": packed}, 0))

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from estimators.tracing.memory import build_timeline
-from estimators.tracing.trace import Phase, StorageKind, StorageRecord, _final_kind
+from estimators.contract.module_info import Phase
+from estimators.tracing.records import StorageKind, StorageRecord, final_storage_kind
 
 K = StorageKind
 
@@ -72,6 +73,6 @@ def test_final_kind_gives_every_step_storage_its_category():
         StorageRecord(sid=6, nbytes=1, alloc_op=0, phase=Phase.FW, saved=True),   # optimizer state wins
     ]
     # Registered storages (alloc_op -1) keep the kind they were registered with; StepTracer.finish
-    # gives every storage made during the step the kind _final_kind decides.
-    kinds = [r.kind if r.alloc_op < 0 else _final_kind(r, {4}, {6}) for r in rec]
+    # gives every storage made during the step the kind final_storage_kind decides.
+    kinds = [r.kind if r.alloc_op < 0 else final_storage_kind(r, {4}, {6}) for r in rec]
     assert kinds == [K.PARAM, K.ACTIVATION, K.TEMP, K.TEMP, K.GRAD, K.OPTIMIZER, K.OPTIMIZER]

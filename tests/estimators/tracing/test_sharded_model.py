@@ -1,4 +1,4 @@
-"""estimators/tracing/sharded_model.py (+ model_copy): a model already sharded with fully_shard is
+"""estimators/tracing/sharded_model.py (+ fake_copy): a model already sharded with fully_shard is
 traced as it ran before fully_shard (fake process group, 2 x 2 mesh, one process)."""
 
 from __future__ import annotations

@@ -226,3 +226,27 @@ def test_the_trace_frees_the_storages_the_real_run_frees():
         by_op.setdefault(o, []).append(n)
     real = {(o, by_op[o].index(n)) for o, n in alive_real}
     assert made and alive_trace == real
+
+
+def test_a_loss_closing_over_the_batch_it_is_given_counts_it_once():
+    # An autoencoder's target is its input: `lambda out, batch: F.l1_loss(out, x)` with
+    # inputs=(x,). The fake trace counted the real x read by the loss as a second tensor:
+    # +262,144 B (1024 x 64 float32) over the real trace and the measured step.
+    import torch.nn.functional as F
+
+    from estimators.step.train_step import TrainStep
+    from planner.analysis.measure import measure_steps
+
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64))
+    x = torch.randn(1024, 64)
+    peaks = {}
+    for name, loss in [("given", lambda out, batch: F.l1_loss(out, batch[0])),
+                       ("closed over", lambda out, batch: F.l1_loss(out, x)),
+                       ("a view closed over", lambda out, batch: F.l1_loss(out, x[:, :]))]:
+        step = TrainStep(inputs=(x,), loss_fn=loss, optimizer="sgd")
+        fake = estimate(model, step=step).module_info.peak_bytes
+        real = estimate(model, step=step, options=EstimateOptions(mode=TraceMode.REAL)).module_info.peak_bytes
+        peaks[name] = (fake, real)
+    measured = measure_steps(model, TrainStep(inputs=(x,), loss_fn=lambda out, batch: F.l1_loss(out, x),
+                                              optimizer="sgd"), n_steps=2)[1].peak_bytes
+    assert {v for pair in peaks.values() for v in pair} == {measured}, peaks

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from estimators.step.train_step import TrainStep, ZeroGrad
-from planner.analysis.measure import measure_step, measure_steps
+from planner.analysis.measure import StepPeaks, measure_step, measure_steps
 from tests.estimators.tracing.test_aggregate import Net
 
 # The unplanned step (loss = output.sum(), no optimizer) peaks at threshold_backward: params 224 +
@@ -168,7 +168,7 @@ def test_a_whisper_step_is_measured_as_it_runs_untracked():
 
 def test_a_meta_or_parameterless_model_is_refused_with_what_to_do():
     from estimators.step.train_step import TrainStep
-    from planner.analysis.measure import measure_step, measure_steps
+    from planner.analysis.measure import StepPeaks, measure_step, measure_steps
 
     with torch.device("meta"):
         lin = torch.nn.Linear(4, 4)
@@ -195,3 +195,62 @@ def test_an_optimizer_over_another_copy_is_refused():
     with pytest.raises(ValueError, match="not this Linear's"):
         measure_steps(b, TrainStep(inputs=(torch.randn(2, 4),)), torch.optim.SGD(a.parameters(), lr=0.1))
     assert len(measure_steps(a, step, n_steps=2)) == 2
+
+
+def _loop(model, x, meter, kept=None, n_steps=3, dataset=None):
+    """A loop someone else owns: StepPeaks is read at each optimizer-step boundary. ``dataset``:
+    a host tensor whose rows the loop indexes for its batch (x then only gives the shape)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    meter.optimizer = opt
+    meter.start()
+    try:
+        for i in range(n_steps):
+            batch = x if dataset is None else dataset[3 * i:3 * i + 3].clone()
+            loss = model(batch).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if kept is not None:
+                kept.append(loss.detach())  # a logged value the loop keeps across steps
+            meter.step_done()
+    finally:
+        meter.stop()
+    return meter.peaks_bytes
+
+
+def test_step_peaks_of_a_loop_equal_measure_steps():
+    model, x = _net()
+    assert _loop(model, x, StepPeaks(model, external=(x,))) == [PEAK, PEAK, PEAK]
+
+
+def test_step_peaks_count_what_a_step_inherits_from_the_one_before():
+    # The first step's kept loss is alive through the second step's peak, both through the third.
+    model, x = _net()
+    assert _loop(model, x, StepPeaks(model, external=(x,)), kept=[]) == [PEAK, PEAK + 4, PEAK + 8]
+
+
+def test_step_peaks_leave_out_a_dataset_made_before_they_started():
+    # The loop indexes a 1 MiB host tensor: the view shares its storage, which MemTracker alone
+    # would count from then on; the batch copied from it is the step's.
+    model, x = _net()
+    dataset = torch.randn(65536, 4)
+    assert _loop(model, x, StepPeaks(model), dataset=dataset) == [PEAK, PEAK, PEAK]
+
+
+def test_step_peaks_count_the_batch_only_when_named():
+    model, x = _net()
+    assert _loop(model, x, StepPeaks(model)) == [PEAK - x.nbytes] * 3
+
+
+def test_step_peaks_must_start_first_and_once():
+    model, x = _net()
+    meter = StepPeaks(model)
+    with pytest.raises(RuntimeError, match="before start"):
+        meter.step_done()
+    meter.start()
+    try:
+        with pytest.raises(RuntimeError, match="twice"):
+            meter.start()
+    finally:
+        meter.stop()
+    meter.stop()  # idempotent

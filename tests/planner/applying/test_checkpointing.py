@@ -533,3 +533,21 @@ def test_a_lazy_model_is_planned_applied_and_trained_without_a_false_alarm():
         for _ in range(2):
             model(torch.randn(4, 8)).sum().backward()
     handle.remove()
+
+
+@pytest.mark.parametrize("fqn, what", [("Sequential.9", "not a module of the model"),
+                                       ("Sequential.0.weight", "a parameter or buffer, not a module")])
+def test_modules_a_plan_names_are_checked_without_applying_it(fqn, what):
+    from planner.applying.checkpointing import check_plan_modules
+    from planner.plan import ModulePlan, Plan, model_fingerprint
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    plan = Plan(modules=(ModulePlan(fqn=fqn, discard_ratio=1.0, full=True),), model_name="Sequential",
+                model_fingerprint=model_fingerprint(model), device="cpu", world_size=1, budget_bytes=10**6,
+                reserve_bytes=0, predicted_peak_bytes=0, solver_peak_bytes=0, baseline_peak_bytes=0,
+                recompute_ms=0.0, baseline_step_ms=0.0)
+    with pytest.raises(PlanMismatchError, match=f"plan module '{fqn}' is {what}: the plan file was edited"):
+        check_plan_modules(model, plan)
+    with pytest.raises(PlanMismatchError, match=what):
+        apply_plan(model, plan)
+    check_plan_modules(model, dataclasses.replace(plan, modules=(ModulePlan(fqn="Sequential.0", discard_ratio=1.0, full=True),)))

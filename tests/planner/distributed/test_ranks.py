@@ -188,9 +188,10 @@ def _bad_input_worker(rank: int, tmp: str) -> None:
 def test_bad_input_raises_the_same_clear_error_on_every_rank(tmp_path):
     mp.spawn(_bad_input_worker, args=(str(tmp_path),), nprocs=WORLD_SIZE)
     r0, r1 = _read(tmp_path)
-    for r in (r0, r1):  # checked locally on every rank, before any collective
-        assert r["world_size"][0] == "ValueError"
-        assert "world_size=4 does not match the process group, which has 2 ranks" in r["world_size"][1]
+    # Checked on every rank, then told to every rank in one all-gather (planner.distributed.agreement).
+    assert r0["world_size"] == r1["world_size"] and r0["world_size"][0] == "RankDisagreementError"
+    assert r0["world_size"][2] == [0, 1]
+    assert "world_size=4 does not match the process group, which has 2 ranks" in r0["world_size"][1]
     # Raised on rank 0 while planning; the other rank gets the same message.
     assert r0["unknown_unit"][0] == "FSDPUnitError" and r1["unknown_unit"][0] == "RemotePlanningError"
     assert r0["unknown_unit"][1] == r1["unknown_unit"][1]

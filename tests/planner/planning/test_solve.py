@@ -170,21 +170,18 @@ def test_one_default_target_everywhere():
 
     from estimators.tracing.estimation import DEFAULT_DEVICE
     from planner.cli import build_parser, target_device
-    from planner.distributed.ranks import solve_sac_distributed
-    from planner.planning.tradeoff import tradeoff_curve
 
-    for fn in (estimate, solve_sac, tradeoff_curve, solve_sac_distributed):
-        assert inspect.signature(fn).parameters["device"].default == DEFAULT_DEVICE, fn.__name__
+    # every Python entry point takes its device from PlanOptions; estimate has its own keyword
+    assert PlanOptions().device == DEFAULT_DEVICE
+    assert inspect.signature(estimate).parameters["device"].default == DEFAULT_DEVICE
     assert target_device(build_parser().parse_args([]), None) == DEFAULT_DEVICE  # no --plan-in
 
 
-def test_step_and_shorthand_give_the_same_plan():
+def test_a_plan_says_which_step_binds():
     model, inputs = EXAMPLES["gpt_tiny"]()
-    budget = _midpoint_gib(estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw")))
-    short = solve_sac(model, budget, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"))
-    full = solve_sac(model, budget, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"))
-    assert short.modules and short.to_dict() | {"solve_time_s": 0} == full.to_dict() | {"solve_time_s": 0}
-    assert short.binding_step == "steady state" and "binds            steady state" in short.summary()
+    step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw")
+    plan = solve_sac(model, _midpoint_gib(estimate(model, step)), step)
+    assert plan.modules and plan.binding_step == "steady state" and "binds            steady state" in plan.summary()
 
 
 def _midpoint_gib(est) -> float:
@@ -638,7 +635,7 @@ def test_a_plan_records_its_train_mode_and_the_check_runs_it():
     old_file = json.loads(plan.to_json())
     del old_file["step"]["train_mode"]  # a plan saved before train_mode was recorded
     assert Plan.from_dict(old_file).step.train_mode == "auto"
-    check = check_gradients(model, plan, TrainStep(inputs=inputs))
+    check = check_gradients(model, plan)  # the plan's own step, train mode "auto"
     assert check.equal and not model.training
     torch.manual_seed(0)
     trained = copy.deepcopy(model).train()
@@ -647,7 +644,7 @@ def test_a_plan_records_its_train_mode_and_the_check_runs_it():
                             budget)
     assert as_is.step.train_mode == "as_is"
     torch.manual_seed(0)
-    assert check_gradients(model, as_is, TrainStep(inputs=inputs)).loss_reference == float(model(*inputs).sum().detach())
+    assert check_gradients(model, as_is).loss_reference == float(model(*inputs).sum().detach())
 
 
 def test_a_small_budget_for_a_gpu_names_the_default_reserve():

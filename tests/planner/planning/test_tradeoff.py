@@ -165,15 +165,14 @@ def test_infeasible_budgets_are_reported_and_the_sweep_goes_on():
 
 
 def test_model_input_is_traced_once_and_matches_the_estimate(monkeypatch):
-    # `estimators.tracing.estimation` the attribute is the function; the module is in sys.modules.
-    est_mod = importlib.import_module("estimators.tracing.estimation")
+    est_mod = importlib.import_module("planner.planning.tradeoff")
     calls = []
     real = est_mod.estimate
     monkeypatch.setattr(est_mod, "estimate", lambda *a, **k: calls.append(1) or real(*a, **k))
     model, inputs = EXAMPLES["gpt_small"]()
     table = tradeoff_curve(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), n_points=3)
     assert len(calls) == 1
-    est = real(model, inputs, loss_fn=model.loss_fn, optimizer="adam", device="cpu")
+    est = real(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="cpu")
     assert table.no_ac_peak_bytes == est.module_info.peak_bytes
     assert table.min_reachable_peak_bytes < table.no_ac_peak_bytes
     assert len(table.rows) == 3 and all(r.feasible for r in table.rows)
@@ -256,7 +255,7 @@ def test_sweep_reuse_matches_independent_solves() -> None:
     """Budgets are solved largest first and a plan that fits the next budget is reused there:
     every row still has the least recompute an independent solve finds at its budget."""
     from solver import solve_milp
-    from tests.solver.test_milp import MiB, chain
+    from tests.solver.builders import MiB, chain
 
     info = chain()
     budgets = [b * MiB for b in (250, 275, 300, 350, 400, 425, 449)]
@@ -292,7 +291,7 @@ def test_estimate_options_trace_the_model_as_asked():
     table = tradeoff_curve(model, TrainStep(inputs=(x,)), options=PlanOptions(trace=real), n_points=2)
     traced = estimate(model, TrainStep(inputs=(x,)), options=real)
     assert table.no_ac_peak_bytes == traced.steady_peak_bytes
-    with pytest.raises(ValueError, match="leave estimate_options out"):
+    with pytest.raises(ValueError, match="leave trace out"):
         tradeoff_curve(traced, options=PlanOptions(trace=real))
 
 

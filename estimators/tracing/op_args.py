@@ -1,0 +1,49 @@
+"""The hot path of the step tracer: an op's tensors and a fake tensor's device, cheaply.
+
+The tracer runs for every aten op of a step; what it asks of each op's arguments is here, written
+for the shapes aten schemas take (tensors nested in tuples, lists and the kwargs dict), not
+pytree's general ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+__all__ = ["PRIM_DEVICE", "fake_device", "op_tensors"]
+
+PRIM_DEVICE = torch.ops.prim.device.default
+"""The query C++ makes of a fake tensor's device for nearly every op (the autograd engine,
+``_foreach`` grouping)."""
+
+
+def fake_device(t: Any) -> torch.device | None:
+    """What ``FakeTensor`` answers to ``prim.device`` (None for other tensors)."""
+    mode = getattr(t, "fake_mode", None)
+    if mode is None or not isinstance(t, FakeTensor):
+        return None
+    return torch.device("meta") if mode.in_kernel_invocation else t.fake_device
+
+
+def op_tensors(args: Any, kwargs: dict | None = None) -> list[torch.Tensor]:
+    """The tensors of an aten op's arguments (or outputs), in pytree's order: an op's schema
+    nests them in tuples, lists and the kwargs dict only (a faster ``tree_flatten``)."""
+    out: list[torch.Tensor] = []
+    _collect(args, out)
+    if kwargs:
+        _collect(kwargs.values(), out)
+    return out
+
+
+def _collect(items: Any, out: list) -> None:
+    # Not a closure: a recursive one is a reference cycle that kept ``out``'s tensors alive
+    # until the garbage collector ran, and the trace saw them freed late.
+    for x in items:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif type(x) in (tuple, list):
+            _collect(x, out)
+        elif type(x) is dict:
+            _collect(x.values(), out)

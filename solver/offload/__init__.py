@@ -1,0 +1,1 @@
+"""Keep, recompute or offload: the three-way MILP (``milp``) and what a module can offload (``cost``)."""
