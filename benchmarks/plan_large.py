@@ -139,11 +139,13 @@ def layouts_main(args) -> int:
         for tensor_parallel in (True, False):
             what = ("this layout" if tensor_parallel else f"FSDP2 over all {layout.world_size} ranks, no TP"
                     + (f" (CP {layout.cp} kept)" if layout.cp > 1 else ""))
+            t0 = time.perf_counter()
             try:
                 r = plan_rank(layout, args.budget_gib, args.device, layers=args.layers,
                               tensor_parallel=tensor_parallel)
             except PlanningError as e:
-                print(f"  {what}: {e}")
+                print(f"  {what}: refused in {time.perf_counter() - t0:.1f} s: {e}")
+                ok &= not tensor_parallel
                 continue
             plan = r.plan
             print(f"  {what}: planned in {r.seconds:.1f} s "
