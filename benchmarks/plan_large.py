@@ -6,6 +6,7 @@
     python benchmarks/plan_large.py --world-size 1     # shows the smallest reachable budget
     python benchmarks/plan_large.py --layout 70b-fsdp8-tp8      # per rank of FSDP 8 x TP 8, seq 8192
     python benchmarks/plan_large.py --layout all                # 70B and 405B layouts (benchmarks/_layouts.py)
+    python benchmarks/plan_large.py --pipeline         # Llama-3.1-405B, PP 8 x TP 8 x FSDP 8, per stage
 
 ``--layout``: a torchtitan-style layout planned per rank in this one process on torch's fake
 process group (tensor + sequence parallel + loss_parallel, FSDP2 over the other ranks, context
@@ -68,9 +69,17 @@ def main(argv=None) -> int:
     p.add_argument("--plan-out", help="write the plan JSON here")
     p.add_argument("--layout", choices=["all", *LAYOUTS], help="plan a parallel layout per rank instead")
     p.add_argument("--layers", type=int, help="with --layout: keep only this many layers (a quick look)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="Llama-3.1-405B planned per pipeline stage instead (benchmarks/_plan_large_pipeline.py)")
+    p.add_argument("--pp", type=int, default=8, help="--pipeline: pipeline stages (default 8)")
+    p.add_argument("--tp", type=int, default=8, help="--pipeline: tensor-parallel degree, local shapes (default 8)")
+    p.add_argument("--dp", type=int, default=8, help="--pipeline: FSDP ranks sharding the state (default 8)")
+    p.add_argument("--microbatches", type=int, default=16, help="--pipeline: micro-batches per step (default 16)")
     args = p.parse_args(argv)
     if args.layout:
         return layouts_main(args)
+    if args.pipeline:
+        return pipeline_main(args)
 
     factory, target_s, world_size = MODELS[args.model]
     if args.world_size is None:
@@ -158,6 +167,29 @@ def layouts_main(args) -> int:
                   f"{r.other_bytes / GiB:.2f} GiB")
             print(f"    dominant: {r.dominant}")
             ok &= r.seconds <= 60 or not tensor_parallel
+    return 0 if ok else 1
+
+
+def pipeline_main(args) -> int:
+    from benchmarks._plan_large_pipeline import plan_405b
+
+    seq = 8192 if args.seq_len == 4096 else args.seq_len  # Llama 3.1's training length unless given
+    print(f"Llama-3.1-405B, Schedule1F1B, PP {args.pp} x TP {args.tp} (local shapes) x FSDP {args.dp} "
+          f"({args.pp * args.tp * args.dp} GPUs), {args.microbatches} micro-batches of 1 x {seq}, bf16, AdamW, "
+          f"budget {args.budget_gib} GiB per GPU on {args.device}")
+    out = plan_405b(pp=args.pp, tp=args.tp, dp=args.dp, n_microbatches=args.microbatches, seq_len=seq,
+                    budget_gib=args.budget_gib, device=args.device)
+    print(f"{'stage':>5} {'layers':>6} {'unplanned GiB':>13} {'floor GiB':>9} {'planned GiB':>11} {'modules':>7} "
+          f"{'recompute ms/mb':>15}")
+    for r in out["rows"]:
+        planned = f"{r['planned'] / GiB:11.2f}" if r["planned"] is not None else f"{'over':>11}"
+        print(f"{r['stage']:>5} {r['layers']:>6} {r['unplanned'] / GiB:13.2f} {r['floor'] / GiB:9.2f} {planned} "
+              f"{r['modules']:>7} {r['recompute_ms']:15.1f}")
+    ok = out["wall_s"] <= 60 and all(r["planned"] is not None for r in out["rows"])
+    print(f"{'wall time (3 stage traces + one MILP per stage)':48s} {out['wall_s']:7.1f} s  (traces "
+          f"{out['trace_s']:.1f} s)  target <= 60 s  {'PASS' if out['wall_s'] <= 60 else 'FAIL'}")
+    print(f"{'CPU time of this process':48s} {out['cpu_s']:7.1f} s  (wall above CPU: waiting for a shared CPU)")
+    print(f"{'max RSS of this process':48s} {max_rss_gib():7.2f} GiB")
     return 0 if ok else 1
 
 

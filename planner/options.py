@@ -21,7 +21,59 @@ from planner.errors import PlanningError
 from planner.format import check_budget_gib
 from solver import SolverOptions
 
-__all__ = ["PlanOptions"]
+__all__ = ["PlanOptions", "Pipeline"]
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The pipeline a stage runs in (``torch.distributed.pipelining``), in one line::
+
+        Pipeline(Schedule1F1B, n_microbatches=8, stage_index=1, n_stages=4)
+        Pipeline(ScheduleInterleaved1F1B, n_microbatches=8, stage_index=1, n_stages=8, virtual_stages=2)
+
+    The stage's plan is made for its schedule: how many micro-batches it holds at once, the
+    schedule's receive buffers and held tensors, the split backward of zero-bubble schedules.
+    Stage ``s`` runs on rank ``s % (n_stages // virtual_stages)`` (torch's loop layout)."""
+
+    schedule: Any
+    """The schedule: a class (``Schedule1F1B``, ``ScheduleGPipe``, ``ScheduleInterleaved1F1B``,
+    ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``) or a built schedule object."""
+    n_microbatches: int = field(default=1, kw_only=True)
+    """Micro-batches per step (``n_microbatches`` of the schedule)."""
+    stage_index: int = field(default=0, kw_only=True)
+    """The stage to plan (for a rank of several stages: any of them; all are planned together)."""
+    n_stages: int = field(default=1, kw_only=True)
+    """Stages in the pipeline, over all ranks."""
+    virtual_stages: int = field(default=1, kw_only=True)
+    """Stages per rank (2 for the interleaved and zero-bubble schedules' usual layout)."""
+    return_outputs: bool = field(default=True, kw_only=True)
+    """``schedule.step(..., return_outputs=...)``, torch's default True: the last stage keeps
+    every micro-batch's output until the next step."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_microbatches", "n_stages", "virtual_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanningError(f"Pipeline.{name} must be an int >= 1, got {v!r}")
+        s = self.stage_index
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < self.n_stages:
+            raise PlanningError(f"Pipeline.stage_index must be an int in [0, n_stages={self.n_stages}), got {s!r}")
+        if not isinstance(self.return_outputs, bool):
+            raise TypeError(f"Pipeline.return_outputs must be True or False, got {self.return_outputs!r}")
+        from estimators.pipeline.schedule import ScheduleError
+
+        try:
+            self.layout
+        except ScheduleError as e:
+            raise PlanningError(str(e)) from None
+
+    @property
+    def layout(self):
+        """The schedule's ``estimators.pipeline.schedule.ScheduleLayout``."""
+        from estimators.pipeline.schedule import ScheduleLayout
+
+        return ScheduleLayout.of(self.schedule, n_microbatches=self.n_microbatches, n_stages=self.n_stages,
+                                 virtual_stages=self.virtual_stages)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +124,10 @@ class PlanOptions:
     """How the step is traced (``EstimateOptions``: fake or real mode, roofline or benchmarked
     runtimes, progress logging)."""
 
+    pipeline: Pipeline | None = None
+    """The model is a pipeline stage (``Pipeline``): planned for its schedule, on its rank.
+    None: not pipelined."""
+
     def __post_init__(self) -> None:
         for name in ("ac_units", "fsdp_units"):
             value = getattr(self, name)
@@ -105,6 +161,8 @@ class PlanOptions:
             raise TypeError(f"solver must be a solver.SolverOptions, got {type(self.solver).__name__}")
         if not isinstance(self.trace, EstimateOptions):
             raise TypeError(f"trace must be an EstimateOptions, got {type(self.trace).__name__}")
+        if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
+            raise TypeError(f"pipeline must be a planner.options.Pipeline, got {type(self.pipeline).__name__}")
         if not isinstance(self.device, (str, DeviceSpec)):
             raise TypeError(f"device must be a device name or a DeviceSpec, got {type(self.device).__name__}")
         get_device_spec(self.device)  # an unknown name fails here, listing the known ones

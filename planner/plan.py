@@ -23,6 +23,7 @@ PLAN_VERSION = 1
 _KIND = "sac_planner.Plan"
 from planner.distributed.layout import LayoutRecord
 from planner.errors import PlanFormatError, StepMismatchError
+from planner.plan_pipeline import PipelineRecord
 from planner.plan_summary import plan_summary
 from planner.plan_fields import (MAX_BYTES, MAX_COUNT, MAX_JSON_DEPTH, MAX_MODULES, MAX_NOTE_CHARS, MAX_NOTES,
                                  MAX_PLAN_FILE_BYTES,
@@ -238,6 +239,9 @@ class Plan:
     """The parallel layout the per-rank figures are for (tensor-parallel placements, FSDP2
     units and group size; ``planner.distributed.layout``); None: one process, or a plan file
     written before plans recorded it. ``apply_plan`` refuses a model laid out otherwise."""
+    pipeline: PipelineRecord | None = None
+    """A pipeline stage's plan: the stage, schedule and layout it holds for (the peak is the
+    rank's over its schedule) and the stage's times; None: not a pipeline stage."""
     solve_time_s: float = field(default=0.0, compare=False, repr=False)
     """Wall time of the solve. A timing, not part of the plan: left out of equality, of the JSON
     (so of ``plan_hash``), so identical solves give identical plans; 0 for a loaded plan."""
@@ -292,6 +296,8 @@ class Plan:
             raise PlanFormatError(f"step must be a StepRecord or None, got {type(self.step).__name__}")
         if self.layout is not None and not isinstance(self.layout, LayoutRecord):
             raise PlanFormatError(f"layout must be a LayoutRecord or None, got {type(self.layout).__name__}")
+        if self.pipeline is not None and not isinstance(self.pipeline, PipelineRecord):
+            raise PlanFormatError(f"pipeline must be a PipelineRecord or None, got {type(self.pipeline).__name__}")
 
     def validate(self) -> None:
         """Re-run every check (PlanFormatError): ``apply_plan`` calls it, since a frozen
@@ -383,6 +389,8 @@ class Plan:
                 body["step"] = StepRecord(**fields_of("step", body["step"], StepRecord))
             if body.get("layout") is not None:
                 body["layout"] = LayoutRecord(**fields_of("layout", body["layout"], LayoutRecord))
+            if body.get("pipeline") is not None:
+                body["pipeline"] = PipelineRecord.from_dict(body["pipeline"])
             return cls(**body)
         except PlanFormatError as e:
             raise PlanFormatError(f"corrupt plan: {e}") from None

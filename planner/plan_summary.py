@@ -31,6 +31,7 @@ def plan_summary(plan: Any) -> str:
         *_binding_line(plan),
         _recompute_line(plan),
         *_timeline_lines(plan),
+        *_pipeline_lines(plan),
         f"  solver           {_clip(plan.solver_status)}"
         + (f", {plan.solve_time_s:.2f} s" if plan.solve_time_s else ""),
         "",
@@ -77,6 +78,8 @@ def _recompute_line(plan: Any) -> str:
     """Recompute time against the step's. The trace is one micro-batch's: with several, the
     figures are per micro-batch (plus the optimizer once), and the step recomputes k times."""
     k = plan.step.micro_batches if plan.step is not None else 1
+    if getattr(plan, "pipeline", None) is not None:
+        k = plan.pipeline.n_microbatches
     pct = 100 * plan.recompute_ms / plan.baseline_step_ms if plan.baseline_step_ms else 0.0
     if k == 1:
         return (f"  recompute        {plan.recompute_ms:.3f} ms/step = {pct:.1f}% of the "
@@ -111,3 +114,24 @@ def _binding_line(plan: Any) -> list[str]:
         f"  binds            {plan.binding_step} (first step {fmt_bytes(plan.first_step_peak_bytes)}, "
         f"steady state {fmt_bytes(plan.steady_peak_bytes)})"
     ]
+
+
+def _pipeline_lines(plan: Any) -> list[str]:
+    """A pipeline stage's plan: where it holds and its schedule's timeline, every stage timed like
+    this rank's (``planner.distributed.pipeline.pipeline_step`` takes every stage's plan)."""
+    rec = getattr(plan, "pipeline", None)
+    if rec is None:
+        return []
+    on_rank = ("stage" if len(rec.rank_stages) == 1 else "stages") + " " + ", ".join(map(str, rec.rank_stages))
+    lines = [f"  pipeline         {rec.describe()}; the peaks are its rank's ({on_rank}) over its schedule"]
+    if rec.makespan_ms:
+        lines.append(f"  step (makespan)  {rec.makespan_ms:.3f} ms, this rank idle {rec.bubble_fraction:.0%} "
+                     f"of it (every stage timed like this rank's: F {rec.fw_ms:.3f}, B {rec.bw_ms:.3f}"
+                     + (f", W {rec.w_ms:.3f}" if rec.w_ms else "") + " ms per micro-batch)")
+        try:
+            from estimators.pipeline.summary import uniform_timeline_text
+
+            lines += ["    " + row for row in uniform_timeline_text(rec).splitlines()]
+        except Exception:  # noqa: BLE001 - a drawing: a plan from another torch still summarises
+            pass
+    return lines

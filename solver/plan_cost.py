@@ -19,7 +19,7 @@ import numpy as np
 
 from estimators.contract.module_info import lower_hull_segments
 from solver.errors import UnknownModuleError
-from solver.graph import close_names
+from solver.graph import close_names, is_submodule
 
 if TYPE_CHECKING:
     from estimators.contract.module_info import ModStats, ModuleInfo
@@ -44,6 +44,9 @@ class MemoryModel:
     def __init__(self, info: ModuleInfo, world_size: int) -> None:
         self.stats = {s.fqn: s for s in info.mod_stats}
         self.points = info.memory_points
+        self.in_flight_roots = sorted({g for p in self.points for g, _ in p.in_flight})
+        self.pipelined = bool(self.in_flight_roots) or any(p.recompute_in_window for p in self.points)
+        """A pipeline stage's schedule (``MemoryPoint.in_flight`` / ``recompute_in_window``)."""
         self.base = [
             -(-(p.param_bytes + p.grad_bytes + p.optimizer_bytes) // world_size)
             + p.activation_bytes
@@ -60,6 +63,7 @@ class MemoryModel:
         bw = sorted((self.stats[f].bw_pre_op, d) for f, d in live if self.stats[f].bw_pre_op != -1)
         fw_keys, fw_cum = prefix_sums(fw)
         bw_keys, bw_cum = prefix_sums(bw)
+        stage_discard = self._stage_discards(live) if self.pipelined else {}
         out = []
         for p, base in zip(self.points, self.base):
             t = p.op_index
@@ -68,11 +72,32 @@ class MemoryModel:
             extra = 0
             if p.recompute_of is not None and p.recompute_of in discarded:
                 extra = recompute_extra_bytes(self.stats[p.recompute_of], discarded[p.recompute_of])
+            f = p.recompute_in_window
+            if f is not None and f in discarded:  # growth on top of a discard that still holds
+                extra += (recompute_extra_bytes(self.stats[f], discarded[f]) + discarded[f]
+                          + fixed_discard_bytes(self.stats[f]))
+            gone += sum(n * stage_discard.get(g, 0) for g, n in p.in_flight)
             out.append(base - gone + extra)
         for f in discarded:
             for i in self.held_points(f):
                 out[i] += self.stats[f].checkpoint_retain_bytes
         return out
+
+    def _stage_discards(self, live: list[tuple[str, int]]) -> dict[str, int]:
+        """Per in-flight root (``MemoryPoint.in_flight``): what one micro-batch of that stage
+        no longer holds under the plan, forced discards net of retained inputs included."""
+        out: dict[str, int] = {}
+        for g in self.in_flight_roots:
+            out[g] = sum(d for f, d in live if f == g or is_submodule(f, g))
+        return out
+
+    def discard_weight(self, fqn: str, i: int) -> int:
+        """How many copies of ``fqn``'s discard point ``i`` is without: 1 inside its window, plus
+        the micro-batches of its stage in flight there (``MemoryPoint.in_flight``)."""
+        s, p = self.stats[fqn], self.points[i]
+        t = p.op_index
+        w = 1 if s.fw_post_op <= t and (s.bw_pre_op == -1 or t < s.bw_pre_op) else 0
+        return w + sum(n for g, n in p.in_flight if fqn == g or is_submodule(fqn, g))
 
     def held_points(self, fqn: str) -> list[int]:
         """Points during ``fqn``'s backward (bw_pre_op..bw_post_op) other than its recompute

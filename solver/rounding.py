@@ -60,16 +60,18 @@ class ExactPlans:
             worst = max(range(len(mem)), key=mem.__getitem__, default=None)
             if worst is None or mem[worst] <= budget:
                 return plan, 0
-            excess, t = mem[worst] - budget, self.memory.points[worst].op_index
-            room = [f for f in plan if self._covers(f, t) and plan[f] < self._stats(f).sac_memory_bytes]
+            excess = mem[worst] - budget
+            # a discarded byte lowers this point once per copy of it the point is without
+            weight = {f: self.memory.discard_weight(f, worst) for f in plan}
+            room = [f for f in plan if weight[f] > 0 and plan[f] < self._stats(f).sac_memory_bytes]
             if not room:
                 return plan, excess
-            room.sort(key=lambda f: (self._marginal_ms(f, plan[f], excess), f))
+            room.sort(key=lambda f: (self._marginal_ms(f, plan[f], excess) / weight[f], f))
             for f in room:
-                add = min(excess, self._stats(f).sac_memory_bytes - plan[f])
+                add = min(-(-excess // weight[f]), self._stats(f).sac_memory_bytes - plan[f])
                 plan[f] += add
-                excess -= add
-                if excess == 0:
+                excess -= add * weight[f]
+                if excess <= 0:
                     break
         mem = self.memory.point_bytes(plan)
         return plan, max(0, max(mem, default=0) - budget)
@@ -156,10 +158,6 @@ class ExactPlans:
 
     def _stats(self, fqn: str) -> ModStats:
         return self.memory.stats[fqn]
-
-    def _covers(self, fqn: str, t: int) -> bool:
-        s = self._stats(fqn)
-        return s.fw_post_op <= t and (s.bw_pre_op == -1 or t < s.bw_pre_op)
 
     def _marginal_ms(self, fqn: str, d: int, add: int) -> float:
         s = self._stats(fqn)

@@ -315,8 +315,17 @@ class MemoryPoint:
     recompute_of: str | None = None
     """Set on the point at the start of module ``recompute_of``'s backward, where its recompute's
     temporaries are added when it is checkpointed."""
+    recompute_in_window: str | None = None
+    """Set on a point where module ``recompute_in_window`` recomputes while its discard still
+    holds (a pipeline's split backward: the input half recomputes and frees again; the window
+    ends at the weight half): the memory change there is the recompute's growth alone."""
+    in_flight: tuple[tuple[str, int], ...] = ()
+    """Pipeline schedules: ``(module, n)`` pairs: n more micro-batches of the stage whose root is
+    ``module`` are in flight at this instant (forward done, backward not), each holding its
+    activations less everything the plan discards under that root. Empty: one micro-batch."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "in_flight", tuple((str(g), int(n)) for g, n in self.in_flight))
         if not isinstance(self.phase, Phase):
             try:
                 object.__setattr__(self, "phase", Phase(self.phase))

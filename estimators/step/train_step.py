@@ -35,6 +35,7 @@ from estimators.step.optimizer import check_optimizer_name
 
 if TYPE_CHECKING:
     from estimators.runtime.device import DeviceSpec
+    from estimators.step.stage_step import StageRole
 
 __all__ = ["StepError", "TrainStep", "ZeroGrad", "split_inputs", "run_step", "step_mode", "mode_changes", "zero_grads",
            "values_read_in"]
@@ -112,6 +113,14 @@ class TrainStep:
     forward, loss and backward (torchtitan's ``train_context``): ``loss_parallel`` for a loss over
     vocabulary-sharded logits, ``lambda: context_parallel(mesh, buffers=..., buffer_seq_dims=...)``.
     None: no context."""
+    stage: "StageRole | None" = None
+    """The step is one micro-batch of a pipeline stage (``estimators.step.stage_step``): the
+    forward on the received activation, the loss on the last stage only, torch's stage backward
+    (split into input and weight halves under zero-bubble schedules), then the optimizer step.
+    Set by the planner from ``PlanOptions.pipeline``; None: an ordinary step."""
+    target: Any = None
+    """A pipeline's last stage: one micro-batch's target, which the schedule passes to
+    ``loss_fn(output, target)`` (torch.distributed.pipelining's loss signature)."""
 
     held: Any = ()
     """Tensors and modules the loop holds through the step besides the model, its gradients,
@@ -151,6 +160,13 @@ class TrainStep:
         _check_loss_signature(self.loss_fn)
         if isinstance(self.optimizer, str):
             check_optimizer_name(self.optimizer)
+        from estimators.step.stage_step import StageRole
+
+        if self.stage is not None and not isinstance(self.stage, StageRole):
+            raise TypeError(f"stage must be an estimators.step.stage_step.StageRole or None, got {type(self.stage).__name__}")
+        if self.stage is not None and self.stage.is_last and self.target is None:
+            raise ValueError("a pipeline's last stage computes the loss as loss_fn(output, target): pass "
+                             "TrainStep(target=...) with one micro-batch's target (the labels)")
         if not isinstance(self.keep_output, bool):
             raise TypeError(f"keep_output must be True or False (does the loop hold the model output "
                             f"through backward?), got {self.keep_output!r}")

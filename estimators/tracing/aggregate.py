@@ -20,7 +20,7 @@ from estimators.tracing.sac import (
 from estimators.contract.sac_groups import cached_if_saved, sac_groups, unsafe_reads
 from estimators.tracing.trace import ModuleCall, StepTrace, StorageKind
 
-__all__ = ["build_module_info"]
+__all__ = ["build_module_info", "memory_points"]
 
 
 
@@ -290,7 +290,7 @@ def _point(trace: StepTrace, tl: MemoryTimeline, k: int, recompute_of: str | Non
     )
 
 
-def _memory_points(trace: StepTrace, tl: MemoryTimeline, stats: list[ModStats]) -> list[MemoryPoint]:
+def memory_points(trace: StepTrace, tl: MemoryTimeline, stats: list[ModStats]) -> list[MemoryPoint]:
     """One point per interval in which the set of discarded modules is constant (its highest
     live-bytes op), plus one recompute point at the start of each candidate's backward."""
     n = len(tl.total)
@@ -352,7 +352,7 @@ def build_module_info(trace: StepTrace, tl: MemoryTimeline) -> ModuleInfo:
     return ModuleInfo(
         mod_order=_mod_order(trace),
         mod_stats=tuple(stats),
-        memory_points=tuple(_memory_points(trace, tl, stats)),
+        memory_points=tuple(memory_points(trace, tl, stats)),
         peak_bytes=tl.peak_bytes,
         peak_op_index=peak_k,
         peak_op=peak_op,

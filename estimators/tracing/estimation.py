@@ -60,11 +60,13 @@ from estimators.tracing.cuda_rules import CudaSemanticsMode
 from estimators.tracing.fake_kernels import FakeKernelError, RealKernelsMode
 from estimators.tracing.hf_paths import hf_real_paths
 from estimators.runtime.device import DeviceSpec, get_device_spec
+from estimators.tracing.marks import TraceMarks
 from estimators.tracing.memory import MemoryTimeline, build_timeline
 from estimators.tracing.sharded_model import fsdp_units_of, original_class_name
 from estimators.runtime.collective_ops import CollectivePricing
 from estimators.runtime.models import RuntimeKind, make_runtime_model
 from estimators.tracing import fake_leaks
+from estimators.step.stage_step import run_stage_microbatch
 from estimators.step.train_step import StepError, TrainStep, run_step, step_mode
 from estimators.contract.module_info import ModuleInfo
 from estimators.step.optimizer import check_optimizer_params, param_groups, resolve_optimizer
@@ -238,8 +240,9 @@ def estimate(
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
     t0 = time.perf_counter()
-    # A model fully_shard sharded is copied unit by unit (estimators.tracing.sharded_model): traced whole.
-    stacks = (find_stacks(model) if fake and options.replicate_blocks and prepare is None
+    # A model fully_shard sharded is copied unit by unit (estimators.tracing.sharded_model), and a
+    # pipeline stage's trace carries marks (op positions) that laying blocks in would move: traced whole.
+    stacks = (find_stacks(model) if fake and options.replicate_blocks and prepare is None and step.stage is None
               and not fsdp_units_of(model) else [])
     trace, without_grad, stacks = _trace(model, step, spec, options, prepare, cuda_rules, frozenset(), stacks)
     if without_grad and (step.optimizer is not None or step.grads_alive_at_start):
@@ -324,8 +327,8 @@ def _trace_step(
             traced, mapping = fake_copy(model, fake_mode, stacks)
         except FakeCopyError as e:
             raise TraceError(str(e)) from e.__cause__
-        step_inputs = tree_map(
-            lambda t: fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, step.inputs
+        step_inputs, step_target = tree_map(
+            lambda t: fake_tensor(fake_mode, t) if isinstance(t, torch.Tensor) else t, (step.inputs, step.target)
         )
     else:
         _check_real_devices(model, step.inputs)
@@ -335,7 +338,7 @@ def _trace_step(
                 "all-gathers, which the FSDP rules count again; trace it in fake mode (the default), or "
                 "trace the model before fully_shard")
         fake_mode, traced, mapping = None, model, {id(p): p for p in model.parameters()}
-        step_inputs = step.inputs
+        step_inputs, step_target = step.inputs, step.target
     with contextlib.ExitStack() as restore:
         # The user's `random` / numpy streams go on where they were; what the step drew is noted.
         draws = restore.enter_context(host_rng.Draws())
@@ -360,11 +363,12 @@ def _trace_step(
         full_lists = FullListsRuntime(runtime, stacks, traced) if stacks else None
         tracer = StepTracer(
             traced, original_class_name(model), CollectivePricing.for_device(full_lists or runtime, spec),
-            inputs=step_inputs, optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
+            inputs=(step_inputs, step_target), optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
             round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
             progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
             previous_output=step.keep_output, held=step.held_tensors(), fake_mode=fake_mode,
         )
+        marks = TraceMarks(tracer)
         if full_lists is not None:
             full_lists.phase, full_lists.optimizer = functools.partial(getattr, tracer, "phase"), opt
         owners = [pre_step_owners(tracer.sid_of, traced, st, opt) for st in stacks]
@@ -390,12 +394,17 @@ def _trace_step(
                 autocast = modes.enter_context(CudaAutocast()) if amp else None
                 modes.enter_context(step_mode(traced, step.train_mode))
                 with torch.autograd.graph.saved_tensors_hooks(tracer.pack_hook, tracer.unpack_hook):
-                    run_step(
-                        traced, step_inputs, step.loss_fn, opt,
-                        on_phase=autocast.on_phase(tracer.set_phase) if autocast else tracer.set_phase,
-                        micro_batches=step.micro_batches, passes=1, autocast_dtype=step.autocast_dtype,
-                        keep_output=step.keep_output, context=step.context,
-                    )
+                    on_phase = autocast.on_phase(tracer.set_phase) if autocast else tracer.set_phase
+                    if step.stage is not None:  # one micro-batch of a pipeline stage
+                        written = run_stage_microbatch(traced, step_inputs, step.loss_fn, step_target, opt,
+                                                       step.stage, on_phase=on_phase, on_mark=marks.mark)
+                        graded.update(n for n, p in trainable.items() if id(p) in written)
+                    else:
+                        run_step(
+                            traced, step_inputs, step.loss_fn, opt, on_phase=on_phase,
+                            micro_batches=step.micro_batches, passes=1, autocast_dtype=step.autocast_dtype,
+                            keep_output=step.keep_output, context=step.context,
+                        )
         except StepError as e:
             raise TraceError(str(e)) from e.__cause__
         except (FakeKernelError, InplaceModifiedError) as e:
@@ -414,7 +423,7 @@ def _trace_step(
             names = [n for n, p in model.named_parameters() if any(p is t for t in read)]
             raise _TheModelItself(f"reads the model's own parameters ({', '.join(names[:3])}"
                                   f"{', ...' if len(names) > 3 else ''}), from loss_fn or a hook")
-        trace = tracer.finish()
+        trace = marks.into(tracer.finish())
         if stacks:
             try:
                 with gc_paused():

@@ -93,6 +93,12 @@ class StepTrace:
     collective_ms: dict[int, float] = field(default_factory=dict)
     """Whole communication time of each collective op (by op index); its ``runtime_ms`` is the
     part the compute stream waits for (``estimators.tracing.comm_overlap``)."""
+    marks: dict[str, int] = field(default_factory=dict)
+    """Named positions the step announced (``StepTracer.mark``): the index of the first op after
+    each name, e.g. where a pipeline stage's backward or its weight half begins."""
+    marked_sids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Named storages the step announced (a pipeline stage's loss, its received output gradient,
+    the input gradient it sends)."""
     twin_of: dict[int, int] = field(default_factory=dict)
     """Call id -> id of the call it is a copy of: the blocks of a stack laid in from one traced
     block (``estimators.tracing.replicate``), whose ops and storages are that call's at another

@@ -5,7 +5,7 @@ and plots.
 """
 
 from planner.analysis.gradcheck import GradientCheck, check_gradients
-from planner.analysis.measure import MeasuredStep, StepPeaks, measure_steps
+from planner.analysis.measure import MeasuredStep, StepPeaks, measure_run, measure_steps
 from planner.analysis.plotting import plot_tradeoff
 from planner.analysis.report import (
     gradient_check_text,
@@ -21,6 +21,7 @@ __all__ = [
     "check_gradients",
     "GradientCheck",
     "measure_steps",
+    "measure_run",
     "MeasuredStep",
     "StepPeaks",
     "hand_made_baselines",

@@ -19,7 +19,7 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -29,7 +29,7 @@ from estimators.step.optimizer import check_optimizer_params, resolve_optimizer
 from estimators.step.train_step import TrainStep, run_step, step_mode, zero_grads
 from estimators.tracing.trace import held_tensors
 
-__all__ = ["MeasuredStep", "StepPeaks", "measure_step", "measure_steps"]
+__all__ = ["MeasuredStep", "StepPeaks", "measure_step", "measure_steps", "measure_run"]
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,43 @@ class _NoModuleHooks:
         pass
 
 
-def _memory_tracker(model: torch.nn.Module, made_here_only: bool = False) -> tuple[Any, list]:
+def measure_run(run: Callable[[], Any], *, modules: Sequence[torch.nn.Module],
+                optimizer: torch.optim.Optimizer | None = None, held: Sequence[torch.Tensor] = ()) -> MeasuredStep:
+    """The peak of ``run()``, measured as ``measure_steps`` measures a step, for a step that
+    ``TrainStep`` does not describe (a pipeline rank's ``schedule.step()``, then the optimizer's).
+
+    ``modules``: the models trained (their parameters, buffers and gradients are counted);
+    ``held``: tensors made before the run that it holds or uses (the batch, a pipeline stage's
+    receive buffers, the output chunks of the previous step): MemTracker sees only what it is
+    told of or sees made. CPU: MemTracker; CUDA: ``max_memory_allocated``. The caller must not
+    keep references to ``held`` itself beyond the run's (MemTracker holds them weakly)."""
+    device = next(p for m in modules for p in m.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        run()
+        torch.cuda.synchronize(device)
+        return MeasuredStep(torch.cuda.max_memory_allocated(device), None, (time.perf_counter() - t0) * 1e3,
+                            "torch.cuda.max_memory_allocated")
+    mt, grad_hooks = _memory_tracker(*modules)
+    try:
+        mt.track_external(*modules, *([optimizer] if optimizer is not None else []), *held)
+        held = ()
+        t0 = time.perf_counter()
+        with mt:
+            run()
+    finally:
+        for h in grad_hooks:
+            h.remove()
+    dt = time.perf_counter() - t0
+    snap = mt.get_tracker_snapshot("peak")[device]
+    state = sum(v for k, v in snap.items() if getattr(k, "name", "") in ("PARAM", "BUFFER", "GRAD", "OPT"))
+    return MeasuredStep(int(snap["Total"]), None, dt * 1e3, "torch.distributed._tools.MemTracker",
+                        int(snap["Total"]) - int(state))
+
+
+def _memory_tracker(*models: torch.nn.Module, made_here_only: bool = False) -> tuple[Any, list]:
     """torch's MemTracker measuring storages only, and the gradient hooks that file a parameter's
     ``.grad`` as GRAD once accumulated (the handles, for removal): a post-accumulate hook reads
     ``p.grad`` and holds nothing. ``made_here_only``: see ``_made_here_tracker``."""
@@ -157,7 +193,8 @@ def _memory_tracker(model: torch.nn.Module, made_here_only: bool = False) -> tup
         if p.grad is not None:
             mt._update_and_maybe_create_winfos(p.grad, _MemRefType.GRAD)
 
-    handles = [p.register_post_accumulate_grad_hook(as_grad) for p in model.parameters() if p.requires_grad]
+    handles = [p.register_post_accumulate_grad_hook(as_grad)
+               for model in models for p in model.parameters() if p.requires_grad]
     return mt, handles
 
 

@@ -184,6 +184,8 @@ class AppliedPlan:
     modules: list[torch.nn.Module] = field(default_factory=list)
     number: int = 0
     """This handle's number, kept on the model while its plan is applied."""
+    undo: list = field(default_factory=list)
+    """What ``remove()`` also undoes (a pipeline stage's grouped weight half)."""
 
     def _mine(self) -> list[torch.nn.Module]:
         """The planned modules still running this handle's plan (each PlannedForward carries the
@@ -201,6 +203,8 @@ class AppliedPlan:
         return self.model.__dict__.get(_APPLIED) == self.number  # a plan with no module
 
     def remove(self) -> None:
+        while self.undo:
+            self.undo.pop()()
         if self.applied:
             for mod in self._mine():
                 _restore(mod)
@@ -315,6 +319,9 @@ def _is_tensor_name(model: torch.nn.Module, name: str) -> bool:
 def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = True) -> AppliedPlan:
     """Checkpoint ``model``'s modules as ``plan`` says. Atomic: on any error the model is unchanged.
 
+    ``model`` may be a ``torch.distributed.pipelining.PipelineStage``: its module is planned, and a
+    pipeline stage's plan is checked to be that stage's (``planner.applying.pipeline``).
+
     Example::
 
         plan = solve_sac(model, budget_gib=40, step=TrainStep(inputs=batch))
@@ -324,12 +331,16 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = 
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan needs a Plan, got {type(plan).__name__}")
     plan.validate()  # e.g. a module listed twice would be wrapped twice and never removed
+    from planner.applying.pipeline import group_weight_backward, stage_target
+
+    model, stage = stage_target(model, plan)  # a pipeline stage's plan on its PipelineStage
     _check_not_compiled(model)
     root = original_class_name(model)  # fully_shard renames GPT to FSDPGPT
     other = other_model(model, plan) if check_fingerprint else None
     if other is not None:
+        stage_of = f" pipeline {plan.pipeline.describe()}" if plan.pipeline is not None else ""
         raise PlanMismatchError(
-            f"this plan was made for {plan.model_name} (fingerprint {plan.model_fingerprint}), "
+            f"this plan was made for {plan.model_name}{stage_of} (fingerprint {plan.model_fingerprint}), "
             f"not for this {other[0]} (fingerprint {other[1]}): module names, parameter shapes or "
             "dtypes differ. Re-plan with solve_sac(model, ...)"
         )
@@ -346,6 +357,8 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = 
             "Re-plan with solve_sac(model, ...) as the model now trains", StalePlanWarning, stacklevel=2)
     handle = apply_module_plans(model, plan.modules, planned_trainable_numel=plan.trainable_numel)
     handle.plan = plan
+    if stage is not None and plan.pipeline is not None and plan.pipeline.split_backward and plan.modules:
+        handle.undo.append(group_weight_backward(stage))
     return handle
 
 

@@ -43,6 +43,7 @@ from planner.planning.verification import RecomputeDivergedError
 from planner.planning.candidates import allowed_units, shared_full_plan, shared_modules
 from planner.errors import PlanningError
 from planner.planning.module_plans import module_plan
+from planner.planning.reserve import default_reserve_bytes
 from planner.planning.step_timeline import plan_timeline, step_layout_of, timeline_fields
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes
 
@@ -57,12 +58,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _MAX_TIGHTENINGS = 4
-
-
-def default_reserve_bytes(spec: DeviceSpec, budget_bytes: int) -> int:
-    """CUDA: 1 GiB for the context and library workspaces + 5% of the budget for fragmentation.
-    CPU: nothing (the host allocator has neither)."""
-    return int(GiB + 0.05 * budget_bytes) if spec.is_cuda else 0
 
 
 def _check_reserve_gib(reserve_gib: Any, budget_gib: float) -> None:
@@ -193,6 +188,8 @@ def solve_sac(
     fsdp_options(model, options.fsdp_units, options.world_size)  # refuses options a sharded model contradicts
     check_parallel_support(model, options)
     step = as_train_step(model, step)
+    if options.pipeline is not None:  # a pipeline stage: planned for its schedule, on its rank
+        return _solve_stage(model, budget_gib, step, options)
     with hf_cache_off(model):  # trace the step as it runs once the plan is applied
         est = estimate(model, step, device=options.spec, options=options.trace)
     return plan_estimate(model, est, budget_gib, options=options)
@@ -225,6 +222,19 @@ def plan_estimate(model: torch.nn.Module, est: Estimate, budget_gib: float, *,
         offload=options.offload,
         host_budget_bytes=host_budget,
     )
+
+
+def _solve_stage(model: torch.nn.Module, budget_gib: float, step: TrainStep, options: PlanOptions) -> Plan:
+    from planner.planning.pipeline_solve import solve_pipeline_rank
+
+    pipe = options.pipeline
+    if pipe.virtual_stages > 1:
+        stages = pipe.layout.stages_of(pipe.layout.rank_of(pipe.stage_index))
+        raise PlanningError(
+            f"stage {pipe.stage_index} shares its rank with stages {list(stages)} ({pipe.virtual_stages} per rank): "
+            "plan them together with planner.distributed.pipeline.solve_pipeline_rank({stage: (module, step), ...}, "
+            "budget_gib, options=options)")
+    return solve_pipeline_rank({pipe.stage_index: (model, step)}, budget_gib, options=options)[pipe.stage_index]
 
 
 def _check_budget(budget_gib: Any, options: PlanOptions) -> tuple[int, int | None]:

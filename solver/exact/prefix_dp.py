@@ -163,6 +163,8 @@ class PrefixDP:
         n = len(stats)
         if n == 0:
             return "no candidates"
+        if memory.pipelined:
+            return "a pipeline schedule's rows (micro-batches in flight) are not a chain"
         fw = np.array([s.fw_post_op for s in stats], dtype=np.int64)
         bw = np.array([s.bw_pre_op if s.bw_pre_op != -1 else np.iinfo(np.int64).max for s in stats],
                       dtype=np.int64)

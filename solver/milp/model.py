@@ -13,7 +13,9 @@ The maths (memory in solver units: GiB, or KiB / MiB for models under 1 GiB, con
     d_i = S_i r_i + (F_i - R_i) y_i                    discarded memory, net of held inputs
     sum_{i on a root-to-leaf path} y_i <= 1            no nested checkpoints
     mem(p) = base_p - sum_j d_j [fw_post_j <= t_p < bw_pre_j] + extra_j [p recomputes j]
-             + sum_j R_j y_j [bw_pre_j <= t_p <= bw_post_j, p not j's recompute point] <= peak
+             + sum_j R_j y_j [bw_pre_j <= t_p <= bw_post_j, p not j's recompute point]
+             - sum_g n_g(p) D_g <= peak
+    D_g = sum_{j under g} d_j       a pipeline stage g's discard per micro-batch in flight
     peak <= budget
     rct_i >= a_s r_i + b_s y_i  for each segment s of i's cost envelope
     extra_i >= g_s r_i + h_s y_i  the lower hull of the recompute's memory change
@@ -25,6 +27,12 @@ stay alive through i's own backward, where the unplanned step had freed them. Th
 written with prefix sums over the candidates sorted by ``fw_post_op`` and by ``bw_pre_op``
 (``cum_fw_k = cum_fw_{k-1} + d_{j_k}``), so the model is linear in candidates + points; points
 that read the same prefixes and terms share one row (the highest base).
+
+Pipeline schedules (``MemoryPoint.in_flight``): at a point where n_g more micro-batches of stage
+g are in flight, each holds its activations less what the plan discards under g's root, the
+same plan for every micro-batch: one free column D_g per stage (an equality row) and one term
+per memory row. ``MemoryPoint.recompute_in_window``: a module recomputes while its discard still
+holds (a split backward's input half), so the change there is the recompute's growth alone.
 
 The values a backend returns are rounded by its tolerances: ``read_plan`` gives bytes on the
 curves, which ``SACMilp`` settles in exact integers (``solver/rounding.py``).
@@ -39,6 +47,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from solver.candidates import Candidate, nesting, safe_name, solver_unit, tie_break_ms
+from solver.graph import is_submodule
 from solver.milp.linear_model import EQ, GE, LE, LinearModel, LpSolution
 from solver.plan_cost import MemoryModel, fixed_discard_bytes, growth_hull_segments
 
@@ -170,7 +179,8 @@ class SacModel:
                 if fixed:
                     terms.append((self.y[k], -fixed))
                 self.lp.add_row(terms, EQ, 0.0, f"cum_{what}_{i + 1}")
-        for (a, b, k, held), (base, t) in self._point_groups().items():
+        stage_discard = self._add_stage_discards()
+        for (a, b, k, held, in_flight, kw), (base, t) in self._point_groups().items():
             terms = [(self.peak, 1.0)]
             for h in held:  # inputs held through the backward of checkpointed candidate h
                 terms.append((self.y[h], -self._units(self.cands[h].stats.checkpoint_retain_bytes)))
@@ -180,13 +190,37 @@ class SacModel:
                 terms.append((self._cum_bw[b - 1], -1.0))
             if k >= 0:
                 terms += self._recompute_terms(k)
+            if kw >= 0:  # recompute while the discard holds: growth on top of it
+                terms += self._recompute_terms(kw) + [
+                    (self.r[kw], -self._units(self.cands[kw].stats.sac_memory_bytes)),
+                    (self.y[kw], -self._units(fixed_discard_bytes(self.cands[kw].stats)))]
+            terms += [(stage_discard[g], float(n)) for g, n in in_flight if g in stage_discard]
             # (a, b) follow from t, so t plus the recomputed candidate names the point uniquely.
-            name = f"mem_at_op_{t}" + (f"_recompute_{k}" if k >= 0 else "") + (f"_held{held[0]}" if held else "")
+            name = (f"mem_at_op_{t}" + (f"_recompute_{k}" if k >= 0 else "") + (f"_held{held[0]}" if held else "")
+                    + (f"_recompute_in_window_{kw}" if kw >= 0 else "")
+                    + "".join(f"_in_flight_{safe_name(g)}_x{n}" for g, n in in_flight))
             self.lp.add_row(terms, GE, self._units(base), name)
 
-    def _point_groups(self) -> dict[tuple[int, int, int, tuple[int, ...]], tuple[int, int]]:
+    def _add_stage_discards(self) -> dict[str, int]:
+        """Pipeline schedules: per stage root g, a column D_g = sum of S r + (F - R) y over its
+        candidates, what each of its micro-batches in flight no longer holds (one equality row)."""
+        out = {}
+        for g in self.memory.in_flight_roots:
+            v = self.lp.add_var(f"stage_discard_{safe_name(g)}", None)
+            terms = [(v, 1.0)]
+            for k, c in enumerate(self.cands):
+                if c.fqn == g or is_submodule(c.fqn, g):
+                    st = c.stats
+                    terms += [(self.r[k], -self._units(st.sac_memory_bytes)),
+                              (self.y[k], -self._units(fixed_discard_bytes(st)))]
+            self.lp.add_row(terms, EQ, 0.0, f"stage_discard_{safe_name(g)}")
+            out[g] = v
+        return out
+
+    def _point_groups(self) -> dict[tuple, tuple[int, int]]:
         """Points keyed by (#fw_post <= t, #bw_pre <= t, recomputed candidate, candidates whose
-        held inputs are alive at t): max base each."""
+        held inputs are alive at t, micro-batches in flight, candidate recomputing inside its
+        window): max base each."""
         fw_keys = [self.cands[k].stats.fw_post_op for k in self._fw_order]
         bw_keys = [self.cands[k].stats.bw_pre_op for k in self._bw_order]
         index = {c.fqn: k for k, c in enumerate(self.cands)}
@@ -194,14 +228,15 @@ class SacModel:
         for k, c in enumerate(self.cands):
             for i in self.memory.held_points(c.fqn):
                 held.setdefault(i, []).append(k)
-        groups: dict[tuple[int, int, int, tuple[int, ...]], tuple[int, int]] = {}
+        groups: dict[tuple, tuple[int, int]] = {}
         for i, (p, base) in enumerate(zip(self.memory.points, self.memory.base)):
             t = p.op_index
             k = index.get(p.recompute_of, -1) if p.recompute_of is not None else -1
             if k >= 0 and not self._recompute_terms(k):
                 k = -1
+            kw = index.get(p.recompute_in_window, -1) if p.recompute_in_window is not None else -1
             key = (bisect.bisect_right(fw_keys, t), bisect.bisect_right(bw_keys, t), k,
-                   tuple(sorted(held.get(i, ()))))
+                   tuple(sorted(held.get(i, ()))), p.in_flight, kw)
             if key not in groups or base > groups[key][0]:
                 groups[key] = (base, t)
         return groups

@@ -94,3 +94,20 @@ def test_a_plan_carries_its_step_in_memory_only(tmp_path):
     with pytest.raises(ValueError, match=r"does not carry its training step.*pass it, check_gradients\(model, plan, TrainStep"):
         check_gradients(model, loaded)
     assert check_gradients(model, loaded, step).equal
+
+
+def test_the_pipeline_is_one_line_and_checked():
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV
+
+    from planner.options import Pipeline
+
+    pipe = Pipeline(Schedule1F1B, n_microbatches=8, stage_index=1, n_stages=4)
+    assert PlanOptions(pipeline=pipe).pipeline.layout.rank_of(1) == 1
+    with pytest.raises(PlanningError, match="stage_index must be an int in \\[0, n_stages=4\\)"):
+        Pipeline(Schedule1F1B, n_microbatches=8, stage_index=4, n_stages=4)
+    with pytest.raises(PlanningError, match="not modelled yet"):
+        Pipeline(ScheduleDualPipeV, n_microbatches=8, stage_index=1, n_stages=4, virtual_stages=2)
+    with pytest.raises(PlanningError, match="n_microbatches >= n_stages"):
+        Pipeline(Schedule1F1B, n_microbatches=2, stage_index=1, n_stages=4)
+    with pytest.raises(TypeError, match="pipeline must be a planner.options.Pipeline"):
+        PlanOptions(pipeline="1F1B")

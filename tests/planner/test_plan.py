@@ -267,6 +267,24 @@ def test_a_plan_records_its_step_and_refuses_another(plan, tmp_path):
     old.check_step(TrainStep(keep_output=True))
 
 
+def test_a_pipeline_stage_plan_round_trips_its_stage_and_schedule(plan, tmp_path):
+    from planner.plan_pipeline import PipelineRecord
+
+    rec = PipelineRecord(schedule="Schedule1F1B", n_microbatches=8, stage_index=1, n_stages=4, fw_ms=1.5,
+                         bw_ms=3.0, makespan_ms=40.0, bubble_fraction=0.25)
+    staged = dataclasses.replace(plan, pipeline=rec)
+    staged.save(tmp_path / "stage.json")
+    loaded = Plan.load(tmp_path / "stage.json")
+    assert loaded == staged and loaded.pipeline.rank_stages == (1,)
+    bad = json.loads(staged.to_json())
+    bad["pipeline"]["stage_index"] = 4
+    with pytest.raises(PlanFormatError, match="stage_index must be in \\[0, 4\\)"):
+        Plan.from_dict(bad)
+    bad["pipeline"] = {"schedule": "Schedule1F1B", "n_microbatches": 8, "stage_index": 1, "n_stages": 4, "colour": 1}
+    with pytest.raises(PlanFormatError, match="unknown field"):
+        Plan.from_dict(bad)
+
+
 # ------------------------------------------------------------------ plan files from anywhere
 def _write(tmp_path, d) -> "Path":
     p = tmp_path / "p.json"

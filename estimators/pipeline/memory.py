@@ -1,0 +1,184 @@
+"""A rank's memory over its pipeline schedule, composed from one traced micro-batch per stage.
+
+    rm = rank_memory(layout.actions(rank), {s: profile_s, ...}, n_microbatches=8, runtime=layout.runtime)
+    rm.peak_bytes, rm.actions[i].peak_bytes
+
+The rules, read off torch.distributed.pipelining 2.13 (``stage.py``, ``schedules.py``,
+``_backward.py``) and each checked against torch's MemTracker on real gloo runs (96 rank
+configurations of GPipe, 1F1B, Interleaved1F1B and InterleavedZeroBubble, 2 and 4 ranks, 4 and 8
+micro-batches: equal to the byte; ``benchmarks/pipeline_e2e.py``):
+
+M1  resident: every local stage's parameters, buffers and optimizer state, and the batch the loop
+    holds on a rank that reads it (``batch_bytes``).
+M2  receive buffers: one per micro-batch for the activation (non-first stage) and one for its
+    gradient (non-last stage), made at the first ``step()`` and kept across steps.
+M3  gradients: none until the stage's first gradient-writing action of the step (the loop zeroes
+    them with ``set_to_none``); during it they appear as they are written (``grad_pending``);
+    then all of them.
+M4  each micro-batch between its forward and its backward keeps ``kept_after_fw``; between its
+    input and weight halves ``kept_after_i``.
+M5  what the schedule's bookkeeping keeps:
+    - the last stage: each micro-batch's loss until ``step()`` ends, its output chunk until the
+      next ``step()`` clears it (``return_outputs=True``, torch's default), and at the end of
+      ``step()`` the merged output (``torch.cat`` of the chunks) while the chunks are still held;
+    - a sent tensor lives as long as its send's Work object (gloo keeps the tensor after
+      ``wait()``): GPipe and the runtime schedules keep every Work to the end of ``step()``, so
+      every micro-batch's output (non-last stage) and input gradient (non-first) live to then;
+      1F1B keeps an input gradient until the stage's next backward ends, and the warm-up's last
+      fired send (the output of micro-batch w - 2 of w warm-up forwards) until its 1B1F loop ends;
+    - a split backward's input half leaves the input gradient on the receive buffer's ``.grad``
+      until the next step's ``step()`` clears it: through the optimizer step.
+M6  one optimizer step over every local stage's parameters; foreach temporaries add up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from estimators.pipeline.profile import StageProfile
+from estimators.pipeline.schedule import Runtime
+
+__all__ = ["ActionMemory", "RankMemory", "rank_memory"]
+
+_STEP, _NEXT_STEP = "step", "next step"  # when a schedule's hold ends (M5)
+
+
+@dataclass(frozen=True)
+class ActionMemory:
+    """One compute action of a rank's schedule and the memory around it (bytes)."""
+
+    stage: int
+    kind: str
+    microbatch: int
+    base_bytes: int
+    """Everything the action does not own: resident state, gradients, the schedule's holds, the
+    other micro-batches in flight."""
+    peak_bytes: int
+    """The highest point inside the action."""
+    in_flight: dict[int, int] = field(default_factory=dict)
+    """Per local stage: its other micro-batches in flight (forward done, backward not)."""
+    first_write: bool = False
+    """The stage's first gradient-writing action of the step (M3)."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """The rank's memory over one step."""
+
+    peak_bytes: int
+    actions: tuple[ActionMemory, ...]
+    merge_peak_bytes: int
+    """At the end of ``step()``: the merged output beside the chunks (last stage)."""
+    end_base_bytes: int
+    """After ``step()`` returns: what the optimizer step starts from."""
+    optim_peak_bytes: int
+
+    @property
+    def peak_where(self) -> str:
+        top = max(self.actions, key=lambda a: a.peak_bytes, default=None)
+        if top is not None and top.peak_bytes >= max(self.merge_peak_bytes, self.optim_peak_bytes):
+            return f"{top.stage}{top.kind}{top.microbatch}"
+        return "merge" if self.merge_peak_bytes >= self.optim_peak_bytes else "optimizer"
+
+
+def _sharded(p: StageProfile, world_size: int) -> StageProfile:
+    import dataclasses
+
+    div = lambda b: -(-b // world_size)
+    return dataclasses.replace(p, resident_bytes=div(p.resident_bytes), grad_bytes=div(p.grad_bytes),
+                               grad_pending=tuple(div(b) for b in p.grad_pending),
+                               optim=tuple(div(b) for b in p.optim))
+
+
+def _warm_up_send(actions, stage: int, profile: StageProfile) -> tuple[int, int] | None:
+    """1F1B (M5): (micro-batch whose output the warm-up's last fired send keeps, index of the
+    action after which its 1B1F loop ends and lets go of it), or None."""
+    mine = [(i, k, m) for i, (s, k, m) in enumerate(actions) if s == stage]
+    first_b = next((j for j, (_, k, _) in enumerate(mine) if k == "B"), len(mine))
+    last_f = max((j for j, (_, k, _) in enumerate(mine) if k == "F"), default=-1)
+    end = next((mine[j][0] for j in range(last_f + 1, len(mine)) if mine[j][1] == "B"), None)
+    if first_b < 2 or profile.is_last or end is None:
+        return None
+    return mine[first_b - 2][2], end
+
+
+def rank_memory(actions, profiles: dict[int, StageProfile], n_microbatches: int, runtime, *,
+                return_outputs: bool = True, batch_bytes: int = 0, world_size: int = 1,
+                grads_at_start: bool = False) -> RankMemory:
+    """The rank's memory over one step (``actions``: the rank's ``(stage, kind, micro-batch)``
+    in order; ``profiles``: its local stages; ``runtime``: ``estimators.pipeline.schedule.Runtime``).
+
+    ``world_size``: data-parallel ranks the parameters, gradients and optimizer state are
+    sharded over (ZeRO-style: divided, nothing gathered added). ``grads_at_start``: the loop
+    keeps gradients allocated between steps (``ZeroGrad.ZERO``): M3 does not apply."""
+    if world_size > 1:
+        profiles = {s: _sharded(p, world_size) for s, p in profiles.items()}
+    resident = batch_bytes + sum(p.resident_bytes for p in profiles.values())
+    resident += sum(n_microbatches * ((0 if p.is_first else p.input_bytes) + (0 if p.is_last else p.output_bytes))
+                    for p in profiles.values())  # M2
+    state: dict[tuple[int, int], str] = {}
+    held: dict[tuple, tuple[int, object]] = {}  # key -> (bytes, when it ends)
+    grads_done: set[int] = set(profiles) if grads_at_start else set()
+    warm = {}
+    if runtime is Runtime.ONE_F_ONE_B:
+        warm = {s: w for s, p in profiles.items() if (w := _warm_up_send(actions, s, p)) is not None}
+
+    def base(s: int, mb: int) -> int:
+        b = resident + sum(profiles[t].grad_bytes for t in grads_done) + sum(v for v, _ in held.values())
+        for (t, m), st in state.items():
+            if (t, m) != (s, mb):
+                b += profiles[t].kept_after_fw if st == "F" else profiles[t].kept_after_i
+        return b
+
+    out = []
+    for i, (s, kind, mb) in enumerate(actions):
+        p = profiles[s]
+        curve = p.curve(kind)
+        writes = kind == "W" or (kind == "B")
+        first_write = writes and s not in grads_done
+        if first_write:  # M3
+            top = max(c + p.grad_bytes - p.grad_pending[j] for j, c in enumerate(curve)) if curve else 0
+        else:
+            top = max(curve, default=0)
+        b = base(s, mb)
+        flight: dict[int, int] = {}
+        for (t, m) in state:
+            if (t, m) != (s, mb):
+                flight[t] = flight.get(t, 0) + 1
+        out.append(ActionMemory(s, kind, mb, b, b + top, flight, first_write))
+        if kind == "F":
+            state[(s, mb)] = "F"
+            if p.is_last and p.loss_bytes:
+                held[("loss", s, mb)] = (p.loss_bytes, _STEP)
+            continue
+        if kind == "I":
+            state[(s, mb)] = "I"
+            if not p.is_first:
+                held[("input_grad", s, mb)] = (p.input_bytes, _NEXT_STEP)
+            continue
+        state.pop((s, mb), None)  # B or W ends the micro-batch
+        if writes:
+            grads_done.add(s)
+        if runtime is Runtime.ONE_F_ONE_B and kind == "B":
+            for k in [k for k, (_, end) in held.items() if end == ("next B", s)]:
+                del held[k]
+        if p.is_last and return_outputs:
+            held[("chunk", s, mb)] = (p.output_bytes, _NEXT_STEP)
+        if not p.is_last and runtime is not Runtime.ONE_F_ONE_B:
+            held[("sent output", s, mb)] = (p.output_bytes, _STEP)
+        if not p.is_first and kind == "B":
+            held[("input_grad", s, mb)] = (p.input_bytes, ("next B", s) if runtime is Runtime.ONE_F_ONE_B else _STEP)
+        if s in warm and warm[s][0] == mb:  # its backward is done, the warm-up send still holds it
+            held[("warm-up send", s)] = (p.output_bytes, "loop")
+        if s in warm and warm[s][1] == i:
+            held.pop(("warm-up send", s), None)
+    merged = sum(n_microbatches * p.output_bytes for p in profiles.values() if p.is_last and return_outputs)
+    merge_peak = base(-1, -1) + merged
+    for k in [k for k, (_, end) in held.items() if end != _NEXT_STEP]:
+        del held[k]
+    end = base(-1, -1)
+    n_opt = max((len(p.optim) for p in profiles.values()), default=0)
+    opt = [sum(p.optim[j] for p in profiles.values() if j < len(p.optim)) for j in range(n_opt)]  # M6
+    optim_peak = end + max(opt, default=0)
+    peak = max([a.peak_bytes for a in out] + [merge_peak, optim_peak])
+    return RankMemory(peak, tuple(out), merge_peak, end, optim_peak)
