@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from planner import PlanOptions, TrainStep, apply_plan, solve_sac
@@ -20,6 +21,7 @@ from planner.distributed.layout import (
     layout_of,
 )
 from planner.errors import PlanFormatError, PlanMismatchError, PlanningError
+from planner.options import Pipeline
 from planner.plan import Plan
 
 
@@ -100,6 +102,8 @@ def test_what_a_tp_model_cannot_plan_yet_is_refused_by_name(one_intra_op_thread)
             check_parallel_support(model, PlanOptions(trace=EstimateOptions(mode=TraceMode.REAL)),
                                    traced_on_one_rank=True)
         check_parallel_support(model, PlanOptions(trace=EstimateOptions(mode=TraceMode.REAL)))  # every rank traces
+        with pytest.raises(PlanningError, match="pipeline stage with DTensor parameters"):
+            check_parallel_support(model, PlanOptions(pipeline=Pipeline(Schedule1F1B, n_microbatches=2, n_stages=2)))
     check_parallel_support(_Net(), PlanOptions(offload=True))  # a plain model: nothing to refuse
 
 
