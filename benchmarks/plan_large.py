@@ -4,7 +4,14 @@
     python benchmarks/plan_large.py --model 405b       # 126 layers, world_size 128
     python benchmarks/plan_large.py --compare-full     # also plan it tracing every block: same plan?
     python benchmarks/plan_large.py --world-size 1     # shows the smallest reachable budget
+    python benchmarks/plan_large.py --layout 70b-fsdp8-tp8      # per rank of FSDP 8 x TP 8, seq 8192
+    python benchmarks/plan_large.py --layout all                # 70B and 405B layouts (benchmarks/_layouts.py)
     python benchmarks/plan_large.py --pipeline         # Llama-3.1-405B, PP 8 x TP 8 x FSDP 8, per stage
+
+``--layout``: a torchtitan-style layout planned per rank in this one process on torch's fake
+process group (tensor + sequence parallel + loss_parallel, FSDP2 over the other ranks, context
+parallel for 405B at 128k), printed beside the FSDP-only plan of the same ranks, with which share
+of the rank's memory dominates and the time each plan took (target <= 60 s).
 
 Model: 70B: 80 layers, hidden 8192, 64 heads / 8 KV heads, FFN 28672; 405B: 126 layers, hidden
 16384, 128 / 8 heads, FFN 53248; vocab 128256, seq 4096, micro-batch 1, bf16, AdamW. FSDP2 units
@@ -38,6 +45,7 @@ from planner import PlanningError, solve_sac  # noqa: E402
 from planner.distributed.ranks import plan_hash  # noqa: E402
 from planner.options import PlanOptions  # noqa: E402
 from solver import SolverOptions  # noqa: E402
+from benchmarks._layouts import LAYOUTS, plan_rank  # noqa: E402
 
 GiB = 2**30
 MODELS = {"70b": (llama3_70b, 5.0, 64), "405b": (llama3_405b, 8.0, 128)}
@@ -59,6 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--compare-full", action="store_true",
                    help="plan again tracing every layer: print both times and whether the plans' hashes match")
     p.add_argument("--plan-out", help="write the plan JSON here")
+    p.add_argument("--layout", choices=["all", *LAYOUTS], help="plan a parallel layout per rank instead")
+    p.add_argument("--layers", type=int, help="with --layout: keep only this many layers (a quick look)")
     p.add_argument("--pipeline", action="store_true",
                    help="Llama-3.1-405B planned per pipeline stage instead (benchmarks/_plan_large_pipeline.py)")
     p.add_argument("--pp", type=int, default=8, help="--pipeline: pipeline stages (default 8)")
@@ -66,6 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--dp", type=int, default=8, help="--pipeline: FSDP ranks sharding the state (default 8)")
     p.add_argument("--microbatches", type=int, default=16, help="--pipeline: micro-batches per step (default 16)")
     args = p.parse_args(argv)
+    if args.layout:
+        return layouts_main(args)
     if args.pipeline:
         return pipeline_main(args)
 
@@ -124,6 +136,38 @@ def main(argv=None) -> int:
         print(f"{'same plan (plan_hash)':44s} {'PASS' if same else 'FAIL'}"
               f"   {plan_hash(plan)[:16] if plan else '-'} / {plan_hash(full)[:16] if full else '-'}")
     return 0 if (wall <= target_s and rss <= 4 and fits and same) else 1
+
+
+def layouts_main(args) -> int:
+    """Each layout's per-rank plan beside the FSDP-only plan of the same ranks."""
+    names = list(LAYOUTS) if args.layout == "all" else [args.layout]
+    ok = True
+    for name in names:
+        layout = LAYOUTS[name]
+        print(f"== {layout.title}: {layout.world_size} ranks, budget {args.budget_gib:g} GiB per rank, {args.device}")
+        for tensor_parallel in (True, False):
+            what = ("this layout" if tensor_parallel else f"FSDP2 over all {layout.world_size} ranks, no TP"
+                    + (f" (CP {layout.cp} kept)" if layout.cp > 1 else ""))
+            t0 = time.perf_counter()
+            try:
+                r = plan_rank(layout, args.budget_gib, args.device, layers=args.layers,
+                              tensor_parallel=tensor_parallel)
+            except PlanningError as e:
+                print(f"  {what}: refused in {time.perf_counter() - t0:.1f} s: {e}")
+                ok &= not tensor_parallel
+                continue
+            plan = r.plan
+            print(f"  {what}: planned in {r.seconds:.1f} s "
+                  f"{'PASS' if r.seconds <= 60 else 'FAIL'} (target <= 60 s)")
+            print(f"    per-rank peak: no AC {plan.baseline_peak_bytes / GiB:.2f} GiB, planned "
+                  f"{plan.predicted_peak_bytes / GiB:.2f} GiB ({len(plan.modules)} modules checkpointed, "
+                  f"recompute {plan.recompute_ms:.0f} ms)")
+            print(f"    at the no-AC peak: sharded state {r.state_bytes / GiB:.2f} GiB, activations "
+                  f"{r.activation_bytes / GiB:.2f} GiB, FSDP2 gathered units, buffers and temporaries "
+                  f"{r.other_bytes / GiB:.2f} GiB")
+            print(f"    dominant: {r.dominant}")
+            ok &= r.seconds <= 60 or not tensor_parallel
+    return 0 if ok else 1
 
 
 def pipeline_main(args) -> int:

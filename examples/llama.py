@@ -140,9 +140,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, hd)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, hd)
+        # -1 heads: under tensor parallelism a rank's projections hold H / tp and KV / tp heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, hd)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, KV, hd)
+        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, KV, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Each KV head serves n_heads // n_kv_heads query heads. repeat_interleave (rather than SDPA's
         # enable_gqa) works on every backend, meta and fake included.
@@ -150,7 +151,7 @@ class Attention(nn.Module):
         k = k.repeat_interleave(n_rep, dim=2)  # (B, T, H, hd)
         v = v.repeat_interleave(n_rep, dim=2)  # (B, T, H, hd)
         y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H * hd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * hd)
         return self.wo(y)
 
 

@@ -21,6 +21,7 @@ __all__ = ["OpKey", "ModulePlan", "Plan", "PlanFormatError", "StepMismatchError"
 
 PLAN_VERSION = 1
 _KIND = "sac_planner.Plan"
+from planner.distributed.layout import LayoutRecord
 from planner.errors import PlanFormatError, StepMismatchError
 from planner.plan_pipeline import PipelineRecord
 from planner.plan_summary import plan_summary
@@ -234,6 +235,10 @@ class Plan:
     step: StepRecord | None = None
     """The training step the plan was made for (optimizer, micro-batches, zero_grad, autocast,
     keep_output); None: a plan file written before plans recorded it."""
+    layout: LayoutRecord | None = None
+    """The parallel layout the per-rank figures are for (tensor-parallel placements, FSDP2
+    units and group size; ``planner.distributed.layout``); None: one process, or a plan file
+    written before plans recorded it. ``apply_plan`` refuses a model laid out otherwise."""
     pipeline: PipelineRecord | None = None
     """A pipeline stage's plan: the stage, schedule and layout it holds for (the peak is the
     rank's over its schedule) and the stage's times; None: not a pipeline stage."""
@@ -289,6 +294,8 @@ class Plan:
                 set_(name, check_int(name, getattr(self, name)))
         if self.step is not None and not isinstance(self.step, StepRecord):
             raise PlanFormatError(f"step must be a StepRecord or None, got {type(self.step).__name__}")
+        if self.layout is not None and not isinstance(self.layout, LayoutRecord):
+            raise PlanFormatError(f"layout must be a LayoutRecord or None, got {type(self.layout).__name__}")
         if self.pipeline is not None and not isinstance(self.pipeline, PipelineRecord):
             raise PlanFormatError(f"pipeline must be a PipelineRecord or None, got {type(self.pipeline).__name__}")
 
@@ -380,6 +387,8 @@ class Plan:
                 body["notes"] = tuple(body["notes"])
             if body.get("step") is not None:
                 body["step"] = StepRecord(**fields_of("step", body["step"], StepRecord))
+            if body.get("layout") is not None:
+                body["layout"] = LayoutRecord(**fields_of("layout", body["layout"], LayoutRecord))
             if body.get("pipeline") is not None:
                 body["pipeline"] = PipelineRecord.from_dict(body["pipeline"])
             return cls(**body)

@@ -324,6 +324,9 @@ def _launcher(key: _Key, group: Any, device: torch.device, dtype: torch.dtype) -
     buf = torch.zeros(numel, dtype=dtype, device=device)
     if c is Collective.ALL_REDUCE:
         return lambda: dist.all_reduce(buf, group=group, async_op=True)
+    if c is Collective.ALL_TO_ALL:
+        out = torch.empty_like(buf)
+        return lambda: dist.all_to_all_single(out, buf, group=group, async_op=True)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     return lambda: dist.broadcast(buf, src=src, group=group, async_op=True)
 

@@ -14,10 +14,11 @@ over ``group_size`` ranks:
 
 * all_gather: the gathered (output) buffer, ``group_size`` times one rank's shard;
 * reduce_scatter: the (input) buffer that is reduced, ``group_size`` times one rank's output;
-* all_reduce and broadcast: the buffer itself.
+* all_reduce and broadcast: the buffer itself;
+* all_to_all: one rank's input buffer (it keeps ``1 / n`` of it and sends the rest).
 
 Ring factors (bytes each rank sends, as a fraction of ``message_bytes``), n = ``group_size``:
-all_gather and reduce_scatter ``(n - 1) / n``, all_reduce ``2 (n - 1) / n`` (a reduce-scatter then
+all_gather, reduce_scatter and all_to_all ``(n - 1) / n``, all_reduce ``2 (n - 1) / n`` (a reduce-scatter then
 an all-gather), broadcast 1 (a pipelined ring: every rank receives the buffer once). A group of one
 costs 0. The latency is one fixed cost per collective: it does not grow with n (a fit at one group
 size absorbs the ring's per-step latency into it). Not modelled: tree algorithms, protocol switches
@@ -56,12 +57,13 @@ logger = logging.getLogger(__name__)
 
 
 class Collective(enum.Enum):
-    """The collectives FSDP-style training issues."""
+    """The collectives FSDP-style and tensor / context parallel training issue."""
 
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
     BROADCAST = "broadcast"
+    ALL_TO_ALL = "all_to_all"
 
 
 def ring_factor(collective: Collective, group_size: int) -> float:

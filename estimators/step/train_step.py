@@ -25,7 +25,7 @@ import contextlib
 import enum
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -108,6 +108,11 @@ class TrainStep:
     always the flags as they are (a loop that trains in eval mode). Every trace, measurement and
     gradient check runs so and puts each module's flag back afterwards."""
 
+    context: Callable[[], ContextManager] | None = None
+    """Called for each micro-batch; its context manager is entered around that micro-batch's
+    forward, loss and backward (torchtitan's ``train_context``): ``loss_parallel`` for a loss over
+    vocabulary-sharded logits, ``lambda: context_parallel(mesh, buffers=..., buffer_seq_dims=...)``.
+    None: no context."""
     stage: "StageRole | None" = None
     """The step is one micro-batch of a pipeline stage (``estimators.step.stage_step``): the
     forward on the received activation, the loss on the last stage only, torch's stage backward
@@ -147,6 +152,9 @@ class TrainStep:
             )
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(output, inputs), got {type(self.loss_fn).__name__}")
+        if self.context is not None and not callable(self.context):
+            raise TypeError(f"context must be a callable returning a context manager (e.g. loss_parallel), "
+                            f"got {type(self.context).__name__}")
         if self.train_mode is not None and not isinstance(self.train_mode, bool):
             raise TypeError(f"train_mode must be None, True or False, got {self.train_mode!r}")
         _check_loss_signature(self.loss_fn)
@@ -204,7 +212,13 @@ class TrainStep:
             f"{self.zero_grad.value}, autocast {amp}" + (", output kept through backward" if self.keep_output else "")
             + (f", {len(self.held)} held object(s) ({_held_bytes(self):,} B) resident" if self.held else "")
             + {None: "", True: ", every module in train mode", False: ", training flags as they are"}[self.train_mode]
+            + (f", each micro-batch in {_name_of(self.context)}" if self.context is not None else "")
         )
+
+
+def _name_of(fn: Any) -> str:
+    name = getattr(fn, "__name__", type(fn).__name__)
+    return "a context function" if name == "<lambda>" else f"{name}()"
 
 
 def _check_held(held: Any) -> tuple:
@@ -310,6 +324,7 @@ def run_step(
     autocast_dtype: torch.dtype | None = None,
     keep_output: bool = False,
     held_output: list | None = None,
+    context: Callable[[], ContextManager] | None = None,
 ) -> float | None:
     """Run one optimizer step (``passes`` forward/backward passes, default ``micro_batches``; a
     trace runs one), each loss divided by ``micro_batches``; returns the last loss value when it
@@ -325,26 +340,27 @@ def run_step(
     if held_output:
         held_output[0] = None
     for _ in range(micro_batches if passes is None else passes):
-        if on_phase:
-            on_phase(Phase.FW)
-        with _autocast(model, autocast_dtype):
-            try:
-                out = model(*args, **kwargs)
-            except Exception as e:
-                if type(e).__name__ == "FakeKernelError":
-                    raise  # says itself which op failed and what to do
-                raise StepError(_forward_hint(model, e, kwargs)) from e
-            held = out if keep_output else None  # `out = model(...)` lets go of the previous output
-            with values_read_in("the loss function"):
-                loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
-            _check_loss(loss)
-            del out
-            if micro_batches > 1:
-                loss = loss / micro_batches
-        if on_phase:
-            on_phase(Phase.BW)
-        with values_read_in("the backward (a backward hook or a custom autograd Function)"):
-            loss.backward()
+        with context() if context is not None else contextlib.nullcontext():
+            if on_phase:
+                on_phase(Phase.FW)
+            with _autocast(model, autocast_dtype):
+                try:
+                    out = model(*args, **kwargs)
+                except Exception as e:
+                    if type(e).__name__ == "FakeKernelError":
+                        raise  # says itself which op failed and what to do
+                    raise StepError(_forward_hint(model, e, kwargs)) from e
+                held = out if keep_output else None  # `out = model(...)` lets go of the previous output
+                with values_read_in("the loss function"):
+                    loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
+                _check_loss(loss)
+                del out
+                if micro_batches > 1:
+                    loss = loss / micro_batches
+            if on_phase:
+                on_phase(Phase.BW)
+            with values_read_in("the backward (a backward hook or a custom autograd Function)"):
+                loss.backward()
         value = _value(loss)
         del loss
     if optimizer is not None:
@@ -370,10 +386,22 @@ def zero_grads(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, 
 def _value(loss: torch.Tensor) -> float | None:
     from torch._subclasses.fake_tensor import FakeTensor
 
+    loss = _local_loss(loss)
     if isinstance(loss, FakeTensor) or loss.device.type == "meta":
         return None
     with torch._C._DisableTorchDispatch():  # reading the value is not part of the traced step
         return float(loss.detach())
+
+
+def _local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The tensor holding this rank's loss: a DTensor's local value (``loss_parallel`` returns a
+    replicated DTensor), an AsyncCollectiveTensor's waited result."""
+    if type(loss) is torch.Tensor or not hasattr(type(loss), "__tensor_flatten__"):
+        return loss
+    to_local = getattr(loss, "to_local", None)
+    loss = to_local() if callable(to_local) else loss
+    wait = getattr(loss, "wait", None)
+    return wait() if callable(wait) else loss
 
 
 def _check_loss(loss: Any) -> None:
@@ -398,12 +426,21 @@ def _check_loss(loss: Any) -> None:
             "(is the model in no_grad / are all parameters frozen?)"
         )
     value = _value(loss)
-    if value is not None and not math.isfinite(value):
+    if value is not None and not math.isfinite(value) and not _collectives_are_fake():
         raise StepError(
             f"the loss is {value}: a step on it trains nothing and its gradients "
             "mean nothing; check the batch (token ids within the vocabulary and >= 0, no NaN or "
             "inf in the data, labels the loss accepts) and the loss function"
         )
+
+
+def _collectives_are_fake() -> bool:
+    """The default process group is torch's fake one (``planner.distributed.fake_world``): its
+    collectives move no data, so a loss computed through them (``loss_parallel``'s reductions)
+    has no meaningful value, only its shape and its memory."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "fake"
 
 
 def check_batch(inputs: Any) -> None:
@@ -464,6 +501,10 @@ def _forward_hint(model: torch.nn.Module, e: Exception, kwargs: dict | None = No
         if drop:
             hint += (f". LayerDrop is on ({drop}): it reads a draw of torch's RNG, and a real-mode "
                      "trace follows that one draw; set it to 0.0 while planning to count every layer")
+    elif "does not have a sharding strategy registered" in str(e):
+        hint = ("DTensor has no rule for this op here; context parallel's ring attention covers only the "
+                "CUDA attention kernels (flash / efficient / cuDNN), so a context-parallel step traces "
+                "only for a CUDA target: plan with device='h100' (or another CUDA DeviceSpec)")
     else:
         hint = (_encoder_decoder_hint(model, kwargs or {})
                 or "check that the inputs match the model's forward signature; if the model alone "

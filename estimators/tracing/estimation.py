@@ -54,6 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from estimators.step import host_rng
 from estimators.tracing.aggregate import build_module_info
+from estimators.tracing.comm_overlap import apply_comm_overlap
 from estimators.tracing.cuda_autocast import CudaAutocast
 from estimators.tracing.cuda_rules import CudaSemanticsMode
 from estimators.tracing.fake_kernels import FakeKernelError, RealKernelsMode
@@ -61,6 +62,8 @@ from estimators.tracing.hf_paths import hf_real_paths
 from estimators.runtime.device import DeviceSpec, get_device_spec
 from estimators.tracing.marks import TraceMarks
 from estimators.tracing.memory import MemoryTimeline, build_timeline
+from estimators.tracing.sharded_model import fsdp_units_of, original_class_name
+from estimators.runtime.collective_ops import CollectivePricing
 from estimators.runtime.models import RuntimeKind, make_runtime_model
 from estimators.tracing import fake_leaks
 from estimators.step.stage_step import run_stage_microbatch
@@ -241,9 +244,10 @@ def estimate(
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
     t0 = time.perf_counter()
-    # A pipeline stage's trace carries marks (op positions) that laying blocks in would move.
+    # A model fully_shard sharded is copied unit by unit (estimators.tracing.sharded_model), and a
+    # pipeline stage's trace carries marks (op positions) that laying blocks in would move: traced whole.
     stacks = (find_stacks(model) if fake and options.replicate_blocks and prepare is None and step.stage is None
-              else [])
+              and not fsdp_units_of(model) else [])
     trace, without_grad, stacks = _trace(model, step, spec, options, prepare, cuda_rules, frozenset(), stacks)
     if without_grad and (step.optimizer is not None or step.grads_alive_at_start):
         # torch's optimizers create no state for (and do not step) a parameter whose .grad is
@@ -332,6 +336,11 @@ def _trace_step(
         )
     else:
         _check_real_devices(model, step.inputs)
+        if fsdp_units_of(model):
+            raise TraceError(
+                f"{type(model).__name__} is sharded with fully_shard: a real trace would run FSDP2's own "
+                "all-gathers, which the FSDP rules count again; trace it in fake mode (the default), or "
+                "trace the model before fully_shard")
         fake_mode, traced, mapping = None, model, {id(p): p for p in model.parameters()}
         step_inputs, step_target = step.inputs, step.target
     with contextlib.ExitStack() as restore:
@@ -357,7 +366,7 @@ def _trace_step(
         runtime = make_runtime_model(options.runtime, spec)
         full_lists = FullListsRuntime(runtime, stacks, traced) if stacks else None
         tracer = StepTracer(
-            traced, type(model).__name__, full_lists or runtime,
+            traced, original_class_name(model), CollectivePricing.for_device(full_lists or runtime, spec),
             inputs=(step_inputs, step_target), optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
             round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
             progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
@@ -398,7 +407,7 @@ def _trace_step(
                         run_step(
                             traced, step_inputs, step.loss_fn, opt, on_phase=on_phase,
                             micro_batches=step.micro_batches, passes=1, autocast_dtype=step.autocast_dtype,
-                            keep_output=step.keep_output,
+                            keep_output=step.keep_output, context=step.context,
                         )
         except StepError as e:
             raise TraceError(str(e)) from e.__cause__
@@ -422,11 +431,12 @@ def _trace_step(
         if stacks:
             try:
                 with gc_paused():
-                    trace = expand_stacks(trace, stacks, owners, type(model).__name__)
+                    trace = expand_stacks(trace, stacks, owners, original_class_name(model))
             except NotReplicable:
                 raise
             except Exception as e:  # noqa: BLE001 - a trace this code does not expect: trace it whole
                 raise NotReplicable(f"{type(e).__name__}: {e}") from e
+        apply_comm_overlap(trace)  # a collective costs the step what its compute stream waits for
         got_no_grad = frozenset(n for n in trainable if n not in graded)
         drawn_reads = tracer.random_value_reads
         del opt, tracer

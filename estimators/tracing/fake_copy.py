@@ -1,39 +1,59 @@
-"""The fake copy of a model a fake trace runs: its parameters and buffers fake CPU tensors.
+"""The fake copy a fake trace runs: the user's model, its parameters and buffers fake tensors.
 
-Shared tensors stay shared; tensors an earlier trace left in the process are shared, not copied
-(``estimators.tracing.fake_leaks``); the blocks a truncated trace skips are never copied
-(``estimators.tracing.truncation``).
+    copy, mapping = fake_copy(model, fake_mode)     # mapping: id(user's parameter) -> fake one
+
+* A plain parameter on the CPU becomes the mode's fake copy of it; one on meta (or another
+  device) a fake CPU tensor of its shape, stride and dtype.
+* A DTensor parameter (tensor / sequence parallel) becomes a DTensor over a fake copy of its local
+  shard, same mesh, placements and global shape (``estimators.tracing.subclasses.fake_copy_of``),
+  so the trace runs the rank's program. Device meshes and process groups are shared, not copied.
+* A model already sharded with ``fully_shard`` is copied as it was before: each unit an object of
+  its original class without FSDP2's forward hooks, each sharded parameter a fake one of its
+  pre-FSDP layout (``estimators.tracing.sharded_model``). FSDP2's memory is the FSDP rules' to add.
+* Functions stored on a module (``module.forward = closure``, as HF's tensor-parallel styles
+  install) are shared by ``copy.deepcopy``, so the copy would call the *user's* module and its
+  real parameters (and leave fake gradients on them): they are rebuilt over the copied objects.
+* Shared tensors stay shared; tensors an earlier trace left in the process are shared, not copied
+  (``estimators.tracing.fake_leaks``); the blocks a truncated trace skips are never copied
+  (``estimators.tracing.truncation``; their parameters map to None).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+import sys
+import types
+from typing import Any, Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from estimators.tracing import fake_leaks
+from estimators.tracing.sharded_model import original_class, unsharded_parts
 from estimators.tracing.stacks import Stack
+from estimators.tracing.subclasses import fake_copy_of
 from estimators.tracing.truncation import skipped_param_ids, truncate_in_memo
 
-__all__ = ["FakeCopyError", "fake_copy", "fake_tensor"]
+__all__ = ["fake_tensor", "fake_buffer", "fake_copy", "FakeCopyError", "rebind_functions"]
 
 
 class FakeCopyError(RuntimeError):
     """The model could not be copied to fake tensors; the message says what to do."""
 
 
-def fake_tensor(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a fake CPU tensor of ``mode`` (from a meta or other device: same shape, stride and
-    dtype)."""
+def _fake_plain(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu" and not isinstance(t, torch.nn.Parameter):
         return mode.from_tensor(t)
     with mode:  # meta / other devices: same shape, stride and dtype, on the fake CPU
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
-def _fake_buffer(mode: FakeTensorMode, b: torch.Tensor) -> torch.Tensor:
+def fake_tensor(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    """A fake copy of ``t`` (a DTensor: over a fake copy of its local shard)."""
+    return fake_copy_of(t, lambda inner: _fake_plain(mode, inner))
+
+
+def fake_buffer(mode: FakeTensorMode, b: torch.Tensor) -> torch.Tensor:
     """A fake buffer; a one-element integer one (a counter) keeps a copy of its value, so code
     that reads it goes on as in the real step: ``BatchNorm2d(momentum=None)`` divides by
     ``float(num_batches_tracked)``, which a plain fake tensor refuses (torch's fake tensors run
@@ -43,33 +63,133 @@ def _fake_buffer(mode: FakeTensorMode, b: torch.Tensor) -> torch.Tensor:
     return fake_tensor(mode, b)
 
 
-def fake_copy(
-    model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] = ()
-) -> tuple[torch.nn.Module, dict]:
-    """Deep copy of ``model`` whose parameters and buffers are fake (shared ones stay shared);
-    the blocks of ``stacks`` a truncated trace skips are left out (their parameters map to None)."""
+def _pre_shard_fake(mode: FakeTensorMode, pre) -> torch.nn.Parameter:
+    """A fake parameter of a sharded parameter's pre-FSDP layout."""
+    if pre.spec is None:
+        with mode:
+            t = torch.empty(pre.size, dtype=pre.dtype, device="cpu")
+    else:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        spec = pre.spec
+        # Outside the fake mode: the offsets are computed on real index tensors.
+        local_shape, _ = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+        with mode:
+            local = torch.empty(local_shape, dtype=pre.dtype, device="cpu")
+            t = DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
+                                   shape=spec.shape, stride=spec.stride)
+    return torch.nn.Parameter(t, requires_grad=pre.requires_grad)
+
+
+def _shared_meshes(model: torch.nn.Module) -> dict[int, Any]:
+    from torch.distributed.tensor import DTensor
+
+    return {id(t.device_mesh): t.device_mesh for t in [*model.parameters(), *model.buffers()]
+            if isinstance(t, DTensor)}
+
+
+def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] = ()
+              ) -> tuple[torch.nn.Module, dict[int, torch.Tensor | None]]:
+    """Deep copy of ``model`` whose parameters and buffers are fake (shared ones stay shared),
+    without the blocks of ``stacks`` a truncated trace skips; see the module docstring. Raises
+    :class:`FakeCopyError`."""
     memo: dict[int, Any] = {}
     mapping: dict[int, torch.Tensor | None] = {}
+    pre_shard, hooks, states = unsharded_parts(model)
+    if stacks and hooks:
+        raise FakeCopyError(f"{type(model).__name__} is sharded with fully_shard: its blocks are traced whole, "
+                            "not once per stack; trace it without replicate_blocks")
     skipped = skipped_param_ids(model, stacks) if stacks else set()
+    for st in states:
+        memo[id(st)] = st
     for p in model.parameters():
         if id(p) in skipped:
             mapping[id(p)] = None
         elif id(p) not in memo:
-            fp = torch.nn.Parameter(fake_tensor(mode, p.detach()), requires_grad=p.requires_grad)
-            memo[id(p)] = fp
-            mapping[id(p)] = fp
+            pre = pre_shard.get(id(p))
+            fp = (_pre_shard_fake(mode, pre) if pre is not None
+                  else torch.nn.Parameter(fake_tensor(mode, p.detach()), requires_grad=p.requires_grad))
+            memo[id(p)] = mapping[id(p)] = fp
     for b in model.buffers():
         if id(b) not in memo and id(b) not in skipped:
-            memo[id(b)] = _fake_buffer(mode, b)
-    left = fake_leaks.left_behind()  # held through the copy: their ids stay theirs
-    for t in left:  # shared, not copied (see left_behind)
+            memo[id(b)] = fake_buffer(mode, b)
+    for t in fake_leaks.left_behind():  # held through the copy: shared, not copied (see left_behind)
         memo.setdefault(id(t), t)
+    if "torch.distributed.tensor" in sys.modules:
+        memo.update(_shared_meshes(model))
     try:
+        for mod in reversed(list(model.modules())):  # FSDP units bottom-up: children are in memo first
+            if id(mod) in hooks:
+                memo[id(mod)] = _unit_copy(mod, hooks[id(mod)], memo)
         if stacks:
             truncate_in_memo(model, stacks, memo)
-        return copy.deepcopy(model, memo), mapping
+        out = memo[id(model)] if id(model) in memo else copy.deepcopy(model, memo)
     except Exception as e:  # noqa: BLE001 - user modules can hold anything
         raise FakeCopyError(
             f"could not copy {type(model).__name__} to fake tensors ({type(e).__name__}: {e}); "
-            "give the model on the meta device, or trace in real mode"
-        ) from e
+            "give the model on the meta device, or trace in real mode") from e
+    rebind_functions(out, memo)
+    return out, mapping
+
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
+                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _unit_copy(mod: torch.nn.Module, hook_ids: set[int], memo: dict[int, Any]) -> torch.nn.Module:
+    """A copy of FSDP unit ``mod`` as an object of its original class, without FSDP's hooks."""
+    cls = original_class(mod)
+    new = cls.__new__(cls)
+    memo[id(mod)] = new  # before its attributes: they may refer back to it
+    new.__dict__.update(copy.deepcopy(dict(vars(mod)), memo))
+    for table in _HOOK_TABLES:
+        hooks = new.__dict__.get(table)
+        if hooks is not None:
+            for hid in hook_ids:
+                hooks.pop(hid, None)
+    return new
+
+
+def rebind_functions(root: torch.nn.Module, memo: dict[int, Any]) -> int:
+    """Rebuild the functions stored on ``root``'s modules whose closures (or bound ``self``)
+    hold objects ``memo`` copied, over the copies; returns how many were rebuilt."""
+    n = 0
+    for mod in root.modules():
+        for name, value in list(vars(mod).items()):
+            if isinstance(value, (types.FunctionType, types.MethodType)):
+                new = _remap(value, memo)
+                if new is not value:
+                    setattr(mod, name, new)
+                    n += 1
+    return n
+
+
+def _remap(value: Any, memo: dict[int, Any], depth: int = 0) -> Any:
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, types.MethodType) and id(value.__self__) in memo:
+        return types.MethodType(value.__func__, memo[id(value.__self__)])
+    if isinstance(value, types.FunctionType) and value.__closure__ and depth < 4:
+        return _rebuilt(value, lambda v: _remap(v, memo, depth + 1))
+    return value
+
+
+def _rebuilt(fn: types.FunctionType, remap: Callable[[Any], Any]) -> types.FunctionType:
+    cells, changed = [], False
+    for cell in fn.__closure__:
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            cells.append(cell)
+            continue
+        new = remap(v)
+        changed |= new is not v
+        cells.append(types.CellType(new))
+    if not changed:
+        return fn
+    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells))
+    out.__kwdefaults__ = fn.__kwdefaults__
+    out.__dict__.update(fn.__dict__)
+    out.__qualname__ = fn.__qualname__
+    return out

@@ -90,6 +90,9 @@ class StepTrace:
     previous_output_sids: tuple[int, ...] = ()
     """Records standing for the previous micro-batch's (or step's) output, which a loop that keeps
     the output holds until this forward returns (``StepTracer(previous_output=True)``)."""
+    collective_ms: dict[int, float] = field(default_factory=dict)
+    """Whole communication time of each collective op (by op index); its ``runtime_ms`` is the
+    part the compute stream waits for (``estimators.tracing.comm_overlap``)."""
     marks: dict[str, int] = field(default_factory=dict)
     """Named positions the step announced (``StepTracer.mark``): the index of the first op after
     each name, e.g. where a pipeline stage's backward or its weight half begins."""

@@ -20,11 +20,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import sys
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -41,6 +43,8 @@ from estimators.tracing.records import (
     tensor_numel,
 )
 from estimators.runtime.op_facts import op_facts, written_args
+from estimators.tracing.foreign_leaves import ForeignLeaves
+from estimators.tracing.subclasses import WAIT, defers, in_sharding_propagation, mark_sharding_propagation, storage_of
 
 if TYPE_CHECKING:
     from estimators.runtime.models import RuntimeModel
@@ -62,11 +66,7 @@ def _call(func, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
-def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
-    try:
-        return t.untyped_storage()
-    except (NotImplementedError, RuntimeError):  # sparse, nested, functional wrappers
-        return None
+_storage_of = storage_of  # a DTensor's storage is its local shard's (estimators.tracing.subclasses)
 
 
 class InplaceModifiedError(RuntimeError):
@@ -120,6 +120,8 @@ class StepTracer(TorchDispatchMode):
                 mode's fake copy of it, and autograd saves the copy: both are one storage.
         """
         super().__init__()
+        if "torch.distributed.tensor" in sys.modules:  # no DTensor can exist before it is imported
+            mark_sharding_propagation()
         self.model, self.root_name, self.optimizer, self.device = model, root_name, optimizer, device
         self.runtime_model = runtime_model
         self.round_bytes = round_bytes
@@ -141,13 +143,8 @@ class StepTracer(TorchDispatchMode):
         self._packing = False  # inside pack_hook: its own alias is not an op of the step
         self._output_sids: tuple[int, ...] = ()  # the root call's output, with what pytree does not open
         self._fake_mode = fake_mode
-        self._own_leaves = {id(p) for p in model.parameters()}
-        self._foreign: dict[int, tuple[weakref.ref, torch.Tensor | None, torch.Tensor | None]] = {}
-        """Leaves that require grad outside the model (another module the loss runs: a GAN's
-        discriminator in the generator's step), by weak reference (a strong one kept the step's
-        own leaves alive, and the trace counted them longer), with the ``.grad`` each had
-        before the step and, in a real trace (whose backward adds into it in place), a copy of
-        its values."""
+        self._foreign = ForeignLeaves({id(p) for p in model.parameters()}, real=fake_mode is None)
+        """Leaves outside the model the step reads (``estimators.tracing.foreign_leaves``)."""
         self._drawn: set[int] = set()  # sids of small tensors computed from torch's RNG draws
         self.random_value_reads: list[str] = []
         """Modules (fqns) whose Python code read the value of a small tensor drawn from torch's
@@ -262,7 +259,15 @@ class StepTracer(TorchDispatchMode):
             if device is not None:
                 return device
         kwargs = kwargs or {}
-        out = self.run_op(func, args, kwargs)
+        if defers(types):
+            # A DTensor (or other wrapper) op: the rank runs its local ops and collectives, which
+            # come back through this mode at local shapes (estimators.tracing.subclasses).
+            self._foreign.note(op_tensors(args, kwargs))
+            return NotImplemented
+        if in_sharding_propagation() or active_fake_mode() is not self._fake_mode:
+            return func(*args, **kwargs)  # DTensor's output-metadata ops on fake global shapes
+        # Eagerly a wait returns its input; its fake kernel makes a new tensor (a second buffer).
+        out = args[0] if func is WAIT and self._fake_mode is not None else self.run_op(func, args, kwargs)
         facts = op_facts(func)
         if self._drawn and not self._packing and func in _VALUE_READS:
             self._note_value_read(args)
@@ -270,13 +275,9 @@ class StepTracer(TorchDispatchMode):
             return out
         index = len(self.ops)
         in_tensors = op_tensors(args, kwargs)
+        self._foreign.note(in_tensors)
         arg_sids = []
         for t in in_tensors:
-            if (t.requires_grad and t.is_leaf and id(t) not in self._own_leaves and id(t) not in self._foreign
-                    and torch.is_grad_enabled()):  # under no_grad nothing accumulates into it
-                grad = t.grad
-                values = grad.detach().clone() if grad is not None and self._fake_mode is None else None
-                self._foreign[id(t)] = (weakref.ref(t), grad, values)
             st = _storage_of(t)
             sid = self._sid(st) if st is not None else None
             if sid is None and st is not None:
@@ -327,21 +328,11 @@ class StepTracer(TorchDispatchMode):
 
     def foreign_leaves(self) -> list[torch.Tensor]:
         """The leaves outside the model that the step's ops read with ``requires_grad`` (alive)."""
-        return [t for t in (ref() for ref, _, _ in self._foreign.values()) if t is not None]
+        return self._foreign.alive()
 
     def restore_foreign_grads(self) -> None:
-        """Put back the ``.grad`` of every leaf outside the model that the step's backward
-        reached: the trace's backward accumulated into them (fake tensors in a fake trace, and
-        the user's next real step trained on them)."""
-        for ref, grad, values in self._foreign.values():
-            t = ref()
-            if t is None:
-                continue
-            if values is not None:
-                with torch.no_grad():
-                    grad.copy_(values)
-            t.grad = grad
-        self._foreign.clear()
+        """Put back the ``.grad`` of every leaf outside the model that the step's backward reached."""
+        self._foreign.restore()
 
     def _note_drawn(self, flat_out: list) -> None:
         """Small outputs of a random op, or of an op on drawn values only, are drawn values (a
@@ -587,11 +578,11 @@ class StepTracer(TorchDispatchMode):
             seen: set[int] = set()
             pbytes = gbytes = 0
             for p in mod.parameters():
-                key = id(p.untyped_storage())
-                if key in seen:
+                st = _storage_of(p)  # a DTensor parameter: this rank's shard
+                if st is None or id(st) in seen:
                     continue
-                seen.add(key)
-                nb = self.round_bytes(p.untyped_storage().nbytes())
+                seen.add(id(st))
+                nb = self.round_bytes(st.nbytes())
                 pbytes += nb
                 gbytes += nb if p.requires_grad else 0
             param_bytes[fqn], grad_bytes[fqn] = pbytes, gbytes

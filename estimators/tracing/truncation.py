@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from estimators.contract.module_info import Phase
 from estimators.tracing.stacks import Stack
+from estimators.tracing.subclasses import storage_of
 
 __all__ = ["truncate_in_memo", "skipped_param_ids", "pre_step_owners", "FullListsRuntime", "gc_paused",
            "may_index_blocks"]
@@ -136,15 +137,16 @@ def _is_tensor_list(a: Any) -> bool:
 
 
 def _mark(marked: dict[int, weakref.ref], t: torch.Tensor) -> None:
-    st = t.untyped_storage()
-    marked[id(st)] = weakref.ref(st)
+    st = storage_of(t)  # a DTensor's: its local shard's, which its local _foreach op gets
+    if st is not None:
+        marked[id(st)] = weakref.ref(st)
 
 
 def _is_marked(marked: dict[int, weakref.ref], t: Any) -> bool:
     if not isinstance(t, torch.Tensor):
         return False
-    st = t.untyped_storage()
-    ref = marked.get(id(st))
+    st = storage_of(t)
+    ref = marked.get(id(st)) if st is not None else None
     return ref is not None and ref() is st
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -23,6 +22,7 @@ from estimators.tracing.estimation import as_train_step
 from estimators.step import host_rng
 from planner.applying.checkpointing import apply_plan, hf_cache_note, hf_cache_off, unwrap_compiled
 from planner.plan import Plan
+from estimators.tracing.subclasses import local_tensor
 
 __all__ = ["GradientCheck", "check_gradients"]
 
@@ -87,7 +87,7 @@ def check_gradients(model: torch.nn.Module, plan: Plan, step: TrainStep | None =
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with step_mode(model, step.train_mode), torch.random.fork_rng(devices=devices), host_rng.preserved(), \
             _configs_kept(model):
-        return _check(model, plan, step.inputs, step.loss_fn, seed, step.keep_output, step.autocast_dtype)
+        return _check(model, plan, step, seed)
 
 
 @contextlib.contextmanager
@@ -106,8 +106,7 @@ def _configs_kept(model: torch.nn.Module):
             c.__dict__.update(saved[k])
 
 
-def _check(model: torch.nn.Module, plan: Plan, inputs: Any, loss_fn: Any, seed: int, keep_output: bool,
-           autocast_dtype: torch.dtype | None) -> GradientCheck:
+def _check(model: torch.nn.Module, plan: Plan, step: TrainStep, seed: int) -> GradientCheck:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # Parameters and every buffer (non-persistent ones too): BatchNorm statistics move in a step.
     state = {k: v.detach().clone() for k, v in _tensors(model).items()}
@@ -123,10 +122,10 @@ def _check(model: torch.nn.Module, plan: Plan, inputs: Any, loss_fn: Any, seed: 
             p.grad = grads[n]
 
     try:
-        ref_loss, ref = _run(model, inputs, loss_fn, seed, params, keep_output, autocast_dtype)
+        ref_loss, ref = _run(model, step, seed, params)
         with apply_plan(model, plan):
             put_back()  # the planned run starts from the state the reference run started from
-            loss, got = _run(model, inputs, loss_fn, seed, params, keep_output, autocast_dtype)
+            loss, got = _run(model, step, seed, params)
     finally:
         put_back()
     differing, worst = _compare(params, loss, got, ref_loss, ref)
@@ -136,7 +135,7 @@ def _check(model: torch.nn.Module, plan: Plan, inputs: Any, loss_fn: Any, seed: 
         # The plan turns HF's cache off: is the difference the plan's, or the cache's?
         try:
             with hf_cache_off(model):
-                off_loss, off = _run(model, inputs, loss_fn, seed, params, keep_output, autocast_dtype)
+                off_loss, off = _run(model, step, seed, params)
         finally:
             put_back()
         cache_off = not _compare(params, loss, got, off_loss, off)[0] and _bits(loss) == _bits(off_loss)
@@ -162,14 +161,17 @@ def _compare(params, loss, got, ref_loss, ref) -> tuple[list[str], float]:
     return differing, worst
 
 
-def _run(model, inputs, loss_fn, seed, params, keep_output, autocast_dtype) -> tuple[float, dict[str, torch.Tensor | None]]:
+def _run(model, step: TrainStep, seed: int, params) -> tuple[float, dict[str, torch.Tensor | None]]:
+    """One forward + backward of ``step`` (no optimizer step): its loss and every gradient, a
+    DTensor's as this rank's local shard (compared locally: no collective)."""
     for _, p in params:
         p.grad = None
     host_rng.seed_all(seed)  # torch's, and Python's / numpy's (Wav2Vec2 masks with np.random)
-    loss = run_step(model, inputs, loss_fn, None, keep_output=keep_output, autocast_dtype=autocast_dtype)
+    loss = run_step(model, step.inputs, step.loss_fn, None, keep_output=step.keep_output,
+                    autocast_dtype=step.autocast_dtype, context=step.context)
     if loss is None:
         raise ValueError("the gradient check needs real tensors (the model is fake or on meta)")
-    return loss, {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in params}
+    return loss, {n: (local_tensor(p.grad).detach().clone() if p.grad is not None else None) for n, p in params}
 
 
 def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -97,7 +97,7 @@ def measure_steps(
             out.append(_measure(model, step.inputs, optimizer, lambda on_phase: run_step(
                 model, step.inputs, step.loss_fn, optimizer, on_phase,
                 micro_batches=step.micro_batches, autocast_dtype=step.autocast_dtype,
-                keep_output=step.keep_output, held_output=held,
+                keep_output=step.keep_output, held_output=held, context=step.context,
             ), held=held_tensors(held[0]) + step.held_tensors()))
     return out
 

@@ -42,6 +42,7 @@ import torch
 from planner.errors import AlreadyCheckpointedError, PlanMismatchError
 from planner.applying import offload
 from planner.distributed.fsdp import original_class_name
+from planner.distributed.layout import layout_mismatch
 from planner.applying.offload import OffloadCounter, OffloadError
 from planner.plan import ModulePlan, Plan, model_fingerprint, model_shape
 from solver.graph import is_submodule
@@ -343,6 +344,10 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = 
             f"not for this {other[0]} (fingerprint {other[1]}): module names, parameter shapes or "
             "dtypes differ. Re-plan with solve_sac(model, ...)"
         )
+    why = layout_mismatch(plan.layout, model) if check_fingerprint else None
+    if why is not None:
+        raise PlanMismatchError(f"{why}: the plan's per-rank figures do not hold for this layout. Re-plan the "
+                                "model as it is laid out (solve_sac on the parallelized model)")
     trainable = model_shape(model).trainable_numel
     if plan.trainable_numel and trainable > plan.trainable_numel:
         warnings.warn(

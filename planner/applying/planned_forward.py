@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch._guards import active_fake_mode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import (
     SAC_IGNORED_OPS,
@@ -60,6 +61,7 @@ from torch.utils.checkpoint import (
     checkpoint,
 )
 
+from estimators.tracing.subclasses import SYNC_OPS, defers, in_sharding_propagation
 from planner.applying import offload
 from planner.applying.forward_state import Bookkeeping, in_bookkeeping, StateKeeper
 from estimators.tracing.trace import tensor_numel
@@ -113,6 +115,14 @@ def _storage_ids(flat: list) -> set[int]:
     return out
 
 
+def _step_op(func, fake_mode) -> bool:
+    """An op of the module's own forward, as the plan's trace recorded it: not DTensor's
+    output-metadata ops (run on fake global shapes, under another fake mode when the step is
+    real), not a collective's wait (it runs where the output is first used, which a recompute
+    may do elsewhere; a cached output is complete) (``estimators.tracing.subclasses``)."""
+    return not (func in SYNC_OPS or in_sharding_propagation() or active_fake_mode() is not fake_mode)
+
+
 class _RecordingMode(_CachingTorchDispatchMode):
     """Forward side: log every op in order; keep the outputs the policy saves."""
 
@@ -120,12 +130,19 @@ class _RecordingMode(_CachingTorchDispatchMode):
         super().__init__(policy_fn, storage)
         self.log = log
         self.key_of = key_of
+        self.fake_mode = None
+
+    def __enter__(self):
+        self.fake_mode = active_fake_mode()  # the trace's (None in a real step)
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = {} if kwargs is None else kwargs
         if _is_compiling(func, args, kwargs):  # the compiler partitions by policy itself
             return super().__torch_dispatch__(func, types, args, kwargs)
-        if func in SAC_IGNORED_OPS or in_bookkeeping():
+        if defers(types):
+            return NotImplemented  # a DTensor op: decide on its local ops, as the plan's trace saw them
+        if func in SAC_IGNORED_OPS or in_bookkeeping() or not _step_op(func, self.fake_mode):
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         policy = self.policy_fn(SelectiveCheckpointContext(is_recompute=False, op_output=out), func, *args, **kwargs)
@@ -147,16 +164,20 @@ class _ReplayMode(_CachedTorchDispatchMode):
         self.on_diverge = on_diverge
         self.pos = 0
         self.diverged = False
+        self.fake_mode = None
 
     def __enter__(self):
         self.pos, self.diverged = 0, False
+        self.fake_mode = active_fake_mode()
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = {} if kwargs is None else kwargs
         if _is_compiling(func, args, kwargs):
             return super().__torch_dispatch__(func, types, args, kwargs)
-        if func in SAC_IGNORED_OPS or in_bookkeeping():
+        if defers(types):
+            return NotImplemented
+        if func in SAC_IGNORED_OPS or in_bookkeeping() or not _step_op(func, self.fake_mode):
             return func(*args, **kwargs)
         if not self.diverged:
             meta = _meta(args, kwargs)

@@ -48,7 +48,7 @@ import functools
 import hashlib
 import json
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ from planner.distributed.agreement import agree, request_fields
 from planner.errors import PlanHashMismatchError, RemotePlanningError
 from planner.applying.checkpointing import hf_cache_off
 from planner.distributed.fsdp.comm import fsdp_comm_ms
-from planner.distributed.fsdp.model import fsdp_units_of
+from planner.distributed.layout import check_parallel_support, fsdp_options
 from planner.format import GiB
 from planner.plan import Plan
 from planner.format import check_budget_gib
@@ -127,15 +127,16 @@ def solve_sac_distributed(
 ) -> Plan:
     """:func:`planner.solve_sac` for a running torch.distributed job: the same plan on every rank.
 
-    Call it on every rank of ``group`` with the same arguments, before ``fully_shard`` (the trace
-    needs the unsharded model; a model built on the meta device is fine). ``budget_gib`` is per
-    rank, ``step.inputs`` one rank's batch. ``options.fsdp_units`` names the modules you will
-    ``fully_shard`` (ModuleInfo names: ``"GPT"``, ``"GPT.blocks.0"``...; the root included):
-    parameters, gradients and optimizer state are then sharded over the group and FSDP2's
-    gathered parameters and communication buffers are counted (``planner.distributed.fsdp``).
-    Without ``fsdp_units`` the model is planned replicated (e.g. DDP; its gradient buckets are
-    not modelled): per-rank memory is the single-process step's. ``options.world_size`` must be
-    1 (the default: the group's size is used) or the group's size. With
+    Call it on every rank of ``group`` with the same arguments, before ``fully_shard`` or after it
+    (a sharded model gives its own units and group size; a model built on the meta device is
+    fine). ``budget_gib`` is per rank, ``step.inputs`` one rank's batch. ``options.fsdp_units``
+    names the modules you will ``fully_shard`` (ModuleInfo names: ``"GPT"``, ``"GPT.blocks.0"``...;
+    the root included): parameters, gradients and optimizer state are then sharded over
+    ``options.world_size`` ranks (1, the default: the whole group; the ``dp`` size of a ``dp x tp``
+    mesh) and FSDP2's gathered parameters and communication buffers are counted
+    (``planner.distributed.fsdp``). Without ``fsdp_units`` the model is planned replicated (e.g.
+    DDP; its gradient buckets are not modelled): per-rank memory is one rank's traced step, a
+    tensor-parallel model's at its local shard shapes (``planner.distributed.layout``). With
     ``options.trace.runtime == RuntimeKind.BENCHMARK`` the op timings are measured across the
     ranks first (:func:`share_benchmarks`), unless ``benchmark`` passes timings already shared
     that way (e.g. to plan several budgets).
@@ -154,7 +155,7 @@ def solve_sac_distributed(
     world_size = dist.get_world_size(group)
     asked, error = None, None
     try:  # every check of this rank's own arguments; what they raise goes to every rank
-        options, units, step = _checked(model, budget_gib, step, options, world_size, benchmark)
+        options, units, fsdp_world, step = _checked(model, budget_gib, step, options, world_size, benchmark)
         asked = request_fields(model=model, budget_gib=budget_gib, step=step, options=options,
                                benchmark="given" if benchmark is not None else "none")
     except Exception as e:  # noqa: BLE001 - reported on every rank by agree
@@ -173,49 +174,47 @@ def solve_sac_distributed(
     except Exception as e:  # noqa: BLE001 - reported on every rank by agree
         error = e
     agree("the traced step", traced, error, group)
-    solve = functools.partial(_solve, model, budget_gib, est, options, units, world_size, runtime)
+    solve = functools.partial(_solve, model, budget_gib, est, options, units, fsdp_world, runtime)
     plan = _receive(_plan_on_rank0(solve, group), group)
     check_same_plan(plan, group)
     return plan
 
 
 def _checked(model, budget_gib, step, options, world_size: int, benchmark) -> tuple:
-    """``(options, fsdp units, step)`` after every local check of one rank's arguments."""
+    """``(options, fsdp units, ranks FSDP2 shards over, step)`` after every local check of one
+    rank's arguments (``world_size``: the group's)."""
     options = options if options is not None else PlanOptions()
     if not isinstance(options, PlanOptions):
         raise TypeError(f"options must be a PlanOptions, got {type(options).__name__}")
     _check_world_size(options.world_size, world_size)
-    units = _check_fsdp_units(model, options.fsdp_units)
+    units, fsdp_world = _fsdp_of(model, options, world_size)
+    check_parallel_support(model, options, traced_on_one_rank=True)
     check_budget_gib(budget_gib)
     if benchmark is not None and options.trace.runtime is not RuntimeKind.BENCHMARK:
         raise ValueError(
             "benchmark= holds measured op timings, which only the BENCHMARK runtime uses; pass "
             "options=PlanOptions(trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK)) or drop benchmark="
         )
-    return options, units, as_train_step(model, step)
+    return options, units, fsdp_world, as_train_step(model, step)
 
 
 # ------------------------------------------------------------------------------ local checks
 def _check_world_size(asked: int, group_size: int) -> None:
-    if asked not in (1, group_size):
+    if group_size % asked:
         raise ValueError(
             f"world_size={asked!r} does not match the process group, which has {group_size} ranks "
-            "(dist.get_world_size(group)); leave world_size at 1 or pass the group you shard over"
+            "(dist.get_world_size(group)); leave world_size at 1 (FSDP2 over the whole group), or pass "
+            "the size of the mesh dim FSDP2 shards over (it divides the group: dp of a dp x tp mesh)"
         )
 
 
-def _check_fsdp_units(model: torch.nn.Module, fsdp_units: Iterable[str] | None) -> list[str] | None:
-    if fsdp_units_of(model):
-        raise ValueError(
-            f"{type(model).__name__} is already sharded (fully_shard was called): the plan is made "
-            "from a trace of the unsharded model; call solve_sac_distributed before fully_shard, or "
-            "give the model built on the meta device"
-        )
-    if fsdp_units is None:
-        return None
-    if isinstance(fsdp_units, str):
-        raise TypeError(f"fsdp_units must be a list of module names, not the string {fsdp_units!r}")
-    return list(fsdp_units)
+def _fsdp_of(model: torch.nn.Module, options: PlanOptions, group_size: int) -> tuple[list[str] | None, int]:
+    """(FSDP2 units, ranks each parameter is sharded over): the options' (world_size 1: the whole
+    group), or those of a model ``fully_shard`` sharded already; (None, 1) without FSDP2."""
+    units, size = fsdp_options(model, options.fsdp_units, options.world_size)
+    if units is None:
+        return None, group_size  # replicated (tensor parallel only, DDP): the notes give the group
+    return list(units), size if size > 1 else group_size
 
 
 # ------------------------------------------------------------------------------ rank 0 plans
@@ -258,7 +257,7 @@ def _solve(model, budget_gib, est, options: PlanOptions, units, world_size,
         f"FSDP2 over {world_size} ranks, {len(units)} units: per-rank memory counts gathered "
         "parameters and all-gather / reduce-scatter buffers (planner/distributed/fsdp/memory.py)"
         if units is not None
-        else f"replicated on {world_size} ranks (no fsdp_units): per-rank memory of one process"
+        else f"no FSDP2 over the {world_size} ranks: per-rank memory of one rank's traced program"
     )
     if units is not None:
         notes.append(_comm_note(est.module_info, units, world_size, spec))

@@ -27,6 +27,8 @@ from estimators.tracing.estimation import Estimate
 from estimators.tracing.steady_state import first_step_module_info
 from estimators.contract.module_info import ModStats, ModuleInfo
 from planner.applying.offload import MIN_OFFLOAD_BYTES, predicted_host_bytes
+from planner.distributed.fsdp import original_class_name
+from planner.distributed.layout import plan_layout
 from planner.format import GiB
 from planner.plan import ModulePlan, Plan, StepRecord, model_fingerprint, model_shape, op_key
 from planner.errors import PlanningError
@@ -150,9 +152,9 @@ def plan_offload(
     micro_batches = est.step.micro_batches if est.step is not None else 1
     tl = plan_timeline(layout, info, modules, spec.host_copy_bytes_per_s, spec.host_copy_latency_s)
     return Plan(
-        modules=modules, model_name=type(model).__name__, model_fingerprint=model_fingerprint(model),
+        modules=modules, model_name=original_class_name(model), model_fingerprint=model_fingerprint(model),
         trainable_numel=model_shape(model).trainable_numel,
-        device=spec.name, world_size=world_size, budget_bytes=budget_bytes, reserve_bytes=reserve_bytes,
+        device=spec.name, world_size=world_size, layout=plan_layout(model, fsdp_units, world_size), budget_bytes=budget_bytes, reserve_bytes=reserve_bytes,
         predicted_peak_bytes=max(first, steady),
         solver_peak_bytes=max(solver_first, res.predicted_peak_bytes),
         baseline_peak_bytes=res.no_ac_peak_bytes, recompute_ms=tl.recompute_ms,

@@ -32,7 +32,8 @@ from estimators.tracing.steady_state import first_step_module_info
 from estimators.step.train_step import TrainStep
 from planner.options import PlanOptions
 from planner.planning.floor import PeakBreakdown, floor_text, lowering_hints, peak_breakdown
-from planner.distributed.fsdp import fsdp_module_info
+from planner.distributed.fsdp import fsdp_module_info, original_class_name
+from planner.distributed.layout import check_parallel_support, fsdp_options, has_dtensors, plan_layout
 from planner.format import GiB, check_budget_gib
 from planner.plan import Plan, StepRecord, model_fingerprint, model_shape
 from planner.planning import plan_notes
@@ -184,6 +185,8 @@ def solve_sac(
     model = unwrap_compiled(model)  # plan what torch.compile wraps; the compiled module is untouched
     check_plannable(model)  # before anything touches the model
     _check_budget(budget_gib, options)  # all before the trace, which can take minutes
+    fsdp_options(model, options.fsdp_units, options.world_size)  # refuses options a sharded model contradicts
+    check_parallel_support(model, options)
     step = as_train_step(model, step)
     if options.pipeline is not None:  # a pipeline stage: planned for its schedule, on its rank
         return _solve_stage(model, budget_gib, step, options)
@@ -200,6 +203,8 @@ def plan_estimate(model: torch.nn.Module, est: Estimate, budget_gib: float, *,
     traced module names (``planner.integrations``)."""
     options = _check_options(options)
     budget, host_budget = _check_budget(budget_gib, options)
+    fsdp_units, world_size = fsdp_options(model, options.fsdp_units, options.world_size)
+    check_parallel_support(model, options)
     spec = options.spec
     reserve = (int(options.reserve_gib * GiB) if options.reserve_gib is not None
                else default_reserve_bytes(spec, budget))
@@ -208,10 +213,10 @@ def plan_estimate(model: torch.nn.Module, est: Estimate, budget_gib: float, *,
         est,
         budget,
         unplanned_peak_bytes=unplanned_peak_bytes(model, est),
-        world_size=options.world_size,
+        world_size=world_size,
         reserve_bytes=reserve,
         ac_units=options.ac_units,
-        fsdp_units=options.fsdp_units,
+        fsdp_units=fsdp_units,
         solver_options=options.solver,
         verify=options.verify,
         offload=options.offload,
@@ -384,6 +389,7 @@ def _plan_for_budget(
         return _floor(full_milp, est, info, model, world_size, solver_options)
 
     mispriced: dict[str, str] = {}  # candidates whose traced recompute set a peak the MILP missed
+    tensor_parallel = has_dtensors(model)  # per-rank plans of a TP model are traced (FSDP-only: the MILP's)
 
     def peaks_of(res, modules) -> tuple[int, int]:
         """(first-step, steady-state) peak of a plan: traced, or the MILP's per-rank figures."""
@@ -394,6 +400,9 @@ def _plan_for_budget(
                 mispriced.setdefault(culprit, f"its recompute set a traced peak of "
                                               f"{fmt_bytes(planned.steady_peak_bytes)}")
             return planned.first_step_peak_bytes, planned.steady_peak_bytes
+        if verify and tensor_parallel:  # per rank: the planned step's trace, sharded by the FSDP rules
+            planned = verification.traced_or_diverged(model, modules, est)
+            return verification.per_rank_peaks(planned, units, world_size)
         first = predict_peak_bytes(first_info, res.discarded_bytes, world_size=world_size)
         return first, res.predicted_peak_bytes
 
@@ -482,15 +491,18 @@ def _plan_for_budget(
         traced = max(peaks)
         notes.append("the least-recompute plans traced over budget: using the min-peak plan")
     if world_size > 1:
-        notes.append("world_size > 1: predicted peak is the MILP's per-rank figure (not traced)")
+        notes.append("world_size > 1: predicted peak is the planned step's trace, per rank by the FSDP rules"
+                     if verify and tensor_parallel else
+                     "world_size > 1: predicted peak is the MILP's per-rank figure (not traced)")
     first, steady = peaks
     plan = Plan(
         modules=modules,
-        model_name=type(model).__name__,
+        model_name=original_class_name(model),
         model_fingerprint=model_fingerprint(model),
         trainable_numel=model_shape(model).trainable_numel,
         device=est.spec.name,
         world_size=world_size,
+        layout=plan_layout(model, units, world_size),
         budget_bytes=budget_bytes,
         reserve_bytes=reserve_bytes,
         predicted_peak_bytes=max(first, steady),
