@@ -1,6 +1,7 @@
 """PlannedAC on torchtitan's Llama3 tensor-parallel over 2 gloo ranks (this CPU): the debugmodel
 flavor cut to 2 layers, sharded by torchtitan's own ``Module.parallelize`` from its Trainer
-config (TP 2, sequence parallel, vocab-parallel embedding and loss), planned per rank before
+config (TP 2, sequence parallel, vocab-parallel embedding and loss; both its SPMD backends, the
+default ``spmd_types`` and ``partial_dtensor``), planned per rank before
 activation checkpointing (torchtitan applies AC after TP), the plan applied through
 ``PlannedAC.Config`` as ``parallelize_llama`` applies its AC config. On every rank the measured
 peak of 3 AdamW steps equals the plan's prediction to the byte (first and steady state), the loss
@@ -24,8 +25,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 WORLD = 2
 
 
-def test_planned_ac_through_torchtitans_config_on_tp_ranks(tmp_path):
-    run_ranks(torchtitan_tp_ranks.worker, WORLD, (WORLD, str(tmp_path)), timeout_s=240)
+@pytest.mark.parametrize("backend", torchtitan_tp_ranks.BACKENDS)
+def test_planned_ac_through_torchtitans_config_on_tp_ranks(tmp_path, backend):
+    run_ranks(torchtitan_tp_ranks.worker, WORLD, (WORLD, str(tmp_path), backend), timeout_s=240)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for rank, r in enumerate(results):
         print(f"rank {rank}: floor {r['floor']:,} no AC {r['no_ac']:,} budget {r['budget']:,} "

@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 
 SEQ, BATCH, LAYERS = 64, 4, 2
-BACKEND = "partial_dtensor"
-"""torchtitan's SPMD backend with DTensor parameters on the TP axis. Its default, ``spmd_types``,
-keeps plain local tensors and issues c10d collectives on them, which a fake trace does not model."""
+BACKENDS = ("spmd_types", "partial_dtensor")
+"""torchtitan's SPMD backends for TP: ``spmd_types`` (its default: plain local tensors, functional
+collectives) and ``partial_dtensor`` (DTensor parameters and activations on the TP axis)."""
 
 
-def trainer_config(world: int):
+def trainer_config(world: int, backend: str):
     """torchtitan's debugmodel Trainer.Config at TP=``world`` (sequence parallel on, its default),
     cut to LAYERS layers with SDPA inner attention (FlexAttention has no CPU backward), and the
     model config's sharding filled in from it as the Trainer does (``update_from_config``)."""
@@ -25,7 +25,7 @@ def trainer_config(world: int):
 
     config = llama3_debugmodel()
     config.parallelism.tensor_parallel_degree = world
-    config.parallelism.spmd_backend = BACKEND
+    config.parallelism.spmd_backend = backend
     config.training.seq_len, config.training.local_batch_size = SEQ, BATCH
     model_config = config.model_spec.model
     model_config.layers = model_config.layers[:LAYERS]
@@ -85,19 +85,25 @@ def train_step(config, context):
         context=context)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def local_grads(model, step) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One forward and backward: the loss and this rank's gradient shards by parameter name
     (FullAC's wrapper prefix dropped), then the gradients are cleared."""
     with step.context():
         loss = step.loss_fn(model(*step.inputs), step.inputs)
         loss.backward()
-    grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad.to_local().clone()
+    grads = {n.replace("._checkpoint_wrapped_module", ""): _local(p.grad).clone()
              for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return loss.detach().clone(), grads
 
 
-def worker(rank: int, world: int, tmp: str) -> None:
+def worker(rank: int, world: int, tmp: str, backend: str) -> None:
     """Plan this rank (no AC yet, as torchtitan applies AC after TP), save the plan, apply it
     through ``PlannedAC.Config``; measure 3 AdamW steps; compare gradients with FullAC's."""
     from torchtitan.distributed import utils as dist_utils
@@ -115,7 +121,7 @@ def worker(rank: int, world: int, tmp: str) -> None:
     from tests.planner.spawned import leave_rank
 
     init(rank, world, tmp)
-    config = trainer_config(world)
+    config = trainer_config(world, backend)
     parallel_dims = parallel_dims_of(config, world)
     context = dist_utils.get_spmd_context(parallel_dims=parallel_dims)
     step = train_step(config, context)
