@@ -5,7 +5,6 @@ each rank writes ``<tmp>/rank<r>.json`` and leaves through ``tests.planner.spawn
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
