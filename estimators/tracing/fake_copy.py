@@ -11,8 +11,10 @@
   its original class without FSDP2's forward hooks, each sharded parameter a fake one of its
   pre-FSDP layout (``estimators.tracing.sharded_model``). FSDP2's memory is the FSDP rules' to add.
 * Functions stored on a module (``module.forward = closure``, as HF's tensor-parallel styles
-  install) are shared by ``copy.deepcopy``, so the copy would call the *user's* module and its
-  real parameters (and leave fake gradients on them): they are rebuilt over the copied objects.
+  and torchtitan's ``Module.parallelize`` install; a ``functools.partial`` such as DTensor's
+  ``local_map`` wrapper) are shared by ``copy.deepcopy``, so the copy would call the *user's*
+  module and its real parameters (and leave fake gradients on them): they are rebuilt over the
+  copied objects.
 * Shared tensors stay shared; tensors an earlier trace left in the process are shared, not copied
   (``estimators.tracing.fake_leaks``); the blocks a truncated trace skips are never copied
   (``estimators.tracing.truncation``; their parameters map to None).
@@ -21,6 +23,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 import types
 from typing import Any, Callable
@@ -83,10 +86,18 @@ def _pre_shard_fake(mode: FakeTensorMode, pre) -> torch.nn.Parameter:
 
 
 def _shared_meshes(model: torch.nn.Module) -> dict[int, Any]:
+    """The meshes of the model's DTensors, and the meshes and process groups its modules keep as
+    attributes (torchtitan's vocab-parallel ``Embedding.tp_group``): the copy shares them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-    return {id(t.device_mesh): t.device_mesh for t in [*model.parameters(), *model.buffers()]
-            if isinstance(t, DTensor)}
+    shared = {id(t.device_mesh): t.device_mesh for t in [*model.parameters(), *model.buffers()]
+              if isinstance(t, DTensor)}
+    if dist.is_available():
+        for mod in model.modules():
+            shared.update({id(v): v for v in vars(mod).values() if isinstance(v, (DeviceMesh, dist.ProcessGroup))})
+    return shared
 
 
 def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] = ()
@@ -172,6 +183,12 @@ def _remap(value: Any, memo: dict[int, Any], depth: int = 0) -> Any:
         return types.MethodType(value.__func__, memo[id(value.__self__)])
     if isinstance(value, types.FunctionType) and value.__closure__ and depth < 4:
         return _rebuilt(value, lambda v: _remap(v, memo, depth + 1))
+    if isinstance(value, functools.partial) and depth < 4:
+        func, args = _remap(value.func, memo, depth + 1), [_remap(a, memo, depth + 1) for a in value.args]
+        keywords = {k: _remap(v, memo, depth + 1) for k, v in value.keywords.items()}
+        if func is not value.func or any(a is not b for a, b in zip(args, value.args)) or any(
+                keywords[k] is not v for k, v in value.keywords.items()):
+            return functools.partial(func, *args, **keywords)
     return value
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -60,3 +61,58 @@ def test_the_fake_trace_of_a_patched_model_is_the_real_one_and_leaves_it_without
     real = estimate(model, step, options=EstimateOptions(mode=TraceMode.REAL))
     assert fake.module_info.peak_bytes == real.module_info.peak_bytes
     assert all(p.grad is None for p in model.parameters())
+
+
+class _PartialForward(nn.Module):
+    """A Linear whose forward is a closure over a ``functools.partial`` of its own bound forward,
+    as torchtitan's ``Module.parallelize`` installs one over DTensor's ``local_map`` wrapper."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        wrapped = functools.partial(_scaled, self.lin.forward, 2.0)
+
+        def forward_with_redistribution(x):
+            return wrapped(x)
+
+        self.lin.forward = forward_with_redistribution
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _scaled(fn, factor, x):
+    return fn(x) * factor
+
+
+def test_a_partial_a_stored_function_closes_over_is_rebuilt_over_the_copy():
+    model = _PartialForward()
+    copy, _ = fake_copy(model, FakeTensorMode())
+    (cell,) = copy.lin.forward.__closure__
+    wrapped = cell.cell_contents
+    assert isinstance(wrapped, functools.partial)
+    assert wrapped.args[0].__self__ is copy.lin and wrapped.args[1] == 2.0
+
+
+def test_the_fake_trace_of_a_model_with_a_partial_forward_leaves_it_without_gradients():
+    torch.manual_seed(0)
+    model = _PartialForward()
+    step = TrainStep(inputs=(torch.randn(4, 8),), optimizer="adamw")
+    fake = estimate(model, step)
+    from estimators.tracing.estimation import EstimateOptions, TraceMode
+
+    real = estimate(model, step, options=EstimateOptions(mode=TraceMode.REAL))
+    assert fake.module_info.peak_bytes == real.module_info.peak_bytes
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_process_group_a_module_keeps_is_shared_not_copied():
+    import torch.distributed as dist
+
+    from planner.distributed.fake_world import fake_process_group
+
+    with fake_process_group(world_size=2, rank=0):
+        model = nn.Linear(8, 8)
+        model.tp_group = dist.group.WORLD  # as torchtitan's vocab-parallel Embedding keeps its TP group
+        copy, _ = fake_copy(model, FakeTensorMode())
+        assert copy.tp_group is model.tp_group
