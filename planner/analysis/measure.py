@@ -173,11 +173,7 @@ def measure_run(run: Callable[[], Any], *, modules: Sequence[torch.nn.Module],
     finally:
         for h in grad_hooks:
             h.remove()
-    dt = time.perf_counter() - t0
-    snap = mt.get_tracker_snapshot("peak")[device]
-    state = sum(v for k, v in snap.items() if getattr(k, "name", "") in ("PARAM", "BUFFER", "GRAD", "OPT"))
-    return MeasuredStep(int(snap["Total"]), None, dt * 1e3, "torch.distributed._tools.MemTracker",
-                        int(snap["Total"]) - int(state))
+    return _measured(mt, device, None, time.perf_counter() - t0)
 
 
 def _memory_tracker(*models: torch.nn.Module, made_here_only: bool = False) -> tuple[Any, list]:
@@ -276,11 +272,16 @@ def _measure(model: torch.nn.Module, inputs: Any, optimizer, run, held: list | N
     finally:
         for h in grad_hooks:
             h.remove()
-    dt = time.perf_counter() - t0
+    return _measured(mt, device, loss, time.perf_counter() - t0)
+
+
+def _measured(mt: Any, device: Any, loss: float | None, elapsed_s: float) -> MeasuredStep:
+    """The step a MemTracker saw: its peak on ``device``, and the part of it that is not
+    parameters, buffers, gradients or optimizer state."""
     snap = mt.get_tracker_snapshot("peak")[device]
     state = sum(v for k, v in snap.items() if getattr(k, "name", "") in ("PARAM", "BUFFER", "GRAD", "OPT"))
     peak = int(snap["Total"])
-    return MeasuredStep(peak, loss, dt * 1e3, "torch.distributed._tools.MemTracker", peak - int(state))
+    return MeasuredStep(peak, loss, elapsed_s * 1e3, "torch.distributed._tools.MemTracker", peak - int(state))
 
 
 class StepPeaks:
