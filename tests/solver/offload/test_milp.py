@@ -1,14 +1,5 @@
-"""solver/offload/milp.py on a hand-built two-block step whose best plan is worked out by hand.
-
-Blocks b0 (ops 0-9, fw_post 10) and b1 (fw_post 20): 100 MiB saved each, full recompute 10 ms
-(linear). Forward 10 ms per block, backward 20 ms; the copy link moves 1 MiB per ms. Memory:
-300 MiB at op 25 (forward done), 200 MiB at op 35 (in b1's backward). b1 runs first in backward
-(bw_pre 30), so b0's H2D is issued at 30 and b0's backward starts at 40.
-
-Offloading o MiB of b0: D2H issued at t=10 ends at 10 + o; H2D issued at t=20 (bw:b1 starts)
-after the D2H: ends at max(20, 10 + o) + o; bw:b0 would start at t=40 + the recompute b1 runs at
-the start of its backward (rec ms). Hidden iff 10 + 2 o <= 40 + rec.
-"""
+"""solver/offload/milp.py on the hand-built two-block step of tests/solver/offload/builders.py
+(its docstring works the best plans out by hand)."""
 
 from __future__ import annotations
 
