@@ -19,8 +19,10 @@ transformers = pytest.importorskip("transformers")
 from estimators.step.train_step import TrainStep  # noqa: E402
 from estimators.tracing.estimation import EstimateOptions, estimate  # noqa: E402
 from planner import solve_sac  # noqa: E402
+from planner.applying.checkpointing import hf_cache_off  # noqa: E402
 from planner.distributed.ranks import plan_hash  # noqa: E402
 from planner.options import PlanOptions  # noqa: E402
+from planner.planning.solve import plan_estimate  # noqa: E402
 from solver import SACMilp  # noqa: E402
 from tests.estimators.tracing.trace_equivalence import estimate_difference  # noqa: E402
 
@@ -120,11 +122,13 @@ def _stacked(model) -> bool:
 @pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral", "whisper"])
 def test_plans_and_predicted_peaks_are_the_full_traces(name):
     model, step = _cases()[name]()
-    full = estimate(model, step, device="cpu", options=FULL)
+    with hf_cache_off(model):  # traced as solve_sac traces it: its plan is solve_sac's (plan_estimate)
+        full = estimate(model, step, device="cpu", options=FULL)
     low, high = SACMilp(full.module_info).min_reachable_peak_bytes(), full.module_info.peak_bytes
     budget_gib = (low + 0.5 * (high - low)) / 2**30
-    plans = [solve_sac(model, budget_gib, step, options=PlanOptions(device="cpu", trace=EstimateOptions(
-        replicate_blocks=r))) for r in (False, True)]
+    plans = [plan_estimate(model, full, budget_gib, options=PlanOptions(device="cpu", trace=FULL)),
+             solve_sac(model, budget_gib, step, options=PlanOptions(device="cpu", trace=EstimateOptions(
+                 replicate_blocks=True)))]
     assert plans[0].modules  # checkpointing is needed at this budget
     assert plan_hash(plans[0]) == plan_hash(plans[1])
     assert [(p.predicted_peak_bytes, p.first_step_peak_bytes, p.steady_peak_bytes) for p in plans[:1]] == \

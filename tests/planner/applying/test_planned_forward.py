@@ -43,7 +43,7 @@ def test_a_view_only_the_forward_runs_under_memtracker_is_not_a_divergence():
     model, x = _SpectralBlocks(), torch.randn(4, 3, 8, 8)
     ref = copy.deepcopy(model)
     step = TrainStep(inputs=(x,), optimizer="adamw")
-    table = tradeoff_curve(model, step)
+    table = tradeoff_curve(model, step, n_points=2)
     budget = (table.min_reachable_peak_bytes + table.no_ac_peak_bytes) / 2
     plan = solve_sac(model, budget_gib=budget / 2**30, step=step)
     assert plan.modules and not all(m.full for m in plan.modules)
@@ -68,9 +68,15 @@ def _train_side_by_side(model, ref, plan, step, n_steps):
 
 def _plan_at(model, step, frac: float):
     """The plan at ``frac`` of the way from the smallest reachable peak to the no-AC peak."""
-    table = tradeoff_curve(model, step)
+    return _plans_at(model, step, (frac,))[0]
+
+
+def _plans_at(model, step, fracs):
+    """``_plan_at`` for each of ``fracs``, the model's bounds read once (two points: the sweep's
+    other budgets do not move its floor or its no-AC peak)."""
+    table = tradeoff_curve(model, step, n_points=2)
     lo, hi = table.min_reachable_peak_bytes, table.no_ac_peak_bytes
-    return solve_sac(model, (lo + frac * (hi - lo)) / 2**30, step)
+    return [solve_sac(model, (lo + frac * (hi - lo)) / 2**30, step) for frac in fracs]
 
 
 class _Encoder(nn.Module):
@@ -138,8 +144,7 @@ def test_inplace_activations_after_a_batchnorm_train_unchanged_under_any_plan(ac
     torch.manual_seed(0)
     ref = _InplaceActNet(act)
     step = TrainStep(inputs=(torch.randn(4, 3, 8, 8),), optimizer="adamw", micro_batches=2)
-    for frac in (0.0, 0.5):
-        plan = _plan_at(ref, step, frac)
+    for plan in _plans_at(ref, step, (0.0, 0.5)):
         assert plan.modules
         measured = _train_side_by_side(copy.deepcopy(ref), copy.deepcopy(ref), plan, step, n_steps=3)
         assert [s.peak_bytes for s in measured[1:]] == [plan.predicted_peak_bytes] * 2
@@ -292,8 +297,7 @@ def test_reads_before_an_inplace_overwrite_train_unchanged_under_any_plan(block)
     torch.manual_seed(0)
     ref = nn.Sequential(*[block() for _ in range(3)])
     step = TrainStep(inputs=(torch.randn(256, 32),), optimizer="adamw")
-    for frac in (0.0, 0.2, 0.4, 0.8):
-        plan = _plan_at(ref, step, frac)
+    for plan in _plans_at(ref, step, (0.0, 0.2, 0.4, 0.8)):
         assert "Sequential.0.gate" not in {m.fqn for m in plan.modules}
         measured = _train_side_by_side(copy.deepcopy(ref), copy.deepcopy(ref), plan, step, n_steps=2)
         assert measured[1].peak_bytes == plan.predicted_peak_bytes
@@ -332,7 +336,7 @@ def test_a_buffer_the_caller_updates_after_the_call_keeps_the_reader_unplanned()
     torch.manual_seed(0)
     ref = _UpdatesItsCentre()
     step = TrainStep(inputs=(torch.randn(64, 16),), optimizer="adamw")
-    peak = tradeoff_curve(ref, step).no_ac_peak_bytes
+    peak = tradeoff_curve(ref, step, n_points=2).no_ac_peak_bytes
     with pytest.raises(PlanningError, match=r"_UpdatesItsCentre\.blocks\.0 \(reads a tensor the caller "
                                             r"later overwrites in place"):
         solve_sac(ref, 0.9 * peak / 2**30, step)

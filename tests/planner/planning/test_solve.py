@@ -300,7 +300,7 @@ def test_modules_whose_recompute_diverges_are_left_out_not_crashed_on():
 
     model, step = _residual_step()
     before = copy.deepcopy(model.state_dict())
-    table = tradeoff_curve(model, step)
+    table = tradeoff_curve(model, step, n_points=2)  # its bounds only
     # 90 % of the way up: one module checkpointed in part (a selective policy), blocks.0 first
     budget = table.min_reachable_peak_bytes + 0.9 * (table.no_ac_peak_bytes - table.min_reachable_peak_bytes)
     plan = solve_sac(model, budget / GiB, step)
@@ -347,7 +347,7 @@ def test_a_full_checkpoint_torch_refuses_is_left_out_by_name():
         planned(*step.inputs).sum().backward()
     from planner.planning.tradeoff import tradeoff_curve
 
-    table = tradeoff_curve(model, step)
+    table = tradeoff_curve(model, step, n_points=2)  # its bounds only
     with pytest.raises(PlanningError, match=r"left out as unsafe to checkpoint: Sequential\.1 \(its recompute"):
         solve_sac(model, table.min_reachable_peak_bytes / GiB, step)
     lo, hi = table.min_reachable_peak_bytes, table.no_ac_peak_bytes
@@ -366,7 +366,7 @@ def test_a_divergence_first_met_in_the_min_peak_plan_is_a_planning_error():
     step = TrainStep(inputs=(torch.randn(256, 64),), optimizer="adamw")
     from planner.planning.tradeoff import tradeoff_curve
 
-    table = tradeoff_curve(model, step)
+    table = tradeoff_curve(model, step, n_points=2)  # its bounds only
     with pytest.raises(PlanningError, match=r"left out as unsafe to checkpoint: Sequential\.\d \(its recompute ran "
                                             r"other ops than its forward\); Sequential\.\d") as e:
         solve_sac(model, table.min_reachable_peak_bytes / GiB, step)
@@ -382,7 +382,7 @@ def test_every_candidate_left_out_for_divergence_is_a_planning_error():
     from planner.planning.tradeoff import tradeoff_curve
 
     model, step = _residual_step()
-    table = tradeoff_curve(model, step)
+    table = tradeoff_curve(model, step, n_points=2)  # its bounds only
     alternating = ["_Residual.blocks.0", "_Residual.blocks.2"]
     with pytest.raises(PlanningError, match=r"smallest budget that verifies.*left out as unsafe to checkpoint: "
                                             r"_Residual\.blocks\.\d \(its recompute ran other ops") as e:
@@ -679,7 +679,7 @@ def test_a_refusal_never_states_a_smallest_budget_above_the_unplanned_peak():
     model = torch.nn.Sequential(_FeatureBank(), _FeatureBank(), _FeatureBank(), torch.nn.Linear(32, 4))
     step = TrainStep(inputs=(torch.randn(8, 16, 32),), loss_fn=lambda out, _: out.pow(2).mean(),
                      optimizer="adamw")
-    table = tradeoff_curve(model, step)
+    table = tradeoff_curve(model, step, n_points=2)  # its bounds only
     lo, hi = table.min_reachable_peak_bytes, table.no_ac_peak_bytes
     with pytest.raises(PlanningError, match=f"smallest budget that verifies is .* \\({hi:,} bytes\\)") as e:
         solve_sac(model, (lo + 0.3 * (hi - lo)) / GiB, step)
