@@ -10,15 +10,16 @@ import pytest
 from estimators.tracing.estimation import estimate
 from examples import EXAMPLES
 from examples.gpt import GPTConfig, build_gpt
-from planner import PlanningError, solve_sac
+from planner import PlanningError
 from planner.planning import verification
 from planner.planning.floor import PeakBreakdown, PeakContributor, floor_text, lowering_hints, peak_breakdown
 from planner.format import GiB
-from planner.planning.solve import plan_for_budget
+from planner.planning.solve import plan_estimate, plan_for_budget
 from planner.planning.module_plans import module_plan
 from solver import SACMilp
 from planner.options import PlanOptions
 from estimators.step.train_step import TrainStep
+from tests.planner.conftest import planning
 
 MiB = 2**20
 
@@ -41,8 +42,9 @@ def test_breakdown_sums_to_the_traced_peak():
 
 def test_full_vocabulary_floor_names_the_logits_and_the_loss():
     model, inputs = _full_vocab_gpt()
-    with pytest.raises(PlanningError) as e:
-        solve_sac(model, 0.001, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="cpu"))
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="cpu")
+    with pytest.raises(PlanningError) as e:  # plan_estimate: solve_sac past its trace, traced once here
+        plan_estimate(model, est, 0.001, options=PlanOptions(device="cpu"))
     msg = str(e.value)
     assert "GPT.lm_head" in msg and "mm" in msg  # the logits
     assert "outside the model" in msg and "_log_softmax" in msg  # the loss
@@ -50,7 +52,7 @@ def test_full_vocabulary_floor_names_the_logits_and_the_loss():
     top = e.value.floor.contributors[:2]
     assert {c.module for c in top} == {"GPT.lm_head", "(outside every module)"}
     # ... and the stated figure is one the planner accepts.
-    plan = solve_sac(model, e.value.min_budget_gib, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="cpu"))
+    plan = plan_estimate(model, est, e.value.min_budget_gib, options=PlanOptions(device="cpu"))
     assert plan.predicted_peak_bytes <= plan.usable_budget_bytes
 
 
@@ -66,10 +68,13 @@ def test_optimizer_state_heavy_floor_suggests_sharding_and_lighter_optimizer():
 
 @pytest.mark.parametrize("name", ["gpt_demo", "convnet_demo", "llama_tiny"])
 def test_stated_smallest_budget_verifies(name):
-    model, inputs = EXAMPLES[name]()
+    # The step solve_sac would trace (cpu, Adam, the example's loss), traced once per session
+    # (tests/planner/conftest.py); plan_estimate is solve_sac past its trace.
+    est = planning(name)[0]
+    model, _ = EXAMPLES[name]()
     with pytest.raises(PlanningError, match="smallest budget this model can reach") as e:
-        solve_sac(model, 1e-4, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="cpu"))
-    plan = solve_sac(model, e.value.min_budget_gib, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="cpu"))
+        plan_estimate(model, est, 1e-4, options=PlanOptions(device="cpu"))
+    plan = plan_estimate(model, est, e.value.min_budget_gib, options=PlanOptions(device="cpu"))
     assert plan.predicted_peak_bytes <= plan.usable_budget_bytes
     assert int(e.value.min_budget_gib * GiB) - e.value.min_budget_bytes < 2**10  # rounded up, by < 1 KiB
 
@@ -78,10 +83,11 @@ def test_stated_smallest_budget_verifies_with_the_default_cuda_reserve():
     # The default reserve grows with the budget (1 GiB + 5 %): stating "floor + the reserve of
     # the budget asked" was refused again, by a larger figure, every time it was asked for.
     model, inputs = EXAMPLES["convnet_demo"]()
-    with pytest.raises(PlanningError, match="incl. a .* reserve") as e:
-        solve_sac(model, 1.06, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="h100"))
+    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="h100")
+    with pytest.raises(PlanningError, match="incl. a .* reserve") as e:  # solve_sac past its trace
+        plan_estimate(model, est, 1.06, options=PlanOptions(device="h100"))
     stated = e.value.min_budget_bytes / GiB
-    plan = solve_sac(model, stated, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="h100"))
+    plan = plan_estimate(model, est, stated, options=PlanOptions(device="h100"))
     assert plan.predicted_peak_bytes <= plan.usable_budget_bytes
 
 
@@ -98,9 +104,9 @@ def test_stated_smallest_budget_verifies_when_traces_overshoot_the_milp(monkeypa
         return dataclasses.replace(out, module_info=info)
 
     monkeypatch.setattr(verification, "traced_estimate", overshooting)
-    model, inputs = EXAMPLES["gpt_demo"]()
-    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"))
-    milp = SACMilp(est.module_info)
+    model, _ = EXAMPLES["gpt_demo"]()
+    est = planning("gpt_demo")[0]  # the step traced on the cpu with Adam, shared per session
+    milp = SACMilp(est.module_info)  # its own: the overshoot must not reach the shared one
     low = milp.min_reachable_peak_bytes()
     kw = dict(milp=milp)
     with pytest.raises(PlanningError) as e:
@@ -173,8 +179,8 @@ def test_fsdp_refusal_breaks_down_the_per_rank_peak():
     units = ["GPT", "GPT.blocks.0", "GPT.blocks.1"]
     est = estimate(model, step)
     assert est.trace.ops[est.timeline.peak_op_index].phase.value == "optim"  # the unsharded peak
-    with pytest.raises(PlanningError) as e:
-        solve_sac(model, 0.0001, step, options=PlanOptions(device="cpu", world_size=64, fsdp_units=units))
+    with pytest.raises(PlanningError) as e:  # plan_estimate: solve_sac past its trace (est)
+        plan_estimate(model, est, 0.0001, options=PlanOptions(device="cpu", world_size=64, fsdp_units=units))
     b = e.value.floor
     assert b.world_size == 64 and b.phase in ("forward", "backward")
     assert any(c.what.startswith("FSDP2's gathered parameters") for c in b.contributors)
