@@ -30,6 +30,7 @@ from solver import SolverOptions, predict_peak_bytes
 from solver.plan_cost import module_recompute_ms
 from planner.options import PlanOptions
 from estimators.step.train_step import TrainStep
+from tests.planner.conftest import planning
 
 EXACT = SolverOptions(rel_gap=0.0)
 """Proven optimal: the comparison must not depend on where the backend stopped."""
@@ -38,8 +39,7 @@ EXACT = SolverOptions(rel_gap=0.0)
 @functools.lru_cache(maxsize=None)
 def demo():
     model, inputs = EXAMPLES["gpt_demo"]()
-    est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="cpu")
-    return model, inputs, est
+    return model, inputs, planning("gpt_demo")[0]  # this step on the cpu with Adam, traced once per session
 
 
 # ----------------------------------------------------------------------------- the headline

@@ -19,7 +19,7 @@ from planner.planning.module_plans import module_plan
 from planner.planning.solve import plan_for_budget
 from solver import SACMilp, predict_peak_bytes
 from tests.estimators.tracing.test_estimation import _assert_same, _snapshot
-from tests.planner.conftest import EXAMPLE_NAMES, budgets, plan_at
+from tests.planner.conftest import EXAMPLE_NAMES, budgets, plan_at, planning
 from planner.options import PlanOptions
 
 REAL = EstimateOptions(mode=TraceMode.REAL)
@@ -82,7 +82,7 @@ def test_short_form_without_example_inputs_says_pass_inputs():
 def test_infeasible_budget_states_smallest_reachable():
     name = "convnet_demo"
     model, inputs = EXAMPLES[name]()
-    low = SACMilp(estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam")).module_info).min_reachable_peak_bytes()
+    low = planning(name)[3]  # the MILP's floor for this step (cpu, Adam), traced once per session
     with pytest.raises(PlanningError, match=r"smallest budget this model can reach is .*" + f"{low:,} bytes") as e:
         solve_sac(model, (low - 1) / GiB, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="cpu"))
     assert e.value.min_budget_bytes == low

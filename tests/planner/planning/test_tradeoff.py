@@ -27,14 +27,14 @@ from planner.planning.tradeoff import (
 from solver import SACMilp, predict_peak_bytes
 from solver.plan_cost import module_recompute_ms
 from planner.options import PlanOptions
+from tests.planner.conftest import planning
 
 MiB = 2**20
 
 
 @functools.lru_cache(maxsize=None)
 def demo_estimate():
-    model, inputs = EXAMPLES["gpt_demo"]()
-    return estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="cpu")
+    return planning("gpt_demo")[0]  # gpt_demo's step on the cpu with Adam, traced once per session
 
 
 def _two_module_info() -> ModuleInfo:
