@@ -360,7 +360,7 @@ def _trace_step(
             # inside the fake step raised DataDependentOutputException).
             opt = resolve_optimizer(step.optimizer, groups, spec, fake)
             try:
-                steady_state(traced, opt, step, without_grad)
+                steady_state(traced, opt, step, without_grad, fake=fake)
             except StepError as e:
                 raise TraceError(str(e)) from e.__cause__
         runtime = make_runtime_model(options.runtime, spec)
@@ -389,7 +389,8 @@ def _trace_step(
                     modes.enter_context(hf_real_paths(step.inputs))  # HF's real-run code path
                     modes.enter_context(fake_mode)
                     # Below the tracer: it records outputs as the real kernels make them.
-                    kernels = RealKernelsMode(cuda=bool(cuda_rules), values=_batch_values(step.inputs, step_inputs))
+                    kernels = RealKernelsMode(cuda=bool(cuda_rules), values=_batch_values(step.inputs, step_inputs),
+                                              fake_mode=fake_mode)
                     tracer.run_op = modes.enter_context(kernels.inline())
                 modes.enter_context(tracer)
                 if cuda_rules:

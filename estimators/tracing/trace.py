@@ -252,6 +252,12 @@ class StepTracer(TorchDispatchMode):
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Below dispatch every call is an aten op or a tensor query: a torch-function mode of the
+        # step (CudaSemanticsMode) acts on none of them, and would cost a Python call per query.
+        with torch._C.DisableTorchFunction():
+            return self._dispatch(func, types, args, kwargs)
+
+    def _dispatch(self, func, types, args, kwargs):
         if func is PRIM_DEVICE:
             # C++ asks a fake tensor's device for nearly every op (the autograd engine, foreach
             # grouping): answered here as FakeTensor itself answers, not through every mode below.

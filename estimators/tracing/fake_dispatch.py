@@ -1,0 +1,181 @@
+"""FakeTensorMode's cache hits without its cache key: the per-op cost of a fake trace, cut.
+
+Every op of a fake trace reaches ``FakeTensorMode``, whose dispatch cache turns the op's arguments
+into a key (each fake tensor's full ``TensorMetadata``, flattened with type markers) and, on a hit,
+builds the output from the stored entry. Building that key is most of the cost of a hit.
+:class:`FakeDispatchMemo` sits where the trace calls the op (``RealKernelsMode.run``) and keeps,
+per op and cheaper key, the mode's own cache entry: a hit builds the output from that entry exactly
+as the mode's own hit does (``FakeTensorMode._output_from_cache_entry``), so the trace sees the
+tensors the mode would have returned.
+
+Why the cheaper key is enough: the mode's key is a function of the op, four global settings (the
+default dtype and device, inference mode, whether a proxy mode traces) and, per argument, its
+Python type and value, or for a fake tensor of the mode its ``TensorMetadata``. Of those fields
+this key reads the dtype, shape, strides, device, storage offset, storage bytes, requires_grad,
+conj / neg / inference / quantized bits; the rest follow from them for a strided tensor (memory
+format from shape and strides; the sparse fields are empty). Two calls with one key here therefore
+have one key there, and get the same entry. Anything else -- a symbolic size, a plain (real)
+tensor, a tensor with a constant, another subclass, an argument type not listed in
+``_SCALARS``, a mode with a shape environment -- is no key here: the op takes the mode's own path.
+
+Each memo entry is checked once, when made: the output built from it must match the one the mode
+returned (metadata, aliasing, dispatch keys), or that key stays on the plain path. Where torch's
+internals this relies on are missing or differ (another torch version), the memo is off and every
+op takes the plain path: the figures never depend on it, only the time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+__all__ = ["FakeDispatchMemo", "memo_available"]
+
+logger = logging.getLogger(__name__)
+
+try:  # torch internals; without them the memo is off (see the module docstring)
+    from torch._subclasses._fake_tensor_utils import _CacheKeyState
+    from torch._subclasses.fake_tensor import (
+        _DISPATCH_HANDLE_DIRECTLY,
+        _DISPATCH_META_HANDLERS,
+        FakeTensor,
+        FakeTensorMode,
+        _BypassDispatchCache,
+        _DispatchCacheValidEntry,
+        unset_fake_temporarily,
+    )
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    _INTERNALS = all(
+        callable(getattr(FakeTensorMode, name, None))
+        for name in ("_cache_key", "_output_from_cache_entry")
+    ) and isinstance(getattr(FakeTensorMode, "cache", None), dict)
+except ImportError:  # pragma: no cover - depends on the torch version
+    _INTERNALS = False
+
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+_SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                      torch.memory_format})
+"""Argument types the key holds as (type, value), as the mode's key does."""
+_NO_KEY = object()
+"""Memo value of a key whose op the mode does not cache (or whose entry failed its check)."""
+_MEMO: dict[tuple, Any] = {}
+"""key -> (the mode's key, its cache entry) or ``_NO_KEY``. Process-wide, like the mode's cache
+(a class attribute) whose entries it points to; entries hold metadata only, never a tensor."""
+
+
+class _NotKeyable(Exception):
+    """An argument this key does not describe: the op takes the mode's own path."""
+
+
+def memo_available() -> bool:
+    """Whether this torch has the internals the memo uses."""
+    return _INTERNALS
+
+
+class FakeDispatchMemo:
+    """``memo(func, args, kwargs)``: ``func(*args, **kwargs)`` for a caller directly above
+    ``mode`` in the dispatch (no other dispatch mode in between), with the mode's cache hits taken
+    without building its key (see the module docstring)."""
+
+    def __init__(self, mode: Any) -> None:
+        self.mode = mode
+        self.enabled = bool(
+            _INTERNALS and isinstance(mode, FakeTensorMode) and mode.cache_enabled
+            and mode.shape_env is None and not mode.cache_crosscheck_enabled
+        )
+        self.hits = 0
+
+    def __call__(self, func, args: tuple, kwargs: dict) -> Any:
+        if not self.enabled or func in _DISPATCH_META_HANDLERS or func in _DISPATCH_HANDLE_DIRECTLY:
+            return func(*args, **kwargs)
+        try:
+            key = self._key(func, args, kwargs)
+        except _NotKeyable:
+            return func(*args, **kwargs)
+        found = _MEMO.get(key)
+        if found is _NO_KEY or not self._mode_is_next():
+            return func(*args, **kwargs)
+        if found is not None:
+            mode_key, entry = found
+            with unset_fake_temporarily():  # as inside the mode's own dispatch
+                out = self.mode._output_from_cache_entry(_CacheKeyState(None), entry, mode_key, func, args)
+            FakeTensorMode.cache_hits += 1
+            self.hits += 1
+            return out
+        return self._learn(key, func, args, kwargs)
+
+    def _mode_is_next(self) -> bool:
+        """The op goes from here straight to ``mode``: it is the active fake mode and no user
+        dispatch mode sits between (modes above the caller are popped while it runs)."""
+        return (torch._C._get_dispatch_mode(_FAKE) is self.mode
+                and torch._C._len_torch_dispatch_stack() == 1)
+
+    def _learn(self, key: tuple, func, args: tuple, kwargs: dict) -> Any:
+        """The plain path, and the mode's entry for this op memoised where the mode made one
+        and an output built from it matches the one returned."""
+        try:
+            mode_key = self.mode._cache_key(_CacheKeyState(None), func, args, kwargs)
+        except _BypassDispatchCache:
+            _MEMO[key] = _NO_KEY
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        entry = FakeTensorMode.cache.get(mode_key)
+        if isinstance(entry, _DispatchCacheValidEntry):
+            with unset_fake_temporarily():
+                again = self.mode._output_from_cache_entry(_CacheKeyState(None), entry, mode_key, func, args)
+            _MEMO[key] = (mode_key, entry) if _same_outputs(out, again, args) else _NO_KEY
+        elif entry is not None:
+            _MEMO[key] = _NO_KEY  # the mode bypasses its cache for this op
+        return out
+
+    def _key(self, func, args: tuple, kwargs: dict) -> tuple:
+        parts: list[Any] = [func, torch.get_default_dtype(), torch._C._get_default_device(),
+                            torch.is_inference_mode_enabled(), get_proxy_mode() is not None]
+        for a in args:
+            parts.append(self._arg(a))
+        if kwargs:
+            for name, a in kwargs.items():
+                parts.append(name)
+                parts.append(self._arg(a))
+        return tuple(parts)
+
+    def _arg(self, a: Any) -> Any:
+        kind = type(a)
+        if kind is FakeTensor:
+            if (a.fake_mode is not self.mode or a.constant is not None or a.layout is not torch.strided
+                    or a._has_symbolic_sizes_strides):
+                raise _NotKeyable
+            return (a.dtype, a.shape, a.stride(), a.device, a.storage_offset(), a.untyped_storage().nbytes(),
+                    a.requires_grad, a.is_conj(), a.is_neg(), a.is_inference(), a.is_quantized)
+        if kind in _SCALARS:
+            return (kind, a)
+        if kind is list or kind is tuple:
+            return (kind, tuple(self._arg(x) for x in a))
+        raise _NotKeyable
+
+
+def _same_outputs(out: Any, again: Any, args: tuple) -> bool:
+    """The output built from the cache entry is the one the mode returned: same structure, and
+    each tensor the same argument (in-place), or the same metadata, dispatch keys and storage
+    (shared with the same argument for a view, new otherwise)."""
+    if isinstance(out, tuple):
+        return (isinstance(again, tuple) and len(out) == len(again)
+                and all(_same_outputs(o, a, args) for o, a in zip(out, again)))
+    if not isinstance(out, FakeTensor):
+        return type(out) is type(again) and out == again
+    if type(again) is not FakeTensor:
+        return False
+    if any(out is a for a in args) or any(again is a for a in args):
+        return out is again
+    arg_storages = {id(a.untyped_storage()): i for i, a in enumerate(args) if isinstance(a, FakeTensor)}
+    return (
+        (out.dtype, out.shape, out.stride(), out.device, out.storage_offset(), out.requires_grad,
+         out.is_conj(), out.is_neg(), out.untyped_storage().nbytes())
+        == (again.dtype, again.shape, again.stride(), again.device, again.storage_offset(), again.requires_grad,
+            again.is_conj(), again.is_neg(), again.untyped_storage().nbytes())
+        and torch._C._dispatch_key_set(out) == torch._C._dispatch_key_set(again)
+        and arg_storages.get(id(out.untyped_storage())) == arg_storages.get(id(again.untyped_storage()))
+    )
