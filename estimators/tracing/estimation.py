@@ -57,6 +57,7 @@ from estimators.tracing.aggregate import build_module_info
 from estimators.tracing.comm_overlap import apply_comm_overlap
 from estimators.tracing.cuda_autocast import CudaAutocast
 from estimators.tracing.cuda_rules import CudaSemanticsMode
+from estimators.tracing.fake_dispatch import MemoMode
 from estimators.tracing.fake_kernels import FakeKernelError, RealKernelsMode
 from estimators.tracing.hf_paths import hf_real_paths
 from estimators.runtime.device import DeviceSpec, get_device_spec
@@ -360,7 +361,8 @@ def _trace_step(
             # inside the fake step raised DataDependentOutputException).
             opt = resolve_optimizer(step.optimizer, groups, spec, fake)
             try:
-                steady_state(traced, opt, step, without_grad, fake=fake)
+                with MemoMode(fake_mode) if fake_mode is not None else contextlib.nullcontext():
+                    steady_state(traced, opt, step, without_grad, fake=fake)
             except StepError as e:
                 raise TraceError(str(e)) from e.__cause__
         runtime = make_runtime_model(options.runtime, spec)

@@ -30,8 +30,11 @@ import logging
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["FakeDispatchMemo", "memo_available"]
+from estimators.tracing.fake_outputs import OutputBuilder
+
+__all__ = ["FakeDispatchMemo", "MemoMode", "memo_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ try:  # torch internals; without them the memo is off (see the module docstring)
         unset_fake_temporarily,
     )
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    from torch.utils._mode_utils import no_dispatch
 
     _INTERNALS = all(
         callable(getattr(FakeTensorMode, name, None))
@@ -61,7 +65,12 @@ _SCALARS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.devi
 """Argument types the key holds as (type, value), as the mode's key does."""
 _NO_KEY = object()
 """Memo value of a key whose op the mode does not cache (or whose entry failed its check)."""
+_READ = torch.ops.aten._local_scalar_dense.default
+_CONSTANT_READS: bool | None = None
+"""Whether a constant's value is read here (None: not checked yet in this process)."""
 _MEMO: dict[tuple, Any] = {}
+_MISMATCHED: set[tuple] = set()
+"""Keys whose output built from the entry differed once from the mode's (tried once more)."""
 """key -> (the mode's key, its cache entry) or ``_NO_KEY``. Process-wide, like the mode's cache
 (a class attribute) whose entries it points to; entries hold metadata only, never a tensor."""
 
@@ -87,10 +96,13 @@ class FakeDispatchMemo:
             and mode.shape_env is None and not mode.cache_crosscheck_enabled
         )
         self.hits = 0
+        self._outputs = OutputBuilder(mode) if self.enabled else None
 
     def __call__(self, func, args: tuple, kwargs: dict) -> Any:
         if not self.enabled or func in _DISPATCH_META_HANDLERS or func in _DISPATCH_HANDLE_DIRECTLY:
             return func(*args, **kwargs)
+        if func is _READ and not kwargs and len(args) == 1 and self._is_constant(args[0]):
+            return self._read_constant(func, args)
         try:
             key = self._key(func, args, kwargs)
         except _NotKeyable:
@@ -99,13 +111,36 @@ class FakeDispatchMemo:
         if found is _NO_KEY or not self._mode_is_next():
             return func(*args, **kwargs)
         if found is not None:
-            mode_key, entry = found
+            mode_key, entry, built_here = found
             with unset_fake_temporarily():  # as inside the mode's own dispatch
-                out = self.mode._output_from_cache_entry(_CacheKeyState(None), entry, mode_key, func, args)
+                if built_here and self._outputs.enabled:
+                    out = self._outputs.build(entry, mode_key, func, args)
+                else:
+                    out = self._outputs.official(entry, mode_key, func, args)
             FakeTensorMode.cache_hits += 1
             self.hits += 1
             return out
         return self._learn(key, func, args, kwargs)
+
+    @staticmethod
+    def _is_constant(t: Any) -> bool:
+        return type(t) is FakeTensor and t.constant is not None and not t._has_symbolic_sizes_strides
+
+    def _read_constant(self, func, args: tuple) -> Any:
+        """``.item()`` of a fake tensor that keeps its value (Adam's step count, read every
+        step): the mode bypasses its cache for it and reads the value with dispatch off
+        (``_dispatch_impl``'s constant path). Done here the same way once the mode's own answer
+        matched it (first read in the process)."""
+        global _CONSTANT_READS
+        if not self._mode_is_next() or args[0].fake_mode is not self.mode or _CONSTANT_READS is False:
+            return func(*args)
+        with no_dispatch():
+            value = func(args[0].constant)
+        if _CONSTANT_READS is None:
+            theirs = func(*args)
+            _CONSTANT_READS = type(theirs) is type(value) and theirs == value
+            return theirs
+        return value
 
     def _mode_is_next(self) -> bool:
         """The op goes from here straight to ``mode``: it is the active fake mode and no user
@@ -125,8 +160,17 @@ class FakeDispatchMemo:
         entry = FakeTensorMode.cache.get(mode_key)
         if isinstance(entry, _DispatchCacheValidEntry):
             with unset_fake_temporarily():
-                again = self.mode._output_from_cache_entry(_CacheKeyState(None), entry, mode_key, func, args)
-            _MEMO[key] = (mode_key, entry) if _same_outputs(out, again, args) else _NO_KEY
+                again = self._outputs.official(entry, mode_key, func, args)
+                built_here = self._outputs.enabled and OutputBuilder.can_build(entry)
+                if built_here:
+                    ours = self._outputs.build(entry, mode_key, func, args)
+                    built_here = self._outputs.enabled and _same_outputs(again, ours, args, attributes=True)
+            if _same_outputs(out, again, args):
+                _MEMO[key] = (mode_key, entry, built_here)
+            else:  # e.g. the mode's first run of a view kept requires_grad, its cache hits do not
+                if key in _MISMATCHED:
+                    _MEMO[key] = _NO_KEY
+                _MISMATCHED.add(key)
         elif entry is not None:
             _MEMO[key] = _NO_KEY  # the mode bypasses its cache for this op
         return out
@@ -157,13 +201,14 @@ class FakeDispatchMemo:
         raise _NotKeyable
 
 
-def _same_outputs(out: Any, again: Any, args: tuple) -> bool:
+def _same_outputs(out: Any, again: Any, args: tuple, attributes: bool = False) -> bool:
     """The output built from the cache entry is the one the mode returned: same structure, and
     each tensor the same argument (in-place), or the same metadata, dispatch keys and storage
-    (shared with the same argument for a view, new otherwise)."""
+    (shared with the same argument for a view, new otherwise); with ``attributes``, the same
+    instance attributes too (two tensors built from one entry)."""
     if isinstance(out, tuple):
         return (isinstance(again, tuple) and len(out) == len(again)
-                and all(_same_outputs(o, a, args) for o, a in zip(out, again)))
+                and all(_same_outputs(o, a, args, attributes) for o, a in zip(out, again)))
     if not isinstance(out, FakeTensor):
         return type(out) is type(again) and out == again
     if type(again) is not FakeTensor:
@@ -178,4 +223,20 @@ def _same_outputs(out: Any, again: Any, args: tuple) -> bool:
             again.is_conj(), again.is_neg(), again.untyped_storage().nbytes())
         and torch._C._dispatch_key_set(out) == torch._C._dispatch_key_set(again)
         and arg_storages.get(id(out.untyped_storage())) == arg_storages.get(id(again.untyped_storage()))
+        and (not attributes or vars(out) == vars(again))
     )
+
+
+class MemoMode(TorchDispatchMode):
+    """``with MemoMode(fake_mode):`` inside ``fake_mode``: the ops of code that works on fake
+    tensors outside a trace (the fake copy of the model, the optimizer state) run on the mode
+    through a :class:`FakeDispatchMemo`. An op on another tensor subclass is left to it."""
+
+    def __init__(self, fake_mode: Any) -> None:
+        super().__init__()
+        self._memo = FakeDispatchMemo(fake_mode)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _INTERNALS and any(t is not FakeTensor for t in types):
+            return NotImplemented
+        return self._memo(func, args, kwargs or {})

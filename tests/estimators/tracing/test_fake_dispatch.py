@@ -29,9 +29,9 @@ def _meta(t: torch.Tensor) -> tuple:
 
 def _twice(memo: FakeDispatchMemo, func, args, kwargs=None):
     """The memo's first call (plain path, entry learnt) and its second (built from the entry),
-    below autograd, where the trace calls it (the tracer is a dispatch mode)."""
+    below autograd and view tracking, where the trace calls it (the tracer is a dispatch mode)."""
     kwargs = kwargs or {}
-    with torch._C._AutoDispatchBelowAutograd():
+    with torch._C._AutoDispatchBelowADInplaceOrView():
         first = memo(func, args, kwargs)
         hits = memo.hits
         second = memo(func, args, kwargs)
@@ -45,7 +45,7 @@ def test_outputs_are_the_modes_new_views_and_in_place():
     with mode:
         x = torch.empty(6, 4)
         w = torch.empty(4, 5, requires_grad=True)
-        with torch._C._AutoDispatchBelowAutograd():
+        with torch._C._AutoDispatchBelowADInplaceOrView():
             plain = aten.mm.default(x, w)
         first, second = _twice(memo, aten.mm.default, (x, w))
         assert _meta(first) == _meta(second) == _meta(plain)
@@ -89,7 +89,7 @@ def test_what_the_key_does_not_describe_takes_the_plain_path():
     for args in [(const, const), (real, real)]:
         with pytest.raises(fake_dispatch._NotKeyable):
             memo._key(aten.add.Tensor, args, {})
-    with mode, torch._C._AutoDispatchBelowAutograd():
+    with mode, torch._C._AutoDispatchBelowADInplaceOrView():
         for _ in range(2):
             assert memo(aten.mul.Tensor, (const, const), {}).constant.item() == 4.0
     assert memo.hits == 0
@@ -116,7 +116,7 @@ class _Seen(torch.utils._python_dispatch.TorchDispatchMode):
 def test_with_another_mode_between_the_memo_leaves_the_op_to_it():
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     memo = FakeDispatchMemo(mode)
-    with mode, torch._C._AutoDispatchBelowAutograd():
+    with mode, torch._C._AutoDispatchBelowADInplaceOrView():
         x = torch.empty(3, 3)
         memo(aten.mm.default, (x, x), {})
         memo(aten.mm.default, (x, x), {})
