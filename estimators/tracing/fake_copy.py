@@ -29,7 +29,7 @@ import types
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from estimators.tracing import fake_leaks
 from estimators.tracing.fake_dispatch import MemoMode
@@ -48,16 +48,20 @@ class FakeCopyError(RuntimeError):
 def _fake_plain(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu" and not isinstance(t, torch.nn.Parameter):
         return mode.from_tensor(t)
-    with mode, MemoMode(mode):  # meta / other devices: same shape, stride and dtype, on the fake CPU
+    with mode:  # meta / other devices: same shape, stride and dtype, on the fake CPU
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
-def _fake_parameter(mode: FakeTensorMode, t: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter:
-    """``torch.nn.Parameter(t)`` of a fake ``t`` (its ``detach`` through the memo)."""
-    if type(t) is not FakeTensor:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
-    with mode, MemoMode(mode):
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
+def _fake_parameter(mode: FakeTensorMode, p: torch.Tensor) -> torch.nn.Parameter:
+    """A fake copy of parameter ``p``: ``torch.nn.Parameter(fake_tensor(mode, p.detach()))``. A
+    plain one off the CPU (on meta: the usual large model) is made in one visit to the mode, its
+    ops through the memo."""
+    t = p.detach()
+    if type(t) is torch.Tensor and t.device.type != "cpu":
+        with mode, MemoMode(mode):
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            return torch.nn.Parameter(fake, requires_grad=p.requires_grad)
+    return torch.nn.Parameter(fake_tensor(mode, t), requires_grad=p.requires_grad)
 
 
 def fake_tensor(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
@@ -129,7 +133,7 @@ def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] 
         elif id(p) not in memo:
             pre = pre_shard.get(id(p))
             fp = (_pre_shard_fake(mode, pre) if pre is not None
-                  else _fake_parameter(mode, fake_tensor(mode, p.detach()), p.requires_grad))
+                  else _fake_parameter(mode, p))
             memo[id(p)] = mapping[id(p)] = fp
     for b in model.buffers():
         if id(b) not in memo and id(b) not in skipped:

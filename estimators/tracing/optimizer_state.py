@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["make_first_step_state"]
 
@@ -86,9 +87,23 @@ def _scalar_dtype() -> torch.dtype | None:
     return get() if callable(get) else None
 
 
+def _step_count() -> torch.Tensor:
+    """``torch.tensor(1.0, dtype=_get_scalar_dtype(), device="cpu")``. Under a fake mode that is
+    the mode's fake tensor keeping the value, which the mode makes for ``torch.tensor`` as
+    ``from_real_tensor(..., make_constant=True)`` of the real one, with every dispatch mode off
+    (its ``lift_fresh`` path): made so here, without the dispatch around it."""
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    converter = getattr(mode, "fake_tensor_converter", None)
+    if converter is None:
+        return torch.tensor(1.0, dtype=_scalar_dtype(), device="cpu")
+    with _disable_current_modes():
+        real = torch.tensor(1.0, dtype=_scalar_dtype(), device="cpu")
+        return converter.from_real_tensor(mode, real, make_constant=True)
+
+
 def _adam_state(opt: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> None:
     state = opt.state[p]
-    state["step"] = torch.tensor(1.0, dtype=_scalar_dtype(), device="cpu")
+    state["step"] = _step_count()
     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     if group["amsgrad"]:
