@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import sys
@@ -108,9 +109,17 @@ def _shared_meshes(model: torch.nn.Module) -> dict[int, Any]:
     shared = {id(t.device_mesh): t.device_mesh for t in [*model.parameters(), *model.buffers()]
               if isinstance(t, DTensor)}
     if dist.is_available():
+        kinds = (DeviceMesh, dist.ProcessGroup)
         for mod in model.modules():
-            shared.update({id(v): v for v in vars(mod).values() if isinstance(v, (DeviceMesh, dist.ProcessGroup))})
+            # isinstance against ProcessGroup is slow (a Python __instancecheck__): the attribute
+            # types a module holds by the hundred are ruled out first.
+            shared.update({id(v): v for v in vars(mod).values()
+                           if type(v) not in _NOT_MESHES and isinstance(v, kinds)})
     return shared
+
+
+_NOT_MESHES = frozenset({bool, int, float, str, type(None), dict, list, tuple, set, collections.OrderedDict,
+                         torch.nn.Parameter, torch.Tensor})
 
 
 def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] = ()

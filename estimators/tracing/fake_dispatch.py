@@ -46,7 +46,10 @@ try:  # torch internals; without them the memo is off (see the module docstring)
         FakeTensor,
         FakeTensorMode,
         _BypassDispatchCache,
+        _DispatchCacheBypassEntry,
+        _DispatchCacheEntryOutputInfo,
         _DispatchCacheValidEntry,
+        extract_tensor_metadata,
         unset_fake_temporarily,
     )
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -97,6 +100,9 @@ class FakeDispatchMemo:
         )
         self.hits = 0
         self._outputs = OutputBuilder(mode) if self.enabled else None
+        self._fake_device_attr = self.enabled and self._outputs.enabled
+        """A fake tensor's device read from its attribute (``FakeTensor.device``, a property, is
+        that attribute while the mode runs no kernel): with the torch code OutputBuilder copies."""
 
     def __call__(self, func, args: tuple, kwargs: dict) -> Any:
         if not self.enabled or func in _DISPATCH_META_HANDLERS or func in _DISPATCH_HANDLE_DIRECTLY:
@@ -111,14 +117,16 @@ class FakeDispatchMemo:
         if found is _NO_KEY or not self._mode_is_next():
             return func(*args, **kwargs)
         if found is not None:
-            mode_key, entry, built_here = found
+            mode_key, entry, built_here, as_list = found
             with unset_fake_temporarily():  # as inside the mode's own dispatch
                 if built_here and self._outputs.enabled:
                     out = self._outputs.build(entry, mode_key, func, args)
                 else:
                     out = self._outputs.official(entry, mode_key, func, args)
-            FakeTensorMode.cache_hits += 1
             self.hits += 1
+            if as_list:
+                return list(out)
+            FakeTensorMode.cache_hits += 1
             return out
         return self._learn(key, func, args, kwargs)
 
@@ -157,7 +165,9 @@ class FakeDispatchMemo:
             _MEMO[key] = _NO_KEY
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        entry = FakeTensorMode.cache.get(mode_key)
+        entry, as_list = FakeTensorMode.cache.get(mode_key), False
+        if isinstance(entry, _DispatchCacheBypassEntry):
+            entry, as_list = _list_entry(entry, func, out, args) or entry, True
         if isinstance(entry, _DispatchCacheValidEntry):
             with unset_fake_temporarily():
                 again = self._outputs.official(entry, mode_key, func, args)
@@ -165,8 +175,8 @@ class FakeDispatchMemo:
                 if built_here:
                     ours = self._outputs.build(entry, mode_key, func, args)
                     built_here = self._outputs.enabled and _same_outputs(again, ours, args, attributes=True)
-            if _same_outputs(out, again, args):
-                _MEMO[key] = (mode_key, entry, built_here)
+            if _same_outputs(tuple(out) if as_list else out, again, args, attributes=as_list):
+                _MEMO[key] = (mode_key, entry, built_here, as_list)
             else:  # e.g. the mode's first run of a view kept requires_grad, its cache hits do not
                 if key in _MISMATCHED:
                     _MEMO[key] = _NO_KEY
@@ -176,6 +186,8 @@ class FakeDispatchMemo:
         return out
 
     def _key(self, func, args: tuple, kwargs: dict) -> tuple:
+        if self.mode.in_kernel_invocation:
+            raise _NotKeyable
         parts: list[Any] = [func, torch.get_default_dtype(), torch._C._get_default_device(),
                             torch.is_inference_mode_enabled(), get_proxy_mode() is not None]
         for a in args:
@@ -192,13 +204,35 @@ class FakeDispatchMemo:
             if (a.fake_mode is not self.mode or a.constant is not None or a.layout is not torch.strided
                     or a._has_symbolic_sizes_strides):
                 raise _NotKeyable
-            return (a.dtype, a.shape, a.stride(), a.device, a.storage_offset(), a.untyped_storage().nbytes(),
+            return (a.dtype, a.shape, a.stride(), a.__dict__.get("_fake_device") if self._fake_device_attr else a.device,
+                    a.storage_offset(), a.untyped_storage().nbytes(),
                     a.requires_grad, a.is_conj(), a.is_neg(), a.is_inference(), a.is_quantized)
         if kind in _SCALARS:
             return (kind, a)
         if kind is list or kind is tuple:
             return (kind, tuple(self._arg(x) for x in a))
         raise _NotKeyable
+
+
+def _list_entry(bypass: Any, func, out: Any, args: tuple) -> Any:
+    """A cache entry, as the mode would make it, for an op whose only reason to bypass the mode's
+    cache is its list output (``_foreach_sqrt``, ``_foreach_add``: the mode caches single tensors
+    and tuples only, "to avoid the complexity"): each output a new tensor (no argument, no
+    constant, its own storage). None for anything else."""
+    if bypass.reason != "non-FakeTensor output" or type(out) is not list or not out:
+        return None
+    if not getattr(func, "_opname", "").startswith("_foreach_") or func.is_view:
+        return None
+    flat = [t for a in args for t in (a if type(a) in (list, tuple) else (a,))]
+    storages = {id(t.untyped_storage()) for t in flat if type(t) is FakeTensor}
+    infos = []
+    for t in out:
+        if (type(t) is not FakeTensor or t.constant is not None or t.layout is not torch.strided
+                or id(t.untyped_storage()) in storages):
+            return None
+        infos.append(_DispatchCacheEntryOutputInfo(inplace_idx=None, metadata=extract_tensor_metadata(t),
+                                                   view_idx=None))
+    return _DispatchCacheValidEntry(output_infos=tuple(infos), is_output_tuple=True)
 
 
 def _same_outputs(out: Any, again: Any, args: tuple, attributes: bool = False) -> bool:

@@ -172,3 +172,26 @@ def test_one_memo_key_is_one_key_of_the_mode(monkeypatch):
         estimate(model, TrainStep(inputs=inputs, loss_fn=lambda out, _: out.float().sum(), optimizer="adam"),
                  device="h100")
     assert len(seen) > 100
+
+
+def test_a_list_of_new_tensors_is_memoised_and_views_are_not():
+    """The mode does not cache list outputs ("to avoid the complexity"); a _foreach_ op whose
+    outputs are new tensors is memoised with an entry made as the mode makes its own, an op
+    whose list holds views of its input (split) is left to the mode."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo = FakeDispatchMemo(mode)
+    with mode, torch._C._AutoDispatchBelowADInplaceOrView():
+        xs = [torch.empty(3, 4), torch.empty(5)]
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            plain = aten._foreach_sqrt.default(xs)
+        first = memo(aten._foreach_sqrt.default, (xs,), {})
+        hits = memo.hits
+        second = memo(aten._foreach_sqrt.default, (xs,), {})
+        assert memo.hits == hits + 1 and type(second) is list
+        for a, b, c in zip(plain, first, second):
+            assert _meta(a) == _meta(b) == _meta(c) and vars(a) == vars(c)
+            assert c.untyped_storage() is not a.untyped_storage()
+        x = torch.empty(6, 4)
+        for _ in range(3):
+            parts = memo(aten.split.Tensor, (x, 2), {})
+        assert memo.hits == hits + 1 and all(p.untyped_storage() is x.untyped_storage() for p in parts)
