@@ -118,10 +118,11 @@ class FakeDispatchMemo:
             return func(*args, **kwargs)
         if found is not None:
             mode_key, entry, built_here, as_list = found
-            with unset_fake_temporarily():  # as inside the mode's own dispatch
-                if built_here and self._outputs.enabled:
+            if built_here and self._outputs.enabled:
+                with no_dispatch():  # the mode builds them with dispatch off too (in_kernel_invocation_manager)
                     out = self._outputs.build(entry, mode_key, func, args)
-                else:
+            else:
+                with unset_fake_temporarily():  # as inside the mode's own dispatch
                     out = self._outputs.official(entry, mode_key, func, args)
             self.hits += 1
             if as_list:
@@ -173,7 +174,8 @@ class FakeDispatchMemo:
                 again = self._outputs.official(entry, mode_key, func, args)
                 built_here = self._outputs.enabled and OutputBuilder.can_build(entry)
                 if built_here:
-                    ours = self._outputs.build(entry, mode_key, func, args)
+                    with no_dispatch():
+                        ours = self._outputs.build(entry, mode_key, func, args)
                     built_here = self._outputs.enabled and _same_outputs(again, ours, args, attributes=True)
             if _same_outputs(tuple(out) if as_list else out, again, args, attributes=as_list):
                 _MEMO[key] = (mode_key, entry, built_here, as_list)

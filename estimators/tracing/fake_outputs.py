@@ -85,9 +85,10 @@ def _same_torch_code() -> bool:
 
 
 class OutputBuilder:
-    """``build(entry, func, args)``: the output(s) of ``mode``'s cache entry for this call, as
-    ``mode._output_from_cache_entry`` makes them; called where that function would be (the fake
-    mode unset, no other dispatch mode active)."""
+    """``build(entry, mode_key, func, args)``: the output(s) of ``mode``'s cache entry for this
+    call, as ``mode._output_from_cache_entry`` makes them; called with torch dispatch off (the mode
+    makes them so, in ``in_kernel_invocation_manager``), below autograd. ``official(...)``: the
+    mode's own function, called with the fake mode unset (as inside the mode's dispatch)."""
 
     def __init__(self, mode: Any) -> None:
         self.mode = mode

@@ -26,12 +26,11 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from estimators.contract.module_info import Phase
-from estimators.tracing.op_args import PRIM_DEVICE, fake_device, op_tensors
+from estimators.tracing.op_args import PRIM_DEVICE, active_fake_mode, fake_device, op_tensors
 from estimators.tracing.records import (
     ModuleCall,
     OpRecord,
@@ -252,25 +251,25 @@ class StepTracer(TorchDispatchMode):
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # Below dispatch every call is an aten op or a tensor query: a torch-function mode of the
-        # step (CudaSemanticsMode) acts on none of them, and would cost a Python call per query.
-        with torch._C.DisableTorchFunction():
-            return self._dispatch(func, types, args, kwargs)
-
-    def _dispatch(self, func, types, args, kwargs):
         if func is PRIM_DEVICE:
             # C++ asks a fake tensor's device for nearly every op (the autograd engine, foreach
             # grouping): answered here as FakeTensor itself answers, not through every mode below.
             device = fake_device(args[0])
             if device is not None:
                 return device
+        # Below dispatch every call is an aten op or a tensor query: a torch-function mode of the
+        # step (CudaSemanticsMode) acts on none of them, and would cost a Python call per query.
+        with torch._C.DisableTorchFunction():
+            return self._dispatch(func, types, args, kwargs)
+
+    def _dispatch(self, func, types, args, kwargs):
         kwargs = kwargs or {}
         if defers(types):
             # A DTensor (or other wrapper) op: the rank runs its local ops and collectives, which
             # come back through this mode at local shapes (estimators.tracing.subclasses).
             self._foreign.note(op_tensors(args, kwargs))
             return NotImplemented
-        if in_sharding_propagation() or active_fake_mode() is not self._fake_mode:
+        if in_sharding_propagation() or active_fake_mode(self._fake_mode) is not self._fake_mode:
             return func(*args, **kwargs)  # DTensor's output-metadata ops on fake global shapes
         # Eagerly a wait returns its input; its fake kernel makes a new tensor (a second buffer).
         out = args[0] if func is WAIT and self._fake_mode is not None else self.run_op(func, args, kwargs)
