@@ -53,18 +53,6 @@ def _fake_plain(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
-def _fake_parameter(mode: FakeTensorMode, p: torch.Tensor) -> torch.nn.Parameter:
-    """A fake copy of parameter ``p``: ``torch.nn.Parameter(fake_tensor(mode, p.detach()))``. A
-    plain one off the CPU (on meta: the usual large model) is made in one visit to the mode, its
-    ops through the memo."""
-    t = p.detach()
-    if type(t) is torch.Tensor and t.device.type != "cpu":
-        with mode, MemoMode(mode):
-            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-            return torch.nn.Parameter(fake, requires_grad=p.requires_grad)
-    return torch.nn.Parameter(fake_tensor(mode, t), requires_grad=p.requires_grad)
-
-
 def fake_tensor(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     """A fake copy of ``t`` (a DTensor: over a fake copy of its local shard)."""
     return fake_copy_of(t, lambda inner: _fake_plain(mode, inner))
@@ -136,14 +124,28 @@ def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] 
     skipped = skipped_param_ids(model, stacks) if stacks else set()
     for st in states:
         memo[id(st)] = st
+    off_cpu: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
     for p in model.parameters():
         if id(p) in skipped:
             mapping[id(p)] = None
         elif id(p) not in memo:
             pre = pre_shard.get(id(p))
-            fp = (_pre_shard_fake(mode, pre) if pre is not None
-                  else _fake_parameter(mode, p))
-            memo[id(p)] = mapping[id(p)] = fp
+            if pre is not None:
+                memo[id(p)] = mapping[id(p)] = _pre_shard_fake(mode, pre)
+                continue
+            t = p.detach()
+            if type(t) is torch.Tensor and t.device.type != "cpu":
+                off_cpu.append((p, t))  # made below, all in one visit to the mode
+                memo[id(p)] = mapping[id(p)] = None
+                continue
+            memo[id(p)] = mapping[id(p)] = torch.nn.Parameter(fake_tensor(mode, t), requires_grad=p.requires_grad)
+    if off_cpu:
+        # A plain parameter off the CPU (on meta: the usual large model): a fake CPU tensor of
+        # its shape, stride and dtype (as _fake_plain makes it), its ops through the memo.
+        with mode, MemoMode(mode):
+            for p, t in off_cpu:
+                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                memo[id(p)] = mapping[id(p)] = torch.nn.Parameter(fake, requires_grad=p.requires_grad)
     for b in model.buffers():
         if id(b) not in memo and id(b) not in skipped:
             memo[id(b)] = fake_buffer(mode, b)
