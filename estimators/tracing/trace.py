@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import logging
 import sys
 import time
@@ -43,7 +44,8 @@ from estimators.tracing.records import (
 )
 from estimators.runtime.op_facts import op_facts, written_args
 from estimators.tracing.foreign_leaves import ForeignLeaves
-from estimators.tracing.subclasses import WAIT, defers, in_sharding_propagation, mark_sharding_propagation, storage_of
+from estimators.tracing.subclasses import WAIT, defers, in_sharding_propagation, mark_sharding_propagation
+from estimators.tracing.subclasses import storage_of as _storage_of  # a DTensor's: its local shard's
 
 if TYPE_CHECKING:
     from estimators.runtime.models import RuntimeModel
@@ -65,7 +67,9 @@ def _call(func, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
-_storage_of = storage_of  # a DTensor's storage is its local shard's (estimators.tracing.subclasses)
+def _freed(tracer_ref: weakref.ref, key: int, sid: int, _ref: Any) -> None:
+    if (tracer := tracer_ref()) is not None:  # weak: the tracer holds the references
+        tracer._on_free(key, sid)
 
 
 class InplaceModifiedError(RuntimeError):
@@ -122,14 +126,14 @@ class StepTracer(TorchDispatchMode):
         if "torch.distributed.tensor" in sys.modules:  # no DTensor can exist before it is imported
             mark_sharding_propagation()
         self.model, self.root_name, self.optimizer, self.device = model, root_name, optimizer, device
-        self.runtime_model = runtime_model
-        self.round_bytes = round_bytes
-        self.progress = progress
+        self.runtime_model, self.round_bytes, self.progress = runtime_model, round_bytes, progress
         self.ops: list[OpRecord] = []
         self.storages: list[StorageRecord] = []
         self.calls: list[ModuleCall] = []
         self.phase = Phase.FW
         self._live: dict[int, int] = {}  # id(storage pyobject) -> sid
+        self._free_refs: dict[int, weakref.ref] = {}  # sid -> its storage's; calls _on_free when it dies
+        self._self_ref = weakref.ref(self)  # the callbacks' (a weakref.finalize costs twenty times more)
         self._stack: list[int] = []  # module call ids, forward
         self._seq_probe = torch.zeros(1, requires_grad=True)  # real, tiny, outside every mode
         self._seq_index: tuple[list[int], list[int]] | None = None
@@ -238,7 +242,7 @@ class StepTracer(TorchDispatchMode):
         self.storages.append(rec)
         key = id(st)
         self._live[key] = sid
-        weakref.finalize(st, self._on_free, key, sid)
+        self._free_refs[sid] = weakref.ref(st, functools.partial(_freed, self._self_ref, key, sid))
         return sid
 
     def _on_free(self, key: int, sid: int) -> None:
