@@ -88,3 +88,37 @@ def test_first_weight_half_measures_what_the_profile_says(case):
         meter.stop()
     assert all(q.grad is not None for q in model.parameters())
     assert measured == predicted
+
+
+def test_a_stage_trace_in_a_fresh_process_leaves_nothing_fake_behind():
+    # torch.distributed.pipelining makes a module-level tensor when first imported; imported first
+    # inside the fake trace it became a fake tensor the process kept (and a 4-byte storage the
+    # stage's trace counted). A fresh interpreter is the only place it is not imported yet.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, warnings, torch\n"
+        "from estimators.tracing.estimation import estimate\n"
+        "from estimators.step.train_step import TrainStep\n"
+        "from estimators.step.stage_step import StageRole\n"
+        "assert 'torch.distributed.pipelining' not in sys.modules\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))\n"
+        "role = StageRole(is_first=True, is_last=False, split_backward=True)\n"
+        "with warnings.catch_warnings():\n"
+        "    warnings.simplefilter('error')\n"
+        "    est = estimate(m, TrainStep(inputs=(torch.randn(4, 8),), stage=role))\n"
+        "print(est.steady_peak_bytes)\n"
+    )
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    # ... and it predicts what this process, which imported pipelining first, predicts (the leaked
+    # constant was 4 B more).
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    here = estimate(m, TrainStep(inputs=(torch.randn(4, 8),),
+                                 stage=StageRole(is_first=True, is_last=False, split_backward=True)))
+    assert int(out.stdout.split()[-1]) == here.steady_peak_bytes
