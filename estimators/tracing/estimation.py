@@ -39,6 +39,7 @@ autocast region ends, longer where autograd saves them.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import dataclasses
 import enum
 import functools
@@ -242,6 +243,10 @@ def estimate(
                          "(plan it with PlanOptions(pipeline=...)); for a whole model the loss gets (output, inputs): "
                          "close over the labels in loss_fn (they count as resident) or put them in the inputs")
     _check_held_is_not_the_model(model, step)
+    if step.stage is not None:
+        # Imported here, not first inside the trace: pipelining makes a module-level tensor on
+        # import, which the fake mode would make fake (and report as leaked).
+        importlib.import_module("torch.distributed.pipelining._backward")
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
     t0 = time.perf_counter()

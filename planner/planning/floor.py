@@ -15,9 +15,10 @@ import collections
 from dataclasses import dataclass
 
 from estimators.tracing.estimation import Estimate
-from estimators.contract.module_info import Phase
+from estimators.contract.module_info import ModuleInfo, Phase
 from estimators.tracing.trace import StorageKind
 from planner.format import fmt_bytes
+from solver.plan_cost import MemoryModel
 
 __all__ = ["PeakContributor", "PeakBreakdown", "peak_breakdown", "lowering_hints", "floor_text"]
 
@@ -64,14 +65,26 @@ class PeakBreakdown:
 
 
 _OUTSIDE = "(outside every module)"
+_FSDP = "FSDP2's gathered parameters and communication buffers"
 _PHASES = {Phase.FW: "forward", Phase.BW: "backward", Phase.OPTIM: "optimizer step"}
 
 
-def peak_breakdown(est: Estimate, *, world_size: int = 1) -> PeakBreakdown:
+def peak_breakdown(est: Estimate, *, world_size: int = 1, per_rank_info: ModuleInfo | None = None) -> PeakBreakdown:
     """Live storages at ``est``'s peak op, grouped: state by category (divided by ``world_size``,
-    as FSDP shards it), activations and temporaries by the module whose op allocated them."""
+    as FSDP shards it), activations and temporaries by the module whose op allocated them.
+
+    ``per_rank_info``: ``est.module_info`` with FSDP2's per-rank additions in its points'
+    ``other_bytes`` (``planner.distributed.fsdp.fsdp_module_info``). With it the breakdown is taken
+    at the per-rank peak, not at the peak of the unsharded trace (which is the optimizer step
+    wherever the full state dominates), and FSDP2's gathered parameters and buffers there are
+    one more contributor, so the contributors sum to the per-rank peak the solver states."""
     trace, timeline = est.trace, est.timeline
-    t = timeline.peak_op_index
+    t, fsdp_bytes = timeline.peak_op_index, 0
+    if per_rank_info is not None and per_rank_info.memory_points:
+        totals = MemoryModel(per_rank_info, world_size).point_bytes({})
+        i = max(range(len(totals)), key=totals.__getitem__)
+        t = per_rank_info.memory_points[i].op_index
+        fsdp_bytes = per_rank_info.memory_points[i].other_bytes - est.module_info.memory_points[i].other_bytes
     state: collections.Counter = collections.Counter()
     by_module: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for s in trace.storages:
@@ -89,6 +102,8 @@ def peak_breakdown(est: Estimate, *, world_size: int = 1) -> PeakBreakdown:
         for k, name in _STATE.items()
         if state[k]
     ]
+    if fsdp_bytes:
+        out.append(PeakContributor(what=_FSDP, memory_bytes=fsdp_bytes))
     for fqn, ops in by_module.items():
         out.append(PeakContributor(
             what=f"activations and temporaries made in {fqn}" if fqn != _OUTSIDE
@@ -124,6 +139,9 @@ def lowering_hints(b: PeakBreakdown, *, top: int = 3) -> tuple[str, ...]:
         hints.append("an optimizer with less state (sgd keeps none, adam/adamw two copies of the parameters)")
     if state and state >= b.peak_bytes // 3:
         hints.append(f"shard parameters, gradients and optimizer state over more ranks (world_size > {b.world_size}, FSDP)")
+    if any(c.what == _FSDP for c in big):
+        hints.append("tensor parallelism (each rank gathers its share of a layer), or FSDP2 mixed "
+                     "precision (MixedPrecisionPolicy(param_dtype=torch.bfloat16) gathers half the bytes)")
     acts = [c for c in big if c.module]
     if acts:
         hints.append("a smaller batch or sequence length (activations and temporaries scale with both)")

@@ -109,8 +109,10 @@ class _Floor:
     breakdown: "PeakBreakdown | None"
 
 
-def _floor(milp: SACMilp, est: Estimate, info, model, world_size: int, solver_options) -> _Floor:
-    """Trace the min-peak plan: its peak is the floor that verifies and its breakdown says why."""
+def _floor(milp: SACMilp, est: Estimate, info, model, world_size: int, solver_options,
+           units: list[str] | None = None) -> _Floor:
+    """Trace the min-peak plan: its peak is the floor that verifies and its breakdown says why
+    (per rank, at the per-rank peak, where ``world_size`` > 1)."""
     low = milp.min_reachable_peak_bytes()
     res = milp.solve(low)
     modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], solver_options) for f in res.checkpointed)
@@ -118,16 +120,23 @@ def _floor(milp: SACMilp, est: Estimate, info, model, world_size: int, solver_op
         planned = verification.traced_estimate(model, modules, est)
     except Exception as exc:  # the explanation must never hide the refusal itself
         logger.warning("could not trace the min-peak plan to explain the floor: %s", exc)
-        return _Floor(low, peak_breakdown(est, world_size=world_size))
+        return _Floor(low, _breakdown(est, world_size, units))
     traced = max(planned.first_step_peak_bytes, planned.steady_peak_bytes)
     unplanned = max(est.first_step_peak_bytes, est.steady_peak_bytes)
     if world_size == 1 and traced > unplanned:
         # The min-peak plan traced above the unplanned step (what its checkpoints hold: start
         # values of buffers their forwards rebind, inputs): no plan, which always verifies, is
         # the floor; a refusal would state more than is reachable.
-        return _Floor(unplanned, peak_breakdown(est, world_size=world_size))
-    return _Floor(max(low, traced) if world_size == 1 else low,
-                  peak_breakdown(planned, world_size=world_size))
+        return _Floor(unplanned, _breakdown(est, world_size, units))
+    return _Floor(max(low, traced) if world_size == 1 else low, _breakdown(planned, world_size, units))
+
+
+def _breakdown(est: Estimate, world_size: int, units: list[str] | None) -> PeakBreakdown:
+    """``peak_breakdown`` of one rank: at the per-rank peak with FSDP2's buffers where sharded."""
+    if world_size == 1:
+        return peak_breakdown(est)
+    info = est.module_info if units is None else fsdp_module_info(est.module_info, units, world_size)
+    return peak_breakdown(est, world_size=world_size, per_rank_info=info)
 
 
 def _min_budget_bytes(usable: int, budget: int, reserve: int, spec: DeviceSpec) -> int:
@@ -386,7 +395,7 @@ def _plan_for_budget(
     full_milp = milp
 
     def floor() -> _Floor:
-        return _floor(full_milp, est, info, model, world_size, solver_options)
+        return _floor(full_milp, est, info, model, world_size, solver_options, units)
 
     mispriced: dict[str, str] = {}  # candidates whose traced recompute set a peak the MILP missed
     tensor_parallel = has_dtensors(model)  # per-rank plans of a TP model are traced (FSDP-only: the MILP's)
@@ -438,7 +447,7 @@ def _plan_for_budget(
                     break
                 low = floor()
                 if found_peak is not None and found_peak < low.usable_bytes:  # the lower floor verifies
-                    low = _Floor(found_peak, peak_breakdown(found[2], world_size=world_size))
+                    low = _Floor(found_peak, _breakdown(found[2], world_size, units))
                 err = _infeasible(budget_bytes, reserve_bytes, floor=low, spec=est.spec)
                 if excluded:  # say what the floor would be without the safety exclusions
                     err.args = (err.args[0] + " Left out as unsafe to checkpoint: "

@@ -15,6 +15,7 @@ from planner.planning import verification
 from planner.planning.floor import PeakBreakdown, PeakContributor, floor_text, lowering_hints, peak_breakdown
 from planner.format import GiB
 from planner.planning.solve import plan_for_budget
+from planner.planning.module_plans import module_plan
 from solver import SACMilp
 from planner.options import PlanOptions
 from estimators.step.train_step import TrainStep
@@ -157,3 +158,34 @@ def test_floor_text_names_the_peak_and_its_largest_contributors():
     assert text.endswith("; the rest: 40.00 MiB")
 
 
+
+
+def test_fsdp_refusal_breaks_down_the_per_rank_peak():
+    # FSDP over 64 ranks: the unsharded trace peaks in the optimizer step (the full Adam state),
+    # but per rank the state is 1/64 and the peak is in the step's forward/backward, where the
+    # gathered units are. The breakdown must be of that per-rank peak: it sums to the per-rank
+    # peak of the min-peak plan and names FSDP2's gathered parameters.
+    from planner.distributed.fsdp import fsdp_module_info
+    from solver import predict_peak_bytes
+
+    model, inputs = build_gpt(GPTConfig(vocab_size=512, seq_len=64, n_layer=2, n_head=2, dim=256), batch_size=2)
+    step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam")
+    units = ["GPT", "GPT.blocks.0", "GPT.blocks.1"]
+    est = estimate(model, step)
+    assert est.trace.ops[est.timeline.peak_op_index].phase.value == "optim"  # the unsharded peak
+    with pytest.raises(PlanningError) as e:
+        solve_sac(model, 0.0001, step, options=PlanOptions(device="cpu", world_size=64, fsdp_units=units))
+    b = e.value.floor
+    assert b.world_size == 64 and b.phase in ("forward", "backward")
+    assert any(c.what.startswith("FSDP2's gathered parameters") for c in b.contributors)
+    assert b.peak_bytes == sum(c.memory_bytes for c in b.contributors)
+    assert "per rank" in str(e.value) and "tensor parallelism" in str(e.value)
+    # The breakdown's total is the per-rank peak of the traced min-peak plan, up to the rounding of
+    # the sharded state per category (a byte each for parameters, gradients, optimizer state).
+    info = fsdp_module_info(est.module_info, units, 64)
+    milp = SACMilp(info, world_size=64, fsdp_units=units)
+    res = milp.solve(milp.min_reachable_peak_bytes())
+    modules = tuple(module_plan(info.stats(f), res.discarded_bytes[f], None) for f in res.checkpointed)
+    planned = verification.traced_estimate(model, modules, est)
+    per_rank = predict_peak_bytes(fsdp_module_info(planned.module_info, units, 64), {}, world_size=64)
+    assert 0 <= b.peak_bytes - per_rank <= 2
