@@ -8,7 +8,7 @@ one). :class:`OutputBuilder` builds the same tensors directly: the same ``empty_
 ``set_`` calls, ``Tensor._make_subclass`` with the arguments ``FakeTensor.__new__`` passes, the
 same data-pointer guard, and the instance attributes copied from a tensor the mode built itself.
 
-It is a copy of torch's code, so it is used only where that code is the code copied:
+It mirrors what torch's code does, so it is used only where that code is the code it mirrors:
 
 * the source of each torch function it stands for (``_REPLICATED``) must hash to the value
   recorded for the torch it was written against; any other torch builds through the mode;
