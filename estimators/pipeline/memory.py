@@ -13,8 +13,9 @@ M1  resident: every local stage's parameters, buffers and optimizer state, and t
 M2  receive buffers: one per micro-batch for the activation (non-first stage) and one for its
     gradient (non-last stage), made at the first ``step()`` and kept across steps.
 M3  gradients: none until the stage's first gradient-writing action of the step (the loop zeroes
-    them with ``set_to_none``); during it they appear as they are written (``grad_pending``);
-    then all of them.
+    them with ``set_to_none``); during it they appear as they are written (``grad_pending``: a
+    gradient made from its ``dw``, which the weight half assigns and AccumulateGrad steals, is
+    that ``dw``, counted once); then all of them.
 M4  each micro-batch between its forward and its backward keeps ``kept_after_fw``; between its
     input and weight halves ``kept_after_i``.
 M5  what the schedule's bookkeeping keeps:

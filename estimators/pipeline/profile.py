@@ -44,8 +44,9 @@ class StageProfile:
     """... of the weight half (split)."""
     grad_pending: tuple[int, ...] = ()
     """At each op of the backward that writes the gradients (``bw``, or ``w`` when split): the
-    gradient bytes written at that op or later. In the stage's first backward of a step those do
-    not exist yet (gradients are created, then accumulated into)."""
+    gradient bytes that the stage's first backward of a step has not made yet there, beyond what
+    the curve counts (a gradient made from a ``dw`` is that ``dw``: the curve counts it until the
+    trace frees ``dw``, then the gradient counts; ``stage_trace._grad_pending``)."""
     kept_after_fw: int
     """The micro-batch's bytes alive between its forward and its backward."""
     kept_after_i: int = 0

@@ -192,7 +192,9 @@ def _register() -> list[torch.library.Library]:
     return libs
 
 
+@functools.cache
 def _op(name: str) -> torch._ops.OpOverload:
+    """The OpOverload named ``aten::op.overload`` (one object per overload: looked up once)."""
     op, _, overload = name.split("::")[1].partition(".")
     return getattr(getattr(_aten, op), overload or "default")
 

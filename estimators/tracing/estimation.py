@@ -39,6 +39,7 @@ autocast region ends, longer where autograd saves them.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import dataclasses
 import enum
 import functools
@@ -57,6 +58,7 @@ from estimators.tracing.aggregate import build_module_info
 from estimators.tracing.comm_overlap import apply_comm_overlap
 from estimators.tracing.cuda_autocast import CudaAutocast
 from estimators.tracing.cuda_rules import CudaSemanticsMode
+from estimators.tracing.fake_dispatch import MemoMode
 from estimators.tracing.fake_kernels import FakeKernelError, RealKernelsMode
 from estimators.tracing.hf_paths import hf_real_paths
 from estimators.runtime.device import DeviceSpec, get_device_spec
@@ -241,6 +243,10 @@ def estimate(
                          "(plan it with PlanOptions(pipeline=...)); for a whole model the loss gets (output, inputs): "
                          "close over the labels in loss_fn (they count as resident) or put them in the inputs")
     _check_held_is_not_the_model(model, step)
+    if step.stage is not None:
+        # Imported here, not first inside the trace: pipelining makes a module-level tensor on
+        # import, which the fake mode would make fake (and report as leaked).
+        importlib.import_module("torch.distributed.pipelining._backward")
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
     t0 = time.perf_counter()
@@ -360,7 +366,8 @@ def _trace_step(
             # inside the fake step raised DataDependentOutputException).
             opt = resolve_optimizer(step.optimizer, groups, spec, fake)
             try:
-                steady_state(traced, opt, step, without_grad)
+                with MemoMode(fake_mode) if fake_mode is not None else contextlib.nullcontext():
+                    steady_state(traced, opt, step, without_grad, fake=fake)
             except StepError as e:
                 raise TraceError(str(e)) from e.__cause__
         runtime = make_runtime_model(options.runtime, spec)
@@ -389,7 +396,8 @@ def _trace_step(
                     modes.enter_context(hf_real_paths(step.inputs))  # HF's real-run code path
                     modes.enter_context(fake_mode)
                     # Below the tracer: it records outputs as the real kernels make them.
-                    kernels = RealKernelsMode(cuda=bool(cuda_rules), values=_batch_values(step.inputs, step_inputs))
+                    kernels = RealKernelsMode(cuda=bool(cuda_rules), values=_batch_values(step.inputs, step_inputs),
+                                              fake_mode=fake_mode)
                     tracer.run_op = modes.enter_context(kernels.inline())
                 modes.enter_context(tracer)
                 if cuda_rules:

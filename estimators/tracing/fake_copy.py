@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import sys
@@ -32,6 +33,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from estimators.tracing import fake_leaks
+from estimators.tracing.fake_dispatch import MemoMode
 from estimators.tracing.sharded_model import original_class, unsharded_parts
 from estimators.tracing.stacks import Stack
 from estimators.tracing.subclasses import fake_copy_of
@@ -95,9 +97,17 @@ def _shared_meshes(model: torch.nn.Module) -> dict[int, Any]:
     shared = {id(t.device_mesh): t.device_mesh for t in [*model.parameters(), *model.buffers()]
               if isinstance(t, DTensor)}
     if dist.is_available():
+        kinds = (DeviceMesh, dist.ProcessGroup)
         for mod in model.modules():
-            shared.update({id(v): v for v in vars(mod).values() if isinstance(v, (DeviceMesh, dist.ProcessGroup))})
+            # isinstance against ProcessGroup is slow (a Python __instancecheck__): the attribute
+            # types a module holds by the hundred are ruled out first.
+            shared.update({id(v): v for v in vars(mod).values()
+                           if type(v) not in _NOT_MESHES and isinstance(v, kinds)})
     return shared
+
+
+_NOT_MESHES = frozenset({bool, int, float, str, type(None), dict, list, tuple, set, collections.OrderedDict,
+                         torch.nn.Parameter, torch.Tensor})
 
 
 def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] = ()
@@ -114,14 +124,28 @@ def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] 
     skipped = skipped_param_ids(model, stacks) if stacks else set()
     for st in states:
         memo[id(st)] = st
+    off_cpu: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
     for p in model.parameters():
         if id(p) in skipped:
             mapping[id(p)] = None
         elif id(p) not in memo:
             pre = pre_shard.get(id(p))
-            fp = (_pre_shard_fake(mode, pre) if pre is not None
-                  else torch.nn.Parameter(fake_tensor(mode, p.detach()), requires_grad=p.requires_grad))
-            memo[id(p)] = mapping[id(p)] = fp
+            if pre is not None:
+                memo[id(p)] = mapping[id(p)] = _pre_shard_fake(mode, pre)
+                continue
+            t = p.detach()
+            if type(t) is torch.Tensor and t.device.type != "cpu":
+                off_cpu.append((p, t))  # made below, all in one visit to the mode
+                memo[id(p)] = mapping[id(p)] = None
+                continue
+            memo[id(p)] = mapping[id(p)] = torch.nn.Parameter(fake_tensor(mode, t), requires_grad=p.requires_grad)
+    if off_cpu:
+        # A plain parameter off the CPU (on meta: the usual large model): a fake CPU tensor of
+        # its shape, stride and dtype (as _fake_plain makes it), its ops through the memo.
+        with mode, MemoMode(mode):
+            for p, t in off_cpu:
+                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                memo[id(p)] = mapping[id(p)] = torch.nn.Parameter(fake, requires_grad=p.requires_grad)
     for b in model.buffers():
         if id(b) not in memo and id(b) not in skipped:
             memo[id(b)] = fake_buffer(mode, b)

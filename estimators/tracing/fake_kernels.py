@@ -74,6 +74,8 @@ from torch._prims_common import suggest_memory_format
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from estimators.tracing.fake_dispatch import FakeDispatchMemo
+
 __all__ = ["FakeKernelError", "RealKernelsMode"]
 
 aten = torch.ops.aten
@@ -256,11 +258,15 @@ class RealKernelsMode(TorchDispatchMode):
     outputs as the real kernels make them (see the module docstring). ``cuda``: the trace stands
     for a CUDA target (CUDA's layer-norm statistics)."""
 
-    def __init__(self, *, cuda: bool = False, values: dict[int, torch.Tensor] | None = None) -> None:
+    def __init__(self, *, cuda: bool = False, values: dict[int, torch.Tensor] | None = None,
+                 fake_mode: Any = None) -> None:
         super().__init__()
         self.cuda = cuda
         self.values = values or {}
         """``id(fake batch tensor) -> the real tensor``: values rule 10 can check."""
+        self._call = FakeDispatchMemo(fake_mode) if fake_mode is not None else _call
+        """Runs the op on the mode below: ``fake_mode``'s cache hits through the memo
+        (estimators/tracing/fake_dispatch.py)."""
         self._checked: set[tuple[int, int]] = set()
 
     def __enter__(self):
@@ -298,7 +304,7 @@ class RealKernelsMode(TorchDispatchMode):
         if func in _EMBEDDINGS and self.values:
             self._check_ids(args[0], args[1])
         try:
-            out = func(*args, **kwargs)
+            out = self._call(func, args, kwargs)
         except Exception as e:
             if _is_data_dependent(e):
                 raise
@@ -326,6 +332,10 @@ class RealKernelsMode(TorchDispatchMode):
                 f"rows (ids must be in [0, {rows:,})): the real step raises 'index out of range'; "
                 "check the tokenizer against the model's vocabulary size (vocab_size) and that "
                 "padding or ignored positions (-100) are not fed to the embedding")
+
+
+def _call(func, args: tuple, kwargs: dict) -> Any:
+    return func(*args, **kwargs)
 
 
 _aten = torch.ops.aten

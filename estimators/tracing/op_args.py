@@ -10,13 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import _guards
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["PRIM_DEVICE", "fake_device", "op_tensors"]
+__all__ = ["PRIM_DEVICE", "active_fake_mode", "fake_device", "op_tensors"]
 
 PRIM_DEVICE = torch.ops.prim.device.default
 """The query C++ makes of a fake tensor's device for nearly every op (the autograd engine,
 ``_foreach`` grouping)."""
+
+
+_FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
 
 
 def fake_device(t: Any) -> torch.device | None:
@@ -25,6 +29,16 @@ def fake_device(t: Any) -> torch.device | None:
     if mode is None or not isinstance(t, FakeTensor):
         return None
     return torch.device("meta") if mode.in_kernel_invocation else t.fake_device
+
+
+def active_fake_mode(expected: Any) -> Any:
+    """``torch._guards.active_fake_mode()`` (the innermost FakeTensorMode on the dispatch mode
+    stack), read from the mode stack when it holds only ``expected`` (a fake trace's mode, or
+    None: nothing), as it does below the tracer; asked of torch otherwise."""
+    fake = torch._C._get_dispatch_mode(_FAKE_KEY)
+    if fake is expected and torch._C._len_torch_dispatch_stack() == (fake is not None):
+        return fake
+    return _guards.active_fake_mode()
 
 
 def op_tensors(args: Any, kwargs: dict | None = None) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from estimators.tracing.memory import MemoryTimeline
+from estimators.tracing.optimizer_state import make_first_step_state
 from estimators.contract.module_info import ModuleInfo, Phase
 from estimators.step.train_step import TrainStep, values_read_in
 from estimators.tracing.trace import StepTrace, StorageKind
@@ -23,18 +24,29 @@ __all__ = ["steady_state", "sparse_grad_params", "first_step_peak", "first_step_
 
 def steady_state(
     model: torch.nn.Module, opt: torch.optim.Optimizer | None, step: TrainStep, without_grad: frozenset[str] = frozenset(),
+    *, fake: bool = False,
 ) -> None:
     """Give the traced model the state the loop's binding micro-batch starts with: optimizer
     state created (one step on zero gradients), gradients allocated or not (see TrainStep).
-    Parameters named in ``without_grad`` never get a gradient, so neither gradient nor state."""
+    Parameters named in ``without_grad`` never get a gradient, so neither gradient nor state.
+    ``fake``: the model's tensors are fake; the state of a common optimizer is then made as that
+    step leaves it, without running it (``estimators.tracing.optimizer_state``)."""
     params = [p for n, p in model.named_parameters() if p.requires_grad and n not in without_grad]
     sparse = sparse_grad_params(model)
+    if opt is None or (fake and not sparse and make_first_step_state(opt, params)):
+        if step.grads_alive_at_start:
+            with torch.no_grad():
+                for p in params:
+                    p.grad = _empty_sparse_like(p) if id(p) in sparse else torch.zeros_like(p)
+        else:
+            for p in params:
+                p.grad = None
+        return
     with torch.no_grad():
         for p in params:
             p.grad = _empty_sparse_like(p) if id(p) in sparse else torch.zeros_like(p)
-    if opt is not None:
-        with values_read_in(f"the optimizer step ({type(opt).__name__})"):
-            opt.step()
+    with values_read_in(f"the optimizer step ({type(opt).__name__})"):
+        opt.step()
     for p in params:
         if step.grads_alive_at_start:
             p.grad.zero_()

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed._functional_collectives  # noqa: F401 - registers _wrap_tensor_autograd
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
@@ -50,7 +51,6 @@ SYNC_OPS = frozenset({WAIT, torch.ops._c10d_functional._wrap_tensor_autograd.def
 def _is_wrapper_type(cls: type) -> bool:
     if cls is torch.Tensor or not issubclass(cls, torch.Tensor) or issubclass(cls, torch.nn.Parameter):
         return False
-    from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
 
     # FakeTensor is the trace's own mode's tensor; FunctionalTensor belongs to compile.
@@ -75,7 +75,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor | None:
 
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
     """The storage holding ``t``'s data on this rank: a DTensor's is its local shard's."""
-    t = local_tensor(t)
+    if type(t) is not FakeTensor and type(t) is not torch.Tensor:  # those two wrap nothing
+        t = local_tensor(t)
     if t is None:
         return None
     try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import logging
 import sys
 import time
@@ -26,12 +27,11 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from estimators.contract.module_info import Phase
-from estimators.tracing.op_args import PRIM_DEVICE, fake_device, op_tensors
+from estimators.tracing.op_args import PRIM_DEVICE, active_fake_mode, fake_device, op_tensors
 from estimators.tracing.records import (
     ModuleCall,
     OpRecord,
@@ -44,7 +44,8 @@ from estimators.tracing.records import (
 )
 from estimators.runtime.op_facts import op_facts, written_args
 from estimators.tracing.foreign_leaves import ForeignLeaves
-from estimators.tracing.subclasses import WAIT, defers, in_sharding_propagation, mark_sharding_propagation, storage_of
+from estimators.tracing.subclasses import WAIT, defers, in_sharding_propagation, mark_sharding_propagation
+from estimators.tracing.subclasses import storage_of as _storage_of  # a DTensor's: its local shard's
 
 if TYPE_CHECKING:
     from estimators.runtime.models import RuntimeModel
@@ -66,7 +67,9 @@ def _call(func, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
-_storage_of = storage_of  # a DTensor's storage is its local shard's (estimators.tracing.subclasses)
+def _freed(tracer_ref: weakref.ref, key: int, sid: int, _ref: Any) -> None:
+    if (tracer := tracer_ref()) is not None:  # weak: the tracer holds the references
+        tracer._on_free(key, sid)
 
 
 class InplaceModifiedError(RuntimeError):
@@ -123,14 +126,14 @@ class StepTracer(TorchDispatchMode):
         if "torch.distributed.tensor" in sys.modules:  # no DTensor can exist before it is imported
             mark_sharding_propagation()
         self.model, self.root_name, self.optimizer, self.device = model, root_name, optimizer, device
-        self.runtime_model = runtime_model
-        self.round_bytes = round_bytes
-        self.progress = progress
+        self.runtime_model, self.round_bytes, self.progress = runtime_model, round_bytes, progress
         self.ops: list[OpRecord] = []
         self.storages: list[StorageRecord] = []
         self.calls: list[ModuleCall] = []
         self.phase = Phase.FW
         self._live: dict[int, int] = {}  # id(storage pyobject) -> sid
+        self._free_refs: dict[int, weakref.ref] = {}  # sid -> its storage's; calls _on_free when it dies
+        self._self_ref = weakref.ref(self)  # the callbacks' (a weakref.finalize costs twenty times more)
         self._stack: list[int] = []  # module call ids, forward
         self._seq_probe = torch.zeros(1, requires_grad=True)  # real, tiny, outside every mode
         self._seq_index: tuple[list[int], list[int]] | None = None
@@ -239,7 +242,7 @@ class StepTracer(TorchDispatchMode):
         self.storages.append(rec)
         key = id(st)
         self._live[key] = sid
-        weakref.finalize(st, self._on_free, key, sid)
+        self._free_refs[sid] = weakref.ref(st, functools.partial(_freed, self._self_ref, key, sid))
         return sid
 
     def _on_free(self, key: int, sid: int) -> None:
@@ -258,13 +261,19 @@ class StepTracer(TorchDispatchMode):
             device = fake_device(args[0])
             if device is not None:
                 return device
+        # Below dispatch every call is an aten op or a tensor query: a torch-function mode of the
+        # step (CudaSemanticsMode) acts on none of them, and would cost a Python call per query.
+        with torch._C.DisableTorchFunction():
+            return self._dispatch(func, types, args, kwargs)
+
+    def _dispatch(self, func, types, args, kwargs):
         kwargs = kwargs or {}
         if defers(types):
             # A DTensor (or other wrapper) op: the rank runs its local ops and collectives, which
             # come back through this mode at local shapes (estimators.tracing.subclasses).
             self._foreign.note(op_tensors(args, kwargs))
             return NotImplemented
-        if in_sharding_propagation() or active_fake_mode() is not self._fake_mode:
+        if in_sharding_propagation() or active_fake_mode(self._fake_mode) is not self._fake_mode:
             return func(*args, **kwargs)  # DTensor's output-metadata ops on fake global shapes
         # Eagerly a wait returns its input; its fake kernel makes a new tensor (a second buffer).
         out = args[0] if func is WAIT and self._fake_mode is not None else self.run_op(func, args, kwargs)

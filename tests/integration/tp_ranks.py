@@ -54,17 +54,30 @@ def measured_peak(model, step) -> int:
     return max(s.peak_bytes for s in measure_steps(model, step, n_steps=3)[1:])  # steady state
 
 
-def tp_worker(rank: int, world: int, tmp: str, sp: bool, budgets: list[int]) -> None:
-    """Every rank plans its own program at each budget: predictions, measurements, gradients."""
+def trace_as_solve_sac(model, step, options: PlanOptions):
+    """The estimate ``solve_sac(model, ..., step, options=options)`` traces: ``plan_estimate`` on it
+    makes solve_sac's plan for any budget without tracing the step again."""
     from estimators.tracing.estimation import estimate
-    from tests.planner.spawned import leave_rank
+    from planner.applying.checkpointing import hf_cache_off
 
-    init(rank, world, tmp)
-    model, step = tp_llama(init_device_mesh("cpu", (world,)), sp)
-    result = {"no_ac_predicted": estimate(model, step).module_info.peak_bytes,
-              "no_ac_measured": measured_peak(model, step), "plans": []}
-    for budget in budgets:
-        plan = solve_sac(model, budget / GiB, step, options=PlanOptions(reserve_gib=0))
+    with hf_cache_off(model):
+        return estimate(model, step, device=options.spec, options=options.trace)
+
+
+def plans_measured(model, step, budgets: list[int]) -> dict:
+    """This rank's no-AC prediction and measurement, then its plan at each budget: predicted and
+    measured peak, gradients against the unplanned run, its hash and the hash every rank agreed
+    on. The first budget is planned by ``solve_sac`` itself, the others by ``plan_estimate`` on
+    the estimate solve_sac traces (one trace per rank; the hashes show it is the same plan)."""
+    from planner.planning.solve import plan_estimate
+
+    options = PlanOptions(reserve_gib=0)
+    est = trace_as_solve_sac(model, step, options)
+    result = {"no_ac_predicted": est.module_info.peak_bytes, "no_ac_measured": measured_peak(model, step),
+              "plans": []}
+    for i, budget in enumerate(budgets):
+        plan = (solve_sac(model, budget / GiB, step, options=options) if i == 0
+                else plan_estimate(model, est, budget / GiB, options=options))
         same = check_same_plan(plan)  # all-gathers every rank's hash; raises if one differs
         with apply_plan(model, plan):
             measured = measured_peak(model, step)
@@ -72,19 +85,34 @@ def tp_worker(rank: int, world: int, tmp: str, sp: bool, budgets: list[int]) -> 
         result["plans"].append({"budget": budget, "predicted": plan.predicted_peak_bytes, "measured": measured,
                                 "hash": plan_hash(plan), "common_hash": same, "checkpointed": list(plan.checkpointed),
                                 "bitwise": check.equal, "note": check.note})
-    write(tmp, rank, result)
+    return result
+
+
+def layouts_worker(rank: int, world: int, tmp: str, cases: list[tuple]) -> None:
+    """Several layouts on one spawn of ranks (the spawn and imports cost as much as a layout):
+    ``("tp", sequence_parallel, budgets)`` plans a TP decoder on all ``world`` ranks,
+    ``("fsdp", dp, budgets)`` FSDP2 x TP on a (dp, world // dp) mesh. Writes one result per
+    case, in order."""
+    from tests.planner.spawned import leave_rank
+
+    init(rank, world, tmp)
+    results = []
+    for kind, arg, budgets in cases:
+        if kind == "tp":
+            results.append(plans_measured(*tp_llama(init_device_mesh("cpu", (world,)), arg), budgets))
+        else:
+            results.append(fsdp_tp_case(world, arg, budgets))
+    write(tmp, rank, results)
     leave_rank()
 
 
-def fsdp_tp_worker(rank: int, world: int, tmp: str, dp: int, budgets: list[int]) -> None:
+def fsdp_tp_case(world: int, dp: int, budgets: list[int]) -> dict:
     """FSDP2 x TP in torchtitan's order (TP, then the plan, then fully_shard); the same plan made
     again from the sharded model; FSDPMemTracker's steady-state peak per rank."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from estimators.tracing.estimation import estimate
-    from tests.planner.spawned import leave_rank
 
-    init(rank, world, tmp)
     mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
 
@@ -144,8 +172,7 @@ def fsdp_tp_worker(rank: int, world: int, tmp: str, dp: int, budgets: list[int])
                                 "checkpointed": list(plan.checkpointed),
                                 "hash": plan_hash(plan), "hash_from_sharded": plan_hash(again),
                                 "common_hash": check_same_plan(plan)})
-    write(tmp, rank, result)
-    leave_rank()
+    return result
 
 
 def hf_llama(mesh):
@@ -168,20 +195,8 @@ def hf_llama(mesh):
 
 def hf_worker(rank: int, world: int, tmp: str, budgets: list[int]) -> None:
     """The HF decoder under its own tp_plan: predictions, measurements, gradients, hashes."""
-    from estimators.tracing.estimation import estimate
     from tests.planner.spawned import leave_rank
 
     init(rank, world, tmp)
-    model, step = hf_llama(init_device_mesh("cpu", (world,)))
-    result = {"no_ac_predicted": estimate(model, step).module_info.peak_bytes,
-              "no_ac_measured": measured_peak(model, step), "plans": []}
-    for budget in budgets:
-        plan = solve_sac(model, budget / GiB, step, options=PlanOptions(reserve_gib=0))
-        with apply_plan(model, plan):
-            measured = measured_peak(model, step)
-        check = check_gradients(model, plan)
-        result["plans"].append({"budget": budget, "predicted": plan.predicted_peak_bytes, "measured": measured,
-                                "hash": plan_hash(plan), "common_hash": check_same_plan(plan),
-                                "checkpointed": list(plan.checkpointed), "bitwise": check.equal, "note": check.note})
-    write(tmp, rank, result)
+    write(tmp, rank, plans_measured(*hf_llama(init_device_mesh("cpu", (world,))), budgets))
     leave_rank()

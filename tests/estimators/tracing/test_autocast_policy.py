@@ -6,8 +6,8 @@ import pytest
 
 from estimators.tracing import autocast_policy
 from estimators.tracing.autocast_policy import (
-    CUDA_ONLY_REGISTRATIONS, CastPolicy, PolicyUnavailableError, autocast_kernel_ops, cuda_policy,
-    parse_autocast_header,
+    CUDA_ONLY_REGISTRATIONS, CastPolicy, PolicyUnavailableError, autocast_kernel_ops, autocast_kernel_ops_by_op,
+    cuda_policy, parse_autocast_header,
 )
 
 
@@ -16,6 +16,12 @@ def test_the_lists_are_exactly_the_ops_with_a_cuda_autocast_kernel():
     AutocastCUDA: a torch whose lists move fails here, not in a plan."""
     assert set(cuda_policy()) == autocast_kernel_ops("AutocastCUDA")
     assert set(CUDA_ONLY_REGISTRATIONS) <= set(cuda_policy())
+
+
+@pytest.mark.parametrize("key", ["AutocastCPU", "AutocastCUDA"])
+def test_the_dispatchers_list_is_its_answer_op_by_op(key):
+    assert autocast_kernel_ops(key) == autocast_kernel_ops_by_op(key)
+    assert len(autocast_kernel_ops(key)) > 50
 
 
 def test_policies_of_ops_the_docs_name():

@@ -1,5 +1,7 @@
 """planner/distributed/agreement.py: ranks compare what they were asked, and every rank raises
-the same error, naming the ranks, within seconds (torch's default group timeout is 30 minutes)."""
+the same error, naming the ranks, within seconds (torch's default group timeout is 30 minutes).
+Both tests of one world size read one spawn of ranks (``ranks_of``): ``agree`` alone, then
+through ``solve_sac_distributed``, on one process group."""
 
 from __future__ import annotations
 
@@ -30,10 +32,9 @@ def _init(rank: int, world_size: int, port: int) -> None:
 _CASES = ("same", "budget", "refused")
 
 
-def _agree_worker(rank: int, world_size: int, port: int, tmp: str) -> None:
+def _agree_cases(rank: int, world_size: int) -> dict:
     from planner.distributed.agreement import agree
 
-    _init(rank, world_size, port)
     results = {}
     for case in _CASES:  # one group: each failed agreement leaves nothing pending
         fields = {"budget_gib": "0.5", "model": "GPT (fingerprint abc)"}
@@ -49,15 +50,35 @@ def _agree_worker(rank: int, world_size: int, port: int, tmp: str) -> None:
             results[case] = None
         except Exception as e:  # noqa: BLE001 - recorded for the parent
             results[case] = [type(e).__name__, str(e), e.ranks, time.monotonic() - t0]
+    return results
+
+
+def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
+    _init(rank, world_size, port)
+    results = {"agree": _agree_cases(rank, world_size), "solve": _solve_cases(rank, world_size)}
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(results))
     leave_rank()
 
 
+@pytest.fixture(scope="module")
+def ranks_of(tmp_path_factory):
+    """world_size -> [per-rank {"agree": ..., "solve": ...}], from one spawn per world size."""
+    done = {}
+
+    def run(world_size: int) -> list[dict]:
+        if world_size not in done:
+            tmp = tmp_path_factory.mktemp(f"world{world_size}")
+            run_ranks(_worker, world_size, (world_size, _port(), str(tmp)), timeout_s=420)
+            done[world_size] = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
+        return done[world_size]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_every_rank_raises_the_same_error_at_once(tmp_path, world_size):
-    run_ranks(_agree_worker, world_size, (world_size, _port(), str(tmp_path)), timeout_s=120)
-    per_rank = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]
+def test_every_rank_raises_the_same_error_at_once(ranks_of, world_size):
+    per_rank = [r["agree"] for r in ranks_of(world_size)]
     assert [r["same"] for r in per_rank] == [None] * world_size
     for case in ("budget", "refused"):
         results = [r[case] for r in per_rank]
@@ -91,13 +112,12 @@ def _other_loss(out, batch):
     return out.abs().mean()
 
 
-def _solve_worker(rank: int, world_size: int, port: int, tmp: str) -> None:
+def _solve_cases(rank: int, world_size: int) -> dict:
     import torch
 
     from planner import PlanOptions, TrainStep
     from planner.distributed.ranks import plan_hash, solve_sac_distributed
 
-    _init(rank, world_size, port)
     global _RAISE
     odd = rank == world_size - 1  # the rank that disagrees
     results = {}
@@ -116,18 +136,16 @@ def _solve_worker(rank: int, world_size: int, port: int, tmp: str) -> None:
             results[case] = ["plan", plan_hash(plan), None, time.monotonic() - t0]
         except Exception as e:  # noqa: BLE001 - recorded for the parent
             results[case] = [type(e).__name__, str(e), getattr(e, "ranks", None), time.monotonic() - t0]
-    Path(tmp, f"rank{rank}.json").write_text(json.dumps(results))
-    leave_rank()
+    return results
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_every_way_of_disagreeing_stops_every_rank_with_the_same_error(tmp_path, world_size):
+def test_every_way_of_disagreeing_stops_every_rank_with_the_same_error(ranks_of, world_size):
     # Before: a rank given another budget (or NaN), optimizer or model silently got rank 0's
     # plan (another model then failed later, on that rank only); a rank whose loss raised, or
     # whose arguments were refused, left the others waiting for the group's timeout (30 min).
-    run_ranks(_solve_worker, world_size, (world_size, _port(), str(tmp_path)), timeout_s=300)
-    per_rank = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]
+    per_rank = [r["solve"] for r in ranks_of(world_size)]
     odd = world_size - 1
     expected = {
         "budget": ("ranks were asked for different plans (the arguments): budget_gib: 0.5 on "

@@ -1,7 +1,8 @@
 """planner/distributed/ranks.py: two gloo ranks on CPU plan once, hold the same plan, and train with it
 under FSDP2: same loss as one unsharded process, measured per-rank peak within 10% of the plan's.
 
-Workers write their results to files in tmp_path; the parent asserts. The peak is measured with
+One spawn of two ranks (the ``ranks`` fixture) trains, then tries the bad input; each writes its
+results to a file in tmp_path; the parent asserts. The peak is measured with
 torch's FSDPMemTracker: like MemTracker it follows DTensor shards (their local storages) and the
 ``resize_`` calls FSDP2 uses to allocate and free gathered parameters, and it also registers the
 unsharded parameters at every pre-forward and labels all-gather / reduce-scatter buffers, which is
@@ -54,7 +55,7 @@ def _read(tmp: Path) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ the training step
-def _train_worker(rank: int, tmp: str, budget_gib: float) -> None:
+def _train_case(rank: int, tmp: str, budget_gib: float) -> dict:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import fully_shard
 
@@ -63,7 +64,6 @@ def _train_worker(rank: int, tmp: str, budget_gib: float) -> None:
     from planner.distributed.ranks import plan_hash
     from planner.plan import model_fingerprint
 
-    _init(rank, tmp)
     model, inputs = build_gpt(CONFIG, BATCH)
     plan = solve_sac_distributed(model, budget_gib, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), options=PlanOptions(device="cpu", fsdp_units=UNITS, world_size=WORLD_SIZE))
     fingerprint = model_fingerprint(model)
@@ -93,7 +93,7 @@ def _train_worker(rank: int, tmp: str, budget_gib: float) -> None:
                 first_loss = loss.detach()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     torch.save(first_loss, Path(tmp) / f"loss{rank}.pt")
-    _write(tmp, rank, {
+    return {
         "hash": plan_hash(plan),
         "checkpointed": list(plan.checkpointed),
         "predicted_peak_bytes": plan.predicted_peak_bytes,
@@ -104,8 +104,7 @@ def _train_worker(rank: int, tmp: str, budget_gib: float) -> None:
         "fingerprint_before": fingerprint,
         "fingerprint_after": model_fingerprint(model),
         "units_of": fsdp_units_of(model),
-    })
-    leave_rank()
+    }
 
 
 def _budget_and_reference() -> tuple[float, torch.Tensor, int]:
@@ -121,10 +120,26 @@ def _budget_and_reference() -> tuple[float, torch.Tensor, int]:
     return (low + 0.5 * (high - low)) / GiB, ref, high
 
 
-def test_same_plan_on_every_rank_and_the_prediction_holds(tmp_path):
+def _worker(rank: int, tmp: str, budget_gib: float) -> None:
+    _init(rank, tmp)
+    result = {"train": _train_case(rank, tmp, budget_gib)}  # first: its peaks are measured on a fresh process
+    result["bad_input"] = _bad_input_case(rank)
+    _write(tmp, rank, result)
+    leave_rank()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """(tmp folder, per-rank results, budget GiB, reference loss, no-AC peak): one spawn of both ranks."""
+    tmp = tmp_path_factory.mktemp("ranks")
     budget_gib, ref_loss, no_ac_peak = _budget_and_reference()
-    mp.spawn(_train_worker, args=(str(tmp_path), budget_gib), nprocs=WORLD_SIZE)
-    results = _read(tmp_path)
+    mp.spawn(_worker, args=(str(tmp), budget_gib), nprocs=WORLD_SIZE)
+    return tmp, _read(tmp), budget_gib, ref_loss, no_ac_peak
+
+
+def test_same_plan_on_every_rank_and_the_prediction_holds(ranks):
+    tmp_path, per_rank, budget_gib, ref_loss, no_ac_peak = ranks
+    results = [r["train"] for r in per_rank]
     assert len({r["hash"] for r in results}) == 1
     assert results[0]["checkpointed"], "the budget must bind"
     for rank, r in enumerate(results):
@@ -159,11 +174,10 @@ def _raised(fn) -> list[str] | None:
     return None
 
 
-def _bad_input_worker(rank: int, tmp: str) -> None:
+def _bad_input_case(rank: int) -> dict:
     from planner import solve_sac_distributed
     from planner.distributed.ranks import check_same_plan
 
-    _init(rank, tmp)
     model, inputs = build_gpt(dataclasses.replace(CONFIG, n_layer=2, dim=64, vocab_size=256), 2)
 
     units = UNITS[:3]  # the root and both blocks
@@ -181,13 +195,11 @@ def _bad_input_worker(rank: int, tmp: str) -> None:
     edited = dataclasses.replace(plan, budget_bytes=plan.budget_bytes + rank)  # rank 1 edits its copy
     results["hash_mismatch"] = _raised(lambda: check_same_plan(edited))
     dist.barrier()  # every collective above was matched: nothing is left waiting
-    _write(tmp, rank, results)
-    leave_rank()
+    return results
 
 
-def test_bad_input_raises_the_same_clear_error_on_every_rank(tmp_path):
-    mp.spawn(_bad_input_worker, args=(str(tmp_path),), nprocs=WORLD_SIZE)
-    r0, r1 = _read(tmp_path)
+def test_bad_input_raises_the_same_clear_error_on_every_rank(ranks):
+    r0, r1 = (r["bad_input"] for r in ranks[1])
     # Checked on every rank, then told to every rank in one all-gather (planner.distributed.agreement).
     assert r0["world_size"] == r1["world_size"] and r0["world_size"][0] == "RankDisagreementError"
     assert r0["world_size"][2] == [0, 1]

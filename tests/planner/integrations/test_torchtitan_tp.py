@@ -6,7 +6,8 @@ activation checkpointing (torchtitan applies AC after TP), the plan applied thro
 ``PlannedAC.Config`` as ``parallelize_llama`` applies its AC config. On every rank the measured
 peak of 3 AdamW steps equals the plan's prediction to the byte (first and steady state), the loss
 and gradient shards are bitwise those of torchtitan's FullAC (and of no checkpointing), and both
-ranks hold the same plan. The workers are in torchtitan_tp_ranks.py."""
+ranks hold the same plan. The workers are in torchtitan_tp_ranks.py; both backends run on one
+spawn of the ranks (``ranks`` fixture), each test asserts its own."""
 
 from __future__ import annotations
 
@@ -25,10 +26,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 WORLD = 2
 
 
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Per rank, {backend: result}: both backends on one spawn."""
+    tmp = tmp_path_factory.mktemp("ranks")
+    run_ranks(torchtitan_tp_ranks.worker, WORLD, (WORLD, str(tmp), list(torchtitan_tp_ranks.BACKENDS)),
+              timeout_s=480)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
 @pytest.mark.parametrize("backend", torchtitan_tp_ranks.BACKENDS)
-def test_planned_ac_through_torchtitans_config_on_tp_ranks(tmp_path, backend):
-    run_ranks(torchtitan_tp_ranks.worker, WORLD, (WORLD, str(tmp_path), backend), timeout_s=240)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+def test_planned_ac_through_torchtitans_config_on_tp_ranks(ranks, backend):
+    results = [r[backend] for r in ranks]
     for rank, r in enumerate(results):
         print(f"rank {rank}: floor {r['floor']:,} no AC {r['no_ac']:,} budget {r['budget']:,} "
               f"predicted first {r['predicted_first']:,} steady {r['predicted_steady']:,} measured {r['measured']} "

@@ -3,6 +3,7 @@ that binds: what the framework integration tests train."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -42,9 +43,11 @@ def dataset(n: int = 32) -> list[dict]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def midway_budget_gib(name: str, micro_batches: int, autocast_dtype: torch.dtype | None) -> float:
     """Halfway between the smallest reachable and the no-AC peak of a like step written by hand
-    (AdamW): a budget that makes the planner checkpoint some modules and not all."""
+    (AdamW): a budget that makes the planner checkpoint some modules and not all. Cached: the HF
+    and Lightning tests ask for the same ones (the callers reseed before training)."""
     rows = dataset()[:BATCH]
     batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
     step = TrainStep(inputs=batch, optimizer="adamw", micro_batches=micro_batches, autocast_dtype=autocast_dtype)

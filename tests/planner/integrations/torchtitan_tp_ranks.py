@@ -1,7 +1,8 @@
 """Workers for tests/planner/integrations/test_torchtitan_tp.py: torchtitan's Llama3 (debugmodel
 flavor, 2 layers) tensor-parallel on real gloo ranks, planned per rank and checkpointed through
 torchtitan's own activation-checkpointing config. Top-level functions, so spawn can start them;
-each rank writes ``<tmp>/rank<r>.json`` and leaves through ``tests.planner.spawned.leave_rank``."""
+each rank runs every backend asked for, one after the other on one process group, writes
+``<tmp>/rank<r>.json`` and leaves through ``tests.planner.spawned.leave_rank``."""
 
 from __future__ import annotations
 
@@ -102,7 +103,17 @@ def local_grads(model, step) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach().clone(), grads
 
 
-def worker(rank: int, world: int, tmp: str, backend: str) -> None:
+def worker(rank: int, world: int, tmp: str, backends: list[str]) -> None:
+    """Each backend's case on this rank; writes ``{backend: result}``."""
+    from tests.integration.tp_ranks import init, write
+    from tests.planner.spawned import leave_rank
+
+    init(rank, world, tmp)
+    write(tmp, rank, {backend: case(rank, world, tmp, backend) for backend in backends})
+    leave_rank()
+
+
+def case(rank: int, world: int, tmp: str, backend: str) -> dict:
     """Plan this rank (no AC yet, as torchtitan applies AC after TP), save the plan, apply it
     through ``PlannedAC.Config``; measure 3 AdamW steps; compare gradients with FullAC's."""
     from torchtitan.distributed import utils as dist_utils
@@ -116,10 +127,7 @@ def worker(rank: int, world: int, tmp: str, backend: str) -> None:
     from planner.integrations.torchtitan import PlannedAC
     from planner.planning.solve import solve_sac
     from solver import SACMilp
-    from tests.integration.tp_ranks import init, write
-    from tests.planner.spawned import leave_rank
 
-    init(rank, world, tmp)
     config = trainer_config(world, backend)
     parallel_dims = parallel_dims_of(config, world)
     context = dist_utils.get_spmd_context(parallel_dims=parallel_dims)
@@ -131,7 +139,7 @@ def worker(rank: int, world: int, tmp: str, backend: str) -> None:
     budget = (floor + info.peak_bytes) // 2
     plan = solve_sac(model, budget / GiB, step, options=PlanOptions(reserve_gib=0))
     common_hash = check_same_plan(plan)
-    path = str(Path(tmp) / f"plan{rank}.json")
+    path = str(Path(tmp) / f"plan{rank}-{backend}.json")
     plan.save(path)
     del model
 
@@ -148,9 +156,7 @@ def worker(rank: int, world: int, tmp: str, backend: str) -> None:
         return (torch.equal(loss, other_loss) and grads.keys() == other_grads.keys()
                 and all(torch.equal(g, other_grads[n]) for n, g in grads.items()))
 
-    write(tmp, rank, {"floor": floor, "no_ac": info.peak_bytes, "budget": budget,
-                      "predicted_steady": plan.steady_peak_bytes, "predicted_first": plan.first_step_peak_bytes,
-                      "measured": peaks, "checkpointed": [m.fqn for m in plan.modules], "hash": common_hash,
-                      "equal_full": equal("full"), "equal_none": equal("none"),
-                      "n_grads": len(ref["planned"][1])})
-    leave_rank()
+    return {"floor": floor, "no_ac": info.peak_bytes, "budget": budget,
+            "predicted_steady": plan.steady_peak_bytes, "predicted_first": plan.first_step_peak_bytes,
+            "measured": peaks, "checkpointed": [m.fqn for m in plan.modules], "hash": common_hash,
+            "equal_full": equal("full"), "equal_none": equal("none"), "n_grads": len(ref["planned"][1])}
