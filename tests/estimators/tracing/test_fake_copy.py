@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import types
 
+import pytest
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from estimators.step.train_step import TrainStep
-from estimators.tracing.estimation import estimate
+from estimators.tracing.estimation import EstimateOptions, TraceMode, estimate
 from estimators.tracing.fake_copy import fake_copy, rebind_functions
 
 
@@ -51,18 +52,6 @@ def test_rebinding_leaves_functions_without_copied_objects_alone():
     assert rebind_functions(model, {}) == 0
 
 
-def test_the_fake_trace_of_a_patched_model_is_the_real_one_and_leaves_it_without_gradients():
-    torch.manual_seed(0)
-    model = _Patched()
-    step = TrainStep(inputs=(torch.randn(4, 8),), optimizer="adamw")
-    fake = estimate(model, step)
-    from estimators.tracing.estimation import EstimateOptions, TraceMode
-
-    real = estimate(model, step, options=EstimateOptions(mode=TraceMode.REAL))
-    assert fake.module_info.peak_bytes == real.module_info.peak_bytes
-    assert all(p.grad is None for p in model.parameters())
-
-
 class _PartialForward(nn.Module):
     """A Linear whose forward is a closure over a ``functools.partial`` of its own bound forward,
     as torchtitan's ``Module.parallelize`` installs one over DTensor's ``local_map`` wrapper."""
@@ -94,13 +83,12 @@ def test_a_partial_a_stored_function_closes_over_is_rebuilt_over_the_copy():
     assert wrapped.args[0].__self__ is copy.lin and wrapped.args[1] == 2.0
 
 
-def test_the_fake_trace_of_a_model_with_a_partial_forward_leaves_it_without_gradients():
+@pytest.mark.parametrize("build", [lambda: _Patched(), lambda: _PartialForward()], ids=["patched", "partial"])
+def test_the_fake_trace_of_a_stored_forward_is_the_real_one_and_leaves_the_model_without_gradients(build):
     torch.manual_seed(0)
-    model = _PartialForward()
+    model = build()
     step = TrainStep(inputs=(torch.randn(4, 8),), optimizer="adamw")
     fake = estimate(model, step)
-    from estimators.tracing.estimation import EstimateOptions, TraceMode
-
     real = estimate(model, step, options=EstimateOptions(mode=TraceMode.REAL))
     assert fake.module_info.peak_bytes == real.module_info.peak_bytes
     assert all(p.grad is None for p in model.parameters())
