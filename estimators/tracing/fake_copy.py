@@ -49,8 +49,14 @@ class FakeCopyError(RuntimeError):
 def _fake_plain(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu" and not isinstance(t, torch.nn.Parameter):
         return mode.from_tensor(t)
-    with mode:  # meta / other devices: same shape, stride and dtype, on the fake CPU
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    with mode:
+        return _fake_cpu_empty(t)
+
+
+def _fake_cpu_empty(t: torch.Tensor) -> torch.Tensor:
+    """Inside a fake mode: a tensor of ``t``'s shape, stride and dtype on the fake CPU (for a
+    tensor on meta or another device)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
 def fake_tensor(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
@@ -140,12 +146,11 @@ def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] 
                 continue
             memo[id(p)] = mapping[id(p)] = torch.nn.Parameter(fake_tensor(mode, t), requires_grad=p.requires_grad)
     if off_cpu:
-        # A plain parameter off the CPU (on meta: the usual large model): a fake CPU tensor of
-        # its shape, stride and dtype (as _fake_plain makes it), its ops through the memo.
+        # Plain parameters off the CPU (on meta: the usual large model), made as _fake_plain
+        # makes them, in one visit to the mode and through the memo.
         with mode, MemoMode(mode):
             for p, t in off_cpu:
-                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-                memo[id(p)] = mapping[id(p)] = torch.nn.Parameter(fake, requires_grad=p.requires_grad)
+                memo[id(p)] = mapping[id(p)] = torch.nn.Parameter(_fake_cpu_empty(t), requires_grad=p.requires_grad)
     for b in model.buffers():
         if id(b) not in memo and id(b) not in skipped:
             memo[id(b)] = fake_buffer(mode, b)

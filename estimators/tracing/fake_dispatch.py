@@ -72,10 +72,10 @@ _READ = torch.ops.aten._local_scalar_dense.default
 _CONSTANT_READS: bool | None = None
 """Whether a constant's value is read here (None: not checked yet in this process)."""
 _MEMO: dict[tuple, Any] = {}
-_MISMATCHED: set[tuple] = set()
-"""Keys whose output built from the entry differed once from the mode's (tried once more)."""
 """key -> (the mode's key, its cache entry) or ``_NO_KEY``. Process-wide, like the mode's cache
 (a class attribute) whose entries it points to; entries hold metadata only, never a tensor."""
+_MISMATCHED: set[tuple] = set()
+"""Keys whose output built from the entry differed once from the mode's (tried once more)."""
 
 
 class _NotKeyable(Exception):
@@ -102,7 +102,7 @@ class FakeDispatchMemo:
         self._outputs = OutputBuilder(mode) if self.enabled else None
         self._fake_device_attr = self.enabled and self._outputs.enabled
         """A fake tensor's device read from its attribute (``FakeTensor.device``, a property, is
-        that attribute while the mode runs no kernel): with the torch code OutputBuilder copies."""
+        that attribute while the mode runs no kernel): on the torch whose code OutputBuilder mirrors."""
 
     def __call__(self, func, args: tuple, kwargs: dict) -> Any:
         if not self.enabled or func in _DISPATCH_META_HANDLERS or func in _DISPATCH_HANDLE_DIRECTLY:

@@ -27,7 +27,7 @@ compares each supported case with the state a real step leaves.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -39,14 +39,14 @@ def make_first_step_state(opt: torch.optim.Optimizer, stepped: list[torch.Tensor
     """Give ``opt`` the state its first step would leave, when that step runs with a zero dense
     gradient on each parameter of ``stepped`` (and any gradient the others hold already). True if
     done; False (nothing changed) where this optimizer is not one made here (module docstring)."""
-    make = _MAKERS.get(type(opt))
-    if make is None or opt.state or _has_step_hooks(opt) or not all(make.accepts(g) for g in opt.param_groups):
+    maker = _MAKERS.get(type(opt))
+    if maker is None or opt.state or _has_step_hooks(opt) or not all(maker.accepts(g) for g in opt.param_groups):
         return False
     ids = {id(p) for p in stepped}
     for group in opt.param_groups:
         for p in group["params"]:
             if p.grad is not None or id(p) in ids:  # torch: the parameters with a gradient
-                make(opt, group, p)
+                maker.make(opt, group, p)
     return True
 
 
@@ -61,13 +61,11 @@ def _has_step_hooks(opt: torch.optim.Optimizer) -> bool:
                 or getattr(opt, "_optimizer_step_post_hooks", None))
 
 
-class _Maker:
-    def __init__(self, accepts: Callable[[dict], bool], make: Callable) -> None:
-        self.accepts = accepts
-        self._make = make
-
-    def __call__(self, opt: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> None:
-        self._make(opt, group, p)
+class _Maker(NamedTuple):
+    accepts: Callable[[dict], bool]
+    """Whether a param group's settings are ones this state is made for."""
+    make: Callable[[torch.optim.Optimizer, dict, torch.Tensor], None]
+    """Make one parameter's state entry."""
 
 
 def _plain_group(group: dict) -> bool:

@@ -33,25 +33,19 @@ def steady_state(
     step leaves it, without running it (``estimators.tracing.optimizer_state``)."""
     params = [p for n, p in model.named_parameters() if p.requires_grad and n not in without_grad]
     sparse = sparse_grad_params(model)
-    if opt is None or (fake and not sparse and make_first_step_state(opt, params)):
-        if step.grads_alive_at_start:
-            with torch.no_grad():
-                for p in params:
-                    p.grad = _empty_sparse_like(p) if id(p) in sparse else torch.zeros_like(p)
-        else:
+    stepped = opt is not None and not (fake and not sparse and make_first_step_state(opt, params))
+    if stepped or step.grads_alive_at_start:
+        with torch.no_grad():
             for p in params:
-                p.grad = None
-        return
-    with torch.no_grad():
-        for p in params:
-            p.grad = _empty_sparse_like(p) if id(p) in sparse else torch.zeros_like(p)
-    with values_read_in(f"the optimizer step ({type(opt).__name__})"):
-        opt.step()
+                p.grad = _empty_sparse_like(p) if id(p) in sparse else torch.zeros_like(p)
+    if stepped:
+        with values_read_in(f"the optimizer step ({type(opt).__name__})"):
+            opt.step()
     for p in params:
-        if step.grads_alive_at_start:
-            p.grad.zero_()
-        else:
+        if not step.grads_alive_at_start:
             p.grad = None
+        elif stepped:  # zero again after the step (the fresh zeros of a made state are zero already)
+            p.grad.zero_()
 
 
 def sparse_grad_params(model: torch.nn.Module) -> set[int]:
