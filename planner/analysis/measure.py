@@ -168,12 +168,27 @@ def measure_run(run: Callable[[], Any], *, modules: Sequence[torch.nn.Module],
         mt.track_external(*modules, *([optimizer] if optimizer is not None else []), *held)
         held = ()
         t0 = time.perf_counter()
-        with mt:
+        with _tracking(mt):
             run()
     finally:
         for h in grad_hooks:
             h.remove()
     return _measured(mt, device, None, time.perf_counter() - t0)
+
+
+def _collectives_mode() -> contextlib.AbstractContextManager:
+    """Inside a MemTracker, on ranks: collectives held as the caller holds them (see
+    ``collectives``), so a gloo worker thread's late release is not in the peak."""
+    from planner.analysis.collectives import CallerHeldCollectives
+
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return CallerHeldCollectives() if distributed else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _tracking(mt: Any):
+    with mt, _collectives_mode():
+        yield
 
 
 def _memory_tracker(*models: torch.nn.Module, made_here_only: bool = False) -> tuple[Any, list]:
@@ -267,7 +282,7 @@ def _measure(model: torch.nn.Module, inputs: Any, optimizer, run, held: list | N
             mt.track_external(model, *([optimizer] if optimizer is not None else []), *batch, *(held or ()))
             held = None  # MemTracker holds them weakly: the step lets go of them when the loop does
             t0 = time.perf_counter()
-            with mt:
+            with _tracking(mt):
                 loss = run(None)  # no module hooks, so no per-module stats to reset per micro-batch
     finally:
         for h in grad_hooks:
@@ -310,6 +325,7 @@ class StepPeaks:
         self.peaks_bytes: list[int] = []
         """The peak of each step measured so far, in order."""
         self._mt: Any = None
+        self._collectives: Any = None
         self._hooks: list = []
         self._sparse: contextlib.ExitStack | None = None
 
@@ -326,6 +342,8 @@ class StepPeaks:
         opt = [self.optimizer] if self.optimizer is not None else []
         self._mt.track_external(self.model, *opt, *self.external)
         self._mt.__enter__()
+        self._collectives = _collectives_mode()
+        self._collectives.__enter__()
 
     def step_done(self) -> int:
         """The peak since ``start`` or the last ``step_done``, in bytes; the next step starts here."""
@@ -346,6 +364,7 @@ class StepPeaks:
     def stop(self) -> None:
         """End the measurement (idempotent): the tracker and its gradient hooks are removed."""
         if self._mt is not None:
+            self._collectives.__exit__(None, None, None)
             self._mt.__exit__(None, None, None)
             for h in self._hooks:
                 h.remove()
