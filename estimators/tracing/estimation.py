@@ -392,6 +392,9 @@ def _trace_step(
         tracer.attach()
         try:
             with contextlib.ExitStack() as modes:
+                # The step's eager ops are what is traced: a compiled block runs them eagerly here
+                # (torch.compile under the trace's modes would trace our own dispatch code).
+                modes.enter_context(torch.compiler.set_stance("force_eager"))
                 if fake_mode is not None:
                     modes.enter_context(hf_real_paths(step.inputs))  # HF's real-run code path
                     modes.enter_context(fake_mode)

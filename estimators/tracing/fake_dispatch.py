@@ -268,6 +268,13 @@ class MemoMode(TorchDispatchMode):
     tensors outside a trace (the fake copy of the model, the optimizer state) run on the mode
     through a :class:`FakeDispatchMemo`. An op on another tensor subclass is left to it."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in _disable_dynamo unless this says False: a
+        # per-op cost on the trace's hot path. The traced step runs under
+        # set_stance("force_eager") (estimation._trace_step), so no frame below it is compiled.
+        return False
+
     def __init__(self, fake_mode: Any) -> None:
         super().__init__()
         self._memo = FakeDispatchMemo(fake_mode)

@@ -85,6 +85,13 @@ class StepTracer(TorchDispatchMode):
     then ``finish()`` returns the complete :class:`StepTrace`.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in _disable_dynamo unless this says False: a
+        # per-op cost on the trace's hot path. The traced step runs under
+        # set_stance("force_eager") (estimation._trace_step), so no frame below it is compiled.
+        return False
+
     def __init__(
         self,
         model: torch.nn.Module,
