@@ -394,11 +394,15 @@ class StepTracer(TorchDispatchMode):
                 rec = self.storages[sid]
                 rec.saved = True
                 rec.saved_by_calls.add(self._stack[-1] if self._stack else -1)
-        # Not ``t`` itself: an op that saves its own output (tanh, sigmoid, softmax...) would then
-        # hold output -> grad_fn -> saved output, a reference cycle that only the garbage
-        # collector frees, so an output the loss never reads (an unused pooler) outlived its
-        # last reference; autograd saves outputs without their grad_fn, and so does this alias
-        # (same storage, no grad_fn). The detach is the hook's, not a step op: not recorded.
+        # Not ``t`` itself when it has a grad_fn: an op that saves its own output (tanh, sigmoid,
+        # softmax...) would then hold output -> grad_fn -> saved output, a reference cycle that
+        # only the garbage collector frees, so an output the loss never reads (an unused pooler)
+        # outlived its last reference; autograd saves outputs without their grad_fn, and so does
+        # this alias (same storage, no grad_fn). Without a grad_fn (a weight, a mask, a saved
+        # statistic: half of what a step saves) there is no such cycle, and no detach to pay for.
+        # The detach is the hook's, not a step op: not recorded.
+        if t.grad_fn is None:
+            return t, t._version
         self._packing = True
         try:
             alias = t.detach()  # shares t's version counter
