@@ -30,9 +30,9 @@ import logging
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from estimators.tracing.fake_outputs import OutputBuilder
+from estimators.tracing.op_args import HotPathMode
 
 __all__ = ["FakeDispatchMemo", "MemoMode", "memo_available"]
 
@@ -263,17 +263,10 @@ def _same_outputs(out: Any, again: Any, args: tuple, attributes: bool = False) -
     )
 
 
-class MemoMode(TorchDispatchMode):
+class MemoMode(HotPathMode):
     """``with MemoMode(fake_mode):`` inside ``fake_mode``: the ops of code that works on fake
     tensors outside a trace (the fake copy of the model, the optimizer state) run on the mode
     through a :class:`FakeDispatchMemo`. An op on another tensor subclass is left to it."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ in _disable_dynamo unless this says False: a
-        # per-op cost on the trace's hot path. The traced step runs under
-        # set_stance("force_eager") (estimation._trace_step), so no frame below it is compiled.
-        return False
 
     def __init__(self, fake_mode: Any) -> None:
         super().__init__()
