@@ -27,6 +27,16 @@ from torch.utils._pytree import tree_map_only
 __all__ = ["CallerHeldCollectives"]
 
 
+_COLLECTIVES = frozenset({
+    "all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_", "all_gather_into_tensor",
+    "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast", "broadcast_",
+})
+"""The ``_c10d_functional`` ops that run a collective on the group's worker thread. Not the others
+of the namespace: ``wait_tensor``, ``_wrap_tensor_autograd`` (an alias of its input: a copy here
+would be a second buffer the step never has), point-to-point sends and receives."""
+
+
 class CallerHeldCollectives(TorchDispatchMode):
     """Each ``_c10d_functional`` collective runs synchronously on untracked copies of its tensor
     arguments; an in-place one writes its result back into its arguments, an out-of-place one
@@ -35,7 +45,7 @@ class CallerHeldCollectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func.namespace != "_c10d_functional" or func is torch.ops._c10d_functional.wait_tensor.default:
+        if func.namespace != "_c10d_functional" or func._opname not in _COLLECTIVES:
             return func(*args, **kwargs)
         originals: dict[int, torch.Tensor] = {}
 

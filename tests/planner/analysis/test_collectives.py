@@ -80,3 +80,16 @@ def test_collectives_free_what_the_caller_drops_and_keep_their_values(tmp_path):
               f"all-gathers, {r['mode_held']} under CallerHeldCollectives")
         assert r["mode_held"] == 0
         assert r["mode_values"] == r["plain_values"]
+
+
+def test_ops_of_the_namespace_that_run_no_collective_pass_through():
+    """``_wrap_tensor_autograd`` (what funcol wraps each collective's output in) aliases its input:
+    copied, it would be a second buffer the step never allocates."""
+    import torch.distributed._functional_collectives  # noqa: F401 - registers the op
+
+    from planner.analysis.collectives import CallerHeldCollectives
+
+    t = torch.randn(4, 6)
+    with CallerHeldCollectives():
+        out = torch.ops._c10d_functional._wrap_tensor_autograd(t)
+    assert out.elem.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
