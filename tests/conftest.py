@@ -26,3 +26,12 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(config, items):
+    """On xdist workers, the tests marked ``slow`` first (otherwise in collection order): with
+    ``--dist loadgroup`` the groups go out first, then one test at a time in this order, so the
+    run ends on short tests and neither worker idles while the other finishes a long one. A
+    plain run keeps pytest's order (each module's tests together)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
