@@ -28,10 +28,12 @@ def one_intra_op_thread():
     torch.set_num_threads(before)
 
 
+
 def pytest_collection_modifyitems(config, items):
-    """On xdist workers, the tests marked ``slow`` first (otherwise in collection order): with
-    ``--dist loadgroup`` the groups go out first, then one test at a time in this order, so the
-    run ends on short tests and neither worker idles while the other finishes a long one. A
-    plain run keeps pytest's order (each module's tests together)."""
+    """On xdist workers, the files that hold a test marked ``slow`` first, each file's tests kept
+    together and in order: ``--dist loadfile --no-loadscope-reorder`` hands out whole files in
+    this order, so the long ones start early and the run ends on short files (neither worker
+    idles while the other finishes a long one). A plain run keeps pytest's order."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+        slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+        items.sort(key=lambda item: item.path not in slow)

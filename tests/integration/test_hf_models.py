@@ -59,8 +59,6 @@ def _configs():
     }
 
 
-pytestmark = pytest.mark.xdist_group("hf_models")
-"""One xdist group (``--dist loadgroup``): the tests of a family share its cached trace and reference step."""
 FAMILIES = ["gpt2", "llama", "bert", "t5", "qwen2", "gemma", "phi", "gpt_neox", "opt"]  # mistral: llama's code
 FRACTIONS = (0.7, 0.35, 0.1)  # of the way from the smallest reachable peak to the no-AC peak
 

@@ -4,8 +4,8 @@ the unplanned parallel run, every rank holds the same plan, and the fake process
 process makes that same plan (same hash). FSDP2 x TP in torchtitan's order and on a model already
 sharded. The workers are in tests/integration/tp_ranks.py; the layouts of one world size (the HF
 decoder's among the world-2 ones) run on one spawn of ranks (module fixture), each test asserts
-its own. The tests of one world size are one xdist group (``--dist loadgroup``): split over two
-workers, each would spawn that world's ranks."""
+its own (``--dist loadfile`` keeps them on one worker: split over two, each would spawn the
+ranks)."""
 
 from __future__ import annotations
 
@@ -114,13 +114,8 @@ def _check_plans(results: list[dict], fake_hashes: list[str]) -> None:
             assert p["hash"] == p["common_hash"] == fake_hash
 
 
-def _world(n: int):
-    """The xdist group of the tests that read world ``n``'s spawn."""
-    return pytest.mark.xdist_group(f"tp_ranks_world{n}")
-
-
-@pytest.mark.parametrize("world, layout", [pytest.param(w, name, id=name, marks=_world(w)) for w, name in
-                                           [(2, "tp2-sp"), (2, "tp2"), (4, "tp4-sp"), (4, "tp4")]])
+@pytest.mark.parametrize("world, layout", [(2, "tp2-sp"), (2, "tp2"), (4, "tp4-sp"), (4, "tp4")],
+                         ids=["tp2-sp", "tp2", "tp4-sp", "tp4"])
 def test_every_tp_rank_gets_the_plan_it_measures(ranks_of, one_intra_op_thread, world, layout):
     results, fake_hashes = ranks_of(world)[layout]
     _check_plans(results, fake_hashes)
@@ -128,12 +123,10 @@ def test_every_tp_rank_gets_the_plan_it_measures(ranks_of, one_intra_op_thread, 
 
 
 @pytest.mark.hf
-@_world(2)
 def test_an_hf_decoder_under_its_own_tp_plan(ranks_of, one_intra_op_thread):
     _check_plans(*ranks_of(2)["hf"])
 
 
-@_world(4)
 def test_fsdp_x_tp_in_torchtitan_s_order_and_on_a_sharded_model(ranks_of, one_intra_op_thread):
     results, fake_hashes = ranks_of(4)["fsdp2xtp2"]
     for rank, r in enumerate(results):

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("expecttest")  # torch.testing._internal imports it
-pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.xdist_group("cuda_autocast_oracle")]
-"""Both tests read each dtype's oracle subprocess (module fixture): one xdist group (``--dist loadgroup``)."""
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 ROOT = Path(__file__).resolve().parents[3]
 KERNEL_DIFFERENCES = {"lstm_cell": "CUDA runs the fused _thnn_fused_lstm_cell kernel; the CPU its composite"}

@@ -30,8 +30,7 @@ from planner.applying.planned_forward import PlannedForward
 from planner.planning.module_plans import module_plan
 from planner.planning.verification import traced_estimate
 
-pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"), pytest.mark.xdist_group("offload")]
-"""One xdist group (``--dist loadgroup``): the tests of a model share its cached trace and measurement."""
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 # Modules to offload (every block but the last: its backward comes first, nothing to hide it).
 # llama_tiny's and the HF model's activations are a few KiB: the size floor is lowered for them

@@ -60,11 +60,6 @@ def _worker(rank: int, world_size: int, port: int, tmp: str) -> None:
     leave_rank()
 
 
-WORLD_SIZES = [pytest.param(n, marks=pytest.mark.xdist_group(f"agreement_world{n}")) for n in (2, 4)]
-"""The tests of one world size read one spawn: one xdist group each (``--dist loadgroup``), so
-two workers never spawn the same world."""
-
-
 @pytest.fixture(scope="module")
 def ranks_of(tmp_path_factory):
     """world_size -> [per-rank {"agree": ..., "solve": ...}], from one spawn per world size."""
@@ -81,7 +76,7 @@ def ranks_of(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_every_rank_raises_the_same_error_at_once(ranks_of, world_size):
     per_rank = [r["agree"] for r in ranks_of(world_size)]
     assert [r["same"] for r in per_rank] == [None] * world_size
@@ -145,7 +140,7 @@ def _solve_cases(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_every_way_of_disagreeing_stops_every_rank_with_the_same_error(ranks_of, world_size):
     # Before: a rank given another budget (or NaN), optimizer or model silently got rank 0's
     # plan (another model then failed later, on that rank only); a rank whose loss raised, or

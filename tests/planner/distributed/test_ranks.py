@@ -31,8 +31,6 @@ from planner.options import PlanOptions
 from estimators.step.train_step import TrainStep
 
 WORLD_SIZE = 2
-pytestmark = pytest.mark.xdist_group("planner_ranks")
-"""Two tests read one spawn (module fixture): one xdist group (``--dist loadgroup``)."""
 SEED = 1234
 # Parameters, gradients and Adam state weigh as much as the activations here, so the per-rank
 # peak depends on FSDP's sharding and buffers (without planner/distributed/fsdp/memory.py's rules the prediction

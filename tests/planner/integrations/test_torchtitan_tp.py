@@ -21,8 +21,7 @@ pytest.importorskip("torchtitan.models.llama3", reason="torchtitan is not instal
 from tests.planner.integrations import torchtitan_tp_ranks  # noqa: E402
 from tests.planner.spawned import run_ranks  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.xdist_group("torchtitan_tp_ranks")]
-"""Both backends read one spawn (module fixture): one xdist group (``--dist loadgroup``)."""
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 WORLD = 2
 
