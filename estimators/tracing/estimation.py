@@ -377,7 +377,7 @@ def _trace_step(
             inputs=(step_inputs, step_target), optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
             round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
             progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
-            previous_output=step.keep_output, held=step.held_tensors(), fake_mode=fake_mode,
+            previous_output=step.keep_output, held=step.held_tensors() + step.loss_closure_tensors(model), fake_mode=fake_mode,
         )
         marks = TraceMarks(tracer)
         if full_lists is not None:
@@ -392,6 +392,9 @@ def _trace_step(
         tracer.attach()
         try:
             with contextlib.ExitStack() as modes:
+                # The step's eager ops are what is traced: a compiled block runs them eagerly here
+                # (torch.compile under the trace's modes would trace our own dispatch code).
+                modes.enter_context(torch.compiler.set_stance("force_eager"))
                 if fake_mode is not None:
                     modes.enter_context(hf_real_paths(step.inputs))  # HF's real-run code path
                     modes.enter_context(fake_mode)
@@ -484,8 +487,8 @@ class _TheModelItself(TraceError):
             f"the step {what}: a fake trace runs a copy of the model, so the user's model would "
             "run on fake tensors and the copy's figures would miss it (a SimCLR projection head "
             "called from loss_fn: 48 % under the measured peak). Compute it in the model's forward, "
-            "or trace in real mode, which runs the model itself: solve_sac(..., estimate_options="
-            "EstimateOptions(mode=TraceMode.REAL)), --mode real on the command line")
+            "or trace in real mode, which runs the model itself: solve_sac(..., options="
+            "PlanOptions(trace=EstimateOptions(mode=TraceMode.REAL))), --mode real on the command line")
 
 
 def _refuse_calls_of(model: torch.nn.Module) -> Callable[[], None]:
@@ -555,7 +558,7 @@ def _refuse_unsized_workspaces(trace: StepTrace) -> None:
                 f"{where} runs {what}, whose workspace kept for the backward has 0 bytes under "
                 "torch's fake tensors (its real size is the kernel library's choice), so a fake-mode "
                 "trace would under-predict the peak; trace in real mode: solve_sac(..., "
-                "estimate_options=EstimateOptions(mode=TraceMode.REAL)), --mode real on the command line"
+                "options=PlanOptions(trace=EstimateOptions(mode=TraceMode.REAL))), --mode real on the command line"
             )
 
 

@@ -30,9 +30,9 @@ import logging
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from estimators.tracing.fake_outputs import OutputBuilder
+from estimators.tracing.op_args import HotPathMode
 
 __all__ = ["FakeDispatchMemo", "MemoMode", "memo_available"]
 
@@ -263,7 +263,7 @@ def _same_outputs(out: Any, again: Any, args: tuple, attributes: bool = False) -
     )
 
 
-class MemoMode(TorchDispatchMode):
+class MemoMode(HotPathMode):
     """``with MemoMode(fake_mode):`` inside ``fake_mode``: the ops of code that works on fake
     tensors outside a trace (the fake copy of the model, the optimizer state) run on the mode
     through a :class:`FakeDispatchMemo`. An op on another tensor subclass is left to it."""

@@ -429,8 +429,8 @@ def _real_behaviour(func, args, kwargs) -> tuple[str, bool | None]:
     return f"the real CPU kernel runs them and returns {got or 'no tensor'}", False
 
 
-_REAL_MODE_WAY = ("trace in real mode (solve_sac(..., estimate_options=EstimateOptions("
-                  "mode=TraceMode.REAL)), --mode real on the command line)")
+_REAL_MODE_WAY = ("trace in real mode (solve_sac(..., options=PlanOptions(trace=EstimateOptions("
+                  "mode=TraceMode.REAL))), --mode real on the command line)")
 
 
 def _explain(func, args, kwargs, e: Exception) -> str:

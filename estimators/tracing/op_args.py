@@ -1,4 +1,5 @@
-"""The hot path of the step tracer: an op's tensors and a fake tensor's device, cheaply.
+"""The hot path of the step tracer: an op's tensors and a fake tensor's device, cheaply, and the
+base of the dispatch modes on that path.
 
 The tracer runs for every aten op of a step; what it asks of each op's arguments is here, written
 for the shapes aten schemas take (tensors nested in tuples, lists and the kwargs dict), not
@@ -12,8 +13,9 @@ from typing import Any
 import torch
 from torch import _guards
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["PRIM_DEVICE", "active_fake_mode", "fake_device", "op_tensors"]
+__all__ = ["PRIM_DEVICE", "HotPathMode", "active_fake_mode", "fake_device", "op_tensors"]
 
 PRIM_DEVICE = torch.ops.prim.device.default
 """The query C++ makes of a fake tensor's device for nearly every op (the autograd engine,
@@ -21,6 +23,17 @@ PRIM_DEVICE = torch.ops.prim.device.default
 
 
 _FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
+
+
+class HotPathMode(TorchDispatchMode):
+    """A dispatch mode every op of a traced step goes through. torch wraps a mode's
+    ``__torch_dispatch__`` in ``_disable_dynamo`` (a cost on each call) unless
+    ``_should_skip_dynamo`` says False; the traced step runs under ``set_stance("force_eager")``
+    (``estimation._trace_step``), so no frame below it is compiled anyway."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 
 
 def fake_device(t: Any) -> torch.device | None:

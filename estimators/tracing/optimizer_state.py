@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["make_first_step_state"]
@@ -88,15 +89,24 @@ def _scalar_dtype() -> torch.dtype | None:
 def _step_count() -> torch.Tensor:
     """``torch.tensor(1.0, dtype=_get_scalar_dtype(), device="cpu")``. Under a fake mode that is
     the mode's fake tensor keeping the value, which the mode makes for ``torch.tensor`` as
-    ``from_real_tensor(..., make_constant=True)`` of the real one, with every dispatch mode off
-    (its ``lift_fresh`` path): made so here, without the dispatch around it."""
+    ``from_real_tensor(..., make_constant=True)`` of the real one: a ``FakeTensor`` over a meta
+    tensor of the same shape with the real one as ``constant``, and the real one memoized to it (a
+    kernel run on the constant, ``step += 1``, maps its result back to this tensor). Made so here
+    directly: the converter's general description of a tensor costs most of the optimizer's
+    state-making, and a fresh 0-dim CPU tensor needs none of it. A FakeTensor constructor this
+    does not fit (another torch) falls back to the converter."""
     mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
     converter = getattr(mode, "fake_tensor_converter", None)
     if converter is None:
         return torch.tensor(1.0, dtype=_scalar_dtype(), device="cpu")
     with _disable_current_modes():
         real = torch.tensor(1.0, dtype=_scalar_dtype(), device="cpu")
-        return converter.from_real_tensor(mode, real, make_constant=True)
+        try:
+            fake = FakeTensor(mode, torch.empty((), dtype=real.dtype, device="meta"), real.device, constant=real)
+        except TypeError:
+            return converter.from_real_tensor(mode, real, make_constant=True)
+    converter.set_tensor_memo(real, fake)
+    return fake
 
 
 def _adam_state(opt: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> None:

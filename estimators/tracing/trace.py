@@ -27,11 +27,10 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from estimators.contract.module_info import Phase
-from estimators.tracing.op_args import PRIM_DEVICE, active_fake_mode, fake_device, op_tensors
+from estimators.tracing.op_args import PRIM_DEVICE, HotPathMode, active_fake_mode, fake_device, op_tensors
 from estimators.tracing.records import (
     ModuleCall,
     OpRecord,
@@ -77,7 +76,7 @@ class InplaceModifiedError(RuntimeError):
     fails in torch itself."""
 
 
-class StepTracer(TorchDispatchMode):
+class StepTracer(HotPathMode):
     """Records every aten op and storage of one step of ``model``; see the module docstring.
 
     Usage: build it (the state that exists before the step is registered then), ``attach()`` the
@@ -387,11 +386,12 @@ class StepTracer(TorchDispatchMode):
                 rec = self.storages[sid]
                 rec.saved = True
                 rec.saved_by_calls.add(self._stack[-1] if self._stack else -1)
-        # Not ``t`` itself: an op that saves its own output (tanh, sigmoid, softmax...) would then
-        # hold output -> grad_fn -> saved output, a reference cycle that only the garbage
-        # collector frees, so an output the loss never reads (an unused pooler) outlived its
-        # last reference; autograd saves outputs without their grad_fn, and so does this alias
-        # (same storage, no grad_fn). The detach is the hook's, not a step op: not recorded.
+        # Not ``t`` itself when it has a grad_fn: an op that saves its own output (tanh, softmax)
+        # would hold output -> grad_fn -> saved output, a cycle only the garbage collector frees
+        # (an unused pooler's output outlived its last reference); autograd saves outputs without
+        # their grad_fn, and so does this alias. The detach is the hook's: not recorded.
+        if t.grad_fn is None:
+            return t, t._version
         self._packing = True
         try:
             alias = t.detach()  # shares t's version counter

@@ -5,6 +5,7 @@ the wrong unit. Each returns the note (logged where the user may be surprised), 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -21,19 +22,38 @@ logger = logging.getLogger(__name__)
 
 
 _UNIT_SLIP = 512
-"""A budget this many times the step's no-AC peak is more likely a figure in MiB typed as GiB
-(1,024x) than a budget: planning succeeds with nothing to checkpoint, so say it."""
+"""A budget this many times the step's no-AC peak is more likely a figure in MiB or in bytes typed
+as GiB than a budget: planning succeeds with nothing to checkpoint, so say it."""
+
+
+def _as_typed(budget_bytes: int) -> float:
+    """The figure the user typed, in GiB: the shortest decimal that floors to ``budget_bytes`` (the
+    budget in bytes is floored, so 0.001 GiB is 1,073,741 B, which reads back as 0.000999999, and a
+    fixed number of significant digits changes a longer figure: 439473 read back as 439470)."""
+    exact = budget_bytes / GiB
+    for digits in range(1, 18):
+        typed = float(f"{exact:.{digits}g}")
+        if int(typed * GiB) == budget_bytes:
+            return typed
+    return exact
 
 
 def unit_slip_note(budget_bytes: int, peak_bytes: int) -> tuple[str, ...]:
+    """The note for a budget ``_UNIT_SLIP`` times the peak or more: the figure as typed, read in
+    the unit (MiB or bytes) that puts it nearer the step's peak, and the ``budget_gib`` that says
+    so (a byte count 439473 beside a 476,568 B peak is bytes, not 429 GiB)."""
     if budget_bytes < _UNIT_SLIP * peak_bytes:
         return ()
-    # The figure as typed: the budget in bytes is floored (0.001 GiB is 1,073,741 B, which reads
-    # back as 0.000999999), so 5 significant digits.
-    as_typed = float(f"{budget_bytes / GiB:.5g}")
+    as_typed = _as_typed(budget_bytes)
+    as_mib, as_bytes = as_typed * 2**20, as_typed  # the figure read as MiB, as bytes (in bytes)
+    if as_bytes >= 1 and abs(math.log(as_bytes / peak_bytes)) < abs(math.log(as_mib / peak_bytes)):
+        figure = f"{as_typed:,.0f}" if as_typed == int(as_typed) else repr(as_typed)
+        fix = f"for {figure} bytes pass budget_gib={as_typed / GiB:.3g}"
+    else:
+        figure = repr(as_typed).removesuffix(".0")  # every digit typed: 1048575, not 1.04858e+06
+        fix = f"for {figure} MiB pass budget_gib={as_typed / 1024:.6g}"
     note = (f"the budget ({fmt_bytes(budget_bytes)}) is {budget_bytes / peak_bytes:,.0f}x the step's "
-            f"peak ({fmt_bytes(peak_bytes)}); budget_gib is in GiB: for {as_typed:g} MiB "
-            f"pass budget_gib={as_typed / 1024:.6g}")
+            f"peak ({fmt_bytes(peak_bytes)}); budget_gib is in GiB: {fix}")
     logger.warning("%s", note)
     return (note,)
 

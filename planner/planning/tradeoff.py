@@ -39,6 +39,7 @@ from estimators.contract.module_info import ModuleInfo
 from estimators.step.train_step import TrainStep
 from estimators.tracing.estimation import Estimate, EstimateOptions, as_train_step, estimate
 from planner.options import PlanOptions
+from planner.planning.floor import floor_text, lowering_hints, peak_breakdown
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions
 from solver.errors import SolverTimeoutError
 
@@ -335,6 +336,8 @@ def tradeoff_curve(
     else:
         notes += _shared_untraced_note(info)
     floor = below.predicted_peak_bytes if below is not None else min_peak
+    if floor >= milp.no_ac_peak_bytes:
+        notes.append(_nothing_to_lower_note(est, world_size))
     build_s = time.perf_counter() - t0
     if checked is not None and max(checked) * 2**20 <= floor:
         raise ValueError(
@@ -373,6 +376,19 @@ def tradeoff_curve(
         sweep_time_s=time.perf_counter() - t1,
         notes=tuple(notes),
     )
+
+
+def _nothing_to_lower_note(est: "Estimate | None", world_size: int) -> str:
+    """Why no plan lowers the peak: at the peak op no activation a checkpoint could drop is alive
+    (the optimizer step, a loss on full logits, a net of in-place ops), and what the step holds
+    there (traced estimates on one rank)."""
+    note = ("no plan lowers the peak: where the step peaks, no activation that checkpointing could "
+            "drop is alive")
+    if est is None or world_size != 1:
+        return note
+    b = peak_breakdown(est)
+    hints = lowering_hints(b)
+    return f"{note}; {floor_text(b)}" + (f"; what would lower it: {'; '.join(hints)}" if hints else "")
 
 
 def _shared(info) -> tuple[list[str], str]:

@@ -240,6 +240,20 @@ def test_python_m_planner_apply_runs_the_cli():
     assert proc.stderr.strip().splitlines() == ["error: --optimizer must be adam, adamw, sgd or none, got 'lion'"]
 
 
+def test_python_m_planner_runs_the_cli():
+    """``python -m planner`` is what a newcomer types first: it must be the same command as
+    ``python -m planner.apply``, not Python's "No module named planner.__main__" (a bad flag is
+    answered by cli's parser with exit status 2, as there)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "planner", "--optimizer", "lion"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["error: --optimizer must be adam, adamw, sgd or none, got 'lion'"]
+
+
 def test_offload_plans_applies_and_checks_host_bytes():
     """``--offload``: a keep / recompute / offload plan for llama_tiny (2 micro-batches), applied
     and verified in a subprocess: bitwise gradients, measured peak, host bytes per step (two

@@ -11,7 +11,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from estimators.tracing import fake_dispatch
 from estimators.tracing.estimation import estimate
-from estimators.tracing.fake_dispatch import FakeDispatchMemo, memo_available
+from estimators.tracing.fake_dispatch import FakeDispatchMemo, MemoMode, memo_available
 from estimators.step.train_step import TrainStep
 from examples.convnet import convnet_tiny
 from examples.gpt import gpt_tiny
@@ -195,3 +195,20 @@ def test_a_list_of_new_tensors_is_memoised_and_views_are_not():
         for _ in range(3):
             parts = memo(aten.split.Tensor, (x, 2), {})
         assert memo.hits == hits + 1 and all(p.untyped_storage() is x.untyped_storage() for p in parts)
+
+
+def test_the_hot_path_modes_dispatch_without_torchs_per_call_dynamo_wrapper():
+    """torch wraps a mode's __torch_dispatch__ in _disable_dynamo unless the mode opts out; the
+    tracer and the memo opt out (HotPathMode), and the traced step runs with compilation off."""
+    from estimators.tracing.op_args import HotPathMode
+    from estimators.tracing.trace import StepTracer
+
+    for mode in (StepTracer, MemoMode):
+        assert issubclass(mode, HotPathMode)
+        assert not hasattr(mode.__dict__["__torch_dispatch__"], "__wrapped__"), mode
+
+    class Wrapped(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert hasattr(Wrapped.__dict__["__torch_dispatch__"], "__wrapped__")  # what the opt-out avoids

@@ -105,7 +105,7 @@ def test_a_trace_that_raises_scans_the_heap_once_a_level_not_once_a_tensor(monke
     _positions(16)  # a real entry, left alone
     with pytest.raises(Exception, match="decoder_start_token_id"):
         estimate(_RaisesMidForward(), TrainStep(inputs=(torch.randn(2, 8),), optimizer="adamw"))
-    assert calls and max(calls) > 40  # the fake parameters, at least, in one call
+    assert calls and max(calls) >= 40  # a tensor of each of the 40 layers, at least, in one call
     assert len(calls) <= fake_leaks._CACHE_SEARCH_DEPTH
     assert _positions.cache_info().currsize == 1
 

@@ -136,7 +136,8 @@ def test_a_step_hook_leaves_the_state_to_the_step():
     dict(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
     dict(optimizer=lambda ps: torch.optim.Adam(ps, amsgrad=True), zero_grad=ZeroGrad.ZERO),
     dict(optimizer="adam", micro_batches=2),
-], ids=["adamw", "sgd", "sgd-momentum", "adam-amsgrad-zero", "adam-micro2"])
+    dict(optimizer=lambda ps: torch.optim.Adam(ps, foreach=False)),
+], ids=["adamw", "sgd", "sgd-momentum", "adam-amsgrad-zero", "adam-micro2", "adam-single"])
 def test_estimates_equal_the_warm_up_steps(kw, monkeypatch):
     model, inputs = gpt_tiny(device="meta")
     step = TrainStep(inputs=inputs, loss_fn=lambda out, _: out.sum(), **kw)

@@ -71,3 +71,17 @@ def test_the_unit_slip_note_gives_the_figure_as_typed():
 
     (note,) = unit_slip_note(int(0.001 * 2**30), 1_000)
     assert "for 0.001 MiB pass budget_gib=9.76563e-07" in note
+
+
+def test_the_unit_slip_note_reads_a_byte_count_as_bytes_and_keeps_its_digits():
+    """budget_gib=439473 (a byte count; the step peaks at 476,568 B) was answered "for 439470 MiB
+    pass budget_gib=429.17": five significant digits changed the user's figure, and of the two
+    slips (MiB, bytes) it named the one 10^6x off the peak (found by a new-user helper)."""
+    from planner.planning.plan_notes import unit_slip_note
+
+    (note,) = unit_slip_note(439473 * 2**30, 476_568)
+    assert "for 439,473 bytes pass budget_gib=0.000409" in note and "439470" not in note
+    (mib,) = unit_slip_note(123457 * 2**30, 100 * 2**30)  # 123,457 MiB = 120.6 GiB beside a 100 GiB peak
+    assert "for 123457 MiB pass budget_gib=120.563" in mib
+    (seven,) = unit_slip_note(1_048_575 * 2**30, 1000 * 2**30)
+    assert "for 1048575 MiB pass budget_gib=1024" in seven

@@ -351,3 +351,16 @@ def test_a_module_called_twice_gets_the_traced_floor_solve_sac_reaches():
     untraced = tradeoff_curve(estimate(model, step, device="cpu").module_info, n_points=2)
     assert untraced.min_reachable_peak_bytes == milp_floor
     assert any("states the MILP's floor" in n for n in untraced.notes)
+
+
+def test_a_step_no_plan_can_lower_says_why():
+    """A ReLU chain with AdamW peaks in its optimizer step, where no activation is alive: the
+    floor is the no-AC peak, and the table's notes say where it peaks and what it holds."""
+    from planner.planning.tradeoff import tradeoff_curve
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    table = tradeoff_curve(model, TrainStep(inputs=(torch.randn(2, 16),), optimizer="adamw"), n_points=2)
+    assert table.min_reachable_peak_bytes == table.no_ac_peak_bytes
+    (note,) = [n for n in table.notes if n.startswith("no plan lowers the peak")]
+    assert "optimizer state" in note and "at its peak" in note
