@@ -28,7 +28,6 @@ def one_intra_op_thread():
     torch.set_num_threads(before)
 
 
-
 def pytest_collection_modifyitems(config, items):
     """On xdist workers, the files that hold a test marked ``slow`` first, each file's tests kept
     together and in order: ``--dist loadfile --no-loadscope-reorder`` hands out whole files in
