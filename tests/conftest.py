@@ -26,3 +26,13 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(config, items):
+    """On xdist workers, the files that hold a test marked ``slow`` first, each file's tests kept
+    together and in order: ``--dist loadfile --no-loadscope-reorder`` hands out whole files in
+    this order, so the long ones start early and the run ends on short files (neither worker
+    idles while the other finishes a long one). A plain run keeps pytest's order."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+        items.sort(key=lambda item: item.path not in slow)

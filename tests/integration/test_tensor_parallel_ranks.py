@@ -2,8 +2,10 @@
 MemTracker's measured peak, the plan fits its budget, gradients (local shards) are bitwise those of
 the unplanned parallel run, every rank holds the same plan, and the fake process group in one
 process makes that same plan (same hash). FSDP2 x TP in torchtitan's order and on a model already
-sharded. The workers are in tests/integration/tp_ranks.py; the layouts of one world size run on
-one spawn of ranks (module fixture), each test asserts its own."""
+sharded. The workers are in tests/integration/tp_ranks.py; the layouts of one world size (the HF
+decoder's among the world-2 ones) run on one spawn of ranks (module fixture), each test asserts
+its own (``--dist loadfile`` keeps them on one worker: split over two, each would spawn the
+ranks)."""
 
 from __future__ import annotations
 
@@ -68,7 +70,14 @@ def _fsdp_case(world: int, dp: int) -> tuple[tuple, list[str]]:
     return ("fsdp", dp, budgets), hashes
 
 
-_LAYOUTS = {2: {"tp2-sp": lambda: _tp_case(2, True), "tp2": lambda: _tp_case(2, False)},
+def _hf_case(world: int) -> tuple[tuple, list[str]]:
+    with fake_process_group(world_size=world, rank=0):
+        model, step = tp_ranks.hf_llama(init_device_mesh("cpu", (world,)))
+        budgets, hashes = _budgets_and_fake_hashes(model, step, PlanOptions(reserve_gib=0))
+    return ("hf", None, budgets), hashes
+
+
+_LAYOUTS = {2: {"tp2-sp": lambda: _tp_case(2, True), "tp2": lambda: _tp_case(2, False), "hf": lambda: _hf_case(2)},
             4: {"tp4-sp": lambda: _tp_case(4, True), "tp4": lambda: _tp_case(4, False),
                 "fsdp2xtp2": lambda: _fsdp_case(4, 2)}}
 
@@ -114,13 +123,8 @@ def test_every_tp_rank_gets_the_plan_it_measures(ranks_of, one_intra_op_thread, 
 
 
 @pytest.mark.hf
-def test_an_hf_decoder_under_its_own_tp_plan(tmp_path, one_intra_op_thread):
-    world = 2
-    with fake_process_group(world_size=world, rank=0):
-        model, step = tp_ranks.hf_llama(init_device_mesh("cpu", (world,)))
-        budgets, fake_hashes = _budgets_and_fake_hashes(model, step, PlanOptions(reserve_gib=0))
-    mp.spawn(tp_ranks.hf_worker, args=(world, str(tmp_path), budgets), nprocs=world)
-    _check_plans(_read(tmp_path, world), fake_hashes)
+def test_an_hf_decoder_under_its_own_tp_plan(ranks_of, one_intra_op_thread):
+    _check_plans(*ranks_of(2)["hf"])
 
 
 def test_fsdp_x_tp_in_torchtitan_s_order_and_on_a_sharded_model(ranks_of, one_intra_op_thread):

@@ -91,8 +91,8 @@ def plans_measured(model, step, budgets: list[int]) -> dict:
 def layouts_worker(rank: int, world: int, tmp: str, cases: list[tuple]) -> None:
     """Several layouts on one spawn of ranks (the spawn and imports cost as much as a layout):
     ``("tp", sequence_parallel, budgets)`` plans a TP decoder on all ``world`` ranks,
-    ``("fsdp", dp, budgets)`` FSDP2 x TP on a (dp, world // dp) mesh. Writes one result per
-    case, in order."""
+    ``("fsdp", dp, budgets)`` FSDP2 x TP on a (dp, world // dp) mesh, ``("hf", None, budgets)``
+    the HF decoder under its own tp_plan. Writes one result per case, in order."""
     from tests.planner.spawned import leave_rank
 
     init(rank, world, tmp)
@@ -100,6 +100,8 @@ def layouts_worker(rank: int, world: int, tmp: str, cases: list[tuple]) -> None:
     for kind, arg, budgets in cases:
         if kind == "tp":
             results.append(plans_measured(*tp_llama(init_device_mesh("cpu", (world,)), arg), budgets))
+        elif kind == "hf":
+            results.append(plans_measured(*hf_llama(init_device_mesh("cpu", (world,))), budgets))
         else:
             results.append(fsdp_tp_case(world, arg, budgets))
     write(tmp, rank, results)
@@ -191,12 +193,3 @@ def hf_llama(mesh):
     ids = torch.randint(0, config.vocab_size, (BATCH, 64), generator=torch.Generator().manual_seed(1))
     return model, TrainStep(inputs={"input_ids": ids, "labels": ids}, loss_fn=lambda out, _: out.loss,
                             optimizer="adamw")
-
-
-def hf_worker(rank: int, world: int, tmp: str, budgets: list[int]) -> None:
-    """The HF decoder under its own tp_plan: predictions, measurements, gradients, hashes."""
-    from tests.planner.spawned import leave_rank
-
-    init(rank, world, tmp)
-    write(tmp, rank, plans_measured(*hf_llama(init_device_mesh("cpu", (world,))), budgets))
-    leave_rank()

@@ -99,37 +99,39 @@ def _check(info: ModuleInfo, frac: float) -> str:
     return "equal"
 
 
-@pytest.mark.slow
-@pytest.mark.property
-@MANY
-@given(module_infos(), st.floats(0.02, 0.98))
-def test_random_trees_reach_the_milp_optimum(info, frac) -> None:
-    assert _check(info, frac) != "refused"
-
-
-@pytest.mark.slow
-@pytest.mark.property
-@MANY
-@given(stacked_infos(), st.floats(0.02, 0.98))
-def test_stacks_of_blocks_reach_the_milp_optimum(info, frac) -> None:
-    assert _check(info, frac) != "refused"
-
-
-@pytest.mark.slow
-@pytest.mark.property
-def test_most_graphs_are_decided_by_the_program() -> None:
-    """Guards the two property tests above against passing on skips alone."""
+def _outcomes(strategy) -> dict[str, int]:
+    """``_check`` on every example of ``strategy`` (a budget fraction each): how many ended how.
+    No graph may be refused by the program."""
     outcomes: dict[str, int] = {}
 
-    @settings(max_examples=60, deadline=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(st.one_of(module_infos(), stacked_infos()), st.floats(0.02, 0.98))
+    @MANY
+    @given(strategy, st.floats(0.02, 0.98))
     def run(info, frac) -> None:
         kind = _check(info, frac)
+        assert kind != "refused"
         outcomes[kind] = outcomes.get(kind, 0) + 1
 
     run()
-    assert outcomes.get("equal", 0) >= 40, outcomes
+    return outcomes
+
+
+DECIDED = 2 / 3
+"""Of a property test's graphs, at least this share must be decided by the program ("equal"), so
+that it cannot pass on skips alone (derandomized, 120 each: random trees 90 equal, stacks 106)."""
+
+
+@pytest.mark.slow
+@pytest.mark.property
+def test_random_trees_reach_the_milp_optimum() -> None:
+    outcomes = _outcomes(module_infos())
+    assert outcomes.get("equal", 0) >= DECIDED * sum(outcomes.values()), outcomes
+
+
+@pytest.mark.slow
+@pytest.mark.property
+def test_stacks_of_blocks_reach_the_milp_optimum() -> None:
+    outcomes = _outcomes(stacked_infos())
+    assert outcomes.get("equal", 0) >= DECIDED * sum(outcomes.values()), outcomes
 
 
 def _two_branches(bw_swapped: bool) -> ModuleInfo:
