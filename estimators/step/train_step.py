@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
@@ -171,6 +172,38 @@ class TrainStep:
             raise TypeError(f"keep_output must be True or False (does the loop hold the model output "
                             f"through backward?), got {self.keep_output!r}")
 
+    def loss_closure_tensors(self, model: torch.nn.Module | None = None) -> list[torch.Tensor]:
+        """The tensors ``loss_fn`` closes over (its closure cells, the module globals it names, its
+        default arguments, a ``functools.partial``'s arguments, and the tensors of a list, tuple or
+        dict held there)
+        that are neither in ``inputs`` nor ``model``'s parameters or buffers: a classifier's
+        labels. The loop holds them through the step, so traces and measurements count them as
+        resident, as a GPU's allocator does (they were allocated before the step)."""
+        fn, found = self.loss_fn, []
+        if fn is None:
+            return found
+        values = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _cell_full(c)]
+        values += list(getattr(fn, "__defaults__", None) or ()) + list((getattr(fn, "__kwdefaults__", None) or {}).values())
+        code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+        values += [names[n] for n in (code.co_names if code is not None else ()) if n in names]
+        if isinstance(fn, functools.partial):
+            values += [*fn.args, *fn.keywords.values()]
+        for v in values:
+            for t in (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else (v,)):
+                if type(t) is torch.Tensor and t.layout == torch.strided:  # a plain tensor, not a parameter
+                    found.append(t)
+        own = [t for t in tree_flatten(self.inputs)[0] if isinstance(t, torch.Tensor)]
+        if model is not None:
+            own += [*model.parameters(), *model.buffers()]
+        known = {_storage_key(t) for t in own}
+        out, seen = [], set()
+        for t in found:
+            key = _storage_key(t)
+            if key not in known and key not in seen:
+                seen.add(key)
+                out.append(t)
+        return out
+
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors of ``held``: tensors as given, modules' parameters, gradients and buffers."""
         found: list[torch.Tensor] = []
@@ -260,6 +293,23 @@ def _autocast(model: torch.nn.Module, dtype: torch.dtype | None):
     p = next(model.parameters(), None)
     device_type = p.device.type if p is not None and p.device.type != "meta" else "cpu"
     return torch.autocast(device_type, dtype=dtype)
+
+
+def _cell_full(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a closure variable not yet assigned
+        return False
+    return True
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """Which storage ``t`` views (by the storage object's identity); None for tensors without
+    one (sparse, wrapper subclasses)."""
+    try:
+        return id(t.untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return None
 
 
 def _check_loss_signature(loss_fn: Any) -> None:

@@ -377,7 +377,7 @@ def _trace_step(
             inputs=(step_inputs, step_target), optimizer=opt, device=spec.name if fake else get_device_spec("cpu").name,
             round_bytes=spec.round_bytes if (fake and spec.is_cuda) else (lambda n: n),
             progress=(lambda m: logger.info("trace: %s", m)) if options.progress else None,
-            previous_output=step.keep_output, held=step.held_tensors(), fake_mode=fake_mode,
+            previous_output=step.keep_output, held=step.held_tensors() + step.loss_closure_tensors(model), fake_mode=fake_mode,
         )
         marks = TraceMarks(tracer)
         if full_lists is not None:

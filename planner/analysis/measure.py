@@ -98,7 +98,7 @@ def measure_steps(
                 model, step.inputs, step.loss_fn, optimizer, on_phase,
                 micro_batches=step.micro_batches, autocast_dtype=step.autocast_dtype,
                 keep_output=step.keep_output, held_output=held, context=step.context,
-            ), held=held_tensors(held[0]) + step.held_tensors()))
+            ), held=held_tensors(held[0]) + step.held_tensors() + step.loss_closure_tensors(model)))
     return out
 
 

@@ -400,3 +400,36 @@ def test_a_target_outside_a_pipeline_is_refused_with_where_labels_go():
     step = TrainStep(inputs=torch.randn(2, 3), target=torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="close over the labels in loss_fn"):
         estimate(torch.nn.Linear(3, 4), step, device="cpu")
+
+
+LABELS = torch.arange(6) % 3
+"""A module-level label tensor a loss names (a script's ``labels``)."""
+
+
+def test_the_tensors_a_loss_closes_over_are_found_and_the_counted_ones_left_out():
+    import functools
+
+    import torch.nn.functional as F
+
+    model = torch.nn.Linear(4, 3)
+    x = torch.randn(6, 4)
+    labels, weights = torch.arange(6) % 3, [torch.ones(3), torch.ones(3)]
+
+    def closure(out, inputs):
+        return F.cross_entropy(out, labels, weight=weights[0]) + (out * x).sum() + model.weight.sum()
+
+    def with_default(out, inputs, target=torch.zeros(6, dtype=torch.long)):
+        return F.cross_entropy(out, target)
+
+    by_global = TrainStep(inputs=(x,), loss_fn=lambda out, _: F.cross_entropy(out, LABELS))
+    assert [t is LABELS for t in by_global.loss_closure_tensors(model)] == [True]
+    found = TrainStep(inputs=(x,), loss_fn=closure).loss_closure_tensors(model)
+    # x is an input and the weight the model's: counted already; a list holds the class weights
+    assert {id(t) for t in found} == {id(labels), id(weights[0]), id(weights[1])}
+    assert len(TrainStep(inputs=(x,), loss_fn=with_default).loss_closure_tensors(model)) == 1
+    part = functools.partial(lambda out, inputs, y: F.cross_entropy(out, y), y=labels)
+    assert [t is labels for t in TrainStep(inputs=(x,), loss_fn=part).loss_closure_tensors(model)] == [True]
+    view = labels[:3]
+    same = TrainStep(inputs=(x,), loss_fn=lambda out, _, a=labels, b=view: out.sum()).loss_closure_tensors()
+    assert len(same) == 1  # a view of a storage already found is that storage
+    assert TrainStep(inputs=(x,)).loss_closure_tensors(model) == []

@@ -254,3 +254,21 @@ def test_step_peaks_must_start_first_and_once():
     finally:
         meter.stop()
     meter.stop()  # idempotent
+
+
+def test_labels_a_loss_closes_over_are_resident_in_the_trace_and_the_measurement():
+    """A classifier's labels in the loss's closure (the README's pattern) are in device memory
+    from before the step: the prediction and MemTracker's steady-state peak are equal."""
+    import torch.nn.functional as F
+
+    from estimators.tracing.estimation import estimate
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10))
+    x, labels = torch.randn(8, 3, 16, 16), torch.arange(8) % 10
+    step = TrainStep(inputs=(x,), loss_fn=lambda out, _: F.cross_entropy(out, labels), optimizer="adamw")
+    assert step.loss_closure_tensors(model) == [labels]
+    est = estimate(model, step, device="cpu")
+    measured = [s.peak_bytes for s in measure_steps(model, step)]
+    assert measured == [est.first_step_peak_bytes, est.module_info.peak_bytes, est.module_info.peak_bytes]
