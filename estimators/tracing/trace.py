@@ -132,6 +132,7 @@ class StepTracer(HotPathMode):
         self.phase = Phase.FW
         self._live: dict[int, int] = {}  # id(storage pyobject) -> sid
         self._free_refs: dict[int, weakref.ref] = {}  # sid -> its storage's; calls _on_free when it dies
+        self._kept_twins: list[torch.Tensor] = []  # fake copies of held tensors, alive for the trace
         self._self_ref = weakref.ref(self)  # the callbacks' (a weakref.finalize costs twenty times more)
         self._stack: list[int] = []  # module call ids, forward
         self._seq_probe = torch.zeros(1, requires_grad=True)  # real, tiny, outside every mode
@@ -182,8 +183,9 @@ class StepTracer(HotPathMode):
                 self._register(t, StorageKind.INPUT)
         for t in self._optimizer_tensors():
             self._register(t, StorageKind.OPTIMIZER)
-        for t in held:
-            self._register(t, StorageKind.INPUT)
+        for t in held:  # real in a fake trace too (labels a loss closes over): so is their fake twin
+            if (sid := self._register(t, StorageKind.INPUT)) is not None:
+                self._alias_fake_copy(t, sid, keep=True)
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         if self.optimizer is None:
@@ -203,15 +205,16 @@ class StepTracer(HotPathMode):
             self.storages[sid].kind = kind
         return sid
 
-    def _alias_fake_copy(self, t: torch.Tensor, sid: int) -> None:
-        """In a fake trace, the fake copy the mode makes of real tensor ``t`` (memoised: the one
-        its kernels and autograd get) is storage ``sid`` too. A global 32 KiB index used by
-        three blocks was counted again when its saved copy came back in backward."""
+    def _alias_fake_copy(self, t: torch.Tensor, sid: int, keep: bool = False) -> None:
+        """In a fake trace, the mode's (memoised) fake copy of real tensor ``t`` is storage ``sid``
+        too: a global index used by three blocks was counted again in backward. ``keep``: held
+        until ``finish`` (made before any op holds it, it would die and be made again)."""
         from torch._subclasses.fake_tensor import FakeTensor
 
         if self._fake_mode is None or isinstance(t, FakeTensor):
             return
-        twin = _storage_of(self._fake_mode.from_tensor(t))
+        twin = _storage_of(fake := self._fake_mode.from_tensor(t))
+        self._kept_twins += [fake] if keep else []
         if twin is not None and self._sid(twin) is None:
             self._live[id(twin)] = sid
             # Gone before the real one: its id may be reused by a new storage, which is not sid.
@@ -219,10 +222,9 @@ class StepTracer(HotPathMode):
 
     def _fake_twin_sid(self, t: torch.Tensor) -> int | None:
         """In a fake trace, the storage already tracked that real tensor ``t`` stands for: the
-        fake copy the mode made of it (or of the tensor it views) as a step input. A loss that
-        closes over the batch it is also given (``lambda out, batch: F.mse_loss(out, x)`` with
-        ``inputs=(x,)``, an autoencoder's target) reads the real ``x``, which is the input, not
-        a second tensor to count again."""
+        fake copy the mode made of it (or of what it views) as a step input. A loss closing over
+        the batch it is also given (an autoencoder's ``F.mse_loss(out, x)``, ``inputs=(x,)``)
+        reads the real ``x``: the input, not a second tensor to count."""
         from torch._subclasses.fake_tensor import FakeTensor
 
         if self._fake_mode is None or isinstance(t, FakeTensor):
@@ -291,8 +293,7 @@ class StepTracer(HotPathMode):
             if sid is None and st is not None:
                 sid = self._fake_twin_sid(t)
             if sid is None and st is not None:
-                # A tensor made outside the trace (a constant, a tensor the user built): count it
-                # from here on, as a temporary of this op.
+                # Made outside the trace (a constant, the user's): from here on, a temporary of this op.
                 sid = self._new_storage(st, alloc_op=index)
                 self._alias_fake_copy(t, sid)
             if sid is not None:
@@ -386,10 +387,9 @@ class StepTracer(HotPathMode):
                 rec = self.storages[sid]
                 rec.saved = True
                 rec.saved_by_calls.add(self._stack[-1] if self._stack else -1)
-        # Not ``t`` itself when it has a grad_fn: an op that saves its own output (tanh, softmax)
-        # would hold output -> grad_fn -> saved output, a cycle only the garbage collector frees
-        # (an unused pooler's output outlived its last reference); autograd saves outputs without
-        # their grad_fn, and so does this alias. The detach is the hook's: not recorded.
+        # Not ``t`` itself when it has a grad_fn: a saved own output (tanh, softmax) would hold
+        # output -> grad_fn -> saved output, a cycle only gc frees (an unused pooler's output
+        # outlived its last reference). The detach is the hook's: not recorded.
         if t.grad_fn is None:
             return t, t._version
         self._packing = True
@@ -533,6 +533,7 @@ class StepTracer(HotPathMode):
         """End the recording and return the complete trace: backward attribution closed, every
         storage in its final category, the module tree's leaves and parameter bytes."""
         self._sealed = True
+        self._kept_twins.clear()
         self._close_backward()
         # State the step created (gradients, new optimizer state) is known only now.
         grads = {self._register(p.grad, StorageKind.GRAD) for p in self.model.parameters() if p.grad is not None}
