@@ -175,9 +175,8 @@ class TrainStep:
     def loss_closure_tensors(self, model: torch.nn.Module | None = None) -> list[torch.Tensor]:
         """The tensors ``loss_fn`` closes over (its closure cells, the module globals it names, its
         default arguments, a ``functools.partial``'s arguments, and the tensors of a list, tuple or
-        dict held there)
-        that are neither in ``inputs`` nor ``model``'s parameters or buffers: a classifier's
-        labels. The loop holds them through the step, so traces and measurements count them as
+        dict held there) that are neither in ``inputs`` nor ``model``'s parameters or buffers: a
+        classifier's labels. The loop holds them through the step, so traces and measurements count them as
         resident, as a GPU's allocator does (they were allocated before the step)."""
         fn, found = self.loss_fn, []
         if fn is None:

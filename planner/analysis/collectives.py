@@ -4,9 +4,8 @@ A gloo collective is run by one of the process group's worker threads, which kee
 through it the collective's input and output tensors) until it loops round again: a moment
 *after* ``wait()`` has returned to the caller. A tensor the caller drops right after the wait (an
 all-gather's input, the gathered buffer a ``cat`` copied out of) then lives on for a
-thread-scheduling-dependent while, and a MemTracker reading taken in that window counts it: on
-two loaded ranks the same step measured 262,144 B over its steady state in one run in a dozen.
-The estimators (and NCCL, whose allocator semantics they model) free those tensors when the
+thread-scheduling-dependent while, and a MemTracker reading taken in that window counts it. The
+estimators (and NCCL, whose allocator semantics they model) free those tensors when the
 caller lets go of them.
 
 ``CallerHeldCollectives`` removes the race from a measurement: it runs each functional

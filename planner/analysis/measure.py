@@ -28,6 +28,7 @@ from estimators.runtime.device import get_device_spec
 from estimators.step.optimizer import check_optimizer_params, resolve_optimizer
 from estimators.step.train_step import TrainStep, run_step, step_mode, zero_grads
 from estimators.tracing.trace import held_tensors
+from planner.analysis.collectives import CallerHeldCollectives
 
 __all__ = ["MeasuredStep", "StepPeaks", "measure_step", "measure_steps", "measure_run"]
 
@@ -90,6 +91,7 @@ def measure_steps(
     out = []
     # A loop that keeps the output holds each step's last one into the next step's forward.
     held: list = [None]
+    resident = step.held_tensors() + step.loss_closure_tensors(model)  # the same every step
     with step_mode(model, step.train_mode):
         for i in range(n_steps):
             if i:
@@ -98,7 +100,7 @@ def measure_steps(
                 model, step.inputs, step.loss_fn, optimizer, on_phase,
                 micro_batches=step.micro_batches, autocast_dtype=step.autocast_dtype,
                 keep_output=step.keep_output, held_output=held, context=step.context,
-            ), held=held_tensors(held[0]) + step.held_tensors() + step.loss_closure_tensors(model)))
+            ), held=held_tensors(held[0]) + resident))
     return out
 
 
@@ -179,8 +181,6 @@ def measure_run(run: Callable[[], Any], *, modules: Sequence[torch.nn.Module],
 def _collectives_mode() -> contextlib.AbstractContextManager:
     """Inside a MemTracker, on ranks: collectives held as the caller holds them (see
     ``collectives``), so a gloo worker thread's late release is not in the peak."""
-    from planner.analysis.collectives import CallerHeldCollectives
-
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     return CallerHeldCollectives() if distributed else contextlib.nullcontext()
 
