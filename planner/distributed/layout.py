@@ -174,12 +174,6 @@ def check_parallel_support(model: torch.nn.Module, options: Any, *, traced_on_on
         raise PlanningError(
             "offload=True is not planned for a tensor-parallel (DTensor) model yet: host copies of its "
             "activations are not implemented; plan it with offload=False (recompute only)")
-    if getattr(options, "pipeline", None) is not None:
-        raise PlanningError(
-            "a pipeline stage with DTensor parameters (tensor parallel inside a stage) is not planned yet: "
-            "the stage's step runs without TrainStep.context (loss_parallel) and its plan records no layout; "
-            "plan the stage built at its TP-local shapes with plain modules (benchmarks/_plan_large_pipeline.py), "
-            "or plan the TP model without pipeline=")
     mode = getattr(getattr(options, "trace", None), "mode", None)
     if traced_on_one_rank and getattr(mode, "value", mode) == "real":
         raise PlanningError(

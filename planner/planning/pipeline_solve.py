@@ -30,6 +30,7 @@ from estimators.pipeline.stage_trace import resident_bytes_at, stage_module_info
 from estimators.step.stage_step import StageRole
 from estimators.step.train_step import TrainStep, ZeroGrad
 from estimators.tracing.estimation import estimate
+from planner.distributed.layout import plan_layout
 from planner.errors import PlanningError
 from planner.format import GiB, check_budget_gib, fmt_bytes
 from planner.options import Pipeline, PlanOptions
@@ -178,6 +179,13 @@ class RankPlanner:
         """The rank's peak over its schedule without a plan."""
         return self.unplanned.peak_bytes
 
+    def unplanned_makespan_ms(self) -> float:
+        """The pipeline step without a plan, every stage timed as this rank's stages (the rule of
+        ``PipelineRecord.makespan_ms``)."""
+        profiles = {s: v.profile for s, v in self._views.items()}
+        spans = _uniform_spans(self.layout, profiles)
+        return makespan_ms(spans, {r: sum(p.optim_ms for p in profiles.values()) for r in spans})
+
     def min_peak_bytes(self) -> int:
         """The smallest peak the MILP reaches over the schedule (the smallest budget it takes)."""
         return self.milp.min_reachable_peak_bytes()
@@ -302,7 +310,8 @@ def _plans(rp: RankPlanner, profiles, modules, verified, res, budget, reserve, n
         out[s] = Plan(
             modules=modules[s], model_name=type(model).__name__, model_fingerprint=model_fingerprint(model),
             trainable_numel=model_shape(model).trainable_numel, device=options.spec.name,
-            world_size=options.world_size, budget_bytes=budget, reserve_bytes=reserve,
+            world_size=options.world_size, layout=plan_layout(model, None, 1), budget_bytes=budget,
+            reserve_bytes=reserve,
             predicted_peak_bytes=verified.peak_bytes, solver_peak_bytes=res.predicted_peak_bytes,
             baseline_peak_bytes=rp.unplanned_peak_bytes, recompute_ms=sum(m.recompute_ms for m in modules[s]),
             baseline_step_ms=est.module_info.step_runtime_ms, solver_status=res.status.value,
