@@ -30,6 +30,7 @@ from estimators.pipeline.stage_trace import resident_bytes_at, stage_module_info
 from estimators.step.stage_step import StageRole
 from estimators.step.train_step import TrainStep, ZeroGrad
 from estimators.tracing.estimation import estimate
+from estimators.tracing.sharded_model import fsdp_layout
 from planner.distributed.layout import plan_layout
 from planner.errors import PlanningError
 from planner.format import GiB, check_budget_gib, fmt_bytes
@@ -117,9 +118,15 @@ class RankPlanner:
         pipeline = options.pipeline
         if pipeline is None:
             raise PlanningError("planning a pipeline rank needs options=PlanOptions(pipeline=Pipeline(...))")
-        if options.offload or options.fsdp_units is not None:
-            raise PlanningError("a pipeline stage is planned without offload and without fsdp_units for now; "
-                                "world_size divides its parameters, gradients and optimizer state")
+        if options.offload:
+            raise PlanningError("a pipeline stage is planned without offload for now (recompute only): "
+                                "plan it with offload=False")
+        if options.fsdp_units is not None or any(fsdp_layout(m) is not None for m, _ in stages.values()):
+            raise PlanningError(
+                "FSDP2 inside a pipeline stage is not modelled yet (under torch's schedules its units stay "
+                "gathered from their first forward and their unsharded gradients accumulate until the step's "
+                "REDUCE_GRAD): plan the stage before fully_shard, without fsdp_units; world_size=<dp> divides its "
+                "parameters, gradients and optimizer state ZeRO-style, without FSDP2's gathered copies")
         t0 = time.perf_counter()
         self.stages = stages
         self.rank, self.local = _rank_stages(pipeline, stages)
