@@ -47,6 +47,10 @@ class RunConfig:
     torchtitan does (``examples.tensor_parallel.parallelize_llama``, loss_parallel; llama only)."""
     sequence_parallel: bool = True
     """With ``tp > 1``: sequence parallelism on (activations between stages are sequence shards)."""
+    plan_here_gib: dict[int, float] | None = None
+    """{rank: budget}: before the run, each rank plans its stages on the live group at its
+    budget (tracing them at its local shapes, as ``solve_sac`` does in a job) and returns the
+    plans' hashes (``live_plan_hashes``)."""
 
     def plans_of(self, rank: int) -> dict:
         """The {stage: Plan} this rank applies."""
@@ -135,6 +139,7 @@ def run_config(rank: int, world: int, kind: str, cfg: RunConfig, n_steps: int = 
     mods = [build_stage(kind, full, s, n_stages) if cfg.tp == 1 else
             tp_stage(kind, full, s, n_stages, mesh["tp"], cfg.sequence_parallel) for s in local]
     del full
+    live = _plan_here(cfg, cfg.plan_here_gib[rank], mods, local, n_stages, context) if cfg.plan_here_gib else None
     stages = [pp.PipelineStage(m, s, n_stages, torch.device("cpu"), group=group) for m, s in zip(mods, local)]
     plans = cfg.plans_of(rank)
     handles = [apply_plan(st, plans[s]) for st, s in zip(stages, local) if s in plans]
@@ -172,7 +177,29 @@ def run_config(rank: int, world: int, kind: str, cfg: RunConfig, n_steps: int = 
     for h in handles:
         h.remove()
     torch.distributed.barrier()
-    return {"peaks": peaks, "grads": digest, "step_ms": times}
+    return {"peaks": peaks, "grads": digest, "step_ms": times, "live_plan_hashes": live}
+
+
+def _plan_here(cfg: RunConfig, budget_gib: float, mods, local: list[int], n_stages: int, context) -> dict[int, str]:
+    """{stage: plan hash} of this rank's stages planned on the live group (``plan_here_gib``)."""
+    from torch.distributed import pipelining as pp
+
+    from examples.pipeline_stages import stage_loss
+    from planner import PlanOptions, TrainStep
+    from planner.distributed.pipeline import Pipeline, solve_pipeline_rank
+    from planner.distributed.ranks import plan_hash
+
+    cls_name, virtual = SCHEDULES[cfg.schedule]
+    tokens = batch(1)[:MB_SIZE]  # one micro-batch: (MB_SIZE, SEQ)
+    seq = SEQ // cfg.tp if cfg.tp > 1 and cfg.sequence_parallel else SEQ  # a sequence shard between stages
+    hidden = torch.empty(MB_SIZE, seq, build_model("llama").config.dim, device="meta")
+    steps = {s: (m, TrainStep(inputs=tokens if s == 0 else hidden, loss_fn=stage_loss, optimizer="adamw",
+                              target=tokens if s == n_stages - 1 else None,
+                              context=context if cfg.tp > 1 else None)) for m, s in zip(mods, local)}
+    pipe = Pipeline(getattr(pp, cls_name), n_microbatches=cfg.n_microbatches, stage_index=local[0],
+                    n_stages=n_stages, virtual_stages=virtual)
+    plans = solve_pipeline_rank(steps, budget_gib, options=PlanOptions(device="cpu", pipeline=pipe))
+    return {s: plan_hash(p) for s, p in plans.items()}
 
 
 def rank_worker(rank: int, world: int, kind: str, configs: list[RunConfig]) -> list[dict]:
