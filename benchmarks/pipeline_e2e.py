@@ -3,6 +3,7 @@ on gloo ranks of this CPU, every rank's peak measured by MemTracker beside the p
 
     python benchmarks/pipeline_e2e.py                                   # the full table (long)
     python benchmarks/pipeline_e2e.py --models llama --ranks 2 --schedules 1F1B --mbs 4
+    python benchmarks/pipeline_e2e.py --models llama --ranks 4 --tp 2 --sp on off --mbs 4   # PP 2 x TP 2
 
 For each model (a Llama-style decoder from examples/llama.py, an HF Qwen2 decoder from a tiny
 config), 2 and 4 ranks, each schedule (GPipe, 1F1B, Interleaved1F1B and InterleavedZeroBubble with
@@ -13,6 +14,10 @@ Checked on every rank: the measured peak of steps 2-3 within 2 % of the predicti
 the budget, gradients after step 3 bitwise equal to the unplanned run's. Then, for the 4-rank 1F1B
 at 8 micro-batches: each stage's plan beside its in-flight count, and the predicted makespan
 beside the measured step time (information: a tiny model's CPU step is Python and gloo overhead).
+With ``--tp N`` the ranks are a (ranks / N, N) mesh: each stage's module is parallelized over its
+TP group as torchtitan does (``examples.tensor_parallel.parallelize_llama``, loss_parallel around
+the schedule's step), every rank is planned in this process on the fake process group
+(``plan_tp_ranks``), and the gradients compared are each rank's local shards.
 Exits 1 on any miss, 0 otherwise.
 """
 
