@@ -136,10 +136,12 @@ def plan_layout_rank(build: StageBuilder, budget_gib: float | None, *, mesh_shap
     "cpu": the host the trace runs on) as rank ``rank`` of their product, and ``build(s, mesh)``
     makes each stage ``s`` of the rank (``virtual_stages`` of them; stage ``s`` runs on pipeline
     rank ``s % pp``). A ``"dp"`` dim divides the stage's parameters, gradients and optimizer
-    state (``PlanOptions.world_size``, ZeRO-style). ``options``: device, reserve, solver and trace
-    settings (its ``pipeline`` and ``world_size`` are set here). ``budget_gib`` None: the figures
-    without a plan. Each local stage is traced once; a plan's peak is its traced one (with a
-    ``"dp"`` dim over 1, the MILP's, as ``RankPlanner`` gives per rank)."""
+    state (``PlanOptions.world_size``, ZeRO-style): less than FSDP2 holds under a pipeline
+    schedule, where its units stay gathered and its gradients unsharded through the step
+    (docs/pipeline.md#limits), which is not modelled yet. ``options``: device, reserve, solver
+    and trace settings (its ``pipeline`` and ``world_size`` are set here). ``budget_gib`` None:
+    the figures without a plan. Each local stage is traced once; a plan's peak is its traced one
+    (with a ``"dp"`` dim over 1, the MILP's, as ``RankPlanner`` gives per rank)."""
     t0 = time.perf_counter()
     with fake_layout_rank(build, mesh_shape=mesh_shape, rank=rank, schedule=schedule, n_microbatches=n_microbatches,
                           virtual_stages=virtual_stages, options=options) as (rp, coordinates):
