@@ -43,6 +43,7 @@ from estimators.pipeline.makespan import Span, bubble_fractions, makespan_ms, si
 from planner.errors import PlanningError
 from planner.format import GiB, check_budget_gib
 from planner.options import Pipeline, PlanOptions
+from planner.plan import Plan
 from planner.planning.pipeline_solve import RankPlanner, solve_pipeline_rank
 
 __all__ = ["Pipeline", "solve_pipeline_rank", "RankPlanner", "PipelineStep", "pipeline_step", "plan_layout_rank",
@@ -102,7 +103,7 @@ class LayoutRankPlan:
     """The smallest peak a plan reaches (the MILP's floor over the schedule)."""
     unplanned_makespan_ms: float
     budget_bytes: int | None
-    plans: dict[int, Any] | None
+    plans: dict[int, Plan] | None
     """{stage: Plan} at ``budget_bytes``; None without a budget or where none fits (``refusal``)."""
     refusal: str | None
     """Why no plan fits the budget (the planner's message), or None."""
@@ -142,6 +143,7 @@ def plan_layout_rank(build: StageBuilder, budget_gib: float | None, *, mesh_shap
     and trace settings (its ``pipeline`` and ``world_size`` are set here). ``budget_gib`` None:
     the figures without a plan. Each local stage is traced once; a plan's peak is its traced one
     (with a ``"dp"`` dim over 1, the MILP's, as ``RankPlanner`` gives per rank)."""
+    budget = None if budget_gib is None else int(check_budget_gib(budget_gib) * GiB)  # before any trace
     t0 = time.perf_counter()
     with fake_layout_rank(build, mesh_shape=mesh_shape, rank=rank, schedule=schedule, n_microbatches=n_microbatches,
                           virtual_stages=virtual_stages, options=options) as (rp, coordinates):
@@ -155,8 +157,7 @@ def plan_layout_rank(build: StageBuilder, budget_gib: float | None, *, mesh_shap
         return LayoutRankPlan(
             rank=rank, coordinates=coordinates, stages=rp.local, unplanned_peak_bytes=rp.unplanned_peak_bytes,
             min_peak_bytes=rp.min_peak_bytes(), unplanned_makespan_ms=rp.unplanned_makespan_ms(),
-            budget_bytes=None if budget_gib is None else int(check_budget_gib(budget_gib) * GiB), plans=plans,
-            refusal=refusal, trace_s=trace_s, plan_s=time.perf_counter() - t1)
+            budget_bytes=budget, plans=plans, refusal=refusal, trace_s=trace_s, plan_s=time.perf_counter() - t1)
 
 
 @contextlib.contextmanager
