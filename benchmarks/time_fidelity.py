@@ -51,7 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks import gpu_validate as gv  # noqa: E402
-from estimators.runtime.models import RuntimeKind  # noqa: E402
+from estimators.runtime.kernel_bench import BenchmarkRuntime  # noqa: E402
+from estimators.runtime.models import RuntimeKind, benchmark_runtime_override  # noqa: E402
 from estimators.step.train_step import TrainStep, run_step  # noqa: E402
 from estimators.tracing.estimation import EstimateOptions, estimate  # noqa: E402
 from examples.convnet import ConvNetConfig, build_convnet  # noqa: E402
@@ -305,7 +306,8 @@ def main(argv=None) -> int:
                 print(f"skip {family}: transformers is not installed\n")
                 continue
         model, step = FAMILIES[family]()
-        variants, est = variants_of(model, step, options)
+        with benchmark_runtime_override(BenchmarkRuntime()):  # one timing per kernel, verification traces too
+            variants, est = variants_of(model, step, options)
         before = _load()
         samples = time_variants(model, step, variants, args.rounds)
         rows = rows_of(variants, samples)

@@ -11,8 +11,8 @@ What is fitted, from kernels timed as ``RuntimeKind.BENCHMARK`` times them (the 
 * ``kernel_launch_ms``: the time of an op on one-element tensors (dispatch and launch);
 * ``compute_efficiency``: the median over a few matmul shapes of achieved FLOP/s over the
   spec's peak, each kernel's time less the launch time;
-* ``bandwidth_efficiency``: the same for memory-bound kernels (a copy and an add of tensors
-  far larger than the caches), bytes read and written over the spec's bandwidth.
+* ``bandwidth_efficiency``: the same for memory-bound kernels (a copy and an add of 16 MiB
+  tensors on a CPU, 1 GiB on a GPU), bytes read and written over the spec's bandwidth.
 
 An efficiency above 1 means the spec's peak is below what this device does (a faster CPU than
 the ``cpu`` spec's): the peak is raised to the achieved figure and the efficiency set to 1.
@@ -42,7 +42,9 @@ _MATMULS = {"cpu": ((512, 512, 512), (1024, 256, 1024), (256, 1024, 256)),
             "cuda": ((4096, 4096, 4096), (8192, 2048, 8192), (2048, 8192, 2048))}
 """(m, k, n) of the timed matmuls: large enough to be compute-bound on the device."""
 _STREAM_MIB = {"cpu": 16, "cuda": 1024}
-"""Size of each memory-bound kernel's tensors: many times the last-level cache."""
+"""Size of each memory-bound kernel's tensors: with its output, past a CPU's last-level cache
+(a GPU's many times over); below glibc's largest mmap threshold (32 MiB), so a CPU run reuses its
+heap instead of faulting fresh pages in on every call."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -187,9 +187,9 @@ class DeviceSpec:
 
     The three host costs add to the step on a CPU, where the host runs the kernels. On a GPU
     the host runs ahead of the device's queue and they are hidden where kernels are longer, so
-    the CUDA specs leave them at 0 (not modelled). Measured on this machine by
-    ``planner.analysis.calibration.calibrate_device``; the ``cpu`` spec's are that helper's
-    figures on the project's 2-core machine, idle, rounded."""
+    the CUDA specs leave them at 0 (not modelled). They are the host's, not the chip's: every
+    built-in spec has 0 (not priced); ``planner.analysis.calibration.calibrate_device`` measures
+    them on the machine at hand (this project's CPU: docs/accuracy.md#runtimes)."""
 
     @property
     def host_copy_bytes_per_s(self) -> float:

@@ -29,9 +29,8 @@ def synthetic_tensor(numel: int, dtype: torch.dtype, device: torch.device) -> to
 
     Floating values are in the domain of every elementwise op a step runs (``sqrt``, ``log``,
     ``rsqrt``, ``pow``, ``acos``, probabilities for ``bernoulli`` / ``multinomial``) and far
-    from denormals: a value outside an op's domain makes it produce NaN, which some CPUs
-    compute on a slow path many times the op's time on real data (AdamW's ``sqrt`` of its
-    second moment, always >= 0 in training, timed on ``randn`` input)."""
+    from denormals: outside an op's domain it makes NaN, which some CPUs compute on a slow path
+    many times the op's time on training data (AdamW's second moment, for one, is >= 0)."""
     if dtype.is_floating_point or dtype.is_complex:
         # rand has no kernel for every float dtype (float8): draw in float32 and cast.
         if dtype.itemsize < 2 and not dtype.is_complex:

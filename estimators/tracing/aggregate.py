@@ -103,7 +103,7 @@ def _local_stats(
         act_fw_bytes=_sum_bytes(trace, set().union(*(saved.get(c.cid, set()) for c in calls))),
         sac_memory_bytes=curve.total_bytes,
         sac_runtime_ms=curve.total_ms,
-        recompute_fixed_ms=fixed_recompute_ms(ops, groups) + call_ms + policy_ms if ops else 0.0,
+        recompute_fixed_ms=(fixed_recompute_ms(ops, groups) + call_ms + policy_ms) if ops else 0.0,
         checkpoint_call_ms=call_ms if ops else 0.0,
         selective_policy_ms=policy_ms,
         full_recompute_ms=full_ms + call_ms if full_ms else 0.0,

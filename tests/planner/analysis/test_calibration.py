@@ -10,17 +10,18 @@ from planner.analysis.calibration import calibrate_device, fit_checkpoint_costs
 
 
 def test_fit_recovers_the_costs_the_model_was_built_from():
-    """Per block: full(K) = call + K (kernel + rc), selective(K) = call + (K - 1)(kernel + rc)
-    + 2 K policy. With call 1, rc 0.05, kernel 0.01, policy 0.1 ms at K = 2 and 16, the fit
-    gives them back; a negative estimate (noise) is clamped to 0."""
+    """Per block of n ops: full(n) = call + n (kernel + rc), selective(n) = call + (n - 1)
+    (kernel + rc) + 2 n policy. With call 1, rc 0.05, kernel 0.01, policy 0.1 ms at n = 9 and
+    36, the fit gives them back; a negative estimate (noise) is clamped to 0."""
     call, rc, kernel, policy = 1.0, 0.05, 0.01, 0.1
 
-    def full(k):
-        return call + k * (kernel + rc)
+    def full(n):
+        return call + n * (kernel + rc)
 
-    sel16 = call + 15 * (kernel + rc) + 2 * 16 * policy
-    assert fit_checkpoint_costs((full(2), full(16)), sel16, 16 * kernel) == pytest.approx((call, rc, policy))
-    assert fit_checkpoint_costs((full(2), full(16)), full(16) - 5.0, 16 * kernel)[2] == 0.0
+    sel36 = call + 35 * (kernel + rc) + 2 * 36 * policy
+    fit = fit_checkpoint_costs((9, 36), (full(9), full(36)), sel36, 36 * kernel)
+    assert fit == pytest.approx((call, rc, policy))
+    assert fit_checkpoint_costs((9, 36), (full(9), full(36)), full(36) - 5.0, 36 * kernel)[2] == 0.0
 
 
 @pytest.mark.slow
