@@ -265,7 +265,7 @@ def estimate(
         trace, _, _, _ = _trace(model, step, spec, options, prepare, cuda_rules, without_grad, stacks, placed)
     with gc_paused():
         timeline = build_timeline(trace)
-        info = build_module_info(trace, timeline)
+        info = build_module_info(trace, timeline, spec)
     dt = time.perf_counter() - t0
     logger.info("traced %d ops, %d module calls in %.2f s", len(trace.ops), len(trace.calls), dt)
     return Estimate(
