@@ -44,6 +44,7 @@ import dataclasses
 import enum
 import functools
 import logging
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -77,7 +78,8 @@ from estimators.tracing.trace import InplaceModifiedError, StepTrace, StepTracer
 from estimators.tracing.replicate import NotReplicable, expand_stacks
 from estimators.tracing.stacks import Stack, find_stacks
 from estimators.tracing.fake_copy import FakeCopyError, fake_copy, fake_tensor
-from estimators.tracing.truncation import FullListsRuntime, gc_paused, may_index_blocks, pre_step_owners
+from estimators.tracing.thread_state import eager_in_this_thread, gc_paused, torch_rng_restored
+from estimators.tracing.truncation import FullListsRuntime, may_index_blocks, pre_step_owners
 
 __all__ = [
     "DEFAULT_DEVICE",
@@ -358,7 +360,7 @@ def _trace_step(
             # Fake tensors draw nothing, but the model's Python code may touch the generators
             # itself (Reformer calls torch.seed() in train mode): planning leaves them as they were.
             cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-            restore.enter_context(torch.random.fork_rng(devices=cuda))
+            restore.enter_context(torch_rng_restored(cuda))
         groups = param_groups(model, step.optimizer, mapping)
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             # Built in the mode: a constructor that makes state (Adagrad's step count) makes it
@@ -392,9 +394,8 @@ def _trace_step(
         tracer.attach()
         try:
             with contextlib.ExitStack() as modes:
-                # The step's eager ops are what is traced: a compiled block runs them eagerly here
-                # (torch.compile under the trace's modes would trace our own dispatch code).
-                modes.enter_context(torch.compiler.set_stance("force_eager"))
+                # The step's eager ops are traced: compiled code runs eagerly in this thread (see thread_state)
+                modes.enter_context(eager_in_this_thread())
                 if fake_mode is not None:
                     modes.enter_context(hf_real_paths(step.inputs))  # HF's real-run code path
                     modes.enter_context(fake_mode)
@@ -496,22 +497,24 @@ def _refuse_calls_of(model: torch.nn.Module) -> Callable[[], None]:
     one that holds parameters is refused before its forward runs with grad on (its gradients and
     optimizer state would be the user's, not the copy's, and missing from the trace); under
     no_grad it runs, its parameters counted as the step's inputs (FixMatch's pseudo-label
-    forward: counted high, where a refusal would leave no plan at all).
-    One that holds only buffers runs as the copy's would (``CrossEntropyLoss(weight=...)`` kept
-    on the model, a plain criterion), its buffers put back afterwards (a no-grad forward of a
-    BatchNorm counts a batch into its statistics). Returns the removal of the hooks."""
+    forward: counted high, where a refusal would leave no plan at all). One that holds only
+    buffers runs as the copy's would (``CrossEntropyLoss(weight=...)`` kept on the model, a plain
+    criterion), its buffers put back afterwards (a no-grad forward of a BatchNorm counts a batch
+    into its statistics). Other threads' calls pass: the hooks are on the user's model, which
+    another thread may train meanwhile. Returns the removal of the hooks."""
     names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
     kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    tracing = threading.get_ident()
 
     def refuse(module, args):
-        if not torch.is_grad_enabled():  # a no-grad forward (FixMatch's pseudo-labels): nothing of
-            return keep_buffers(module, args)  # it trains; its parameters count as inputs (high)
+        if threading.get_ident() != tracing or not torch.is_grad_enabled():  # another thread's, or a
+            return keep_buffers(module, args)  # no-grad forward (FixMatch's pseudo-labels): inputs (high)
         raise _TheModelItself(f"calls {names[id(module)]} of the model itself, from loss_fn, a hook, "
                               "or a reference the model's code keeps to itself (deepcopy shares "
                               "functions and their closures)")
 
     def keep_buffers(module, _args):
-        if id(module) not in kept:
+        if id(module) not in kept and threading.get_ident() == tracing:
             with torch.no_grad(), unset_fake_temporarily():
                 kept[id(module)] = [(b, b.detach().clone()) for b in module.buffers()]
 
@@ -582,7 +585,7 @@ def _restored(model: torch.nn.Module):
                     saved.append((table, name, t, t.detach().clone()))
     grads = {id(p): (p, p.grad) for p in model.parameters()}
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
+    with torch_rng_restored(devices):
         try:
             yield
         finally:
