@@ -115,6 +115,40 @@ def test_two_threads_planning_leave_every_torch_global_as_they_found_it():
     torch._dynamo.reset()
 
 
+def _gate() -> tuple[nn.Module, threading.Event, threading.Event]:
+    """A module that holds the trace (its forward on fake tensors, once) until ``done`` is set,
+    ``in_trace`` set meanwhile. The events are in the closure: the fake copy deep-copies modules."""
+    in_trace, done = threading.Event(), threading.Event()
+
+    class Gate(nn.Module):
+        def forward(self, x):
+            if is_fake(x) and not in_trace.is_set():
+                in_trace.set()
+                done.wait(120)
+            return x
+
+    return Gate(), in_trace, done
+
+
+def _plan_while(model: nn.Module, in_trace: threading.Event, done: threading.Event, meanwhile) -> list:
+    """solve_sac(model) in one thread, ``meanwhile()`` in another while the trace is held."""
+    def plan():
+        try:
+            return solve_sac(model, 1.0, TrainStep(inputs=torch.randn(8, 16), optimizer="adamw"),
+                             options=PlanOptions(device="cpu"))
+        finally:
+            in_trace.set()
+
+    def other():
+        assert in_trace.wait(120)
+        try:
+            return meanwhile()
+        finally:
+            done.set()
+
+    return _run_threads(plan, other)
+
+
 def test_a_compiled_model_planned_while_another_thread_compiles():
     """The other thread compiles while the trace runs (it waits for it); the planned model's
     compiled block compiles nothing while planned, and compiles when it trains after."""
@@ -126,34 +160,11 @@ def test_a_compiled_model_planned_while_another_thread_compiles():
             return gm.forward
         return backend
 
-    in_trace, other_done = threading.Event(), threading.Event()
-
-    class Gate(nn.Module):
-        def forward(self, x):
-            if is_fake(x) and not in_trace.is_set():
-                in_trace.set()
-                other_done.wait(120)
-            return x
-
+    gate, in_trace, done = _gate()
     body = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
-    model = nn.Sequential(Gate(), torch.compile(body, backend=counting("block")), nn.Linear(16, 4))
-
-    def other():
-        assert in_trace.wait(120)
-        f = torch.compile(lambda x: torch.sin(x) * 2, backend=counting("other"))
-        try:
-            return f(torch.randn(3))
-        finally:
-            other_done.set()
-
-    def plan():
-        try:
-            return solve_sac(model, 1.0, TrainStep(inputs=torch.randn(8, 16), optimizer="adamw"),
-                             options=PlanOptions(device="cpu"))
-        finally:
-            in_trace.set()
-
-    _run_threads(plan, other)
+    model = nn.Sequential(gate, torch.compile(body, backend=counting("block")), nn.Linear(16, 4))
+    other = torch.compile(lambda x: torch.sin(x) * 2, backend=counting("other"))
+    _plan_while(model, in_trace, done, lambda: other(torch.randn(3)))
     assert graphs == {"block": 0, "other": 1}, graphs  # other: 0 when planning turned compile off
     model(torch.randn(8, 16)).sum().backward()
     assert graphs["block"] == 1, "the planned model's compiled block no longer compiles"
@@ -163,32 +174,13 @@ def test_a_compiled_model_planned_while_another_thread_compiles():
 def test_another_thread_trains_the_model_while_it_is_planned():
     """The trace's hooks on the user's model (calls of the model itself from the step are
     refused, buffer-only modules put back) act on the planning thread's calls only."""
-    in_trace, trained = threading.Event(), threading.Event()
-
-    class Gate(nn.Module):
-        def forward(self, x):
-            if is_fake(x) and not in_trace.is_set():
-                in_trace.set()
-                trained.wait(120)
-            return x
-
+    gate, in_trace, done = _gate()
     torch.manual_seed(0)
-    model = nn.Sequential(Gate(), nn.Linear(16, 16), nn.BatchNorm1d(16, affine=False), nn.Linear(16, 4))
+    model = nn.Sequential(gate, nn.Linear(16, 16), nn.BatchNorm1d(16, affine=False), nn.Linear(16, 4))
 
     def train():
-        assert in_trace.wait(120)
-        try:
-            model(torch.randn(8, 16) + 3).sum().backward()  # raised "calls ... of the model itself"
-            return model[2].running_mean.clone()
-        finally:
-            trained.set()
+        model(torch.randn(8, 16) + 3).sum().backward()  # raised "calls ... of the model itself"
+        return model[2].running_mean.clone()
 
-    def plan():
-        try:
-            return solve_sac(model, 1.0, TrainStep(inputs=torch.randn(8, 16), optimizer="adamw"),
-                             options=PlanOptions(device="cpu"))
-        finally:
-            in_trace.set()
-
-    _, stats = _run_threads(plan, train)
+    _, stats = _plan_while(model, in_trace, done, train)
     assert stats.abs().sum() > 0 and torch.equal(model[2].running_mean, stats)  # its step counted, kept
