@@ -163,16 +163,16 @@ def test_plan_out_to_a_directory_is_one_line(tmp_path, capsys):
     assert "is a directory, not a regular file" in _error_line(capsys)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("layout", {"meshes": ["tp=2"], "placements": "0123456789abcdef", "dtensor_parameters": 4},
+@pytest.mark.parametrize("field, value, verify, message", [
+    ("layout", {"meshes": ["tp=2"], "placements": "0123456789abcdef", "dtensor_parameters": 4}, ["--no-verify"],
      "the plan was made for tensor parallel over tp=2 (4 DTensor parameters), the model has one process"),
-    ("pipeline", {"schedule": "Schedule1F1B", "n_microbatches": 4, "stage_index": 0, "n_stages": 2},
+    ("pipeline", {"schedule": "Schedule1F1B", "n_microbatches": 4, "stage_index": 0, "n_stages": 2}, [],
      "the plan is for pipeline stage 0 of 2 (Schedule1F1B, 4 micro-batches)"),
 ])
-@pytest.mark.parametrize("verify", [[], ["--no-verify"]])
-def test_a_plan_for_another_layout_is_not_checked_as_one_process(plan_file, capsys, field, value, message, verify):
-    # Before: a TP plan's per-rank figures printed as this process's, a stage plan checked
-    # against an ordinary step and reported "within" (exit 0 both).
+def test_a_plan_for_another_layout_is_not_checked_as_one_process(plan_file, capsys, field, value, verify, message):
+    # Before (exit 0 both): a TP plan's per-rank figures printed as this process's (--no-verify;
+    # with --verify apply_plan refused it), a stage plan checked against an ordinary step and
+    # reported "within".
     _edited(plan_file, lambda d: d.update({field: value}))
     assert _plan_in(plan_file, *verify) == 2
     assert message in _error_line(capsys)
