@@ -49,18 +49,35 @@ def stage_mismatch(rec: Any, stage: Any) -> str | None:
 
 def enclosing_stage(frame: Any, depth: int = 64) -> Any:
     """The ``PipelineStage`` whose method is running below ``frame`` (its caller chain), or
-    None: how a plan applied to a bare stage module finds its stage at its first call."""
+    None: how a plan applied to a bare stage module finds its stage at its first call.
+
+    Only a stage method's own frame has its locals read: on Python 3.11 reading ``f_locals``
+    snapshots every local of that frame into a dict the frame keeps until it returns, and a
+    training loop's frame lives for the whole run (its first batch then outlived the step)."""
     if "torch.distributed.pipelining.stage" not in sys.modules:
         return None
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
+    codes = _method_codes(_PipelineStageBase)
     for _ in range(depth):
         if frame is None:
             return None
-        if "self" in frame.f_code.co_varnames[:1] and isinstance(frame.f_locals.get("self"), _PipelineStageBase):
-            return frame.f_locals["self"]
+        if frame.f_code in codes:
+            stage = frame.f_locals.get("self")
+            if isinstance(stage, _PipelineStageBase):
+                return stage
         frame = frame.f_back
     return None
+
+
+def _method_codes(base: type) -> set:
+    """The code objects of the functions defined on ``base`` and its subclasses."""
+    codes, todo = set(), [base]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        codes.update(f.__code__ for f in vars(cls).values() if hasattr(f, "__code__"))
+    return codes
 
 
 def stage_target(target: Any, plan) -> tuple[torch.nn.Module, Any]:

@@ -115,3 +115,27 @@ def test_a_plan_on_a_bare_stage_module_is_checked_against_the_stage_that_runs_it
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             module(x).sum().backward()  # not run by a stage: nothing to check
+
+
+def test_the_first_call_check_keeps_no_tensor_of_its_callers_alive():
+    """The stage check at a planned module's first call walks up its callers' frames; reading a
+    frame's locals (Python 3.11) pins every local there until the frame returns, and a training
+    loop's frame lives for the whole run: its first batch outlived the step (an HF Trainer run
+    measured 3,076 B above the plan in every step)."""
+    import weakref
+
+    import torch.distributed.pipelining.stage  # noqa: F401  the check looks for stages only once it is loaded
+
+    module = _Stage()
+    plan = dataclasses.replace(_plan(module, stage=0, split=False), pipeline=None)
+
+    class Loop:  # a trainer's loop: a method's frame, alive while the step runs and after it
+        def run(self, probe):
+            batch = torch.randn(2, 8, requires_grad=True)
+            probe.append(weakref.ref(batch))
+            module(batch).sum().backward()
+            del batch
+            return probe[0]() is None
+
+    with apply_plan(module, plan):
+        assert Loop().run([]), "the first call's check kept the caller's batch alive"
