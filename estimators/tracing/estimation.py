@@ -75,6 +75,7 @@ from estimators.step.optimizer import check_optimizer_params, param_groups, reso
 from estimators.tracing.steady_state import first_step_module_info, first_step_peak, steady_state
 from estimators.tracing.trace import InplaceModifiedError, StepTrace, StepTracer
 from estimators.tracing.replicate import NotReplicable, expand_stacks
+from estimators.tracing.routing import ExpertLoad, stated_routing
 from estimators.tracing.stacks import Stack, find_stacks
 from estimators.tracing.fake_copy import FakeCopyError, fake_copy, fake_tensor
 from estimators.tracing.truncation import FullListsRuntime, gc_paused, may_index_blocks, pre_step_owners
@@ -132,6 +133,8 @@ class EstimateOptions:
     others in as copies of one (``estimators.tracing.replicate``): the trace the full step gives,
     in the time of four blocks. Where the traced blocks differ, the full model is traced (said at
     DEBUG on ``estimators.tracing.replicate``'s logger). False: always trace every block."""
+    expert_load: ExpertLoad | None = None
+    """The tokens each rank's experts receive, for the routing's value reads (``estimators.tracing.routing``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TraceMode):
@@ -402,6 +405,7 @@ def _trace_step(
                     kernels = RealKernelsMode(cuda=bool(cuda_rules), values=_batch_values(step.inputs, step_inputs),
                                               fake_mode=fake_mode)
                     tracer.run_op = modes.enter_context(kernels.inline())
+                tracer.run_op = stated_routing(options.expert_load, fake_mode, tracer.run_op)
                 modes.enter_context(tracer)
                 if cuda_rules:
                     modes.enter_context(CudaSemanticsMode())
