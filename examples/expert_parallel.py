@@ -181,8 +181,11 @@ def train_step(config, *, seed: int = 0) -> Any:
     shape = (config.training.local_batch_size, config.training.seq_len)
     tokens, labels = (torch.randint(0, vocab, shape, generator=g) for _ in range(2))
     (group,) = config.optimizer.param_groups
-    return TrainStep(inputs=(tokens,),
-                     loss_fn=lambda out, inputs: cross_entropy_loss(out, labels, global_vocab_size=vocab) / labels.numel(),
+
+    def loss_fn(out, inputs):
+        return cross_entropy_loss(out, labels, global_vocab_size=vocab) / labels.numel()
+
+    return TrainStep(inputs=(tokens,), loss_fn=loss_fn,
                      optimizer=lambda groups: torch.optim.AdamW(groups, **group.optimizer_kwargs))
 
 

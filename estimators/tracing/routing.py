@@ -57,6 +57,8 @@ _LIKE = frozenset({aten.empty_like.default, aten.zeros_like.default, aten.ones_l
                    aten.full_like.default, aten.new_empty.default, aten.new_zeros.default,
                    aten.new_ones.default, aten.new_full.default, aten.new_empty_strided.default})
 """Factories whose tensor argument is a template (its shape, dtype), not a value they read."""
+_REAL_NUMEL = 1 << 16
+"""A real tensor the step reads holds its values (copied at each op that reads it) up to this size."""
 
 
 class ExpertLoadError(ValueError):
@@ -179,23 +181,11 @@ class _Layout:
         return flat
 
 
-def _real():
+@contextlib.contextmanager
+def _real() -> Iterator[None]:
     """Real tensors, computed for real: no dispatch mode (the trace's fake mode) sees them."""
-    return _Real()
-
-
-class _Real:
-    def __enter__(self) -> None:
-        self._modes = _disable_current_modes()
-        self._guards = (torch._C._DisableTorchDispatch(), torch.no_grad())
-        self._modes.__enter__()
-        for g in self._guards:
-            g.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        for g in reversed(self._guards):
-            g.__exit__(*exc)
-        self._modes.__exit__(*exc)
+    with _disable_current_modes(), torch._C._DisableTorchDispatch(), torch.no_grad():
+        yield
 
 
 class _Node:
@@ -250,6 +240,7 @@ class _Apply:
         out = self.func(*args, **kwargs)
         outs = op_tensors(out if isinstance(out, (tuple, list)) else (out,))
         self._flats = [lay.flat_from(o) if lay is not None else None for lay, o in zip(self.outputs, outs)]
+        self.specs = self.skeleton = None  # run once: its inputs' values are no longer held here
 
     def output(self, j: int) -> torch.Tensor:
         if self._flats is None:
@@ -369,7 +360,9 @@ class StatedRouting:
         """``t``'s values where known: held by its storage, a fake constant's, or a real tensor's."""
         from torch._subclasses.fake_tensor import FakeTensor
 
-        if type(t) is torch.Tensor and t.device.type != "meta":  # real in a fake trace: its own values
+        if type(t) is torch.Tensor:  # real in a fake trace (an index made outside it): its own values
+            if t.device.type == "meta" or t.numel() > _REAL_NUMEL:
+                return None
             with _real():
                 flat = t.detach().contiguous().reshape(-1).clone()
             lay = _Layout(tuple(t.shape), _Layout.contiguous(t.shape), 0, t.dtype, t.numel())
@@ -442,8 +435,6 @@ class StatedRouting:
         for o in flat_out:
             st = storage_of(o)
             layouts.append(None if st is None or id(st) in in_storages else _Layout.of(o))
-        if not specs and not any(lay is not None and _integral_dtype(lay.dtype) for lay in layouts):
-            return  # a float factory: not routing bookkeeping
         apply = _Apply(func, _skeleton((args, kwargs)), specs, mutated, layouts)
         for j, (o, lay) in enumerate(zip(flat_out, layouts)):
             if lay is not None:

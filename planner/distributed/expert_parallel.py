@@ -37,15 +37,15 @@ import torch
 from estimators.step.train_step import TrainStep
 from estimators.tracing.estimation import as_train_step, estimate
 from estimators.tracing.routing import Exchange, ExpertLoad, recorded_exchanges
+from estimators.tracing.steady_state import first_step_module_info
 from planner.applying.checkpointing import hf_cache_off
+from planner.distributed.fsdp import fsdp_module_info
 from planner.distributed.layout import fsdp_options
 from planner.errors import PlanningError
 from planner.format import fmt_bytes
 from planner.options import PlanOptions
 from planner.plan import Plan
 from planner.planning.solve import plan_estimate
-from estimators.tracing.steady_state import first_step_module_info
-from planner.distributed.fsdp import fsdp_module_info
 from planner.planning.verification import per_rank_peaks, traced_estimate
 from solver import predict_peak_bytes
 
@@ -79,7 +79,7 @@ class ExpertParallelPlan:
         """One paragraph: the plan, this rank's peak at its load, the worst case."""
         ex = self.exchanges[0] if self.exchanges else None
         where = (f"rank {ex.ep_rank} of {ex.ep_size} (EP), {ex.local_experts} of {ex.experts} experts, "
-                 f"receiving {ex.received_rows:,} of its {ex.routed_rows:,} routed rows' worth per MoE layer"
+                 f"receiving {ex.received_rows:,} rows per MoE layer (it routes {ex.routed_rows:,})"
                  if ex else "no token-count exchange traced")
         checkpointed = ", ".join(self.plan.checkpointed) or "nothing"
         return (f"expert parallel, {where}; plan made at capacity factor {self.planned_capacity_factor:g} "
@@ -90,10 +90,10 @@ class ExpertParallelPlan:
 
 def plan_expert_parallel(model: torch.nn.Module, budget_gib: float, step: TrainStep | None = None, *,
                          options: PlanOptions | None = None) -> ExpertParallelPlan:
-    """Plan rank-wise for an expert-parallel step under ``options.expert_load`` (None: balanced):
-    the plan ``solve_sac`` makes at the largest stated factor, this rank's peak with it at its
-    own factor (traced again where that is not the largest), and its peak under the worst routing. Call it on every rank (a live group, or one
-    rank of ``fake_process_group``) with the same arguments; the plan is the same on all."""
+    """Plan an expert-parallel rank under ``options.expert_load`` (None: balanced): the plan
+    ``solve_sac`` makes at the largest stated factor, this rank's peak with it at its own factor,
+    and its peak under the worst routing. Call it on every rank (a live group, or one rank of
+    ``fake_process_group``) with the same arguments: the plan is the same on all."""
     options = options if options is not None else PlanOptions()
     if options.pipeline is not None:
         raise PlanningError("plan_expert_parallel plans a whole model's rank; expert parallel inside a pipeline "
@@ -108,9 +108,9 @@ def plan_expert_parallel(model: torch.nn.Module, budget_gib: float, step: TrainS
             return estimate(model, step, device=options.spec,
                             options=dataclasses.replace(options.trace, expert_load=stated, progress=False))
 
-    with recorded_exchanges() as planned_exchanges:
+    with recorded_exchanges() as recorded:
         est = traced(planned_options.expert_load)
-        planned_exchanges = tuple(planned_exchanges)
+    planned_exchanges = tuple(recorded)
     plan = plan_estimate(model, est, budget_gib, options=planned_options)
 
     def at(stated: ExpertLoad) -> tuple[int, int, tuple[Exchange, ...]]:

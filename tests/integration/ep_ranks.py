@@ -90,8 +90,8 @@ def ep_case(rank: int, world: int, name: str) -> dict:
 def ep_fsdp_case(rank: int, world: int) -> dict:
     """EP 2 x FSDP2 over ``world`` ranks (examples.expert_parallel.shard: every unit sharded over
     2), balanced routing, in torchtitan's order: parallelize, plan and apply, then fully_shard.
-    FSDPMemTracker's steady peak per rank against the plan; gradient shards against the
-    unplanned EP x FSDP2 run."""
+    MemTracker's steady peak per rank against the plan; gradient shards against the unplanned
+    EP x FSDP2 run."""
     from examples.expert_parallel import (TINY, build, fsdp_unit_names, parallel_dims_of, route, shard,
                                           train_step, trainer_config)
     from planner import PlanOptions, apply_plan
@@ -123,33 +123,16 @@ def ep_fsdp_case(rank: int, world: int) -> dict:
     plan = plan_expert_parallel(unplanned, budget / GiB, step, options=options)
     shard(unplanned, parallel_dims)
     reference = _local_grads(unplanned, step)
-    no_ac = _fsdp_steady_peak(unplanned, step)
+    no_ac = _steady_peak(unplanned, step)
     planned = model()
     apply_plan(planned, plan.plan)  # torchtitan's order: parallelize, AC, then fully_shard
     shard(planned, parallel_dims)
     grads = _local_grads(planned, step)
     return {"budget": budget, "no_ac_predicted": high, "no_ac_measured": no_ac, "predicted": plan.peak_bytes,
-            "worst": plan.worst_case_peak_bytes, "measured": _fsdp_steady_peak(planned, step),
+            "worst": plan.worst_case_peak_bytes, "measured": _steady_peak(planned, step),
             "checkpointed": list(plan.plan.checkpointed),
             "bitwise": len(grads) == len(reference) and all(torch.equal(a, b) for a, b in zip(grads, reference)),
             "hash": plan_hash(plan.plan), "common_hash": check_same_plan(plan.plan)}
-
-
-def _fsdp_steady_peak(model, step) -> int:
-    """FSDPMemTracker's peak over steps 2 and 3 of 3 AdamW steps."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    opt = torch.optim.AdamW(model.parameters())
-    tracker = FSDPMemTracker(model, opt)
-    tracker.track_inputs(step.inputs)
-    with tracker:
-        for i in range(3):
-            if i:
-                opt.zero_grad(set_to_none=True)
-                tracker.reset_mod_stats()
-            step.loss_fn(model(*step.inputs), step.inputs).backward()
-            opt.step()
-    return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
 
 
 def worker(rank: int, world: int, tmp: str, names: list[str]) -> None:
