@@ -15,9 +15,9 @@ the ``ep`` mesh dim, and each MoE layer dispatches and combines tokens with
 ``all_to_all_single``, its split sizes read from the router's counts. What differs from its
 training setup, and why:
 
-* the SPMD backend is ``partial_dtensor``: its default ``spmd_types`` sends tokens with the list
-  form of ``all_to_all``, which gloo refuses for chunks of unequal size (``ProcessGroupGloo::
-  alltoall: invalid tensor size``); NCCL takes both;
+* the SPMD backend is ``partial_dtensor`` by default: torchtitan's default ``spmd_types`` sends
+  tokens with the list form of ``all_to_all``, which gloo refuses for chunks of unequal size
+  (``ProcessGroupGloo::alltoall: invalid tensor size``); NCCL and the fake group take both;
 * attention runs torch's SDPA (causal): FlexAttention has no CPU backward;
 * FSDP2 (:func:`shard`) is composed so that every unit shards over a group of one size (``ep``
   and ``efsdp`` of equal size): the routed experts over ``efsdp``, everything else HSDP-style,
@@ -122,16 +122,18 @@ def _model_config(dims: MoEDims):
             "weight": partial(nn.init.trunc_normal_, std=s, a=-3 * s, b=3 * s), "bias": nn.init.zeros_}))
 
 
-def trainer_config(dims: MoEDims, *, world: int, ep: int, seq_len: int, batch: int):
+def trainer_config(dims: MoEDims, *, world: int, ep: int, seq_len: int, batch: int,
+                   backend: str = "partial_dtensor"):
     """torchtitan's DeepSeek-V3 ``Trainer.Config`` at ``dims``: EP ``ep`` inside FSDP over
-    ``world`` ranks (``dp_shard = world``, as torchtitan borrows EP from it), the
-    ``partial_dtensor`` backend, and the model config's sharding filled in from it."""
+    ``world`` ranks (``dp_shard = world``, as torchtitan borrows EP from it), the SPMD ``backend``
+    (``partial_dtensor``, which gloo runs, or ``spmd_types``), and the model config's sharding
+    filled in from it."""
     from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
 
     config = deepseek_v3_debugmodel()
     config.parallelism.expert_parallel_degree = ep
     config.parallelism.data_parallel_shard_degree = world
-    config.parallelism.spmd_backend = "partial_dtensor"
+    config.parallelism.spmd_backend = backend
     config.training.seq_len, config.training.local_batch_size = seq_len, batch
     config.model_spec = dataclasses.replace(config.model_spec, model=_model_config(dims), flavor="planner")
     config.model_spec.model.update_from_config(config=config)
@@ -169,10 +171,12 @@ def build(config, parallel_dims, *, meta: bool = False, seed: int = 0) -> torch.
     return model
 
 
-def train_step(config, *, seed: int = 0) -> Any:
+def train_step(config, parallel_dims=None, *, seed: int = 0) -> Any:
     """One rank's step: a batch of ``local_batch_size x seq_len`` tokens (from ``seed``), torchtitan's
-    cross-entropy over the logits, AdamW as its debugmodel config sets it."""
+    cross-entropy over the logits, AdamW as its debugmodel config sets it, run in torchtitan's SPMD
+    context of ``parallel_dims`` as its Trainer runs it (the ``spmd_types`` backend needs it)."""
     from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed import utils as dist_utils
 
     from planner import TrainStep
 
@@ -185,7 +189,8 @@ def train_step(config, *, seed: int = 0) -> Any:
     def loss_fn(out, inputs):
         return cross_entropy_loss(out, labels, global_vocab_size=vocab) / labels.numel()
 
-    return TrainStep(inputs=(tokens,), loss_fn=loss_fn,
+    context = None if parallel_dims is None else dist_utils.get_spmd_context(parallel_dims=parallel_dims)
+    return TrainStep(inputs=(tokens,), loss_fn=loss_fn, context=context,
                      optimizer=lambda groups: torch.optim.AdamW(groups, **group.optimizer_kwargs))
 
 

@@ -14,12 +14,14 @@ trace's op path below the tracer, gives the step's value reads the values that l
 2. **Index arithmetic** on values held this way runs for real (on the CPU, on real tensors beside
    the fake ones): an op whose tensor arguments all hold values (the one-hot routing map, its
    per-expert sums, ``argsort``, ``cumsum``, ``repeat_interleave``...) gets values for its outputs.
-   An integer or boolean factory (``zeros``, ``arange``...) holds its values too. All of it is
-   lazy: computed only when a value is read, so a causal mask built from ``arange`` never is.
-3. **The token-count exchange**, an ``all_to_all_single`` of an integer tensor holding values,
-   returns what the load says this rank receives: from every rank of the group, ``factor * N /
-   EP`` rows (``N`` = the rows this rank routes, the sum of its counts), spread evenly over its
-   ``e`` local experts. The fake process group moves no data; the load stands for the other ranks.
+   An integer or boolean factory (``zeros``, ``arange``...) holds its values too (``empty``
+   holds none: its values are whatever memory held). All of it is lazy: computed only when a
+   value is read, so a causal mask built from ``arange`` never is.
+3. **The token-count exchange**, an all-to-all of an integer tensor holding values (functional
+   ``all_to_all_single``; ``dist.all_to_all_single`` or ``dist.all_to_all`` in place), returns
+   what the load says this rank receives: from every rank of the group, ``factor * N / EP`` rows
+   (``N`` = the rows this rank routes, the sum of its counts), spread evenly over its ``e`` local
+   experts. The fake process group moves no data; the load stands for the other ranks.
 4. **Value reads** (``.item()``, ``.tolist()``, ``bool()``) of a tensor holding values return them;
    an op whose output shape depends on values (``nonzero``, ``unique``) gets its shape from them.
 
@@ -51,11 +53,18 @@ __all__ = ["ExpertLoad", "ExpertLoadError", "Exchange", "StatedRouting", "stated
 
 aten = torch.ops.aten
 _A2A = torch.ops._c10d_functional.all_to_all_single.default
+_A2A_BASE = torch.ops.c10d.alltoall_base_.default
+_EXCHANGES = frozenset({_A2A, _A2A_BASE, torch.ops.c10d.alltoall_.default})
+"""The all-to-alls a token-count exchange runs: functional (torchtitan's partial_dtensor backend),
+in place into one tensor (``dist.all_to_all_single``) or a list of them (``dist.all_to_all``,
+its spmd_types backend)."""
+_UNDEFINED = frozenset({aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default,
+                        aten.new_empty_strided.default, aten.empty_strided.default, aten.empty_permuted.default})
+"""Factories whose values are whatever memory held: never values to read."""
 _TOPK = frozenset({aten.topk.default})
 _READS = {aten._local_scalar_dense.default: lambda v: v.item(), aten.is_nonzero.default: lambda v: bool(v.item())}
-_LIKE = frozenset({aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
-                   aten.full_like.default, aten.new_empty.default, aten.new_zeros.default,
-                   aten.new_ones.default, aten.new_full.default, aten.new_empty_strided.default})
+_LIKE = frozenset({aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+                   aten.new_zeros.default, aten.new_ones.default, aten.new_full.default})
 """Factories whose tensor argument is a template (its shape, dtype), not a value they read."""
 _REAL_NUMEL = 1 << 16
 """A real tensor the step reads holds its values (copied at each op that reads it) up to this size."""
@@ -353,8 +362,10 @@ class StatedRouting:
         self._refs.pop(k, None)
 
     def _forget(self, t: Any) -> None:
-        if isinstance(t, torch.Tensor) and (key := self._key(t)) is not None:
-            self._nodes.pop(key[0], None)
+        """Written by an op this layer does not run: its values are no longer known."""
+        for x in t if isinstance(t, (list, tuple)) else (t,):
+            if isinstance(x, torch.Tensor) and (key := self._key(x)) is not None:
+                self._nodes.pop(key[0], None)
 
     def _spec(self, t: torch.Tensor) -> _Spec | None:
         """``t``'s values where known: held by its storage, a fake constant's, or a real tensor's."""
@@ -397,12 +408,13 @@ class StatedRouting:
         if facts.is_query:
             return run(func, args, kwargs)
         tensors = op_tensors(args, kwargs)
-        if func is _A2A:
+        if func in _EXCHANGES:
             out = run(func, args, kwargs)
-            if not tensors[0].is_floating_point() and (spec := self._spec(tensors[0])) is not None:
-                self._exchange(out, spec, args)
+            for t in written_args(facts, args, kwargs):
+                self._forget(t)
+            self._exchange(func, args, out)
             return out
-        if func.namespace != "aten" or facts.is_random:
+        if func.namespace != "aten" or facts.is_random or func in _UNDEFINED:
             out = run(func, args, kwargs)
             for t in written_args(facts, args, kwargs):
                 self._forget(t)
@@ -480,28 +492,42 @@ class StatedRouting:
 
         self._set(indices, _Node(lay.dtype, make))
 
-    def _exchange(self, out: torch.Tensor, spec: _Spec, args: tuple) -> None:
-        """Rule 3: the counts this rank receives, as the load states them."""
-        from torch.distributed.distributed_c10d import _resolve_process_group
+    def _exchange(self, func, args: tuple, out: Any) -> None:
+        """Rule 3: the counts this rank receives, as the load states them, in the output chunks of
+        a count exchange (any of the three forms of all-to-all; else nothing is set)."""
+        if func is _A2A:  # (input, output_split_sizes, input_split_sizes, group_name) -> output
+            from torch.distributed.distributed_c10d import _resolve_process_group
 
-        group = _resolve_process_group(args[3])
-        ep_size, ep_rank = dist.get_world_size(group), dist.get_rank(group)
-        counts = spec.value()
+            group = _resolve_process_group(args[3])
+            sources, outputs = [args[0]], _chunks(out, args[1], group)
+        elif func is _A2A_BASE:  # (output, input, group, output_split_sizes, input_split_sizes, ...)
+            group = _group(args[2])
+            sources, outputs = [args[1]], _chunks(args[0], args[3], group)
+        else:  # c10d.alltoall_(output_tensors, input_tensors, group, ...): one tensor per rank
+            group, sources, outputs = _group(args[2]), list(args[1]), [(o, _Layout.of(o)) for o in args[0]]
+        specs = [self._spec(t) for t in sources]
+        if not sources or any(s is None or not _integral_dtype(s.layout.dtype) for s in specs):
+            return
+        ep_size, ep_rank = group.size(), group.rank()
         with _real():
+            counts = torch.cat([s.value().reshape(-1) for s in specs])
             routed, experts = int(counts.sum()), counts.numel()
-        splits = list(args[1]) if args[1] is not None else [out.shape[0] // ep_size] * ep_size
-        inner = math.prod(out.shape[1:])
-        local = splits[0] * inner
-        if any(s * inner != local for s in splits) or local * ep_size != experts:
+        local = math.prod(outputs[0][1].size) if outputs else 0
+        if (len(outputs) != ep_size or local * ep_size != experts
+                or any(math.prod(lay.size) != local for _, lay in outputs)):
             return  # not a count exchange: every rank sends each its experts' counts
         factor, per_source = self._rows_per_source(routed, experts, local, ep_size, ep_rank)
-        lay = _Layout.of(out)
+        flats: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # storage -> (a tensor on it, its values)
         with _real():
-            received = torch.zeros(ep_size, local, dtype=counts.dtype)
-            received += per_source // local
-            received[:, : per_source % local] += 1
-            flat = lay.flat_from(received.reshape(lay.size))
-        self._set(out, _Node(lay.dtype, lambda: flat))
+            received = torch.full((local,), per_source // local, dtype=counts.dtype)
+            received[: per_source % local] += 1
+            for t, lay in outputs:  # every rank sends alike
+                k = id(storage_of(t))
+                if k not in flats:
+                    flats[k] = (t, torch.zeros(max(lay.storage_numel, 1), dtype=lay.dtype))
+                flats[k][1].as_strided(lay.size, lay.stride, lay.offset).copy_(received.reshape(lay.size))
+        for t, flat in flats.values():
+            self._set(t, _Node(flat.dtype, lambda flat=flat: flat))
         exchange = Exchange(ep_size, ep_rank, experts, local, routed, per_source * ep_size,
                             (per_source * ep_size / routed) if routed else factor)
         self.exchanges.append(exchange)
@@ -529,6 +555,24 @@ class StatedRouting:
                 f"{local} experts, but its {routed // k} tokens of top_k {k} can send at most {most} "
                 f"(capacity_factor {most * ep_size / routed:g}, the worst case)")
         return factor, rows
+
+
+def _chunks(out: torch.Tensor, splits: Any, group: Any) -> list[tuple[torch.Tensor, _Layout]]:
+    """The layouts of ``out``'s chunks along dim 0 by ``splits`` (empty or None: equal ones, one
+    per rank of ``group``), each with ``out`` (whose storage it is on)."""
+    if not splits:
+        splits = [out.shape[0] // group.size()] * group.size()
+    whole, chunks, offset = _Layout.of(out), [], out.storage_offset()
+    step = out.stride()[0] if out.dim() else 0
+    for n in splits:
+        chunks.append((out, dataclasses.replace(whole, size=(n, *whole.size[1:]), offset=offset)))
+        offset += n * step
+    return chunks
+
+
+def _group(arg: Any) -> dist.ProcessGroup:
+    """A c10d op's group argument (the TorchScript box of a ``ProcessGroup``, or one)."""
+    return arg if isinstance(arg, dist.ProcessGroup) else dist.ProcessGroup.unbox(arg)
 
 
 def _integral_dtype(dtype: torch.dtype) -> bool:

@@ -29,19 +29,33 @@ SEEN: list = []
 
 class EPLayer(nn.Module):
     """Top-k routing over EXPERTS experts, an equal share of them on each rank, tokens sent to the
-    experts' ranks and back by all-to-all with split sizes read from the exchanged counts."""
+    experts' ranks and back by all-to-all with split sizes read from the exchanged counts. The
+    counts are exchanged by ``exchange``: the functional all-to-all (torchtitan's partial_dtensor
+    backend), ``dist.all_to_all_single`` into an empty tensor, or ``dist.all_to_all`` of a list
+    (its spmd_types backend)."""
 
-    def __init__(self) -> None:
+    def __init__(self, exchange: str = "functional") -> None:
         super().__init__()
         self.gate = nn.Linear(DIM, EXPERTS, bias=False)
         self.w = nn.Parameter(torch.randn(EXPERTS // dist.get_world_size(), DIM, DIM) / DIM)
+        self.exchange = exchange
+
+    def _exchange(self, counts: torch.Tensor, ep: int) -> torch.Tensor:
+        if self.exchange == "functional":
+            return torch.ops._c10d_functional.wait_tensor(all_to_all_single(counts, None, None, dist.group.WORLD))
+        got = torch.empty_like(counts)
+        if self.exchange == "single":
+            dist.all_to_all_single(got, counts)
+        else:
+            dist.all_to_all(list(got.unbind(0)), list(counts.unbind(0)))
+        return got
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group, ep = dist.group.WORLD, dist.get_world_size()
         scores = self.gate(x).softmax(-1)
         top, ids = scores.topk(TOP_K, dim=-1)
         counts = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True).sum(0)  # (E,)
-        got = torch.ops._c10d_functional.wait_tensor(all_to_all_single(counts.view(ep, -1), None, None, group))
+        got = self._exchange(counts.view(ep, -1), ep)
         send, recv = counts.view(ep, -1).sum(1).tolist(), got.sum(1).tolist()
         order = ids.view(-1).argsort(stable=True)
         routed = all_to_all_single(x[order // TOP_K], recv, send, group)  # (R, D): R set by the load
@@ -52,11 +66,11 @@ class EPLayer(nn.Module):
         return torch.zeros_like(x).index_add(0, order // TOP_K, back * top.reshape(-1)[order, None])
 
 
-def _trace(load: ExpertLoad | None, rank: int = 0, world: int = EP):
+def _trace(load: ExpertLoad | None, rank: int = 0, world: int = EP, exchange: str = "functional"):
     SEEN.clear()
     with fake_process_group(world_size=world, rank=rank):
         torch.manual_seed(0)
-        model = EPLayer()
+        model = EPLayer(exchange)
         step = TrainStep(inputs=(torch.randn(TOKENS, DIM),), optimizer="adamw")
         with recorded_exchanges() as exchanges:
             est = estimate(model, step, options=EstimateOptions(expert_load=load))
@@ -73,6 +87,14 @@ def test_the_rows_a_rank_receives_follow_the_stated_factor(factor):
     assert (exchange.ep_size, exchange.ep_rank, exchange.experts, exchange.local_experts) == (EP, 0, EXPERTS, 4)
     assert exchange.routed_rows == ROWS and exchange.capacity_factor == factor
     assert seen["first"] == [0, 1]  # token 0's choices: (0 * k + j) % E
+
+
+# torch's fake kernels of the c10d collectives draw a work id from Python's `random`: the trace warns.
+@pytest.mark.filterwarnings("ignore::estimators.tracing.estimation.HostRandomnessWarning")
+@pytest.mark.parametrize("exchange", ["single", "list"])
+def test_the_counts_exchanged_in_place_are_the_stated_ones(exchange):
+    _, (exchange_,), seen = _trace(ExpertLoad(capacity_factor=1.5), exchange=exchange)
+    assert seen["received"] == exchange_.received_rows == round(1.5 * ROWS)
 
 
 def test_the_peak_grows_with_the_rows_received():
@@ -130,6 +152,17 @@ class _Reads(nn.Module):
         SEEN.append({"bins": torch.bincount(ids.view(-1)).tolist(), "nonzero": torch.nonzero(mask).shape[0],
                      "any": bool(mask.any()), "last": ids[-1, -1].item()})
         return x * mask
+
+
+class _ReadsEmpty(nn.Module):
+    def forward(self, x):
+        return x * torch.empty(2, dtype=torch.long).sum().item()
+
+
+def test_an_empty_tensor_holds_no_values_to_read():
+    with pytest.raises(TraceError, match="reads tensor values"):
+        estimate(_ReadsEmpty(), TrainStep(inputs=(torch.randn(2, requires_grad=True),)),
+                 options=EstimateOptions(expert_load=ExpertLoad()))
 
 
 def test_value_reads_and_shapes_of_values():

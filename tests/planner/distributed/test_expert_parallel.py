@@ -67,6 +67,25 @@ def test_without_verification_the_figures_are_the_milp_s():
     assert abs(milp.worst_case_peak_bytes - traced.worst_case_peak_bytes) <= 0.02 * traced.worst_case_peak_bytes
 
 
+@pytest.mark.filterwarnings("ignore::estimators.tracing.estimation.HostRandomnessWarning")  # c10d's fake work ids
+def test_torchtitan_s_two_backends_trace_alike():
+    """``spmd_types`` (torchtitan's default: c10d's list all-to-all, which gloo cannot run unevenly)
+    and ``partial_dtensor`` (functional all-to-all) give one peak for each load."""
+    from estimators.tracing.estimation import EstimateOptions, estimate
+    from examples.expert_parallel import TINY, build, parallel_dims_of, train_step, trainer_config
+
+    peaks = {}
+    for backend in ("partial_dtensor", "spmd_types"):
+        with fake_process_group(world_size=2, rank=0):
+            config = trainer_config(TINY, world=2, ep=2, seq_len=64, batch=4, backend=backend)
+            parallel_dims = parallel_dims_of(config, 2)
+            model, step = build(config, parallel_dims, meta=True), train_step(config, parallel_dims)
+            loads = [EstimateOptions(expert_load=ExpertLoad(capacity_factor=f)) for f in (0.0, 1.5)]
+            peaks[backend] = [estimate(model, step, options=o).module_info.peak_bytes for o in loads]
+    print(peaks)
+    assert peaks["partial_dtensor"] == peaks["spmd_types"] and peaks["spmd_types"][0] < peaks["spmd_types"][1]
+
+
 def test_deepseek_v3_dims_per_rank_in_seconds():
     """DeepSeek-V3 (61 layers, 256 routed experts, top-8 with group-limited routing, a shared
     expert, MLA) at seq 4096, one sequence a rank, EP 64 x FSDP2 64 (4096 ranks), for an H200 (141 GiB):
