@@ -35,9 +35,11 @@ def _budget(model, step, load) -> int:
 
 def _local_grads(model, step) -> list[torch.Tensor]:
     """One forward and backward: the loss and this rank's gradient shards (then cleared)."""
+    from estimators.step.train_step import split_inputs
     from estimators.tracing.subclasses import local_tensor
 
-    loss = step.loss_fn(model(*step.inputs), step.inputs)
+    args, kwargs = split_inputs(step.inputs)
+    loss = step.loss_fn(model(*args, **kwargs), step.inputs)
     loss.backward()
     grads = [local_tensor(p.grad).clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
@@ -135,13 +137,84 @@ def ep_fsdp_case(rank: int, world: int) -> dict:
             "hash": plan_hash(plan.plan), "common_hash": check_same_plan(plan.plan)}
 
 
+def hf_qwen2_moe(favoured: tuple[int, ...] | None) -> torch.nn.Module:
+    """HF's Qwen2-MoE from a tiny config (2 layers, 8 experts top-2, a gated shared expert) with
+    transformers' own expert parallel over the world (``apply_expert_parallelism``, its
+    ``base_model_ep_plan``, the ``all_to_all`` implementation: counts exchanged in place with
+    ``dist.all_to_all_single``). HF has no knob to force the routing: each router's top-k is taken
+    of its logits plus a bias on the favoured experts (None: the balanced round-robin), its
+    weights are the softmax at those experts, renormalized."""
+    import transformers as T
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+    class ForcedRouter(Qwen2MoeTopKRouter):
+        def forward(self, hidden_states):
+            hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+            logits = torch.nn.functional.linear(hidden_states, self.weight)
+            probs = logits.softmax(-1, dtype=torch.float)
+            _, index = torch.topk(logits.detach() + self.force, self.top_k, dim=-1)
+            weights = probs.gather(-1, index)
+            return logits, (weights / weights.sum(-1, keepdim=True)).to(logits.dtype), index
+
+    config = T.Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                              shared_expert_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = T.Qwen2MoeForCausalLM(config)
+    tokens, k, n = BATCH * SEQ, config.num_experts_per_tok, config.num_experts
+    force = torch.zeros(tokens, n)
+    for t in range(tokens):
+        force[t, list(favoured or [(t * k + j) % n for j in range(k)])] = 1e4
+    plan = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.gate.__class__ = ForcedRouter
+        layer.mlp.gate.register_buffer("force", force, persistent=False)
+        plan.update({f"model.layers.{i}.mlp.experts.{w}": "grouped_gemm" for w in ("gate_up_proj", "down_proj")})
+        plan[f"model.layers.{i}.mlp.experts"] = "ep_dispatch_experts"
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(), 1), mesh_dim_names=("ep", "tp"))
+    return apply_expert_parallelism(model, mesh["ep"], mesh["tp"], plan, ep_implementation="all_to_all")
+
+
+def hf_case(rank: int, name: str) -> dict:
+    """HF's Qwen2-MoE (:func:`hf_qwen2_moe`) under its own EP, the case's routing and load: as
+    :func:`ep_case`."""
+    from planner import PlanOptions, TrainStep, apply_plan
+    from planner.distributed.expert_parallel import ExpertLoad, plan_expert_parallel
+    from planner.distributed.ranks import check_same_plan, plan_hash
+    from planner.format import GiB
+
+    favoured, factors = CASES[name]
+    load = ExpertLoad(capacity_factor=factors)
+    ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
+    step = TrainStep(inputs={"input_ids": ids, "labels": ids}, loss_fn=lambda out, batch: out.loss,
+                     optimizer="adamw")
+    unplanned = hf_qwen2_moe(favoured[rank])
+    budget = _budget(unplanned, step, load)
+    ep = plan_expert_parallel(unplanned, budget / GiB, step, options=PlanOptions(reserve_gib=0, expert_load=load))
+    reference = _local_grads(unplanned, step)
+    no_ac = _steady_peak(unplanned, step)
+    planned = hf_qwen2_moe(favoured[rank])
+    apply_plan(planned, ep.plan)
+    grads = _local_grads(planned, step)
+    return {"budget": budget, "predicted": ep.peak_bytes, "worst": ep.worst_case_peak_bytes,
+            "worst_factor": ep.worst_case_capacity_factor,
+            "factor": ep.capacity_factor, "received_rows": [e.received_rows for e in ep.exchanges],
+            "measured": _steady_peak(planned, step), "no_ac_measured": no_ac,
+            "checkpointed": list(ep.plan.checkpointed),
+            "bitwise": len(grads) == len(reference) and all(torch.equal(a, b) for a, b in zip(grads, reference)),
+            "hash": plan_hash(ep.plan), "common_hash": check_same_plan(ep.plan)}
+
+
 def worker(rank: int, world: int, tmp: str, names: list[str]) -> None:
     """Each case on this rank, one after the other on one process group: the names of CASES
-    (EP = ``world``), "fsdp" (EP 2 x FSDP2)."""
+    (EP = ``world``), "fsdp" (EP 2 x FSDP2), "hf_" and a name of CASES (HF's Qwen2-MoE, EP 2)."""
     from tests.integration.tp_ranks import init, write
     from tests.planner.spawned import leave_rank
 
     init(rank, world, tmp)
-    write(tmp, rank, {name: ep_fsdp_case(rank, world) if name == "fsdp" else ep_case(rank, world, name)
-                      for name in names})
+    cases = {"fsdp": lambda: ep_fsdp_case(rank, world)}
+    cases.update({f"hf_{name}": (lambda name=name: hf_case(rank, name)) for name in CASES})
+    write(tmp, rank, {name: cases[name]() if name in cases else ep_case(rank, world, name) for name in names})
     leave_rank()
