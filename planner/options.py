@@ -17,11 +17,12 @@ from typing import Any
 
 from estimators.runtime.device import DeviceSpec, get_device_spec
 from estimators.tracing.estimation import DEFAULT_DEVICE, EstimateOptions
+from estimators.tracing.routing import ExpertLoad
 from planner.errors import PlanningError
 from planner.format import check_budget_gib
 from solver import SolverOptions
 
-__all__ = ["PlanOptions", "Pipeline"]
+__all__ = ["PlanOptions", "Pipeline", "ExpertLoad"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,13 @@ class PlanOptions:
     """The model is a pipeline stage (``Pipeline``): planned for its schedule, on its rank.
     None: not pipelined."""
 
+    expert_load: ExpertLoad | None = None
+    """A mixture of experts under expert parallelism: the tokens each rank's experts receive,
+    which routing decides at run time and a fake trace cannot see (``ExpertLoad()``: balanced;
+    ``ExpertLoad(capacity_factor=1.25)``). It becomes ``trace.expert_load``. Each rank traces at
+    its own factor; ``planner.distributed.expert_parallel.plan_expert_parallel`` makes one plan
+    for every rank and reports each rank's peak and the worst case beside it. None: not stated."""
+
     def __post_init__(self) -> None:
         for name in ("ac_units", "fsdp_units"):
             value = getattr(self, name)
@@ -163,6 +171,15 @@ class PlanOptions:
             raise TypeError(f"solver must be a solver.SolverOptions, got {type(self.solver).__name__}")
         if not isinstance(self.trace, EstimateOptions):
             raise TypeError(f"trace must be an EstimateOptions, got {type(self.trace).__name__}")
+        if self.expert_load is not None:
+            if not isinstance(self.expert_load, ExpertLoad):
+                raise TypeError(f"expert_load must be a planner.options.ExpertLoad, got {type(self.expert_load).__name__}")
+            if self.trace.expert_load not in (None, self.expert_load):
+                raise PlanningError(f"expert_load={self.expert_load!r} and trace.expert_load={self.trace.expert_load!r} "
+                                    "differ: state the load once, as PlanOptions(expert_load=...)")
+            object.__setattr__(self, "trace", dataclasses.replace(self.trace, expert_load=self.expert_load))
+        elif self.trace.expert_load is not None:
+            object.__setattr__(self, "expert_load", self.trace.expert_load)
         if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
             raise TypeError(f"pipeline must be a planner.options.Pipeline, got {type(self.pipeline).__name__}")
         if not isinstance(self.device, (str, DeviceSpec)):
@@ -176,6 +193,9 @@ class PlanOptions:
         return get_device_spec(self.device)
 
     def replace(self, **changes: Any) -> "PlanOptions":
-        """A copy with ``changes`` applied (``dataclasses.replace``)."""
+        """A copy with ``changes`` applied (``dataclasses.replace``); ``expert_load`` replaces
+        ``trace.expert_load`` with it."""
+        if "expert_load" in changes and "trace" not in changes:
+            changes["trace"] = dataclasses.replace(self.trace, expert_load=changes["expert_load"])
         return dataclasses.replace(self, **changes)
 

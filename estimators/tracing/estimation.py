@@ -76,6 +76,7 @@ from estimators.tracing.steady_state import first_step_module_info, first_step_p
 from estimators.tracing.trace import InplaceModifiedError, StepTrace, StepTracer
 from estimators.tracing.model_calls import refuse_calls_of
 from estimators.tracing.replicate import NotReplicable, expand_stacks
+from estimators.tracing.routing import ExpertLoad, stated_routing
 from estimators.tracing.stacks import Stack, find_stacks
 from estimators.tracing.fake_copy import FakeCopyError, fake_copy, fake_tensor
 from estimators.tracing.thread_state import eager_in_this_thread, gc_paused, torch_rng_restored
@@ -134,6 +135,8 @@ class EstimateOptions:
     others in as copies of one (``estimators.tracing.replicate``): the trace the full step gives,
     in the time of four blocks. Where the traced blocks differ, the full model is traced (said at
     DEBUG on ``estimators.tracing.replicate``'s logger). False: always trace every block."""
+    expert_load: ExpertLoad | None = None
+    """The tokens each rank's experts receive, for the routing's value reads (``estimators.tracing.routing``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, TraceMode):
@@ -406,6 +409,7 @@ def _trace_step(
                     kernels = RealKernelsMode(cuda=bool(cuda_rules), values=_batch_values(step.inputs, step_inputs),
                                               fake_mode=fake_mode)
                     tracer.run_op = modes.enter_context(kernels.inline())
+                tracer.run_op = stated_routing(options.expert_load, fake_mode, tracer.run_op)
                 modes.enter_context(tracer)
                 if cuda_rules:
                     modes.enter_context(CudaSemanticsMode())

@@ -12,9 +12,10 @@
   pre-FSDP layout (``estimators.tracing.sharded_model``). FSDP2's memory is the FSDP rules' to add.
 * Functions stored on a module (``module.forward = closure``, as HF's tensor-parallel styles
   and torchtitan's ``Module.parallelize`` install; a ``functools.partial`` such as DTensor's
-  ``local_map`` wrapper) are shared by ``copy.deepcopy``, so the copy would call the *user's*
-  module and its real parameters (and leave fake gradients on them): they are rebuilt over the
-  copied objects.
+  ``local_map`` wrapper; an object they close over, such as HF's expert-parallel implementation
+  holding the experts' bound forward) are shared by ``copy.deepcopy``, so the copy would call
+  the *user's* module and its real parameters (and leave fake gradients on them): they are
+  rebuilt over the copied objects.
 * Shared tensors stay shared; tensors an earlier trace left in the process are shared, not copied
   (``estimators.tracing.fake_leaks``); the blocks a truncated trace skips are never copied
   (``estimators.tracing.truncation``; their parameters map to None).
@@ -212,6 +213,13 @@ def _remap(value: Any, memo: dict[int, Any], depth: int = 0) -> Any:
         return types.MethodType(value.__func__, memo[id(value.__self__)])
     if isinstance(value, types.FunctionType) and value.__closure__ and depth < 4:
         return _rebuilt(value, lambda v: _remap(v, memo, depth + 1))
+    if depth < 4 and _plain_object(value):  # an object the function closes over (HF's EP implementation)
+        attrs = {k: _remap(v, memo, depth + 1) for k, v in vars(value).items()}
+        if any(attrs[k] is not v for k, v in vars(value).items()):
+            new = copy.copy(value)
+            vars(new).update(attrs)
+            memo[id(value)] = new  # one copy for every function that closes over it
+            return new
     if isinstance(value, functools.partial) and depth < 4:
         func, args = _remap(value.func, memo, depth + 1), [_remap(a, memo, depth + 1) for a in value.args]
         keywords = {k: _remap(v, memo, depth + 1) for k, v in value.keywords.items()}
@@ -219,6 +227,15 @@ def _remap(value: Any, memo: dict[int, Any], depth: int = 0) -> Any:
                 keywords[k] is not v for k, v in value.keywords.items()):
             return functools.partial(func, *args, **keywords)
     return value
+
+
+def _plain_object(value: Any) -> bool:
+    """An instance of a user class (not a module, tensor, class, function or mesh): its attributes
+    may hold what the copy copied (a bound forward of a copied module)."""
+    return (hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type,
+                                                                  types.FunctionType, types.MethodType,
+                                                                  types.ModuleType, functools.partial))
+            and type(value).__module__.split(".")[0] not in ("torch", "builtins"))
 
 
 def _rebuilt(fn: types.FunctionType, remap: Callable[[Any], Any]) -> types.FunctionType:

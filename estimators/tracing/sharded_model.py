@@ -137,7 +137,8 @@ def fsdp_layout(model: torch.nn.Module) -> FsdpLayout | None:
     if len(sizes) > 1 or len(replicas) > 1 or len(precisions) > 1:
         raise ShardedModelError(
             f"the FSDP2 units of {root} shard over different group sizes {sorted(sizes)} or use different "
-            "mixed-precision policies: the per-rank memory model assumes one for all units")
+            "mixed-precision policies: the per-rank memory model assumes one for all units; shard every unit "
+            "over one group with one policy (expert parallel: see examples.expert_parallel.shard)")
     ((param_dtype, reduce_dtype),) = precisions or {(None, None)}
     return FsdpLayout(units=tuple(names), shard_world_size=sizes.pop() if sizes else 1,
                       replicate_world_size=replicas.pop() if replicas else 1, param_dtype=param_dtype,

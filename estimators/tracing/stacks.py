@@ -44,6 +44,8 @@ are compared, and the last (before its exit)."""
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
 """torch's own bookkeeping in every module's ``__dict__`` (parameters, hooks...), compared elsewhere."""
 _SIMPLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+"""Where blocks stack: torchtitan keeps its layers in a ``ModuleDict`` (keys ``"0"``...), run in order."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class Stack:
 
 def find_stacks(model: torch.nn.Module) -> list[Stack]:
     """The stacks of ``model`` worth tracing once: runs of at least :data:`MIN_BLOCKS`
-    consecutive identical children of a ``ModuleList`` / ``Sequential`` (ResNet's stage whose
+    consecutive identical children of a ``ModuleList`` / ``Sequential`` / ``ModuleDict`` (ResNet's stage whose
     first block downsamples has a run after it), outermost first, none inside another's blocks."""
     stacks: list[Stack] = []
     inside: list[str] = []
@@ -83,7 +85,7 @@ def find_stacks(model: torch.nn.Module) -> list[Stack]:
     for name, mod in model.named_modules():
         if any(name.startswith(p) for p in inside):
             continue
-        if not isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)) or len(mod._modules) < MIN_BLOCKS:
+        if not isinstance(mod, _CONTAINERS) or len(mod._modules) < MIN_BLOCKS:
             continue
         where = name or type(model).__name__
         for run in _identical_runs(where, mod, owners):

@@ -113,6 +113,22 @@ def test_the_pipeline_is_one_line_and_checked():
         PlanOptions(pipeline="1F1B")
 
 
+def test_the_expert_load_is_the_trace_s():
+    from estimators.tracing.estimation import EstimateOptions
+    from planner.options import ExpertLoad
+
+    load = ExpertLoad(capacity_factor=1.25)
+    o = PlanOptions(expert_load=load)
+    assert o.trace.expert_load == load
+    assert PlanOptions(trace=EstimateOptions(expert_load=load)).expert_load == load
+    assert o.replace(expert_load=None).trace.expert_load is None
+    assert o.replace(expert_load=ExpertLoad()).trace.expert_load == ExpertLoad()
+    with pytest.raises(PlanningError, match="state the load once"):
+        PlanOptions(expert_load=load, trace=EstimateOptions(expert_load=ExpertLoad()))
+    with pytest.raises(TypeError, match="ExpertLoad"):
+        PlanOptions(expert_load=1.25)
+
+
 def test_a_pipeline_torch_would_refuse_later_is_refused_at_once():
     import time
 

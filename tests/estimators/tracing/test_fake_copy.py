@@ -83,7 +83,46 @@ def test_a_partial_a_stored_function_closes_over_is_rebuilt_over_the_copy():
     assert wrapped.args[0].__self__ is copy.lin and wrapped.args[1] == 2.0
 
 
-@pytest.mark.parametrize("build", [lambda: _Patched(), lambda: _PartialForward()], ids=["patched", "partial"])
+class _Dispatcher:
+    """An object that keeps a module's bound forward, as HF's expert-parallel implementation
+    (``AllToAllEP.experts_forward``) does."""
+
+    def __init__(self, forward) -> None:
+        self.experts_forward, self.scale = forward, 2.0
+
+    def __call__(self, x):
+        return self.experts_forward(x) * self.scale
+
+
+class _ObjectForward(nn.Module):
+    """A Linear whose stored forward closes over such an object (HF's ``ep_forward``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        dispatcher = _Dispatcher(self.lin.forward)
+
+        def ep_forward(x):
+            return dispatcher(x)
+
+        self.lin.forward = ep_forward
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_an_object_a_stored_function_closes_over_is_copied_over_the_copy():
+    model = _ObjectForward()
+    copy, _ = fake_copy(model, FakeTensorMode())
+    (cell,) = copy.lin.forward.__closure__
+    (original,) = model.lin.forward.__closure__
+    dispatcher = cell.cell_contents
+    assert dispatcher is not original.cell_contents and dispatcher.experts_forward.__self__ is copy.lin
+    assert dispatcher.scale == 2.0 and original.cell_contents.experts_forward.__self__ is model.lin
+
+
+@pytest.mark.parametrize("build", [lambda: _Patched(), lambda: _PartialForward(), lambda: _ObjectForward()],
+                         ids=["patched", "partial", "object"])
 def test_the_fake_trace_of_a_stored_forward_is_the_real_one_and_leaves_the_model_without_gradients(build):
     torch.manual_seed(0)
     model = build()

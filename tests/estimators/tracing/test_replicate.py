@@ -160,3 +160,24 @@ def test_a_frozen_stack_without_backward_replicates():
     full, rep = _both(model, TrainStep(inputs=(torch.randn(4, 16),), optimizer="adamw"), "h100")
     assert rep.trace.twin_of
     assert estimate_difference(full, rep) == ""
+
+
+class _Dict(nn.Module):
+    """Blocks in a ModuleDict run in order, as torchtitan keeps a decoder's layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for i in range(6)})
+
+    def forward(self, x):
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+def test_blocks_of_a_module_dict_stack():
+    model = _Dict()
+    (stack,) = find_stacks(model)
+    assert stack.container == "layers" and stack.keys == tuple(str(i) for i in range(6))
+    full, rep = _both(model, TrainStep(inputs=(torch.randn(4, 16),), optimizer="adamw"), "h100")
+    assert rep.trace.twin_of and estimate_difference(full, rep) == ""

@@ -24,6 +24,22 @@ def test_a_plain_model_has_no_layout():
 
 
 @pytest.mark.slow
+def test_units_sharded_over_groups_of_different_sizes_are_refused_with_what_to_do():
+    """As transformers' FSDP x EP lays them out: the experts over efsdp, the rest over fsdp."""
+    from torch.distributed.fsdp import fully_shard
+
+    from estimators.tracing.sharded_model import ShardedModelError
+
+    with fake_process_group(world_size=4, rank=0):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp", "ep"))
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        fully_shard(model[0], mesh=mesh["efsdp"])
+        fully_shard(model, mesh=init_device_mesh("cpu", (4,)))
+        with pytest.raises(ShardedModelError, match=r"sizes \[2, 4\].*shard every unit over one group"):
+            fsdp_layout(model)
+
+
+@pytest.mark.slow
 def test_a_sharded_tp_model_traces_as_before_fully_shard(one_intra_op_thread):
     with fake_process_group(world_size=4, rank=3):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
