@@ -227,6 +227,7 @@ def test_cli_keep_output_reaches_the_trace_the_check_and_the_measured_steps(caps
     assert out["measured"]["peak_bytes"] == out["plan"]["predicted_peak_bytes"]
 
 
+@pytest.mark.multiproc
 def test_python_m_planner_apply_runs_the_cli():
     """planner/apply.py is only the entry point: ``python -m planner.apply`` must reach cli.main
     (a bad flag is answered by cli's parser: its prog name and exit status 2)."""
@@ -240,6 +241,7 @@ def test_python_m_planner_apply_runs_the_cli():
     assert proc.stderr.strip().splitlines() == ["error: --optimizer must be adam, adamw, sgd or none, got 'lion'"]
 
 
+@pytest.mark.multiproc
 def test_python_m_planner_runs_the_cli():
     """``python -m planner`` is what a newcomer types first: it must be the same command as
     ``python -m planner.apply``, not Python's "No module named planner.__main__" (a bad flag is
@@ -254,6 +256,7 @@ def test_python_m_planner_runs_the_cli():
     assert proc.stderr.strip().splitlines() == ["error: --optimizer must be adam, adamw, sgd or none, got 'lion'"]
 
 
+@pytest.mark.multiproc
 def test_offload_plans_applies_and_checks_host_bytes():
     """``--offload``: a keep / recompute / offload plan for llama_tiny (2 micro-batches), applied
     and verified in a subprocess: bitwise gradients, measured peak, host bytes per step (two

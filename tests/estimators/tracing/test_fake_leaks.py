@@ -14,6 +14,8 @@ from estimators.tracing.estimation import estimate
 from estimators.step.train_step import TrainStep
 from estimators.tracing.fake_leaks import FakeTensorLeakWarning
 
+pytestmark = pytest.mark.usefixtures("whole_heap")  # the leak search scans the heap (tests/conftest.py)
+
 
 @functools.lru_cache(maxsize=4)
 def _positions(n: int) -> torch.Tensor:
@@ -132,6 +134,7 @@ print("ok", len(m.kept))
 '''
 
 
+@pytest.mark.multiproc
 def test_a_model_a_trace_left_fake_tensors_in_is_traced_again_without_copying_them():
     """A forward hook (a closure over the real model) appends its output to a list on the
     model: each trace leaves a fake tensor there (named in a warning). The next trace's copy of

@@ -169,6 +169,7 @@ def test_nan_gradients_of_the_same_bits_are_equal():
     assert check.equal and check.differing == () and check.n_params_compared == 5
 
 
+@pytest.mark.hf
 def test_an_hf_model_whose_cached_step_rounds_otherwise_is_compared_with_the_cache_off_too():
     """GPT-Neo with its default use_cache=True: the plan turns the cache off, and HF computes the
     cached step with other rounding (1.5e-8 here, even with no module planned). The check says
@@ -198,6 +199,7 @@ def test_an_hf_model_whose_cached_step_rounds_otherwise_is_compared_with_the_cac
     assert check_gradients(net, _full_plan(net, "_Net.a"), TrainStep(inputs=(torch.randn(4, 8),))).equal_with_cache_off is None
 
 
+@pytest.mark.hf
 def test_an_hf_classifier_s_config_is_left_as_found():
     """ViT's first forward with labels sets config.problem_type (None -> 'single_label_
     classification'); the check puts the config back (found by a new-user helper)."""

@@ -138,7 +138,7 @@ def _assert_same(got, ref):
 
 
 @pytest.mark.parametrize("mode", ["alone", "with_sac"])
-@pytest.mark.parametrize("name", ["gpt_demo", "llama_tiny", "hf_llama", "convnet_demo"])
+@pytest.mark.parametrize("name", ["gpt_demo", "llama_tiny", pytest.param("hf_llama", marks=pytest.mark.hf), "convnet_demo"])
 def test_offload_plans_are_exact_and_predicted(name, mode, monkeypatch):
     fqns, min_bytes = _CASES[name]
     monkeypatch.setattr(offload, "MIN_OFFLOAD_BYTES", min_bytes)
@@ -360,6 +360,7 @@ def test_offload_around_a_checkpointed_submodule(mode):
         assert inner_kept == (mode == "alone")
 
 
+@pytest.mark.hf
 def test_hf_mistral_bf16_autocast_micro_batches_host_bytes_are_predicted(monkeypatch):
     """Grouped-query attention under bf16 autocast, 2 micro-batches: the fake-mode trace must take
     the real run's attention path (no materialized mask, SDPA's enable_gqa), or the ops the plan

@@ -413,6 +413,7 @@ def _hf_loop_peaks(model, batch, n_steps=3):
     return peaks
 
 
+@pytest.mark.hf
 def test_peak_no_ac_is_the_model_as_it_runs_unplanned_with_hf_use_cache_on():
     # A Llama left at use_cache=True keeps its K/V cache until the output is dropped; with a
     # padding mask HF repeats the grouped K/V heads, so the cache is not the tensors attention
@@ -539,6 +540,7 @@ def test_a_batchnorm_block_called_twice_is_checkpointed_with_its_statistics_as_u
     assert int(mine.blk.b1.num_batches_tracked) == 6  # 2 calls x 3 steps, not once more per recompute
 
 
+@pytest.mark.hf
 def test_albert_shared_layer_is_checkpointed_below_the_milp_floor():
     # AlbertForMaskedLM applies one layer 4 times: the MILP's smallest reachable peak was
     # 4,897,912 B; its min-peak plan with the shared layer group fully checkpointed traces and

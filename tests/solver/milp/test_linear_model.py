@@ -92,6 +92,7 @@ def test_where_highs_finds_no_plan_at_the_smallest_peak_cbc_plans_it() -> None:
         assert res.recompute_ms == pytest.approx(case["cbc_recompute_ms"], rel=1e-9)
 
 
+@pytest.mark.multiproc
 def test_the_first_highs_of_a_process_prints_nothing_on_stdout() -> None:
     """HiGHS prints its banner on stdout whatever its options: it would land in the user's own
     output (and break ``--json``). The first instance of a process is made with stdout closed."""
