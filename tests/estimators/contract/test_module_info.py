@@ -23,6 +23,7 @@ def info() -> ModuleInfo:
     return estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="h100").module_info
 
 
+@pytest.mark.slow
 def test_json_round_trip_is_exact(info, tmp_path):
     path = tmp_path / "info.json"
     info.to_json(path)

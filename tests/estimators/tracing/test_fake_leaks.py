@@ -49,6 +49,7 @@ class _Cached(torch.nn.Module):
         return self.lin(x) + self.bias[index]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["lru", "cache_tuple"])
 def test_an_lru_cache_the_trace_filled_is_cleared_and_real_training_stays_real(cache):
     # BEiT / Data2VecVision / DINOv3: after planning, real training got the cached FakeTensor
@@ -67,6 +68,7 @@ def test_an_lru_cache_the_trace_filled_is_cleared_and_real_training_stays_real(c
     assert loss.item() == loss.item()  # a real value
 
 
+@pytest.mark.slow
 def test_a_holder_the_planner_cannot_clear_is_named():
     _DICT_CACHE.clear()
     with pytest.warns(FakeTensorLeakWarning, match=r"left 1 fake tensor\(s\) .*held by a global of "
@@ -95,6 +97,7 @@ class _RaisesMidForward(torch.nn.Module):
         raise AttributeError("config has no attribute 'decoder_start_token_id'")
 
 
+@pytest.mark.slow
 def test_a_trace_that_raises_scans_the_heap_once_a_level_not_once_a_tensor(monkeypatch):
     # The traceback keeps the whole fake trace alive; one gc.get_referrers call per fake tensor
     # (each a scan of the heap) took 4 minutes on a T5-large before the error reached the user.

@@ -25,6 +25,7 @@ def _same(a, b):
         for x, y in zip(a.values(), (b[k] for k in a)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_output", [False, True])  # True: the output held through backward
 def test_a_real_plan_is_bitwise_equal_and_the_model_is_left_as_found(keep_output):
     name = "convnet_demo"  # BatchNorm statistics and dropout-free: state must be put back
@@ -87,6 +88,7 @@ def test_a_recompute_that_differs_is_caught():
     assert check.n_params_compared == 4
 
 
+@pytest.mark.slow
 def test_a_bf16_plan_is_checked_under_autocast():
     """The check runs the step the plan was made for: a bf16 plan checked in fp32 compared other
     kernels than training runs (and printed 'bitwise EQUAL' for them)."""
@@ -218,6 +220,7 @@ def test_an_hf_classifier_s_config_is_left_as_found():
     assert model.config.__dict__ == before and model.config.problem_type is None
 
 
+@pytest.mark.slow
 def test_a_compiled_model_is_refused_with_the_module_to_check():
     """It named apply_plan, which the user did not call (found by a new-user helper)."""
     net = _Net()
