@@ -21,6 +21,7 @@ def test_without_cuda_it_says_what_it_needs_and_exits_0(capsys):
     assert "needs a CUDA GPU" in out and "--device cpu" in out
 
 
+@pytest.mark.slow
 def test_plan_step_time_is_the_planners_own_figure():
     name = "gpt_demo"
     est = planning(name)[0]
@@ -29,6 +30,7 @@ def test_plan_step_time_is_the_planners_own_figure():
     assert gv.plan_step_ms(est, plan) == plan.baseline_step_ms + plan.recompute_ms
 
 
+@pytest.mark.slow
 def test_must_save_hits_count_every_saved_op_of_a_cpu_plan_on_cpu():
     name = "gpt_demo"
     plan = plan_at(name, budgets(name, 3)[1])

@@ -9,6 +9,7 @@ pytest.importorskip("transformers")
 from benchmarks.new_user_trial import _families, trial  # noqa: E402
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("name", ["resnet", "whisper"])  # BatchNorm statistics; an EMA copy under bf16
 def test_a_family_is_planned_applied_and_checked_to_the_byte(name):
     row = trial(_families()[name])

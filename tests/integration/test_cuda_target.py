@@ -27,7 +27,7 @@ from estimators.step.train_step import TrainStep
 DEVICE = "h100"
 
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("one_intra_op_thread")]
 
 
 def _example(name, dtype=None):

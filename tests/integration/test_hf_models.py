@@ -28,6 +28,8 @@ from solver import SACMilp  # noqa: E402
 from planner.options import PlanOptions
 from estimators.step.train_step import TrainStep
 
+pytestmark = pytest.mark.hf
+
 VOCAB, HIDDEN, LAYERS, SEQ, BATCH = 128, 32, 2, 16, 4
 _DECODER = dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
                 num_attention_heads=2, max_position_embeddings=SEQ, attention_dropout=0.1)

@@ -25,6 +25,7 @@ def test_notebook_is_committed_without_outputs():
     assert all(c.get("outputs") == [] and c.get("execution_count") is None for c in code)
 
 
+@pytest.mark.multiproc
 @pytest.mark.skipif(bool(_MISSING), reason=f"needs {', '.join(_MISSING)}: pip install -e '.[dev]'")
 def test_notebook_runs_and_prints_prediction_beside_measurement(tmp_path, monkeypatch):
     import nbformat

@@ -26,7 +26,7 @@ from planner.planning.solve import plan_estimate  # noqa: E402
 from solver import SACMilp  # noqa: E402
 from tests.estimators.tracing.trace_equivalence import estimate_difference  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.hf, pytest.mark.slow]
 
 DEPTH = 6
 _DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers",

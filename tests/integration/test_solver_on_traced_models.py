@@ -25,6 +25,8 @@ from solver import SACMilp, predict_peak_bytes
 from solver.graph import Graph
 from estimators.step.train_step import TrainStep
 
+pytestmark = pytest.mark.hf
+
 N_RANDOM = 20
 TOL = 0.01
 """Issue 11's bound for random plans. Measured worst |predicted - traced| / traced over the 20

@@ -25,6 +25,8 @@ from planner.analysis.measure import measure_steps
 from planner.planning.solve import plan_for_budget
 from solver import SACMilp
 
+pytestmark = pytest.mark.hf
+
 TOLERANCE = 0.02
 BUDGET_FRACTIONS = (0.85, 0.45, 0.08)  # of the way from the smallest reachable to the no-AC peak
 

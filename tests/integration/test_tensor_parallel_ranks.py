@@ -23,7 +23,7 @@ from planner.format import GiB
 from planner.planning.solve import plan_estimate
 from tests.integration import tp_ranks
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.hf]  # the world-2 spawn plans the HF decoder too
 
 FRACTIONS = (0.1, 0.5)
 """Budgets between the smallest reachable and the no-AC peak: a tight one (several modules

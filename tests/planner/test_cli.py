@@ -92,6 +92,7 @@ def _error_line(capsys) -> str:
     return err[0]
 
 
+@pytest.mark.slow
 def test_cli_plans_applies_checks_gradients_and_measures(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["--model", "examples:convnet_demo", "--quiet", "--plan-out", str(out)]) == 0
@@ -179,6 +180,7 @@ def test_cli_factory_errors_one_line(user_module, capsys):
     assert "the factory raised TypeError" in _error_line(capsys)
 
 
+@pytest.mark.slow
 def test_cli_infeasible_budget_is_one_line_and_debug_shows_the_traceback(capsys):
     from planner import PlanningError
 
@@ -206,6 +208,7 @@ def test_cli_plan_for_another_model_and_bad_plan_files(tmp_path, capsys):
     assert "discard_ratio must be in [0, 1], got nan" in _error_line(capsys)
 
 
+@pytest.mark.slow
 def test_cli_plans_the_loop_it_is_told(capsys):
     # Gradient accumulation and autocast reach the trace, the plan's notes and the 3 real steps.
     assert main(["--model", "examples:convnet_demo", "--quiet", "--json", "--micro-batches", "2",
@@ -217,6 +220,7 @@ def test_cli_plans_the_loop_it_is_told(capsys):
     assert max(s["peak_bytes"] for s in steps) <= out["plan"]["budget_bytes"] - out["plan"]["reserve_bytes"]
 
 
+@pytest.mark.slow
 def test_cli_keep_output_reaches_the_trace_the_check_and_the_measured_steps(capsys):
     # --keep-output: the loop holds the output through backward; the plan says so and the
     # measured steps (which hold it too) meet the prediction to the byte.
@@ -227,6 +231,7 @@ def test_cli_keep_output_reaches_the_trace_the_check_and_the_measured_steps(caps
     assert out["measured"]["peak_bytes"] == out["plan"]["predicted_peak_bytes"]
 
 
+@pytest.mark.multiproc
 def test_python_m_planner_apply_runs_the_cli():
     """planner/apply.py is only the entry point: ``python -m planner.apply`` must reach cli.main
     (a bad flag is answered by cli's parser: its prog name and exit status 2)."""
@@ -240,6 +245,7 @@ def test_python_m_planner_apply_runs_the_cli():
     assert proc.stderr.strip().splitlines() == ["error: --optimizer must be adam, adamw, sgd or none, got 'lion'"]
 
 
+@pytest.mark.multiproc
 def test_python_m_planner_runs_the_cli():
     """``python -m planner`` is what a newcomer types first: it must be the same command as
     ``python -m planner.apply``, not Python's "No module named planner.__main__" (a bad flag is
@@ -254,6 +260,7 @@ def test_python_m_planner_runs_the_cli():
     assert proc.stderr.strip().splitlines() == ["error: --optimizer must be adam, adamw, sgd or none, got 'lion'"]
 
 
+@pytest.mark.multiproc
 def test_offload_plans_applies_and_checks_host_bytes():
     """``--offload``: a keep / recompute / offload plan for llama_tiny (2 micro-batches), applied
     and verified in a subprocess: bitwise gradients, measured peak, host bytes per step (two
@@ -298,6 +305,7 @@ def test_offload_flags_refused_where_they_do_nothing(capsys):
     assert "--host-budget-gib: must be a positive" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_plan_in_runs_the_step_the_plan_was_made_for_and_refuses_another(tmp_path, capsys, caplog):
     # A plan made for a loop that keeps the output: --plan-in without --keep-output runs that loop
     # (the measured peak meets the prediction to the byte; run with the output dropped it measured
@@ -352,6 +360,7 @@ def test_plan_in_checks_the_model_first_and_refuses_flags_it_ignores(tmp_path, c
     assert main(["--model", "examples:gpt_tiny", "--quiet", "--plan-in", str(out), "--no-verify"]) == 0
 
 
+@pytest.mark.slow
 def test_plan_in_checks_the_plan_for_the_device_it_was_made_for(tmp_path, capsys):
     # --plan-in verified against --device: a cpu plan re-checked "for h100" skipped its budget
     # check (and passed a step 3.17 % over), an h100 plan re-checked without --device failed.
@@ -367,6 +376,7 @@ def test_plan_in_checks_the_plan_for_the_device_it_was_made_for(tmp_path, capsys
     assert "plan made for h100 but verified on this CPU" in report["note"]
 
 
+@pytest.mark.slow
 def test_a_per_rank_plan_verified_in_one_process_is_not_compared(capsys):
     # --world-size 2: the per-rank figure was compared with an unsharded step: "+28.00% ABOVE",
     # exit 1, "check failed".
@@ -375,6 +385,7 @@ def test_a_per_rank_plan_verified_in_one_process_is_not_compared(capsys):
     assert "per rank for 2 ranks" in report["note"] and report["gradient_check"]["equal"]
 
 
+@pytest.mark.slow
 def test_plan_in_of_a_plan_for_a_devicespec_of_the_users_own(tmp_path, capsys):
     # The plan's device is no name the command line knows: it was refused as "--autocast none:
     # unknown device 'my-cpu'", and --device could not be given either. It is checked as --device.

@@ -72,6 +72,7 @@ def _edited(path, change) -> None:
     path.write_text(json.dumps(d))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case, message", [
     ("deep", "nests arrays or objects deeper than the JSON reader goes"),                 # row 1
     ("digits", "holds a number beyond any field's range"),                                # row 2
@@ -140,6 +141,7 @@ def test_the_summary_of_a_wordy_plan_is_bounded(plan_file, capsys):
     assert len(out) < 60_000 and "(98,000 more characters)" in out and "... and 10 more notes" in out
 
 
+@pytest.mark.slow
 def test_plan_out_on_a_full_disk_keeps_the_old_plan(plan_file, capsys):
     # Row 8. Before: the previous plan truncated, the JSON left half written.
     before = plan_file.read_bytes()

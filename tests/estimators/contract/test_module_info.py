@@ -23,6 +23,7 @@ def info() -> ModuleInfo:
     return estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="h100").module_info
 
 
+@pytest.mark.slow
 def test_json_round_trip_is_exact(info, tmp_path):
     path = tmp_path / "info.json"
     info.to_json(path)
@@ -66,6 +67,7 @@ def test_every_non_leaf_has_a_curve_and_memory_points_cover_the_peak(info):
     assert max(p.total_bytes for p in info.memory_points) == info.peak_bytes
 
 
+@pytest.mark.multiproc
 def test_module_info_and_solver_import_without_torch():
     # A fresh interpreter: this one has torch loaded already. The solver promises never to import
     # torch, and ModuleInfo is its only input.
@@ -86,6 +88,7 @@ def test_memory_point_phase_is_one_enum_and_json_keeps_the_string(info):
         MemoryPoint(op_index=0, phase="forward")
 
 
+@pytest.mark.multiproc
 def test_package_names_stay_the_functions_after_their_modules_are_imported():
     # The import system binds a submodule as an attribute of its package once it is imported, so a
     # lazily exported name equal to a submodule's name would become that module (it did: the

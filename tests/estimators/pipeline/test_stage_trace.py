@@ -90,6 +90,7 @@ def test_first_weight_half_measures_what_the_profile_says(case):
     assert measured == predicted
 
 
+@pytest.mark.multiproc
 def test_a_stage_trace_in_a_fresh_process_leaves_nothing_fake_behind():
     # torch.distributed.pipelining makes a module-level tensor when first imported; imported first
     # inside the fake trace it became a fake tensor the process kept (and a 4-byte storage the

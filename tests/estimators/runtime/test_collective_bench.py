@@ -133,6 +133,7 @@ def _benchmark_worker(rank: int, tmp: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.multiproc
 def test_gloo_two_ranks_benchmark_cache_and_disk_round_trip(tmp_path):
     results = _run_ranks(_benchmark_worker, tmp_path)
     n_keys = len(Collective) * len(SIZES)
@@ -191,6 +192,7 @@ def _write_json(path: str, data: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
+@pytest.mark.multiproc
 def test_rank_that_never_joins_times_out(tmp_path):
     outcome = _run_ranks(_absent_peer_worker, tmp_path, "sleeps")[0]
     assert outcome["error"] == CollectiveTimeoutError.__name__
@@ -199,6 +201,7 @@ def test_rank_that_never_joins_times_out(tmp_path):
         assert word in outcome["message"]
 
 
+@pytest.mark.multiproc
 def test_rank_that_dies_fails_fast(tmp_path):
     outcome = _run_ranks(_absent_peer_worker, tmp_path, "exits")[0]
     # gloo sees the closed connection at once (a CollectiveError), or the wait times out.

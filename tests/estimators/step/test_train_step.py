@@ -256,6 +256,7 @@ def _t5(**config):
         vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, **config))
 
 
+@pytest.mark.hf
 def test_an_encoder_decoder_without_decoder_start_token_says_what_to_set():
     # T5Config() (transformers 5) has no decoder_start_token_id: with labels and no
     # decoder_input_ids, T5 raised AttributeError ('T5Config' object has no attribute ...) and the
@@ -299,6 +300,7 @@ def test_a_value_read_is_named_before_missing_decoder_inputs():
     assert "labels" not in str(e.value)
 
 
+@pytest.mark.hf
 def test_bart_without_decoder_start_token_is_told_its_own_token():
     transformers = pytest.importorskip("transformers")
     model = transformers.BartForConditionalGeneration(transformers.BartConfig(

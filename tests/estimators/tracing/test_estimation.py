@@ -172,6 +172,7 @@ def _assert_same(a, b):
             assert torch.equal(v, sb[k][name]), (k, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS + ["llama_tiny"])
 def test_fake_mode_equals_real_mode(name):
     model, inputs = EXAMPLES[name]()

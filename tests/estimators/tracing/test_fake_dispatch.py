@@ -129,6 +129,7 @@ def test_with_another_mode_between_the_memo_leaves_the_op_to_it():
 _MODELS = {"gpt_tiny": gpt_tiny, "llama_tiny": llama_tiny, "convnet_tiny": convnet_tiny}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["h100", "cpu"])
 @pytest.mark.parametrize("name", sorted(_MODELS))
 def test_estimates_equal_without_the_memo(name, device, monkeypatch):

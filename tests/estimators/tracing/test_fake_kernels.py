@@ -206,6 +206,7 @@ def test_an_embedding_bag_net_is_predicted_to_the_byte():
     assert fake == measured
 
 
+@pytest.mark.hf
 def test_tiny_mixtral_traces_under_bf16_autocast_to_the_byte():
     transformers = pytest.importorskip("transformers")
     with warnings.catch_warnings():

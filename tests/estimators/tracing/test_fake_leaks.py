@@ -14,6 +14,8 @@ from estimators.tracing.estimation import estimate
 from estimators.step.train_step import TrainStep
 from estimators.tracing.fake_leaks import FakeTensorLeakWarning
 
+pytestmark = pytest.mark.usefixtures("whole_heap")  # the leak search scans the heap (tests/conftest.py)
+
 
 @functools.lru_cache(maxsize=4)
 def _positions(n: int) -> torch.Tensor:
@@ -47,6 +49,7 @@ class _Cached(torch.nn.Module):
         return self.lin(x) + self.bias[index]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["lru", "cache_tuple"])
 def test_an_lru_cache_the_trace_filled_is_cleared_and_real_training_stays_real(cache):
     # BEiT / Data2VecVision / DINOv3: after planning, real training got the cached FakeTensor
@@ -65,6 +68,7 @@ def test_an_lru_cache_the_trace_filled_is_cleared_and_real_training_stays_real(c
     assert loss.item() == loss.item()  # a real value
 
 
+@pytest.mark.slow
 def test_a_holder_the_planner_cannot_clear_is_named():
     _DICT_CACHE.clear()
     with pytest.warns(FakeTensorLeakWarning, match=r"left 1 fake tensor\(s\) .*held by a global of "
@@ -93,6 +97,7 @@ class _RaisesMidForward(torch.nn.Module):
         raise AttributeError("config has no attribute 'decoder_start_token_id'")
 
 
+@pytest.mark.slow
 def test_a_trace_that_raises_scans_the_heap_once_a_level_not_once_a_tensor(monkeypatch):
     # The traceback keeps the whole fake trace alive; one gc.get_referrers call per fake tensor
     # (each a scan of the heap) took 4 minutes on a T5-large before the error reached the user.
@@ -132,6 +137,7 @@ print("ok", len(m.kept))
 '''
 
 
+@pytest.mark.multiproc
 def test_a_model_a_trace_left_fake_tensors_in_is_traced_again_without_copying_them():
     """A forward hook (a closure over the real model) appends its output to a list on the
     model: each trace leaves a fake tensor there (named in a warning). The next trace's copy of

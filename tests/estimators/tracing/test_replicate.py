@@ -34,6 +34,7 @@ def _both(model, step, device):
     return estimate(model, step=step, device=device, options=FULL), estimate(model, step=step, device=device)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["h100", "cpu"])  # foreach AdamW lists / a loop per parameter
 def test_a_llama_laid_in_from_four_blocks_is_the_full_trace(device):
     model, inputs = _llama(7)
@@ -43,6 +44,7 @@ def test_a_llama_laid_in_from_four_blocks_is_the_full_trace(device):
     assert rep.module_info == full.module_info
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step_kw", [
     dict(micro_batches=2),  # gradients alive from the start, accumulated in place
     dict(autocast_dtype=torch.bfloat16, zero_grad=ZeroGrad.ZERO),
@@ -146,6 +148,7 @@ def test_a_shared_parameter_makes_no_stack():
     assert find_stacks(_Stack(blocks)) == []
 
 
+@pytest.mark.slow
 def test_real_mode_and_prepare_trace_every_block():
     model, inputs = _llama(6)
     prepared = []

@@ -25,6 +25,7 @@ def _same(a, b):
         for x, y in zip(a.values(), (b[k] for k in a)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_output", [False, True])  # True: the output held through backward
 def test_a_real_plan_is_bitwise_equal_and_the_model_is_left_as_found(keep_output):
     name = "convnet_demo"  # BatchNorm statistics and dropout-free: state must be put back
@@ -87,6 +88,7 @@ def test_a_recompute_that_differs_is_caught():
     assert check.n_params_compared == 4
 
 
+@pytest.mark.slow
 def test_a_bf16_plan_is_checked_under_autocast():
     """The check runs the step the plan was made for: a bf16 plan checked in fp32 compared other
     kernels than training runs (and printed 'bitwise EQUAL' for them)."""
@@ -169,6 +171,7 @@ def test_nan_gradients_of_the_same_bits_are_equal():
     assert check.equal and check.differing == () and check.n_params_compared == 5
 
 
+@pytest.mark.hf
 def test_an_hf_model_whose_cached_step_rounds_otherwise_is_compared_with_the_cache_off_too():
     """GPT-Neo with its default use_cache=True: the plan turns the cache off, and HF computes the
     cached step with other rounding (1.5e-8 here, even with no module planned). The check says
@@ -198,6 +201,7 @@ def test_an_hf_model_whose_cached_step_rounds_otherwise_is_compared_with_the_cac
     assert check_gradients(net, _full_plan(net, "_Net.a"), TrainStep(inputs=(torch.randn(4, 8),))).equal_with_cache_off is None
 
 
+@pytest.mark.hf
 def test_an_hf_classifier_s_config_is_left_as_found():
     """ViT's first forward with labels sets config.problem_type (None -> 'single_label_
     classification'); the check puts the config back (found by a new-user helper)."""
@@ -216,6 +220,7 @@ def test_an_hf_classifier_s_config_is_left_as_found():
     assert model.config.__dict__ == before and model.config.problem_type is None
 
 
+@pytest.mark.slow
 def test_a_compiled_model_is_refused_with_the_module_to_check():
     """It named apply_plan, which the user did not call (found by a new-user helper)."""
     net = _Net()

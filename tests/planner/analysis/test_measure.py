@@ -139,6 +139,7 @@ def test_measuring_installs_no_module_hooks():
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())  # removed after the step
 
 
+@pytest.mark.hf
 def test_a_whisper_step_is_measured_as_it_runs_untracked():
     # Tiny Whisper under bf16 autocast: with MemTracker's module hooks the steady-state peak
     # measured 547,404 B; the step itself (and the trace) peaks at 545,356 B.

@@ -23,6 +23,7 @@ def _loss_and_grads(model, inputs, seed=1234):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXAMPLE_NAMES)
 @pytest.mark.parametrize("which", ["slack", "binding", "tight"])
 def test_same_loss_and_gradients_bitwise(name, which):
@@ -229,6 +230,7 @@ def test_batchnorm_conv_net_buffers_bitwise_over_three_adamw_steps(how):
         assert torch.equal(p, q), n
 
 
+@pytest.mark.slow
 def test_deepcopy_of_planned_model_is_independent_and_removable():
     plan = plan_at("gpt_demo", budgets("gpt_demo", 3)[1])
     model, inputs = EXAMPLES["gpt_demo"]()
@@ -245,6 +247,7 @@ def test_deepcopy_of_planned_model_is_independent_and_removable():
     assert remove_plan(model) == len(plan.modules)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["pickle", "torch.save"])
 def test_planned_model_pickles_and_stays_planned(how):
     plan = plan_at("gpt_demo", budgets("gpt_demo", 3)[1])
@@ -413,6 +416,7 @@ def test_divergent_recompute_falls_back_to_full_checkpointing_with_warning():
         _assert_same(_step(model, (x,)), _step(ref_model, (x,)))
 
 
+@pytest.mark.slow
 def test_compiled_model_order_plan_apply_compile():
     plan = plan_at("gpt_demo", budgets("gpt_demo", 3)[1])
     model, inputs = EXAMPLES["gpt_demo"]()

@@ -211,6 +211,7 @@ def test_sizes_and_tuples_of_values_reach_the_recompute_unchanged():
     assert measured[1].peak_bytes == plan.predicted_peak_bytes
 
 
+@pytest.mark.slow
 def test_a_list_argument_the_caller_appends_to_reaches_the_recompute_as_the_forward_got_it():
     # The recompute got the caller's list, one feature map longer: "running_mean should contain
     # 12 elements not 8" in solve_sac's verification trace, at every budget.

@@ -137,8 +137,9 @@ def _assert_same(got, ref):
     assert bufs.keys() == ref_bufs.keys() and all(torch.equal(bufs[n], b) for n, b in ref_bufs.items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["alone", "with_sac"])
-@pytest.mark.parametrize("name", ["gpt_demo", "llama_tiny", "hf_llama", "convnet_demo"])
+@pytest.mark.parametrize("name", ["gpt_demo", "llama_tiny", pytest.param("hf_llama", marks=pytest.mark.hf), "convnet_demo"])
 def test_offload_plans_are_exact_and_predicted(name, mode, monkeypatch):
     fqns, min_bytes = _CASES[name]
     monkeypatch.setattr(offload, "MIN_OFFLOAD_BYTES", min_bytes)
@@ -179,6 +180,7 @@ def test_offload_plans_are_exact_and_predicted(name, mode, monkeypatch):
     handle.remove()
 
 
+@pytest.mark.slow
 def test_views_and_small_storages_stay_on_the_device(monkeypatch):
     est, _ = _planning("gpt_demo")
     stats = est.module_info.stats("GPT.blocks.0")
@@ -202,6 +204,7 @@ def _alone_plans():
     return _offload_plans(est, _CASES["gpt_demo"][0], "alone", MIN_OFFLOAD_BYTES)
 
 
+@pytest.mark.slow
 def test_deepcopy_of_an_offloading_model_offloads_on_its_own():
     model, inputs = _build("gpt_demo")
     ref = _loss_grads_buffers(copy.deepcopy(model), inputs)
@@ -216,6 +219,7 @@ def test_deepcopy_of_an_offloading_model_offloads_on_its_own():
     handle.remove()
 
 
+@pytest.mark.slow
 def test_remove_plan_restores_and_no_grad_offloads_nothing():
     model, inputs = _build("gpt_demo")
     forwards = {n: m.forward for n, m in model.named_modules()}
@@ -233,6 +237,7 @@ def test_remove_plan_restores_and_no_grad_offloads_nothing():
     assert offload.take_pending() == []
 
 
+@pytest.mark.slow
 def test_a_forward_dropped_without_backward_frees_what_it_offloaded():
     # The offload hooks kept saved outputs with their grad_fn: a cycle through autograd's C++
     # graph that gc cannot free, so a metric forward outside no_grad leaked its host copies
@@ -304,6 +309,7 @@ def test_a_saved_tensor_written_in_place_stays_and_fails_as_unplanned():
         assert counter.ambiguous == 1 and counter.host_bytes == 0
 
 
+@pytest.mark.slow
 def test_compiled_offloading_model_is_exact(monkeypatch):
     """Plan, apply, compile: exact. Offload happens only where the planned forward runs eagerly
     (dynamo falls back to eager around the checkpoint here); a compiled graph keeps the tensors."""
@@ -325,6 +331,7 @@ def _plans_of(handle):
     return [m.__dict__["forward"].mp for m in handle.modules]
 
 
+@pytest.mark.slow
 def test_micro_batches_offload_each_micro_batch():
     model, inputs = _build("gpt_demo")
     step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw", micro_batches=2)
@@ -337,6 +344,7 @@ def test_micro_batches_offload_each_micro_batch():
         assert handle.host_bytes_offloaded == 2 * sum(predicted_host_bytes(est.trace, plans, micro_batches=est.step.micro_batches).values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["alone", "with_sac"])
 def test_offload_around_a_checkpointed_submodule(mode):
     """GPT.blocks.0 offloads and its mlp is fully checkpointed: the mlp's saved tensors are its
@@ -360,6 +368,7 @@ def test_offload_around_a_checkpointed_submodule(mode):
         assert inner_kept == (mode == "alone")
 
 
+@pytest.mark.hf
 def test_hf_mistral_bf16_autocast_micro_batches_host_bytes_are_predicted(monkeypatch):
     """Grouped-query attention under bf16 autocast, 2 micro-batches: the fake-mode trace must take
     the real run's attention path (no materialized mask, SDPA's enable_gqa), or the ops the plan

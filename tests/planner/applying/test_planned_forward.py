@@ -33,6 +33,7 @@ class _SpectralBlocks(nn.Module):
         return self.head(self.blocks(x).mean((2, 3)))
 
 
+@pytest.mark.slow
 def test_a_view_only_the_forward_runs_under_memtracker_is_not_a_divergence():
     # torch's ModTracker (inside MemTracker) calls t.view_as(t) on a submodule's grad-requiring
     # inputs in the forward, not in the recompute: the spectral-norm parametrization's parameter.
@@ -99,6 +100,7 @@ def _encoder_batch():
     return torch.randint(0, 50, (4, 16), generator=g), torch.randint(0, 5, (4,), generator=g)
 
 
+@pytest.mark.slow
 def test_multihead_self_attention_is_planned_measured_and_trained_unchanged():
     # The planning trace's saved-tensor hooks gave the recompute three tensor objects for
     # attn(x, x, x): three projections instead of the packed one, and solve_sac raised
@@ -134,6 +136,7 @@ class _InplaceActNet(nn.Module):
         return x.square().mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("act", [lambda: nn.SiLU(inplace=True), lambda: nn.Hardswish(inplace=True)],
                          ids=["silu_", "hardswish_"])
 def test_inplace_activations_after_a_batchnorm_train_unchanged_under_any_plan(act):
@@ -173,6 +176,7 @@ class _CallsTheEmbeddingFirst(nn.Module):
         return self.head(self.lm2(self.lm(self.lm.embed(ids))))
 
 
+@pytest.mark.slow
 def test_a_module_whose_child_ran_before_it_is_planned_and_trains_unchanged():
     # The recorded forward order listed lm.embed before lm, and planning raised GraphError.
     torch.manual_seed(0)
@@ -231,6 +235,7 @@ def test_a_model_changed_after_apply_says_its_plan_no_longer_holds():
     remove_plan(model)
 
 
+@pytest.mark.slow
 def test_a_bigger_batch_than_planned_says_the_plan_no_longer_holds():
     # Planned at batch 8, trained at batch 16: every activation doubles and the step goes over
     # the budget with no word. The same or a smaller batch, and no-grad forwards, stay quiet.
@@ -290,6 +295,7 @@ class _MeanThenRelu(nn.Module):
         return self.out(h * torch.sigmoid(g)) + x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [_ReadsThenOverwrites, _MeanThenRelu])
 def test_reads_before_an_inplace_overwrite_train_unchanged_under_any_plan(block):
     # Plans recomputed the mean from the overwritten h (gradients 232 off), and a checkpointed
@@ -373,6 +379,7 @@ def _apply_cores(model):
                                       for i in range(3)])
 
 
+@pytest.mark.slow
 def test_a_model_changed_elsewhere_after_apply_says_its_plan_no_longer_holds():
     # Measured before: .double() on a model whose planned modules hold no parameters, +97 % over
     # the prediction; resize_token_embeddings, +592 %; unfrozen layers, +46 %: no word.

@@ -137,6 +137,7 @@ def ranks(tmp_path_factory):
     return tmp, _read(tmp), budget_gib, ref_loss, no_ac_peak
 
 
+@pytest.mark.multiproc
 def test_same_plan_on_every_rank_and_the_prediction_holds(ranks):
     tmp_path, per_rank, budget_gib, ref_loss, no_ac_peak = ranks
     results = [r["train"] for r in per_rank]
@@ -198,6 +199,7 @@ def _bad_input_case(rank: int) -> dict:
     return results
 
 
+@pytest.mark.multiproc
 def test_bad_input_raises_the_same_clear_error_on_every_rank(ranks):
     r0, r1 = (r["bad_input"] for r in ranks[1])
     # Checked on every rank, then told to every rank in one all-gather (planner.distributed.agreement).

@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -101,6 +102,7 @@ def _budget_gib() -> float:
     return (low + 0.5 * (high - low)) / GiB
 
 
+@pytest.mark.multiproc
 def test_benchmarks_are_split_merged_and_rank0_plans_from_them(tmp_path):
     # spawn, not fork: the workers run real kernels, and a child forked after the parent used
     # its OpenMP pool can deadlock in its first parallel op (seen in a full-suite run).

@@ -64,6 +64,7 @@ def test_planner_is_at_or_below_every_baseline_at_its_peak():
     assert all(b.name in text for b in bases)
 
 
+@pytest.mark.slow
 def test_realised_plans_also_beat_the_baselines():
     """The applied plan (ratios rounded to whole ops, peak re-traced) at each baseline's traced
     peak: both sides as they run, not as the MILP prices them (it prices checkpointing the last

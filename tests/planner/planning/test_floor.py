@@ -40,6 +40,7 @@ def test_breakdown_sums_to_the_traced_peak():
     assert {c.what: c.memory_bytes for c in sharded.contributors}["parameters"] == -(-params // 4)
 
 
+@pytest.mark.slow
 def test_full_vocabulary_floor_names_the_logits_and_the_loss():
     model, inputs = _full_vocab_gpt()
     est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="cpu")
@@ -66,6 +67,7 @@ def test_optimizer_state_heavy_floor_suggests_sharding_and_lighter_optimizer():
     assert "world_size > 1" in hints and "sgd" in hints
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt_demo", "convnet_demo", "llama_tiny"])
 def test_stated_smallest_budget_verifies(name):
     # The step solve_sac would trace (cpu, Adam, the example's loss), traced once per session
@@ -91,6 +93,7 @@ def test_stated_smallest_budget_verifies_with_the_default_cuda_reserve():
     assert plan.predicted_peak_bytes <= plan.usable_budget_bytes
 
 
+@pytest.mark.slow
 def test_stated_smallest_budget_verifies_when_traces_overshoot_the_milp(monkeypatch):
     # Make every planned trace 10 % above what it is, as when the MILP is optimistic: the stated
     # floor is then the traced min-peak plan, and asking for it must give that plan.
@@ -166,6 +169,7 @@ def test_floor_text_names_the_peak_and_its_largest_contributors():
 
 
 
+@pytest.mark.slow
 def test_fsdp_refusal_breaks_down_the_per_rank_peak():
     # FSDP over 64 ranks: the unsharded trace peaks in the optimizer step (the full Adam state),
     # but per rank the state is 1/64 and the peak is in the step's forward/backward, where the

@@ -29,6 +29,7 @@ def _gpt():
     return model, inputs
 
 
+@pytest.mark.slow
 def test_offload_plan_applies_exactly_and_measures_as_predicted():
     est, _, peak, low = planning("gpt_demo", "adamw")
     model, inputs = _gpt()
@@ -51,6 +52,7 @@ def test_offload_plan_applies_exactly_and_measures_as_predicted():
     assert host_per_step == plan.host_bytes_per_step == plan.host_peak_bytes > 0  # 1 micro-batch
 
 
+@pytest.mark.slow
 def test_offload_never_slower_than_recompute_only_and_host_budget_holds():
     est, _, peak, low = planning("gpt_demo", "adamw")
     model, _ = _gpt()
@@ -102,6 +104,7 @@ def test_step_time_curves_side_by_side():
     assert curves.rows[-1].three_way_step_ms == pytest.approx(curves.no_ac_step_ms)
 
 
+@pytest.mark.slow
 def test_small_copies_are_priced_out_not_ruled_out():
     """llama_tiny's saved tensors are 256 B - 32 KiB. At the cpu target's 5 us per copy its
     copies hide behind the next block's compute, so the plan offloads (no size rule stops it);

@@ -66,6 +66,7 @@ def test_solve_sac_plans_a_stage_and_says_what_it_needs(four_stages):
         solve_sac(stage, 1e-4, step, options=_options(3))
 
 
+@pytest.mark.slow
 def test_a_plan_that_verifies_over_is_stepped_past_until_one_fits():
     """The last of 4 GPipe stages (8 layers, 8 micro-batches) at 4,309,609 B: the MILP's plan
     (layers.6 at 0.998 of its bytes) verifies 695 B over, and so does every target within 30 KB

@@ -25,6 +25,7 @@ from planner.options import PlanOptions
 REAL = EstimateOptions(mode=TraceMode.REAL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXAMPLE_NAMES)
 def test_measured_peak_matches_prediction_at_four_budgets(name):
     activations = []
@@ -52,6 +53,7 @@ def _megatron_gpt():
     return build_gpt(cfg, batch_size=4)
 
 
+@pytest.mark.slow
 def test_plan_no_worse_than_megatron_attention_core_recompute():
     model, inputs = _megatron_gpt()
     est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adam"), device="cpu")
@@ -288,6 +290,7 @@ def _residual_step():
     return model, TrainStep(inputs=(torch.randn(256, 64),), optimizer="adamw")
 
 
+@pytest.mark.slow
 def test_modules_whose_recompute_diverges_are_left_out_not_crashed_on():
     """A selective checkpoint of a module whose recompute runs other ops (torch's checkpoint
     refuses that, or worse, hands back another op's output): the planner leaves such modules
@@ -331,6 +334,7 @@ class _ExtraOpInBackward(torch.nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
+@pytest.mark.slow
 def test_a_full_checkpoint_torch_refuses_is_left_out_by_name():
     # torch's CheckpointError ("Recomputed values ... have different metadata") names no module:
     # solve_sac raised it from the verification trace. The planner now finds the module (its
@@ -356,6 +360,7 @@ def test_a_full_checkpoint_torch_refuses_is_left_out_by_name():
     assert plan.modules and "Sequential.1" not in {m.fqn for m in plan.modules}
 
 
+@pytest.mark.slow
 def test_a_divergence_first_met_in_the_min_peak_plan_is_a_planning_error():
     # Two such modules: once the least-recompute attempts had left one out and ran out of
     # tightenings, the last resort (the min-peak plan) checkpointed the other, and solve_sac
@@ -413,6 +418,7 @@ def _hf_loop_peaks(model, batch, n_steps=3):
     return peaks
 
 
+@pytest.mark.hf
 def test_peak_no_ac_is_the_model_as_it_runs_unplanned_with_hf_use_cache_on():
     # A Llama left at use_cache=True keeps its K/V cache until the output is dropped; with a
     # padding mask HF repeats the grouped K/V heads, so the cache is not the tensors attention
@@ -467,6 +473,7 @@ class _SharedBlockNet(torch.nn.Module):
         return self.head(self.last(self.shared(self.shared(self.first(x)))))
 
 
+@pytest.mark.slow
 def test_a_module_called_twice_is_planned_exactly_and_fully_checkpointed_below_the_milp_floor():
     # The memory model gives Shared.shared one window (its last call's forward end to its first
     # call's backward start), so the MILP's smallest reachable peak was 3,101,632 B (the plan at
@@ -513,6 +520,7 @@ class _SharedBNNet(torch.nn.Module):
         return self.head(self.blk(self.blk(self.stem(x))).mean((2, 3)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_a_batchnorm_block_called_twice_is_checkpointed_with_its_statistics_as_unplanned(momentum):
     # Each call's BatchNorm adds 1 to num_batches_tracked in place, so the first call read a
@@ -539,6 +547,7 @@ def test_a_batchnorm_block_called_twice_is_checkpointed_with_its_statistics_as_u
     assert int(mine.blk.b1.num_batches_tracked) == 6  # 2 calls x 3 steps, not once more per recompute
 
 
+@pytest.mark.hf
 def test_albert_shared_layer_is_checkpointed_below_the_milp_floor():
     # AlbertForMaskedLM applies one layer 4 times: the MILP's smallest reachable peak was
     # 4,897,912 B; its min-peak plan with the shared layer group fully checkpointed traces and
@@ -571,6 +580,7 @@ def _eval_mode_net():
     return model.eval(), (torch.randn(4, 8, 16, 16),)
 
 
+@pytest.mark.slow
 def test_a_model_left_in_eval_mode_is_planned_as_it_trains():
     """from_pretrained returns a model in eval mode; its loop trains it in train mode (planned as
     it was, a BERT measured 5.1 % over the plan). The step runs as model.train() leaves it; the
@@ -669,6 +679,7 @@ class _FeatureBank(torch.nn.Module):
         return x + h
 
 
+@pytest.mark.slow
 def test_a_refusal_never_states_a_smallest_budget_above_the_unplanned_peak():
     # The min-peak plan traced above the unplanned step (each checkpoint holds its old bank):
     # the refusal stated 3,579,112 B as the smallest budget that verifies; 2,661,608 B (no plan)

@@ -131,6 +131,7 @@ def test_sweep_rows_on_pareto_are_monotone():
 
 
 # ----------------------------------------------------------------------------- real model
+@pytest.mark.slow
 def test_rows_are_costed_by_the_exact_model():
     est = demo_estimate()
     info = est.module_info
@@ -164,6 +165,7 @@ def test_infeasible_budgets_are_reported_and_the_sweep_goes_on():
     assert text.count("infeasible") == 3 and "*" in text
 
 
+@pytest.mark.slow
 def test_model_input_is_traced_once_and_matches_the_estimate(monkeypatch):
     est_mod = importlib.import_module("planner.planning.tradeoff")
     calls = []
@@ -217,6 +219,7 @@ def test_extra_budgets_are_merged_into_the_grid():
 
 
 # ----------------------------------------------------------------------------- plotting
+@pytest.mark.slow
 def test_plot_draws_curve_and_baselines_and_writes_only_when_asked(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib", reason="plotting needs matplotlib: pip install sac-planner[plot]")
     from planner.planning.baselines import hand_made_baselines
@@ -321,6 +324,7 @@ def test_the_curve_leaves_out_the_modules_solve_sac_refuses_to_checkpoint():
         solve_sac(model, (table.no_ac_peak_bytes - 1024) / 2**30, step)
 
 
+@pytest.mark.slow
 def test_a_module_called_twice_gets_the_traced_floor_solve_sac_reaches():
     """A block applied twice: the MILP prices it with one window, so its floor (3,101,632 B) sat
     above what ``solve_sac`` reaches with the block fully checkpointed (2,578,368 B, measured).

@@ -43,6 +43,7 @@ def test_a_selective_recompute_that_diverges_is_named():
     assert sorted(info.value.fqns) == ["_Residual.blocks.0", "_Residual.blocks.2"]  # the _Alternating ones
 
 
+@pytest.mark.slow
 def test_a_full_checkpoint_torch_refuses_is_named_by_replaying_it():
     torch.manual_seed(0)
     model = torch.nn.Sequential(_Mlp(32), _ExtraOpInBackward(32))

@@ -121,6 +121,7 @@ def test_an_overshooting_plan_is_repaired_with_its_binaries_fixed(monkeypatch):
     assert again.discarded_bytes == fresh.discarded_bytes
 
 
+@pytest.mark.multiproc
 def test_the_first_highs_of_a_process_prints_nothing_on_stdout():
     # PuLP's own HiGHS instance printed HiGHS' banner on stdout: `--offload --json` output was
     # not JSON. A fresh process: the banner comes with the first instance only.

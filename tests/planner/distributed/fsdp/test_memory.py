@@ -215,6 +215,7 @@ def _planning_worker(rank: int, tmp: str, budget_gib: float) -> None:
     leave_rank()  # destroys the group; see tests/planner/spawned.py
 
 
+@pytest.mark.multiproc
 def test_solve_sac_counts_fsdp_like_solve_sac_distributed(tmp_path):
     import json
 
