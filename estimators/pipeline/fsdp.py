@@ -6,11 +6,16 @@
 
 The stage is traced as it was before ``fully_shard`` (the program one rank runs, at its local
 tensor-parallel shapes); FSDP2's part is added by the rules below. They are how FSDP2 runs under
-torch 2.13's single-stage schedules (``ScheduleGPipe``, ``Schedule1F1B``) as torchtitan 0.3.0
-composes them (``apply_fsdp_to_decoder`` with PP: every unit ``reshard_after_forward=False``, the
-root FSDP2's default for a root, which never reshards after forward): ``PipelineStage`` runs every
-backward with ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``,
-and the step's end calls ``perform_reduce_grad``. A *unit* is one FSDP2 parameter group (a
+torch 2.13's schedules without a split backward as torchtitan 0.3.0 composes them
+(``apply_fsdp_to_decoder`` with PP: every unit ``reshard_after_forward=False``, the root FSDP2's
+default for a root, which never reshards after forward): ``PipelineStage`` runs every backward
+with ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``, and each
+stage's ``perform_reduce_grad`` runs after its last backward: after the loop in the one-stage
+schedules (``ScheduleGPipe``, ``Schedule1F1B``), as the ``REDUCE_GRAD`` action right after the
+stage's last backward in the runtime ones (``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``:
+mid-step, the rank's other stages still running; their ``UNSHARD`` / ``RESHARD`` actions are
+not recursive and touch only the stage's root unit, which holds no parameters in torchtitan's
+layout, a root that does is refused). A *unit* is one FSDP2 parameter group (a
 ``fully_shard`` call, on one module or several). Sizes are FSDP2's own, read from its
 ``FSDPParam`` objects (``planner.distributed.fsdp.stage``): a parameter's shard is dim 0 padded
 to a multiple of ``W``, every rank's storage that padded chunk. Each rule is checked against
@@ -29,9 +34,11 @@ F3  all-gather buffers, in that first forward: the flat output of the unit gathe
     moment with the previous flat output.
 F4  gradients: the unsharded gradients, the traced ones, appear in the step's first backward as
     without FSDP2 (M3) and accumulate until F5.
-F5  reduce (``perform_reduce_grad``, inside the schedule's loop after its last backward: every
-    hold of the step still alive but the losses the loop has returned, all but the last, and
-    under 1F1B the last forward's output still referenced): unit by unit in FSDP2's order (the
+F5  reduce (``perform_reduce_grad``; in a one-stage schedule inside its loop after the last
+    backward: every hold of the step still alive but the losses the loop has returned, all but
+    the last, and under 1F1B the last forward's output still referenced; in a runtime schedule
+    right after the stage's last backward, every hold of that moment, the rank's other
+    micro-batches in flight included): unit by unit in FSDP2's order (the
     root's first, then by module order) the unit is resharded (its gathered parameters freed),
     the previous unit's reduce-scatter input freed, its own allocated while its gradients are
     alive, its gradients freed by the copy-in but its last parameter's (``foreach_reduce``'s loop

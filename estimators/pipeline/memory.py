@@ -34,7 +34,7 @@ M6  one optimizer step over every local stage's parameters; foreach temporaries 
 
 A stage sharded by FSDP2 follows M1-M6 on its sharded state plus the rules F1-F6 of
 ``estimators.pipeline.fsdp`` (``fsdp=``): gathered units from the step's first forward, and the
-reduce at the end of the last backward.
+reduce after the stage's last backward (no split backward).
 """
 
 from __future__ import annotations
@@ -82,7 +82,10 @@ class RankMemory:
     """After ``step()`` returns: what the optimizer step starts from."""
     optim_peak_bytes: int
     reduce_peak_bytes: int = 0
-    """FSDP2 stages: the highest point of the step's reduce (F5); 0 without FSDP2."""
+    """FSDP2 stages: the highest point of the step's reduces (F5); 0 without FSDP2."""
+    reduces: tuple[tuple[int, dict[int, int]], ...] = ()
+    """Per FSDP2 stage's reduce (F5): its highest point and, per local stage, the other
+    micro-batches in flight then (a runtime schedule reduces a stage mid-step)."""
 
     @property
     def peak_where(self) -> str:
@@ -114,11 +117,11 @@ def rank_memory(actions, profiles: dict[int, StageProfile], n_microbatches: int,
 
     ``grads_at_start``: the loop keeps gradients allocated between steps (``ZeroGrad.ZERO``): M3
     does not apply. ``fsdp``: the stages sharded by FSDP2 (their profiles as ``fsdp_profile``
-    gives them; one-stage schedules only, GPipe and 1F1B)."""
+    gives them; no split backward)."""
     fsdp = fsdp or {}
-    if fsdp and (runtime is Runtime.RUNTIME or grads_at_start):
-        raise ValueError("FSDP2 stages are modelled under ScheduleGPipe and Schedule1F1B, with gradients "
-                         "set to None between steps")
+    if fsdp and (grads_at_start or any(k in ("I", "W") for _, k, _ in actions)):
+        raise ValueError("FSDP2 stages are modelled without a split backward, with gradients set to None "
+                         "between steps")
     resident = batch_bytes + sum(p.resident_bytes for p in profiles.values())
     resident += sum(n_microbatches * ((0 if p.is_first else p.input_bytes) + (0 if p.is_last else p.output_bytes))
                     for p in profiles.values())  # M2
@@ -127,6 +130,14 @@ def rank_memory(actions, profiles: dict[int, StageProfile], n_microbatches: int,
     grads_done: set[int] = set(profiles) if grads_at_start else set()
     gathered: set[int] = set()  # FSDP2 stages past their first forward (F2)
     reduced: dict[int, int] = {}  # FSDP2 stages past their reduce: their sharded gradients (F5)
+    backwards: dict[int, int] = {}  # per stage: its backwards so far
+    reduces: list[tuple[int, dict[int, int]]] = []
+
+    def reduce(s: int, before: int) -> None:  # F5
+        reduces.append((reduce_grad(fsdp[s].units, before, copies_input=fsdp[s].copies_reduce_scatter_input),
+                        in_flight(-1, -1)))
+        gathered.discard(s)
+        reduced[s] = fsdp[s].sharded_grad_bytes  # through the optimizer step
     warm = {}
     if runtime is Runtime.ONE_F_ONE_B:
         warm = {s: w for s, p in profiles.items() if (w := _warm_up_send(actions, s, p)) is not None}
@@ -138,6 +149,13 @@ def rank_memory(actions, profiles: dict[int, StageProfile], n_microbatches: int,
             if (t, m) != (s, mb):
                 b += profiles[t].kept_after_fw if st == "F" else profiles[t].kept_after_i
         return b
+
+    def in_flight(s: int, mb: int) -> dict[int, int]:
+        flight: dict[int, int] = {}
+        for (t, m) in state:
+            if (t, m) != (s, mb):
+                flight[t] = flight.get(t, 0) + 1
+        return flight
 
     out = []
     for i, (s, kind, mb) in enumerate(actions):
@@ -153,11 +171,7 @@ def rank_memory(actions, profiles: dict[int, StageProfile], n_microbatches: int,
         else:
             top = max(curve, default=0)
         b = base(s, mb)
-        flight: dict[int, int] = {}
-        for (t, m) in state:
-            if (t, m) != (s, mb):
-                flight[t] = flight.get(t, 0) + 1
-        out.append(ActionMemory(s, kind, mb, b, b + top, flight, first_write, first_forward))
+        out.append(ActionMemory(s, kind, mb, b, b + top, in_flight(s, mb), first_write, first_forward))
         if first_forward:
             gathered.add(s)
         if kind == "F":
@@ -186,16 +200,16 @@ def rank_memory(actions, profiles: dict[int, StageProfile], n_microbatches: int,
             held[("warm-up send", s)] = (p.output_bytes, "loop")
         if s in warm and warm[s][1] == i:
             held.pop(("warm-up send", s), None)
-    # F5 inside the loop: every hold of the step, the last loss only, 1F1B's last output
+        backwards[s] = backwards.get(s, 0) + 1
+        if runtime is Runtime.RUNTIME and s in gathered and backwards[s] == n_microbatches:
+            reduce(s, base(-1, -1))  # F5: REDUCE_GRAD right after the stage's last backward
+    # F5 after a one-stage loop: every hold of the step, the last loss only, 1F1B's last output
     inside = -sum((n_microbatches - 1) * p.loss_bytes for p in profiles.values() if p.is_last)
     if runtime is Runtime.ONE_F_ONE_B:
         inside += sum(p.output_bytes for p in profiles.values() if not p.is_last)
-    reduce_peak = 0
     for s in sorted(set(fsdp) & gathered):
-        reduce_peak = max(reduce_peak, reduce_grad(fsdp[s].units, base(-1, -1) + inside,
-                                                   copies_input=fsdp[s].copies_reduce_scatter_input))
-        gathered.discard(s)
-        reduced[s] = fsdp[s].sharded_grad_bytes  # through the optimizer step
+        reduce(s, base(-1, -1) + inside)
+    reduce_peak = max((r for r, _ in reduces), default=0)
     for k in [k for k, (_, end) in held.items() if end != _NEXT_STEP]:
         del held[k]
     end = base(-1, -1)
@@ -204,4 +218,4 @@ def rank_memory(actions, profiles: dict[int, StageProfile], n_microbatches: int,
     opt = [sum(p.optim[j] for p in profiles.values() if j < len(p.optim)) for j in range(n_opt)]  # M6
     optim_peak = end + max(opt, default=0)
     peak = max([a.peak_bytes for a in out] + [merge_peak, optim_peak, reduce_peak])
-    return RankMemory(peak, tuple(out), merge_peak, end, optim_peak, reduce_peak)
+    return RankMemory(peak, tuple(out), merge_peak, end, optim_peak, reduce_peak, tuple(reduces))

@@ -106,8 +106,11 @@ def rank_module_info(stages: dict[int, StageView], actions, n_microbatches: int,
                 recompute_in_window=(None if p.recompute_in_window is None
                                      else stage_root(a.stage) + p.recompute_in_window[len(root):]),
                 in_flight=in_flight))
-    for base in (rm.merge_peak_bytes, rm.optim_peak_bytes, rm.reduce_peak_bytes):  # every window closed by then
+    for base in (rm.merge_peak_bytes, rm.optim_peak_bytes):  # every window closed by then
         points.append(MemoryPoint(op_index=off, phase=Phase.OPTIM, other_bytes=base))
+    for base, flight in rm.reduces:  # F5: between actions, no window open; others in flight mid-step
+        points.append(MemoryPoint(op_index=off, phase=Phase.OPTIM, other_bytes=base,
+                                  in_flight=tuple((stage_root(t), n) for t, n in sorted(flight.items()) if n)))
     order = ModOrder(**{k: tuple(v) for k, v in orders.items()})
     info = ModuleInfo(mod_order=order, mod_stats=tuple(stats), memory_points=tuple(points), peak_bytes=rm.peak_bytes,
                       fw_runtime_ms=sum(v.profile.fw_ms for v in stages.values()),

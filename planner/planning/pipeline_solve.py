@@ -324,11 +324,19 @@ def _stage_fsdp(stages, options: PlanOptions) -> dict:
         raise PlanningError(f"world_size={options.world_size} but the rank's stages are sharded over "
                             f"{sorted(sizes)} ranks; drop world_size (it is read from the stages)")
     layout = options.pipeline.layout
-    if layout.runtime is Runtime.RUNTIME:
+    if layout.split_backward:
         raise PlanningError(
-            f"FSDP2 inside a pipeline stage is modelled under ScheduleGPipe and Schedule1F1B; "
-            f"{layout.schedule_cls.__name__} gathers every unit of a stage at once (its UNSHARD actions) and "
-            "reduces each stage in the middle of the schedule (REDUCE_GRAD), which is not modelled yet")
+            f"FSDP2 inside a pipeline stage is modelled without a split backward; {layout.schedule_cls.__name__}'s "
+            "input and weight halves under FSDP2 are not modelled yet: use ScheduleGPipe, Schedule1F1B, "
+            "ScheduleInterleaved1F1B or ScheduleLoopedBFS")
+    if layout.runtime is Runtime.RUNTIME:
+        for s, f in sharded.items():
+            root = original_class_name(stages[s][0])
+            if any(root in u.modules for u in f.units):
+                raise PlanningError(
+                    f"stage {s}'s root FSDP2 unit holds parameters: {layout.schedule_cls.__name__} gathers it at the "
+                    "step's start (its UNSHARD action), which is not modelled yet; fully_shard the stage's "
+                    "parameter-holding children before the stage (examples.pipeline_stages.shard_llama_stage)")
     if any(step.zero_grad is ZeroGrad.ZERO for _, step in stages.values()):
         raise PlanningError("an FSDP2 stage is modelled with its gradients set to None between steps "
                             "(zero_grad(set_to_none=True)); ZeroGrad.ZERO keeps the sharded gradients, which the "

@@ -1,6 +1,6 @@
 """A pipeline planned per stage and run for real: 2 gloo ranks, Schedule1F1B, 4 micro-batches,
-3 AdamW steps, MemTracker on each rank; PP 2 x TP 2 on 4 ranks (the acceptance tables are
-benchmarks/pipeline_e2e.py's, with and without --tp)."""
+3 AdamW steps, MemTracker on each rank; PP 2 x TP 2 and PP 2 x FSDP 2 on 4 ranks (the acceptance
+tables are benchmarks/pipeline_e2e.py's, with and without --tp and --dp)."""
 
 import pytest
 
@@ -58,5 +58,40 @@ def test_pp_x_tp_each_ranks_measured_peak_is_its_prediction_and_gradient_shards_
             assert max(with_plan["peaks"][1:]) == plan.predicted_peak_bytes <= budget < unplanned, where
             assert with_plan["grads"] == plain["grads"] and plan.modules, where
             assert plan_hash(plan) == plan_hash(next(iter(by_rank[rank ^ 1][2][0][1].values()))), where
+            if with_plan["live_plan_hashes"] is not None:  # traced on the live gloo group: the same plan
+                assert with_plan["live_plan_hashes"] == {s: plan_hash(p) for s, p in plans.items()}, where
+
+
+def test_pp_x_fsdp_each_ranks_measured_peak_is_its_prediction_and_gradient_shards_stay_bitwise():
+    """PP 2 x FSDP 2 on 4 gloo ranks (each stage sharded by FSDP2 as torchtitan does under PP:
+    units kept gathered through the step, the reduce after the stage's last backward), 1F1B and
+    Interleaved1F1B (a stage reduced mid-step), each dp replica on its own batch: unplanned and
+    at a middle budget, predicted = measured to the byte on every rank, gradient shards bitwise,
+    the plan within its budget, and under 1F1B the same plan when each rank plans on the live
+    gloo group."""
+    from benchmarks._pipeline_ranks import RunConfig, rank_worker, run_ranks
+    from benchmarks.pipeline_e2e import plan_tp_ranks
+    from planner.distributed.ranks import plan_hash
+
+    cases = [("1F1B", 4), ("Interleaved1F1B", 4)]
+    planned = plan_tp_ranks(2, 1, True, cases, fractions=(0.5,), dp=2)
+    configs = []
+    for case in cases:
+        by_rank = planned[case]
+        plans = {r: by_rank[r][2][0][1] for r in by_rank}
+        live = {r: by_rank[r][2][0][0] / 2**30 for r in by_rank} if case == ("1F1B", 4) else None
+        configs += [RunConfig(*case, None, dp=2), RunConfig(*case, plans, dp=2, plan_here_gib=live)]
+    results = run_ranks(rank_worker, 4, "llama", configs, timeout_s=1500)
+    for i, case in enumerate(cases):
+        by_rank = planned[case]
+        for rank in range(4):
+            unplanned, _, [(budget, plans)] = by_rank[rank]
+            plain, with_plan = results[rank][2 * i], results[rank][2 * i + 1]
+            predicted = max(p.predicted_peak_bytes for p in plans.values())
+            where = (case, rank)
+            assert max(plain["peaks"][1:]) == unplanned, where
+            assert max(with_plan["peaks"][1:]) == predicted <= budget < unplanned, where
+            assert with_plan["grads"] == plain["grads"] and any(p.modules for p in plans.values()), where
+            assert all(p.world_size == 2 for p in plans.values()), where
             if with_plan["live_plan_hashes"] is not None:  # traced on the live gloo group: the same plan
                 assert with_plan["live_plan_hashes"] == {s: plan_hash(p) for s, p in plans.items()}, where

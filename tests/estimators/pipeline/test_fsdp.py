@@ -71,8 +71,30 @@ def test_sharded_state_scales_by_the_ranks_elements():
                   full_numel=1)
 
 
-def test_only_one_stage_schedules_with_gradients_set_to_none():
+def test_a_runtime_schedule_reduces_each_stage_after_its_last_backward():
+    """Interleaved schedules (``_PipelineScheduleRuntime``) run REDUCE_GRAD right after a stage's
+    last backward, mid-step: the other stage's micro-batches are still in flight, and the
+    stage's gathered units and unsharded gradients are gone for the rest of the step."""
+    middle = StageProfile(stage_index=1, is_first=False, is_last=False, split=False, resident_bytes=500,
+                          grad_bytes=100, input_bytes=10, output_bytes=10, fw=(5, 20), bw=(30, 40, 10),
+                          grad_pending=(100, 60, 0), kept_after_fw=20, optim=(5,))
+    acts = [(0, "F", 0), (0, "F", 1), (1, "F", 0), (1, "F", 1), (1, "B", 0), (1, "B", 1), (0, "B", 0), (0, "B", 1)]
+    over = FsdpProfile((_U1, _U2), first_forward=(120, 148), copies_reduce_scatter_input=True)
+    rm = rank_memory(acts, {0: _first(), 1: middle}, 2, Runtime.RUNTIME, fsdp={0: over, 1: over})
+    # resident 1000 + 500, receive buffers 2 x 10 (stage 0's gradients) + 2 x (10 + 10) (stage 1's): 1560.
+    # Stage 1's reduce: both stages gathered (208), stage 1's gradients 100, its sent outputs and
+    # input gradients held to the loop's end (40), stage 0's 2 micro-batches in flight (40): 1948,
+    # and the reduce adds 50 as in the 1F1B case (unit 1's input beside its output and gloo's copy).
+    # Stage 0's: 1560 + its units 104 + stage 1's sharded gradients 52 + its own 100 + stage 1's
+    # holds 40 + its own sent outputs 20 = 1876, + 50.
+    assert rm.reduces == ((1998, {0: 2}), (1926, {}))
+    assert rm.reduce_peak_bytes == 1998
+    assert rm.end_base_bytes == 1560 + 52 + 52  # both stages' sharded gradients, every hold gone
+
+
+def test_no_split_backward_and_gradients_set_to_none():
     over = FsdpProfile((_U1, _U2), first_forward=(0, 0))
-    for kw in ({"runtime": Runtime.RUNTIME}, {"runtime": Runtime.GPIPE, "grads_at_start": True}):
-        with pytest.raises(ValueError, match="ScheduleGPipe and Schedule1F1B"):
-            rank_memory([(0, "F", 0), (0, "B", 0)], {0: _first()}, 1, fsdp={0: over}, **kw)
+    for acts, kw in (([(0, "F", 0), (0, "B", 0)], {"runtime": Runtime.GPIPE, "grads_at_start": True}),
+                     ([(0, "F", 0), (0, "I", 0), (0, "W", 0)], {"runtime": Runtime.RUNTIME})):
+        with pytest.raises(ValueError, match="without a split backward, with gradients set to None"):
+            rank_memory(acts, {0: _first()}, 1, fsdp={0: over}, **kw)
