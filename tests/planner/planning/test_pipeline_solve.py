@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 
 from examples.pipeline_stages import llama_pipeline_model, llama_stage, stage_loss
 from planner import PlanOptions, PlanningError, TrainStep, solve_sac
@@ -110,6 +110,17 @@ def test_fsdp2_inside_a_stage_is_read_from_the_stage_and_what_is_not_modelled_re
         fully_shard(sharded, mesh=mesh)
         with pytest.raises(PlanningError, match="reshards after forward.*reshard_after_forward=False"):
             RankPlanner({1: (sharded, step)}, options=_options(1))
+        # a runtime schedule's UNSHARD gathers a root unit at the step's start; a split backward
+        root_only = {s: (fully_shard(llama_stage(llama_pipeline_model(n_layers=4), s, 4), mesh=mesh), four_stages[s][1])
+                     for s in (0, 2)}
+        interleaved = PlanOptions(pipeline=Pipeline(ScheduleInterleaved1F1B, n_microbatches=4, stage_index=0,
+                                                    n_stages=4, virtual_stages=2))
+        with pytest.raises(PlanningError, match="stage 0's root FSDP2 unit holds parameters: ScheduleInterleaved1F1B"):
+            RankPlanner(root_only, options=interleaved)
+        zero_bubble = PlanOptions(pipeline=Pipeline(ScheduleInterleavedZeroBubble, n_microbatches=4, stage_index=0,
+                                                    n_stages=4, virtual_stages=2))
+        with pytest.raises(PlanningError, match="without a split backward; ScheduleInterleavedZeroBubble"):
+            RankPlanner(root_only, options=zero_bubble)
     with pytest.raises(PlanningError, match="without offload for now"):
         RankPlanner({1: (stage, step)}, options=PlanOptions(offload=True, pipeline=_options(1).pipeline))
 
