@@ -6,9 +6,10 @@ the output projection) and is parallelized over the ``tp`` dim as torchtitan doe
 sequence parallel, vocabulary-sharded embedding and logits under ``loss_parallel``:
 ``examples.pipeline_stages.llama_stage_builder``); the rank runs its stage at its local shapes
 with the collectives DTensor issues (``planner.distributed.pipeline.fake_layout_rank``). The
-``dp`` dim divides the stage's parameters, gradients and optimizer state (ZeRO-style,
-``PlanOptions.world_size``): FSDP2's own buffers under a pipeline are not modelled
-(docs/pipeline.md#limits). The rank at ``(pp=s, dp=0, tp=0)`` is planned for every stage ``s``
+stage is sharded by FSDP2 over the ``dp`` dim as torchtitan shards it under PP
+(``examples.pipeline_stages.shard_llama_stage``: the embedding, every layer, the final norm with
+the output projection, each ``reshard_after_forward=False``), and the rank's memory holds FSDP2's
+gathered units and unsharded gradients through the step (``estimators.pipeline.fsdp``). The rank at ``(pp=s, dp=0, tp=0)`` is planned for every stage ``s``
 (the other ranks of a stage run the same shapes); the first, one middle and the last stage are
 traced, the other middle stages use the middle trace under their own layer names.
 """

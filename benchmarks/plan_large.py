@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--pp", type=int, default=8, help="--pipeline: pipeline stages (default 8)")
     p.add_argument("--tp", type=int, default=8, help="--pipeline: tensor-parallel degree inside a stage (default 8)")
     p.add_argument("--dp", type=int, default=8,
-                   help="--pipeline: data-parallel ranks dividing the state, ZeRO-style (default 8)")
+                   help="--pipeline: FSDP2 degree inside each stage (default 8)")
     p.add_argument("--microbatches", type=int, default=16, help="--pipeline: micro-batches per step (default 16)")
     args = p.parse_args(argv)
     if args.layout:
@@ -177,7 +177,7 @@ def pipeline_main(args) -> int:
     seq = 8192 if args.seq_len == 4096 else args.seq_len  # Llama 3.1's training length unless given
     print(f"Llama-3.1-405B, Schedule1F1B, PP {args.pp} x DP {args.dp} x TP {args.tp} "
           f"({args.pp * args.tp * args.dp} GPUs; TP + sequence parallel + loss_parallel traced per rank on the fake "
-          f"process group, DP dividing the state ZeRO-style), {args.microbatches} micro-batches of 1 x {seq}, bf16, "
+          f"process group, each stage sharded by FSDP2 over DP as torchtitan does under PP), {args.microbatches} micro-batches of 1 x {seq}, bf16, "
           f"AdamW, budget {args.budget_gib} GiB per GPU on {args.device}")
     out = plan_405b(pp=args.pp, tp=args.tp, dp=args.dp, n_microbatches=args.microbatches, seq_len=seq,
                     budget_gib=args.budget_gib, device=args.device)

@@ -32,14 +32,16 @@ F3  all-gather buffers, in that first forward: the flat output of the unit gathe
     gather, the rank holds the most of: after the op, every unit gathered so far and the last
     flat output; before it (what was alive before the op's own allocations), each gather's
     moment with the previous flat output.
-F4  gradients: the unsharded gradients, the traced ones, appear in the step's first backward as
-    without FSDP2 (M3) and accumulate until F5.
+F4  gradients: the unsharded gradients, the traced ones (in the placements the backward gives
+    them), appear in the step's first backward as without FSDP2 (M3) and accumulate until F5.
 F5  reduce (``perform_reduce_grad``; in a one-stage schedule inside its loop after the last
     backward: every hold of the step still alive but the losses the loop has returned, all but
     the last, and under 1F1B the last forward's output still referenced; in a runtime schedule
     right after the stage's last backward, every hold of that moment, the rank's other
     micro-batches in flight included): unit by unit in FSDP2's order (the
-    root's first, then by module order) the unit is resharded (its gathered parameters freed),
+    root's first, then by module order) each gradient the backward made in other tensor-parallel
+    placements is redistributed to the parameter's (a copy; the kept one freed after it; not yet
+    measured on gloo ranks), the unit is resharded (its gathered parameters freed),
     the previous unit's reduce-scatter input freed, its own allocated while its gradients are
     alive, its gradients freed by the copy-in but its last parameter's (``foreach_reduce``'s loop
     variable holds it until it returns), its reduce-scatter output allocated (the sharded
@@ -79,6 +81,15 @@ class FsdpUnit:
     """Its sharded gradients (the reduce-scatter output they are views of)."""
     last_grad_bytes: int = 0
     """Its last parameter's unsharded gradient (freed after the others in F5)."""
+    redistributed: tuple[tuple[int, int], ...] = ()
+    """Per parameter whose gradient the backward makes in other tensor-parallel placements than
+    the parameter's (a vocabulary-sharded embedding's is replicated): (its kept gradient, the
+    gradient in the parameter's placements) bytes; FSDP2 redistributes it before the reduce (F5)."""
+
+    @property
+    def kept_grad_bytes(self) -> int:
+        """Its unsharded gradients as the backward makes them, kept until the reduce (F4)."""
+        return self.grad_bytes + sum(kept - own for kept, own in self.redistributed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,7 +185,7 @@ def fsdp_profile(est, profile: StageProfile, stage: FsdpStage) -> tuple[StagePro
     traced_params, traced_state = int(row0[K.PARAM]), int(row0[K.OPTIMIZER])
     state = stage.scaled(traced_state) if stage.optimizer_state_bytes is None else stage.optimizer_state_bytes
     resident = profile.resident_bytes - traced_params - traced_state + stage.sharded_param_bytes + state
-    grads = sum(u.grad_bytes for u in stage.units)
+    grads = sum(u.kept_grad_bytes for u in stage.units)
     if grads != profile.grad_bytes:
         raise ValueError(f"the FSDP2 units' unsharded gradients ({grads} B) are not the traced ones "
                          f"({profile.grad_bytes} B): a parameter without a gradient, or one the backward "
@@ -190,6 +201,9 @@ def reduce_grad(units: tuple[FsdpUnit, ...], before: int, *, copies_input: bool 
     ``copies_input``: the backend reduce-scatters a copy of the input (gloo)."""
     now, peak, held = before, before, 0
     for u in units:
+        for kept, own in u.redistributed:  # each gradient redistributed (a copy), then the kept one freed
+            peak = max(peak, now + own)
+            now += own - kept
         now -= u.gathered_bytes + held
         if not u.grad_bytes:  # no gradient: nothing to reduce
             held = 0

@@ -161,6 +161,11 @@ class RankPlanner:
                 self.traced[s] = estimates[s]
                 continue
             self.traced[s] = trace_stage(model, step, role, options)
+        for s in self.fsdp:  # gradients the backward makes in other placements (FSDP2 redistributes them)
+            if self.traced[s].grad_placements:
+                model, step = stages[s]
+                self.fsdp[s] = stage_fsdp(model, step.optimizer, options.spec,
+                                          grad_placements=self.traced[s].grad_placements)
         self._views = {s: _view(e, s, self.fsdp.get(s)) for s, e in self.traced.items()}
         self._verified: dict[tuple, tuple] = {}
         """(stage, its module plans) -> the planned stage's profile and FSDP2 part (traced once)."""
@@ -311,8 +316,8 @@ def _stage_fsdp(stages, options: PlanOptions) -> dict:
     if not sharded:
         if options.world_size > 1:
             raise PlanningError(
-                f"world_size={options.world_size} inside a pipeline stage means FSDP2 over the stage's "
-                "data-parallel group: fully_shard the stage first (torchtitan's order: split, parallelize, "
+                f"world_size={options.world_size} (a mesh's dp dim) inside a pipeline stage means FSDP2 over the "
+                "stage's data-parallel group: fully_shard the stage first (torchtitan's order: split, parallelize, "
                 "fully_shard; examples.pipeline_stages.shard_llama_stage), the planner reads its units and group "
                 "size; a stage each data-parallel rank holds whole (DDP) is planned with world_size=1")
         return {}

@@ -58,10 +58,26 @@ def _check_group(group: Any, is_root: bool, name: str) -> None:
                                 "(e.g. float8), which is not modelled inside a pipeline stage")
 
 
-def _unit(group: Any, names: dict[int, str], world_size: int) -> tuple[FsdpUnit, int, int, int, list]:
+def _kept_grad_bytes(fp: Any, placements: tuple | None) -> int | None:
+    """Bytes of ``fp``'s gradient as the backward makes it in ``placements`` (tensor parallel,
+    the trace's), or None where they are the parameter's own."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    spec = getattr(fp, "_unsharded_dtensor_spec", None)
+    if placements is None or spec is None or tuple(spec.placements) == tuple(placements):
+        return None
+    if len(spec.placements) != len(placements):
+        raise PlanningError(f"a gradient in placements {placements} over a parameter of {spec.placements} inside an "
+                            "FSDP2 stage is not modelled")
+    shape, _ = compute_local_shape_and_global_offset(spec.shape, spec.mesh, placements)
+    return math.prod(shape) * fp.sharded_param.dtype.itemsize
+
+
+def _unit(group: Any, names: dict[int, str], world_size: int, grad_placements: dict[str, tuple],
+          local: dict[int, str]) -> tuple[FsdpUnit, int, int, int, list]:
     """The unit, its padded shard bytes, its shard and full elements, its trainable shards."""
     gathered = grads = rs_in = rs_out = sharded = shard_numel = full_numel = last = 0
-    trained = []
+    trained, redistributed = [], []
     for fp in group.fsdp_params:
         dtype = fp.sharded_param.dtype
         pad, size = math.prod(fp.padded_sharded_param_size), dtype.itemsize
@@ -72,8 +88,14 @@ def _unit(group: Any, names: dict[int, str], world_size: int) -> tuple[FsdpUnit,
             grads, last = grads + full * size, full * size
             rs_in, rs_out = rs_in + world_size * pad * size, rs_out + pad * size
             trained.append((tuple(fp.sharded_size), dtype))
+            info = fp._module_info
+            name = ".".join(n for n in (local[id(info.module)], info.param_name) if n)
+            kept = _kept_grad_bytes(fp, grad_placements.get(name))
+            if kept is not None:
+                redistributed.append((kept, full * size))
     unit = FsdpUnit(modules=tuple(names[id(m)] for m in group.modules), gathered_bytes=gathered, grad_bytes=grads,
-                    reduce_scatter_input_bytes=rs_in, reduce_scatter_output_bytes=rs_out, last_grad_bytes=last)
+                    reduce_scatter_input_bytes=rs_in, reduce_scatter_output_bytes=rs_out, last_grad_bytes=last,
+                    redistributed=tuple(redistributed))
     return unit, sharded, shard_numel, full_numel, trained
 
 
@@ -97,10 +119,13 @@ def _optimizer_state_bytes(optimizer: Any, shards: list, spec: Any) -> int | Non
         return sum(seen.values())
 
 
-def stage_fsdp(module: torch.nn.Module, optimizer: Any, spec: Any) -> FsdpStage | None:
+def stage_fsdp(module: torch.nn.Module, optimizer: Any, spec: Any, *,
+               grad_placements: dict[str, tuple] | None = None) -> FsdpStage | None:
     """``module`` (a pipeline stage) as FSDP2 sharded it on this rank, or None when
     ``fully_shard`` was never called on it. ``optimizer``: the ``TrainStep``'s (its state is
-    made over the rank's shards); ``spec``: the target device's ``DeviceSpec``. Raises
+    made over the rank's shards); ``spec``: the target device's ``DeviceSpec``;
+    ``grad_placements``: the stage trace's (``Estimate.grad_placements``, by parameter name
+    under ``module``): gradients the backward makes in other placements. Raises
     ``PlanningError`` for what the rules do not model (mixed precision, HSDP, offload,
     resharding after forward, other shard placements)."""
     layout = fsdp_layout(module)
@@ -114,13 +139,14 @@ def stage_fsdp(module: torch.nn.Module, optimizer: Any, spec: Any) -> FsdpStage 
                             "pipeline stage yet; shard it over one data-parallel dim")
     root = original_class_name(module)
     names = {id(m): f"{root}.{n}" if n else root for n, m in module.named_modules()}
+    local = {id(m): n for n, m in module.named_modules()}  # the trace's parameter names
     units, sharded, shard_numel, full_numel, trained = [], 0, 0, 0, []
     for state in _states(module):
         is_root = state._modules[0] is module
         for group in state._fsdp_param_groups:
             name = "+".join(names[id(m)] for m in group.modules)
             _check_group(group, is_root, name)
-            unit, b, n, f, t = _unit(group, names, layout.shard_world_size)
+            unit, b, n, f, t = _unit(group, names, layout.shard_world_size, grad_placements or {}, local)
             units.append(unit)
             sharded, shard_numel, full_numel, trained = sharded + b, shard_numel + n, full_numel + f, trained + t
     return FsdpStage(world_size=layout.shard_world_size, units=tuple(units), sharded_param_bytes=sharded,

@@ -62,6 +62,17 @@ def test_the_reduce_walks_units_in_order_and_frees_each_input_at_the_next():
     assert reduce_grad((_U1, frozen, wide), 500) == 682
 
 
+def test_a_gradient_in_other_placements_is_redistributed_before_the_unit_reduces():
+    # a vocabulary-sharded embedding over TP 2: its kept gradient replicated (120 B), 60 B in the
+    # parameter's placements. From 500: the copy beside it (560), the replicated one freed (440),
+    # then as _U1 from 440: -60 resharded, +60 its input, -60, +30, -20
+    emb = FsdpUnit(modules=("S.e",), gathered_bytes=60, grad_bytes=60, reduce_scatter_input_bytes=60,
+                   reduce_scatter_output_bytes=30, last_grad_bytes=60, redistributed=((120, 60),))
+    assert emb.kept_grad_bytes == 120
+    assert reduce_grad((emb,), 500) == 560
+    assert reduce_grad((emb,), 500, copies_input=True) == 560  # 440 - 60 + 60 + 30 + 60 = 530 below it
+
+
 def test_sharded_state_scales_by_the_ranks_elements():
     stage = FsdpStage(world_size=3, units=(_U1,), sharded_param_bytes=88, optimizer_state_bytes=None,
                       shard_numel=22, full_numel=64)

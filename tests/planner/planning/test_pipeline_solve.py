@@ -100,7 +100,7 @@ def test_fsdp2_inside_a_stage_is_read_from_the_stage_and_what_is_not_modelled_re
     with pytest.raises(PlanningError, match="FSDP2 units are read from the stage: fully_shard it first"):
         RankPlanner({1: (stage, step)}, options=units)
     zero = PlanOptions(world_size=2, pipeline=_options(1).pipeline)
-    with pytest.raises(PlanningError, match="world_size=2 inside a pipeline stage means FSDP2.*fully_shard the stage"):
+    with pytest.raises(PlanningError, match=r"world_size=2 \(a mesh.s dp dim\) inside a pipeline stage means FSDP2.*fully_shard the stage"):
         RankPlanner({1: (stage, step)}, options=zero)
     with fake_process_group(world_size=2, rank=0):
         sharded = llama_stage(llama_pipeline_model(n_layers=4), 1, 4)
