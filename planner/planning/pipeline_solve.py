@@ -183,6 +183,8 @@ class RankPlanner:
             raise PlanningError("for_options keeps the traces: the new schedule must split the backward as the old one does")
         if options.spec != self.options.spec or options.trace != self.options.trace or options.world_size != self.options.world_size:
             raise PlanningError("for_options keeps the traces: device, trace options and world_size must not change")
+        if self.fsdp:
+            _stage_fsdp(self.stages, options)  # FSDP2 stages: what the new schedule does not model is refused
         other = object.__new__(RankPlanner)
         other.__dict__.update({k: v for k, v in self.__dict__.items()})
         other._schedule(options)

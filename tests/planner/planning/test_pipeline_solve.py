@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                         ScheduleLoopedBFS)
 
 from examples.pipeline_stages import llama_pipeline_model, llama_stage, stage_loss
 from planner import PlanOptions, PlanningError, TrainStep, solve_sac
@@ -121,6 +122,10 @@ def test_fsdp2_inside_a_stage_is_read_from_the_stage_and_what_is_not_modelled_re
                                                     n_stages=4, virtual_stages=2))
         with pytest.raises(PlanningError, match="without a split backward; ScheduleInterleavedZeroBubble"):
             RankPlanner(root_only, options=zero_bubble)
+        one = RankPlanner({0: root_only[0]}, options=_options(0))  # 1F1B gathers the root unit in its forward
+        looped = PlanOptions(pipeline=Pipeline(ScheduleLoopedBFS, n_microbatches=8, stage_index=0, n_stages=4))
+        with pytest.raises(PlanningError, match="root FSDP2 unit holds parameters: ScheduleLoopedBFS"):
+            one.for_options(looped)
     with pytest.raises(PlanningError, match="without offload for now"):
         RankPlanner({1: (stage, step)}, options=PlanOptions(offload=True, pipeline=_options(1).pipeline))
 
