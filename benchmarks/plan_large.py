@@ -189,10 +189,11 @@ def pipeline_main(args) -> int:
         print(f"{r['stage']:>5} {r['stage'] * args.dp * args.tp:>5} {r['layers']:>6} {r['unplanned'] / GiB:13.2f} "
               f"{r['floor'] / GiB:9.2f} {planned} {r['modules']:>7} {r['recompute_ms']:15.1f} {makespan} "
               f"{r['seconds']:6.1f}{'' if r['traced'] else '*'}")
-    print("  * the middle stage's trace under this stage's layer names")
+    print("  * a middle stage's trace of as many layers under this stage's layer names")
     ok = out["wall_s"] <= 60 and all(r["planned"] is not None for r in out["rows"])
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"{'wall time (3 stage traces + one MILP per stage)':48s} {out['wall_s']:7.1f} s  (traces "
+    n_traced = sum(r["traced"] for r in out["rows"])
+    print(f"{f'wall time ({n_traced} stage traces + one MILP per stage)':48s} {out['wall_s']:7.1f} s  (traces "
           f"{out['trace_s']:.1f} s)  target <= 60 s  {'PASS' if out['wall_s'] <= 60 else 'FAIL'}")
     print(f"{'CPU time of this process':48s} {out['cpu_s']:7.1f} s  (load average {load} on {os.cpu_count()} cores)")
     print(f"{'max RSS of this process':48s} {max_rss_gib():7.2f} GiB")
