@@ -41,7 +41,7 @@ F5  reduce (``perform_reduce_grad``; in a one-stage schedule inside its loop aft
     micro-batches in flight included): unit by unit in FSDP2's order (the
     root's first, then by module order) each gradient the backward made in other tensor-parallel
     placements is redistributed to the parameter's (a copy; the kept one freed after it; not yet
-    measured on gloo ranks), the unit is resharded (its gathered parameters freed),
+    at a measured peak), the unit is resharded (its gathered parameters freed),
     the previous unit's reduce-scatter input freed, its own allocated while its gradients are
     alive, its gradients freed by the copy-in but its last parameter's (``foreach_reduce``'s loop
     variable holds it until it returns), its reduce-scatter output allocated (the sharded

@@ -1,6 +1,6 @@
 """A pipeline planned per stage and run for real: 2 gloo ranks, Schedule1F1B, 4 micro-batches,
-3 AdamW steps, MemTracker on each rank; PP 2 x TP 2 and PP 2 x FSDP 2 on 4 ranks (the acceptance
-tables are benchmarks/pipeline_e2e.py's, with and without --tp and --dp)."""
+3 AdamW steps, MemTracker on each rank; PP 2 x TP 2 and PP 2 x FSDP 2 on 4 ranks, PP 2 x FSDP 2 x
+TP 2 on 8 (the acceptance tables are benchmarks/pipeline_e2e.py's, with and without --tp and --dp)."""
 
 import pytest
 
@@ -95,3 +95,37 @@ def test_pp_x_fsdp_each_ranks_measured_peak_is_its_prediction_and_gradient_shard
             assert all(p.world_size == 2 for p in plans.values()), where
             if with_plan["live_plan_hashes"] is not None:  # traced on the live gloo group: the same plan
                 assert with_plan["live_plan_hashes"] == {s: plan_hash(p) for s, p in plans.items()}, where
+
+
+def test_pp_x_fsdp_x_tp_each_ranks_measured_peak_is_its_prediction():
+    """PP 2 x FSDP 2 x TP 2 on 8 gloo ranks, 1F1B, sequence parallel: stage 0's embedding
+    gradient comes out of the backward replicated over TP and FSDP2 keeps it so to its reduce.
+    Ranks 0 and 4 planned on the fake process group (the other ranks of a stage run the same
+    shapes), unplanned and at a middle budget: predicted = measured to the byte on all 8 ranks,
+    gradient shards bitwise, the plan within its budget."""
+    import dataclasses
+
+    from torch.distributed import pipelining as torch_pp
+
+    from benchmarks._pipeline_ranks import MB_SIZE, RunConfig, build_model, rank_worker, run_ranks
+    from examples.pipeline_stages import llama_stage_builder
+    from planner import PlanOptions
+    from planner.distributed.pipeline import fake_layout_rank
+
+    expected, plans = {}, {}
+    for r in (0, 4):
+        build = llama_stage_builder(build_model("llama").config, n_stages=2, micro_batch=MB_SIZE, sequence_parallel=True)
+        with fake_layout_rank(build, mesh_shape={"pp": 2, "dp": 2, "tp": 2}, rank=r, schedule=torch_pp.Schedule1F1B,
+                              n_microbatches=4, options=PlanOptions(device="cpu")) as (rp, _):
+            budget = (rp.min_peak_bytes() + rp.unplanned_peak_bytes) // 2
+            plans[r] = {s: dataclasses.replace(p, train_step=None) for s, p in rp.plan(budget / 2**30).items()}
+            expected[r] = (rp.unplanned_peak_bytes, budget, max(p.predicted_peak_bytes for p in plans[r].values()))
+    by_rank = {r: plans[r - r % 4] for r in range(8)}
+    results = run_ranks(rank_worker, 8, "llama", [RunConfig("1F1B", 4, None, tp=2, dp=2),
+                                                  RunConfig("1F1B", 4, by_rank, tp=2, dp=2)], timeout_s=1500)
+    for rank in range(8):
+        unplanned, budget, predicted = expected[rank - rank % 4]
+        plain, with_plan = results[rank]
+        assert max(plain["peaks"][1:]) == unplanned, rank
+        assert max(with_plan["peaks"][1:]) == predicted <= budget < unplanned, rank
+        assert with_plan["grads"] == plain["grads"], rank
