@@ -47,6 +47,11 @@ class RunConfig:
     torchtitan does (``examples.tensor_parallel.parallelize_llama``, loss_parallel; llama only)."""
     sequence_parallel: bool = True
     """With ``tp > 1``: sequence parallelism on (activations between stages are sequence shards)."""
+    dp: int = 1
+    """FSDP2 degree inside each stage: the ranks are a (pp, dp[, tp]) mesh, rank r runs pipeline
+    rank r // (dp * tp) on the batch of its dp coordinate, and each stage's module is
+    ``fully_shard``-ed over its ``dp`` group as torchtitan does under PP
+    (``examples.pipeline_stages.shard_llama_stage``; llama only)."""
     plan_here_gib: dict[int, float] | None = None
     """{rank: budget}: before the run, each rank plans its stages on the live group at its
     budget (tracing them at its local shapes, as ``solve_sac`` does in a job) and returns the
@@ -56,7 +61,7 @@ class RunConfig:
         """The {stage: Plan} this rank applies."""
         if not self.plans:
             return {}
-        return self.plans.get(rank, {}) if self.tp > 1 else self.plans
+        return self.plans.get(rank, {}) if self.tp > 1 or self.dp > 1 else self.plans
 
 
 def build_model(kind: str) -> torch.nn.Module:
@@ -100,13 +105,16 @@ def _grad_digest(modules) -> str:
 _MESHES: dict = {}
 
 
-def pp_tp_mesh(world: int, tp: int):
-    """The (pp, tp) mesh of ``world`` ranks (made once per process: each makes process groups)."""
+def pp_tp_mesh(world: int, tp: int, dp: int = 1):
+    """The (pp[, dp][, tp]) mesh of ``world`` ranks, dims over 1 only besides pp (made once per
+    process: each makes process groups)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if (world, tp) not in _MESHES:
-        _MESHES[(world, tp)] = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("pp", "tp"))
-    return _MESHES[(world, tp)]
+    if (world, tp, dp) not in _MESHES:
+        dims = {"pp": world // (dp * tp), "dp": dp, "tp": tp}
+        dims = {k: v for k, v in dims.items() if k == "pp" or v > 1}
+        _MESHES[(world, tp, dp)] = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+    return _MESHES[(world, tp, dp)]
 
 
 def tp_stage(kind: str, model: torch.nn.Module, stage: int, n_stages: int, tp_mesh, sequence_parallel: bool):
@@ -127,18 +135,25 @@ def run_config(rank: int, world: int, kind: str, cfg: RunConfig, n_steps: int = 
     from planner.analysis import measure_run
 
     cls_name, virtual = SCHEDULES[cfg.schedule]
-    pp_size, pp_rank, group, context = world, rank, None, contextlib.nullcontext
+    pp_size, pp_rank, group, context, dp_rank = world, rank, None, contextlib.nullcontext, 0
     full = build_model(kind)
-    if cfg.tp > 1:
+    if cfg.tp > 1 or cfg.dp > 1:
         from torch.distributed.tensor.parallel import loss_parallel
 
-        mesh = pp_tp_mesh(world, cfg.tp)
-        pp_size, pp_rank, group, context = world // cfg.tp, rank // cfg.tp, mesh["pp"].get_group(), loss_parallel
+        mesh = pp_tp_mesh(world, cfg.tp, cfg.dp)
+        per_stage = cfg.tp * cfg.dp
+        pp_size, pp_rank, group = world // per_stage, rank // per_stage, mesh["pp"].get_group()
+        context = loss_parallel if cfg.tp > 1 else contextlib.nullcontext
+        dp_rank = (rank // cfg.tp) % cfg.dp
     n_stages = pp_size * virtual
     local = [pp_rank + v * pp_size for v in range(virtual)]
     mods = [build_stage(kind, full, s, n_stages) if cfg.tp == 1 else
             tp_stage(kind, full, s, n_stages, mesh["tp"], cfg.sequence_parallel) for s in local]
     del full
+    if cfg.dp > 1:
+        from examples.pipeline_stages import shard_llama_stage
+
+        mods = [shard_llama_stage(m, mesh["dp"]) for m in mods]
     live = _plan_here(cfg, cfg.plan_here_gib[rank], mods, local, n_stages, context) if cfg.plan_here_gib else None
     stages = [pp.PipelineStage(m, s, n_stages, torch.device("cpu"), group=group) for m, s in zip(mods, local)]
     plans = cfg.plans_of(rank)
@@ -146,7 +161,7 @@ def run_config(rank: int, world: int, kind: str, cfg: RunConfig, n_steps: int = 
     cls = getattr(pp, cls_name)
     sched = cls(stages[0] if virtual == 1 else stages, cfg.n_microbatches, loss_fn=stage_loss)
     opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-3)
-    x = batch(cfg.n_microbatches)
+    x = batch(cfg.n_microbatches, seed=1 + dp_rank)  # each data-parallel replica its own batch
     first, last = 0 in local, n_stages - 1 in local
     args, kw = ((x,) if first else ()), ({"target": x} if last else {})
     torch.manual_seed(1234 + rank)

@@ -6,11 +6,13 @@ the output projection) and is parallelized over the ``tp`` dim as torchtitan doe
 sequence parallel, vocabulary-sharded embedding and logits under ``loss_parallel``:
 ``examples.pipeline_stages.llama_stage_builder``); the rank runs its stage at its local shapes
 with the collectives DTensor issues (``planner.distributed.pipeline.fake_layout_rank``). The
-``dp`` dim divides the stage's parameters, gradients and optimizer state (ZeRO-style,
-``PlanOptions.world_size``): FSDP2's own buffers under a pipeline are not modelled
-(docs/pipeline.md#limits). The rank at ``(pp=s, dp=0, tp=0)`` is planned for every stage ``s``
-(the other ranks of a stage run the same shapes); the first, one middle and the last stage are
-traced, the other middle stages use the middle trace under their own layer names.
+stage is sharded by FSDP2 over the ``dp`` dim as torchtitan shards it under PP
+(``examples.pipeline_stages.shard_llama_stage``: the embedding, every layer, the final norm with
+the output projection, each ``reshard_after_forward=False``), and the rank's memory holds FSDP2's
+gathered units and unsharded gradients through the step (``estimators.pipeline.fsdp``). The rank at ``(pp=s, dp=0, tp=0)`` is planned for every stage ``s``
+(the other ranks of a stage run the same shapes); the first, the last and one middle stage per
+layer count are traced, the other middle stages use the trace of as many layers under their own
+layer names.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ def plan_405b(*, pp: int, tp: int, dp: int, n_microbatches: int, seq_len: int, b
     ranges = layer_ranges(config.n_layers, pp)
     mesh = {"pp": pp, "dp": dp, "tp": tp}
     options = PlanOptions(device=device)
-    middle = 1 if pp > 2 else None
+    middles: dict[int, int] = {}  # a middle stage's layer count -> the middle stage traced with it
     traced, rows, trace_s = {}, [], 0.0
     for s in range(pp):
         t_stage = time.perf_counter()
         estimates = None
-        if s not in (0, pp - 1, middle):  # a middle stage: the traced one's modules under this stage's names
+        middle = middles.setdefault(len(ranges[s]), s) if 0 < s < pp - 1 else s
+        if middle != s:  # a middle stage of as many layers as one traced: its modules under this stage's names
             shift = ranges[s].start - ranges[middle].start
             estimates = {s: renamed(traced[middle], lambda f, k=shift: _shift_layers(f, k))}
         with fake_layout_rank(build, mesh_shape=mesh, rank=s * dp * tp, schedule=getattr(pipelining, schedule),

@@ -4,6 +4,7 @@ on gloo ranks of this CPU, every rank's peak measured by MemTracker beside the p
     python benchmarks/pipeline_e2e.py                                   # the full table (long)
     python benchmarks/pipeline_e2e.py --models llama --ranks 2 --schedules 1F1B --mbs 4
     python benchmarks/pipeline_e2e.py --models llama --ranks 4 --tp 2 --sp on off --mbs 4   # PP 2 x TP 2
+    python benchmarks/pipeline_e2e.py --models llama --ranks 4 --dp 2 --schedules 1F1B Interleaved1F1B --mbs 4   # PP 2 x FSDP 2
 
 For each model (a Llama-style decoder from examples/llama.py, an HF Qwen2 decoder from a tiny
 config), 2 and 4 ranks, each schedule (GPipe, 1F1B, Interleaved1F1B and InterleavedZeroBubble with
@@ -17,7 +18,10 @@ beside the measured step time (information: a tiny model's CPU step is Python an
 With ``--tp N`` the ranks are a (ranks / N, N) mesh: each stage's module is parallelized over its
 TP group as torchtitan does (``examples.tensor_parallel.parallelize_llama``, loss_parallel around
 the schedule's step), every rank is planned in this process on the fake process group
-(``plan_tp_ranks``), and the gradients compared are each rank's local shards.
+(``plan_tp_ranks``), and the gradients compared are each rank's local shards. With ``--dp N`` each
+stage is also sharded by FSDP2 over a dp dim of N ranks as torchtitan shards it under PP
+(``examples.pipeline_stages.shard_llama_stage``; no split backward), each dp replica on its own
+batch; the gradients compared are the sharded ones.
 Exits 1 on any miss, 0 otherwise.
 """
 
@@ -97,11 +101,11 @@ def _levels(rp, fractions) -> tuple[int, int, list]:
     return hi, lo, levels
 
 
-def plan_tp_ranks(pp: int, tp: int, sequence_parallel: bool, cases, fractions=FRACTIONS) -> dict:
-    """PP x TP: {(schedule, n): {rank: (unplanned, floor, levels)}}, every rank of the (pp, tp)
-    mesh planned in this process on the fake process group at its local shapes
-    (``planner.distributed.pipeline.fake_layout_rank``): one trace per local stage and stage
-    layout, shared by the schedules and micro-batch counts over the same stages."""
+def plan_tp_ranks(pp: int, tp: int, sequence_parallel: bool, cases, fractions=FRACTIONS, *, dp: int = 1) -> dict:
+    """PP x TP (x FSDP ``dp``): {(schedule, n): {rank: (unplanned, floor, levels)}}, every rank
+    of the (pp[, dp][, tp]) mesh planned in this process on the fake process group at its local
+    shapes (``planner.distributed.pipeline.fake_layout_rank``): one trace per local stage and
+    stage layout, shared by the schedules and micro-batch counts over the same stages."""
     from torch.distributed import pipelining as torch_pp
 
     from examples.pipeline_stages import llama_stage_builder
@@ -115,12 +119,13 @@ def plan_tp_ranks(pp: int, tp: int, sequence_parallel: bool, cases, fractions=FR
         cls_name, virtual = SCHEDULES[schedule]
         split = "ZeroBubble" in cls_name
         by_layout.setdefault((virtual, split), []).append((schedule, n))
-    for rank in range(pp * tp):
+    shape = {k: v for k, v in {"pp": pp, "dp": dp, "tp": tp}.items() if k == "pp" or v > 1}
+    for rank in range(pp * dp * tp):
         for (virtual, _), group in by_layout.items():
             build = llama_stage_builder(config, n_stages=pp * virtual, micro_batch=MB_SIZE,
                                         sequence_parallel=sequence_parallel)
             first_cls = getattr(torch_pp, SCHEDULES[group[0][0]][0])
-            with fake_layout_rank(build, mesh_shape={"pp": pp, "tp": tp}, rank=rank, schedule=first_cls,
+            with fake_layout_rank(build, mesh_shape=shape, rank=rank, schedule=first_cls,
                                   n_microbatches=group[0][1], virtual_stages=virtual,
                                   options=PlanOptions(device="cpu")) as (base, _):
                 for schedule, n in group:
@@ -132,40 +137,44 @@ def plan_tp_ranks(pp: int, tp: int, sequence_parallel: bool, cases, fractions=FR
 
 
 def run_group(kind: str, n_ranks: int, schedules, mbs, timed, *, tp: int = 1,
-              sequence_parallel: bool = True) -> tuple[list[dict], list[str]]:
+              sequence_parallel: bool = True, dp: int = 1) -> tuple[list[dict], list[str]]:
     """Plan and run every configuration of one model on ``n_ranks`` ranks (``tp > 1``: a
-    (n_ranks // tp, tp) mesh of tensor-parallel stages): one row per rank and level, and a miss
-    per configuration that could not be planned (it is not run)."""
+    (n_ranks // tp, tp) mesh of tensor-parallel stages; ``dp > 1``: stages sharded by FSDP2 over
+    a dp dim): one row per rank and level, and a miss per configuration that could not be
+    planned (it is not run)."""
     from planner import PlanningError
 
     configs, meta, misses = [], [], []
-    planners = RankPlanners(kind, n_ranks) if tp == 1 else None
+    per_rank = tp == 1 and dp == 1
+    planners = RankPlanners(kind, n_ranks) if per_rank else None
     tp_planned = {}
-    if tp > 1:
+    if not per_rank:
         t0 = time.perf_counter()
-        tp_planned = plan_tp_ranks(n_ranks // tp, tp, sequence_parallel, [(s, n) for s in schedules for n in mbs])
+        tp_planned = plan_tp_ranks(n_ranks // (tp * dp), tp, sequence_parallel,
+                                   [(s, n) for s in schedules for n in mbs], dp=dp)
         tp_plan_s = (time.perf_counter() - t0) / max(1, len(tp_planned))
     for schedule in schedules:
         for n in mbs:
             t0 = time.perf_counter()
             try:
-                planned = plan_ranks(planners, schedule, n) if tp == 1 else tp_planned[(schedule, n)]
+                planned = plan_ranks(planners, schedule, n) if per_rank else tp_planned[(schedule, n)]
             except PlanningError as e:
                 misses.append(f"MISS {kind} p={n_ranks} {schedule} n={n}: not planned: {e}")
                 continue
-            plan_s = time.perf_counter() - t0 if tp == 1 else tp_plan_s
+            plan_s = time.perf_counter() - t0 if per_rank else tp_plan_s
             steps = 3 if (schedule, n) in timed else 0
-            extra = dict(tp=tp, sequence_parallel=sequence_parallel)
+            extra = dict(tp=tp, sequence_parallel=sequence_parallel, dp=dp)
             configs.append(RunConfig(schedule, n, None, steps, **extra))
             meta.append((schedule, n, None, planned, plan_s))
             for level in range(len(FRACTIONS)):
-                plans = ({s: p for r in planned for s, p in planned[r][2][level][1].items()} if tp == 1 else
+                plans = ({s: p for r in planned for s, p in planned[r][2][level][1].items()} if per_rank else
                          {r: planned[r][2][level][1] for r in planned})
                 configs.append(RunConfig(schedule, n, plans, steps, **extra))
                 meta.append((schedule, n, level, planned, plan_s))
     results = run_ranks(rank_worker, n_ranks, kind, configs, timeout_s=3600)
     rows = []
-    layout = f"PP {n_ranks // tp} x TP {tp}{' SP' if sequence_parallel else ''}" if tp > 1 else f"PP {n_ranks}"
+    layout = f"PP {n_ranks // (tp * dp)}" + (f" x FSDP {dp}" if dp > 1 else "") + (
+        f" x TP {tp}{' SP' if sequence_parallel else ''}" if tp > 1 else "")
     for i, (schedule, n, level, planned, plan_s) in enumerate(meta):
         base = i - (0 if level is None else level + 1)
         for r in range(n_ranks):
@@ -246,11 +255,17 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel degree inside each stage (llama only; --ranks counts every rank: "
                          "PP = ranks / tp; default 1)")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="FSDP2 degree inside each stage (llama only; --ranks counts every rank: PP = ranks / "
+                         "(dp * tp); not InterleavedZB; default 1)")
     ap.add_argument("--sp", nargs="+", default=["on"], choices=["on", "off"],
                     help="with --tp > 1: sequence parallelism on, off or both (default on)")
     args = ap.parse_args(argv)
     if args.tp > 1 and (args.models != ["llama"] or any(p % args.tp for p in args.ranks)):
         ap.error("--tp > 1 runs --models llama on ranks that --tp divides")
+    if args.dp > 1 and (args.models != ["llama"] or any(p % (args.tp * args.dp) for p in args.ranks)
+                        or "InterleavedZB" in args.schedules):
+        ap.error("--dp > 1 runs --models llama without InterleavedZB on ranks that --dp x --tp divides")
     rows, misses = [], []
     t0 = time.perf_counter()
     timed = {("1F1B", max(args.mbs))}
@@ -258,8 +273,8 @@ def main(argv=None) -> int:
         for p in args.ranks:
             for sp in (args.sp if args.tp > 1 else ["on"]):
                 group, not_planned = run_group(kind, p, args.schedules, args.mbs,
-                                               timed if p == 4 and args.tp == 1 else set(), tp=args.tp,
-                                               sequence_parallel=sp == "on")
+                                               timed if p == 4 and args.tp == 1 and args.dp == 1 else set(),
+                                               tp=args.tp, sequence_parallel=sp == "on", dp=args.dp)
                 print(f"[{kind}, {group[0]['layout'] if group else p} done after {time.perf_counter() - t0:.0f} s; "
                       f"load average {os.getloadavg()[0]:.1f}]", flush=True)
                 print(table(group), *not_planned, sep="\n", flush=True)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["layer_ranges", "LlamaStage", "llama_stage", "HFDecoderStage", "hf_decoder_stage",
-           "stage_loss", "llama_pipeline_model", "qwen2_pipeline_model", "llama_stage_builder"]
+           "stage_loss", "llama_pipeline_model", "qwen2_pipeline_model", "llama_stage_builder", "shard_llama_stage"]
 
 
 def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
@@ -71,6 +71,25 @@ class LlamaStage(nn.Module):
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)
         return self.output(self.norm(h)) if self.output is not None else h  # last: (B, T, vocab)
+
+
+def shard_llama_stage(stage: LlamaStage, dp_mesh, **fully_shard_kwargs) -> LlamaStage:
+    """``fully_shard`` a stage over ``dp_mesh`` as torchtitan 0.3.0 does under pipeline parallelism
+    (``apply_fsdp_to_decoder`` with ``pp_enabled``): the embedding, the final norm and output
+    projection together (one unit), and every layer, each with ``reshard_after_forward=False``
+    (torchtitan's default under PP: no all-gather per micro-batch), then the stage's module (the
+    root, resharded as FSDP2 decides for a root: never after forward). Returns ``stage``."""
+    from torch.distributed.fsdp import fully_shard
+
+    kw = dict(mesh=dp_mesh, **fully_shard_kwargs)
+    if stage.tok_embeddings is not None:
+        fully_shard(stage.tok_embeddings, reshard_after_forward=False, **kw)
+    if stage.norm is not None and stage.output is not None:
+        fully_shard([stage.norm, stage.output], reshard_after_forward=False, **kw)
+    for layer in stage.layers.values():
+        fully_shard(layer, reshard_after_forward=False, **kw)
+    fully_shard(stage, **kw)
+    return stage
 
 
 def llama_stage(model: nn.Module, stage_index: int, n_stages: int) -> LlamaStage:
@@ -148,8 +167,10 @@ def llama_stage_builder(config, *, n_stages: int, micro_batch: int, dtype: torch
     ``planner.distributed.pipeline.plan_layout_rank``: stage ``stage`` of ``n_stages`` of a Llama
     of ``config`` (``examples.llama.LlamaConfig``), built on meta in ``dtype``, parallelized over
     ``mesh["tp"]`` as torchtitan does where the mesh has a ``tp`` dim over 1 (sequence parallel
-    as asked, vocabulary-sharded logits under ``loss_parallel``), and one micro-batch of
-    ``micro_batch`` sequences of ``config.seq_len`` tokens at the rank's local shapes."""
+    as asked, vocabulary-sharded logits under ``loss_parallel``), sharded by FSDP2 over
+    ``mesh["dp"]`` where it has a ``dp`` dim over 1 (``shard_llama_stage``: torchtitan's units
+    under PP), and one micro-batch of ``micro_batch`` sequences of ``config.seq_len`` tokens at
+    the rank's local shapes."""
     from planner import TrainStep
 
     def build(stage: int, mesh) -> tuple[nn.Module, object]:
@@ -165,6 +186,8 @@ def llama_stage_builder(config, *, n_stages: int, micro_batch: int, dtype: torch
 
             parallelize_llama(module, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=True)
             context = loss_parallel
+        if "dp" in (mesh.mesh_dim_names or ()) and mesh["dp"].size() > 1:
+            shard_llama_stage(module, mesh["dp"])
         seq = config.seq_len // tp if tp > 1 and sequence_parallel else config.seq_len  # a sequence shard
         tokens = torch.zeros(micro_batch, config.seq_len, dtype=torch.long, device="meta")
         hidden = torch.empty(micro_batch, seq, config.dim, dtype=dtype, device="meta")  # (B, T / tp, dim)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from estimators.contract.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, Phase
+from estimators.pipeline.fsdp import FsdpProfile
 from estimators.pipeline.memory import rank_memory
 from estimators.pipeline.profile import StageProfile
 
@@ -43,6 +44,8 @@ class StageView:
     profile: StageProfile
     resident_at: Sequence[int]
     """Per op of its trace: bytes that are not the micro-batch's own (``resident_bytes_at``)."""
+    fsdp: FsdpProfile | None = None
+    """FSDP2's part for a stage ``fully_shard`` sharded (``profile`` is then the sharded one)."""
 
 
 def _renamed(s: ModStats, root: str, new_root: str, offset: int) -> ModStats:
@@ -53,8 +56,8 @@ def _renamed(s: ModStats, root: str, new_root: str, offset: int) -> ModStats:
 
 
 def rank_module_info(stages: dict[int, StageView], actions, n_microbatches: int, runtime, *,
-                     return_outputs: bool = True, batch_bytes: int = 0, world_size: int = 1,
-                     grads_at_start: bool = False) -> tuple[ModuleInfo, dict[str, tuple[int, str]]]:
+                     return_outputs: bool = True, batch_bytes: int = 0, grads_at_start: bool = False,
+                     ) -> tuple[ModuleInfo, dict[str, tuple[int, str]]]:
     """The rank's ModuleInfo (see the module docstring) and {its fqn: (stage, the stage's fqn)}.
 
     Each stage's ops are numbered after the previous stage's (an offset), so a micro-batch's own
@@ -78,9 +81,10 @@ def rank_module_info(stages: dict[int, StageView], actions, n_microbatches: int,
             orders[key] += [rename(f) for f in getattr(info.mod_order, key)]
     orders["fw_post_order"].append(ROOT)
     orders["bw_post_order"].append(ROOT)
+    fsdp = {s: v.fsdp for s, v in stages.items() if v.fsdp is not None}
     rm = rank_memory(actions, {s: v.profile for s, v in stages.items()}, n_microbatches, runtime,
-                     return_outputs=return_outputs, batch_bytes=batch_bytes, world_size=world_size,
-                     grads_at_start=grads_at_start)
+                     return_outputs=return_outputs, batch_bytes=batch_bytes, grads_at_start=grads_at_start,
+                     fsdp=fsdp)
     points = []
     for a in rm.actions:
         view = stages[a.stage]
@@ -93,7 +97,9 @@ def rank_module_info(stages: dict[int, StageView], actions, n_microbatches: int,
                 continue
             own = p.total_bytes - int(view.resident_at[p.op_index])
             if a.first_write and pend:  # M3: gradients not written yet do not exist
-                own += -(-(view.profile.grad_bytes - pend[p.op_index - lo]) // world_size)
+                own += view.profile.grad_bytes - pend[p.op_index - lo]
+            if a.first_forward:  # F2, F3: FSDP2's units gather
+                own += view.fsdp.first_forward[p.op_index - lo]
             points.append(MemoryPoint(
                 op_index=p.op_index + offsets[a.stage], phase=p.phase, fqn=p.fqn, other_bytes=a.base_bytes + own,
                 recompute_of=None if p.recompute_of is None else stage_root(a.stage) + p.recompute_of[len(root):],
@@ -102,6 +108,9 @@ def rank_module_info(stages: dict[int, StageView], actions, n_microbatches: int,
                 in_flight=in_flight))
     for base in (rm.merge_peak_bytes, rm.optim_peak_bytes):  # every window closed by then
         points.append(MemoryPoint(op_index=off, phase=Phase.OPTIM, other_bytes=base))
+    for base, flight in rm.reduces:  # F5: between actions, no window open; others in flight mid-step
+        points.append(MemoryPoint(op_index=off, phase=Phase.OPTIM, other_bytes=base,
+                                  in_flight=tuple((stage_root(t), n) for t, n in sorted(flight.items()) if n)))
     order = ModOrder(**{k: tuple(v) for k, v in orders.items()})
     info = ModuleInfo(mod_order=order, mod_stats=tuple(stats), memory_points=tuple(points), peak_bytes=rm.peak_bytes,
                       fw_runtime_ms=sum(v.profile.fw_ms for v in stages.values()),

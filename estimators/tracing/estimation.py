@@ -164,6 +164,10 @@ class Estimate:
     """How it was traced; a verification trace uses the same mode and runtime."""
     first_step_peak_bytes: int = 0
     """Peak of the first step of a fresh run (see the module docstring)."""
+    grad_placements: dict[str, tuple] = dataclasses.field(default_factory=dict)
+    """Kept gradients (``TrainStep.grads_alive_at_start``) of DTensor parameters that the backward
+    makes in other placements than the parameter's: {name: placements} (a vocabulary-sharded
+    embedding's is replicated)."""
 
     @property
     def steady_peak_bytes(self) -> int:
@@ -275,7 +279,7 @@ def estimate(
     logger.info("traced %d ops, %d module calls in %.2f s", len(trace.ops), len(trace.calls), dt)
     return Estimate(
         trace=trace, timeline=timeline, module_info=info, spec=spec, trace_time_s=dt, step=step,
-        options=options, first_step_peak_bytes=first_step_peak(trace, timeline, step),
+        options=options, first_step_peak_bytes=first_step_peak(trace, timeline, step), grad_placements=placed,
     )
 
 

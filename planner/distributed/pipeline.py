@@ -28,6 +28,14 @@ process on torch's fake process group (no GPU, no other process)::
     r = plan_layout_rank(build, 80, mesh_shape={"pp": 8, "tp": 8}, rank=0, schedule=Schedule1F1B,
                          n_microbatches=16, options=PlanOptions(device="h100"))
     r.predicted_peak_bytes, r.makespan_ms, r.plans
+
+A stage may also be sharded by FSDP2 over a ``dp`` dim (torchtitan's order: split, TP, then
+``fully_shard`` every unit with ``reshard_after_forward=False`` and the stage last): the planner
+reads the units from ``fully_shard``'s state and holds what FSDP2 does under the schedule, each
+unit gathered from its first forward of the step to the stage's reduce after its last backward,
+the unsharded gradients until then (``estimators.pipeline.fsdp``). With
+``mesh_shape={"pp": 8, "dp": 8, "tp": 8}`` ``build`` shards over ``mesh["dp"]``
+(``examples.pipeline_stages.llama_stage_builder`` does).
 """
 
 from __future__ import annotations
@@ -145,13 +153,16 @@ def plan_layout_rank(build: StageBuilder, budget_gib: float | None, *, mesh_shap
     ``{"pp": 8, "dp": 16, "tp": 8}``; it must have ``"pp"``. The mesh is built (device type
     "cpu": the host the trace runs on) as rank ``rank`` of their product, and ``build(s, mesh)``
     makes each stage ``s`` of the rank (``virtual_stages`` of them; stage ``s`` runs on pipeline
-    rank ``s % pp``). A ``"dp"`` dim divides the stage's parameters, gradients and optimizer
-    state (``PlanOptions.world_size``, ZeRO-style): less than FSDP2 holds under a pipeline
-    schedule, where its units stay gathered and its gradients unsharded through the step
-    (docs/pipeline.md#limits), which is not modelled yet. ``options``: device, reserve, solver
-    and trace settings (its ``pipeline`` and ``world_size`` are set here). ``budget_gib`` None:
-    the figures without a plan. Each local stage is traced once; a plan's peak is its traced one
-    (with a ``"dp"`` dim over 1, the MILP's, as ``RankPlanner`` gives per rank)."""
+    rank ``s % pp``). A ``"dp"`` dim over 1 is FSDP2 inside the stages: ``build`` must
+    ``fully_shard`` the stage over ``mesh["dp"]`` as the job does (every unit with
+    ``reshard_after_forward=False``, then the stage; ``examples.pipeline_stages.shard_llama_stage``),
+    and the rank's peak holds FSDP2's padded shards, its units gathered from their first forward
+    to the stage's reduce and its unsharded gradients until then; a stage built unsharded is
+    refused (a replicated ``dp``, DDP, is a mesh without that dim). Schedules without a split
+    backward (GPipe, 1F1B, Interleaved1F1B, LoopedBFS) with FSDP2. ``options``: device, reserve,
+    solver and trace settings (its ``pipeline`` and ``world_size`` are set here). ``budget_gib``
+    None: the figures without a plan. Each local stage is traced once; a plan's peak is its
+    traced one, FSDP2's part included."""
     budget = None if budget_gib is None else int(check_budget_gib(budget_gib) * GiB)  # before any trace
     t0 = time.perf_counter()
     with fake_layout_rank(build, mesh_shape=mesh_shape, rank=rank, schedule=schedule, n_microbatches=n_microbatches,

@@ -23,14 +23,17 @@ from typing import Mapping
 import torch
 from torch.utils._pytree import tree_flatten
 
+from estimators.pipeline.fsdp import fsdp_profile
 from estimators.pipeline.makespan import bubble_fractions, makespan_ms, simulate
 from estimators.pipeline.memory import RankMemory, rank_memory
 from estimators.pipeline.points import StageView, rank_module_info, stage_root
+from estimators.pipeline.schedule import Runtime
 from estimators.pipeline.stage_trace import resident_bytes_at, stage_module_info, stage_profile
 from estimators.step.stage_step import StageRole
 from estimators.step.train_step import TrainStep, ZeroGrad
 from estimators.tracing.estimation import estimate
-from estimators.tracing.sharded_model import fsdp_layout
+from estimators.tracing.sharded_model import original_class_name
+from planner.distributed.fsdp.stage import stage_fsdp
 from planner.distributed.layout import plan_layout
 from planner.errors import PlanningError
 from planner.format import GiB, check_budget_gib, fmt_bytes
@@ -138,15 +141,14 @@ class RankPlanner:
         if options.offload:
             raise PlanningError("a pipeline stage is planned without offload for now (recompute only): "
                                 "plan it with offload=False")
-        if options.fsdp_units is not None or any(fsdp_layout(m) is not None for m, _ in stages.values()):
-            raise PlanningError(
-                "FSDP2 inside a pipeline stage is not modelled yet (under torch's schedules its units stay "
-                "gathered from their first forward and their unsharded gradients accumulate until the step's "
-                "REDUCE_GRAD): plan the stage before fully_shard, without fsdp_units; world_size=<dp> divides its "
-                "parameters, gradients and optimizer state ZeRO-style, without FSDP2's gathered copies")
+        if options.fsdp_units is not None:
+            raise PlanningError("a pipeline stage's FSDP2 units are read from the stage: fully_shard it first "
+                                "(torchtitan's order: split, parallelize, fully_shard; examples.pipeline_stages."
+                                "shard_llama_stage) and drop fsdp_units")
         t0 = time.perf_counter()
         self.stages = stages
         self.rank, self.local = _rank_stages(pipeline, stages)
+        self.fsdp = _stage_fsdp(stages, options)
         split = pipeline.layout.split_backward
         self.traced = {}
         for s in self.local:
@@ -159,9 +161,14 @@ class RankPlanner:
                 self.traced[s] = estimates[s]
                 continue
             self.traced[s] = trace_stage(model, step, role, options)
-        self._views = {s: StageView(*_view(e, s)) for s, e in self.traced.items()}
-        self._verified: dict[tuple, object] = {}
-        """(stage, its module plans) -> the planned stage's profile (traced once)."""
+        for s in self.fsdp:  # gradients the backward makes in other placements (FSDP2 redistributes them)
+            if self.traced[s].grad_placements:
+                model, step = stages[s]
+                self.fsdp[s] = stage_fsdp(model, step.optimizer, options.spec,
+                                          grad_placements=self.traced[s].grad_placements)
+        self._views = {s: _view(e, s, self.fsdp.get(s)) for s, e in self.traced.items()}
+        self._verified: dict[tuple, tuple] = {}
+        """(stage, its module plans) -> the planned stage's profile and FSDP2 part (traced once)."""
         self.trace_time_s = time.perf_counter() - t0
         self._schedule(options)
 
@@ -176,6 +183,8 @@ class RankPlanner:
             raise PlanningError("for_options keeps the traces: the new schedule must split the backward as the old one does")
         if options.spec != self.options.spec or options.trace != self.options.trace or options.world_size != self.options.world_size:
             raise PlanningError("for_options keeps the traces: device, trace options and world_size must not change")
+        if self.fsdp:
+            _stage_fsdp(self.stages, options)  # FSDP2 stages: what the new schedule does not model is refused
         other = object.__new__(RankPlanner)
         other.__dict__.update({k: v for k, v in self.__dict__.items()})
         other._schedule(options)
@@ -188,7 +197,7 @@ class RankPlanner:
         n, last, stages = pipeline.n_microbatches, pipeline.n_stages - 1, self.stages
         batch = sum(n * (_tensor_bytes(stages[s][1].inputs) if s == 0 else 0)
                     + n * (_tensor_bytes(stages[s][1].target) if s == last else 0) for s in self.local)
-        self.kw = dict(return_outputs=pipeline.return_outputs, batch_bytes=batch, world_size=options.world_size,
+        self.kw = dict(return_outputs=pipeline.return_outputs, batch_bytes=batch,
                        grads_at_start=any(stages[s][1].zero_grad is ZeroGrad.ZERO for s in self.local))
         self.actions = self.layout.actions(self.rank)
         info, self.names = rank_module_info(self._views, self.actions, n, self.layout.runtime, **self.kw)
@@ -196,7 +205,7 @@ class RankPlanner:
             f for f, (_s, own) in self.names.items() if own in set(options.ac_units)]
         self.milp = SACMilp(info, ac_units=allowed, options=options.solver)
         self.unplanned = rank_memory(self.actions, {s: v.profile for s, v in self._views.items()}, n,
-                                     self.layout.runtime, **self.kw)
+                                     self.layout.runtime, fsdp=_fsdp_parts(self._views), **self.kw)
 
     @property
     def unplanned_peak_bytes(self) -> int:
@@ -236,10 +245,9 @@ class RankPlanner:
                     f"unplanned {fmt_bytes(self.unplanned_peak_bytes)}. Raise the budget, or use more micro-batches "
                     "of fewer samples, or more stages") from e
             modules = _stage_modules(res.discarded_bytes, self.names, self.traced, options)
-            if not options.verify or options.world_size > 1:  # the MILP's figure, as solve_sac per rank
+            if not options.verify:  # the MILP's figure
                 verified, profiles = _MilpFigure(res.predicted_peak_bytes), {s: v.profile for s, v in self._views.items()}
-                notes.append("predicted peak is the MILP's over the schedule (not traced: "
-                             + ("verify=False)" if not options.verify else "world_size > 1)"))
+                notes.append("predicted peak is the MILP's over the schedule (not traced: verify=False)")
                 break
             verified, profiles = self._verify(modules)
             if verified.peak_bytes <= usable:
@@ -266,23 +274,81 @@ class RankPlanner:
 
     def _verify(self, modules):
         """Every planned stage traced again and the rank laid out again: (RankMemory, profiles)."""
-        profiles = {}
+        profiles, fsdp = {}, {}
         for s, est in self.traced.items():
             key = (s, modules[s])
             if key not in self._verified:
                 planned = traced_or_diverged(self.stages[s][0], modules[s], est) if modules[s] else est
-                self._verified[key] = stage_profile(planned, stage_index=s)
-            profiles[s] = self._verified[key]
-        return rank_memory(self.actions, profiles, self.pipeline.n_microbatches, self.layout.runtime, **self.kw), profiles
+                view = _view(planned, s, self.fsdp.get(s), module_info=False)
+                self._verified[key] = (view.profile, view.fsdp)
+            profiles[s], over = self._verified[key]
+            if over is not None:
+                fsdp[s] = over
+        rm = rank_memory(self.actions, profiles, self.pipeline.n_microbatches, self.layout.runtime, fsdp=fsdp,
+                         **self.kw)
+        return rm, profiles
 
 
 def _role_text(role) -> str:
     return "plain step (no stage role)" if role is None else role.describe()
 
 
-def _view(est, s: int):
-    info, _ = stage_module_info(est)
-    return info, stage_profile(est, stage_index=s), resident_bytes_at(est)
+def _view(est, s: int, fsdp, *, module_info: bool = True) -> StageView:
+    """Stage ``s``'s view of its trace ``est``; an FSDP2 stage's profile as the rank holds it
+    (``fsdp``: ``planner.distributed.fsdp.stage.stage_fsdp``'s)."""
+    profile, over = stage_profile(est, stage_index=s), None
+    if fsdp is not None:
+        try:
+            profile, over = fsdp_profile(est, profile, fsdp)
+        except ValueError as e:
+            raise PlanningError(f"stage {s}: {e}") from e
+    info = stage_module_info(est)[0] if module_info else None
+    return StageView(info, profile, resident_bytes_at(est) if module_info else (), over)
+
+
+def _fsdp_parts(views) -> dict:
+    return {s: v.fsdp for s, v in views.items() if v.fsdp is not None}
+
+
+def _stage_fsdp(stages, options: PlanOptions) -> dict:
+    """{stage: FsdpStage} of the stages ``fully_shard`` sharded (all of the rank's or none), with
+    what the rank's memory model does not hold refused."""
+    fsdp = {s: stage_fsdp(m, step.optimizer, options.spec) for s, (m, step) in stages.items()}
+    sharded = {s: f for s, f in fsdp.items() if f is not None}
+    if not sharded:
+        if options.world_size > 1:
+            raise PlanningError(
+                f"world_size={options.world_size} (a mesh's dp dim) inside a pipeline stage means FSDP2 over the "
+                "stage's data-parallel group: fully_shard the stage first (torchtitan's order: split, parallelize, "
+                "fully_shard; examples.pipeline_stages.shard_llama_stage), the planner reads its units and group "
+                "size; a stage each data-parallel rank holds whole (DDP) is planned with world_size=1")
+        return {}
+    if len(sharded) != len(fsdp):
+        raise PlanningError(f"stages {sorted(sharded)} of the rank are sharded by fully_shard and "
+                            f"{sorted(set(fsdp) - set(sharded))} are not: shard every stage of the rank or none")
+    sizes = {f.world_size for f in sharded.values()}
+    if len(sizes) > 1 or options.world_size not in (1, *sizes):
+        raise PlanningError(f"world_size={options.world_size} but the rank's stages are sharded over "
+                            f"{sorted(sizes)} ranks; drop world_size (it is read from the stages)")
+    layout = options.pipeline.layout
+    if layout.split_backward:
+        raise PlanningError(
+            f"FSDP2 inside a pipeline stage is modelled without a split backward; {layout.schedule_cls.__name__}'s "
+            "input and weight halves under FSDP2 are not modelled yet: use ScheduleGPipe, Schedule1F1B, "
+            "ScheduleInterleaved1F1B or ScheduleLoopedBFS")
+    if layout.runtime is Runtime.RUNTIME:
+        for s, f in sharded.items():
+            root = original_class_name(stages[s][0])
+            if any(root in u.modules for u in f.units):
+                raise PlanningError(
+                    f"stage {s}'s root FSDP2 unit holds parameters: {layout.schedule_cls.__name__} gathers it at the "
+                    "step's start (its UNSHARD action), which is not modelled yet; fully_shard the stage's "
+                    "parameter-holding children before the stage (examples.pipeline_stages.shard_llama_stage)")
+    if any(step.zero_grad is ZeroGrad.ZERO for _, step in stages.values()):
+        raise PlanningError("an FSDP2 stage is modelled with its gradients set to None between steps "
+                            "(zero_grad(set_to_none=True)); ZeroGrad.ZERO keeps the sharded gradients, which the "
+                            "pipeline's reduce then accumulates into: not modelled yet")
+    return sharded
 
 
 class _MilpFigure:
@@ -332,10 +398,10 @@ def _plans(rp: RankPlanner, profiles, modules, verified, res, budget, reserve, n
             bubble_fraction=bubble)
         est = traced[s]
         out[s] = Plan(
-            modules=modules[s], model_name=type(model).__name__, model_fingerprint=model_fingerprint(model),
+            modules=modules[s], model_name=original_class_name(model), model_fingerprint=model_fingerprint(model),
             trainable_numel=model_shape(model).trainable_numel, device=options.spec.name,
-            world_size=options.world_size, layout=plan_layout(model, None, 1), budget_bytes=budget,
-            reserve_bytes=reserve,
+            world_size=rp.fsdp[s].world_size if s in rp.fsdp else 1, layout=plan_layout(model, None, 1),
+            budget_bytes=budget, reserve_bytes=reserve,
             predicted_peak_bytes=verified.peak_bytes, solver_peak_bytes=res.predicted_peak_bytes,
             baseline_peak_bytes=rp.unplanned_peak_bytes, recompute_ms=sum(m.recompute_ms for m in modules[s]),
             baseline_step_ms=est.module_info.step_runtime_ms, solver_status=res.status.value,

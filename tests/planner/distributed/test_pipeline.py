@@ -1,4 +1,4 @@
-"""planner/distributed/pipeline.py: a rank of a PP x TP layout planned in one process on the fake
+"""planner/distributed/pipeline.py: a rank of a PP x TP (x FSDP) layout planned in one process on the fake
 process group (the gloo check of the same plans: tests/integration/test_pipeline_gloo.py), and
 ``pipeline_step``, which lays out the plans of one pipeline and refuses plans that are not."""
 
@@ -51,6 +51,35 @@ def test_the_ranks_of_a_tp_group_get_one_plan_that_records_the_layout(one_intra_
     low = plan_layout_rank(_build(), free.min_peak_bytes / 2 / 2**30, mesh_shape=MESH, rank=0,
                            schedule=Schedule1F1B, n_microbatches=4, options=options)
     assert low.plans is None and "smallest reachable peak over its schedule" in low.refusal
+
+
+@pytest.mark.slow
+def test_a_dp_dim_is_fsdp2_inside_the_stages(one_intra_op_thread):
+    """PP 2 x DP 2 x TP 2: the stage sharded by FSDP2 over dp holds its shards, half the
+    optimizer state, and through the step its units gathered and its gradients unsharded: above
+    the ZeRO-style figure (the whole stage's state halved), below the stage unsharded; a stage
+    built without fully_shard under a dp dim is refused."""
+    options = PlanOptions(device="cpu", reserve_gib=0)
+    shape = {"pp": 2, "dp": 2, "tp": 2}
+    plain = plan_layout_rank(_build(), None, mesh_shape=MESH, rank=0, schedule=Schedule1F1B, n_microbatches=4,
+                             options=options)
+    with fake_layout_rank(_build(), mesh_shape=shape, rank=0, schedule=Schedule1F1B, n_microbatches=4,
+                          options=options) as (rp, coordinates):
+        fs = rp.fsdp[0]
+        state = fs.sharded_param_bytes + fs.optimizer_state_bytes
+        unplanned = rp.unplanned_peak_bytes
+        assert coordinates == {"pp": 0, "dp": 0, "tp": 0} and fs.world_size == 2
+        assert rp.unplanned.reduce_peak_bytes > 0 and rp.unplanned.actions[0].first_forward
+        budget = (rp.min_peak_bytes() + unplanned) // 2
+        (plan,) = rp.plan(budget / 2**30).values()
+        assert plan.world_size == 2 and plan.modules and plan.predicted_peak_bytes <= budget
+    full = 3 * fs.full_numel * 4  # the unsharded stage's parameters and AdamW state, float32
+    assert unplanned < plain.unplanned_peak_bytes  # half the optimizer state
+    zero = plain.unplanned_peak_bytes - full // 2 - fs.full_numel * 4 // 2  # state and gradients halved
+    assert unplanned > zero + fs.full_numel * 4 // 2 and state < full
+    with pytest.raises(PlanningError, match=r"\(a mesh.s dp dim\) inside a pipeline stage means FSDP2"):
+        plan_layout_rank(lambda s, mesh: _build()(s, mesh["pp", "tp"]), None, mesh_shape=shape, rank=0,
+                         schedule=Schedule1F1B, n_microbatches=4, options=options)
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                         ScheduleLoopedBFS)
 
 from examples.pipeline_stages import llama_pipeline_model, llama_stage, stage_loss
 from planner import PlanOptions, PlanningError, TrainStep, solve_sac
@@ -87,10 +88,10 @@ def test_a_plan_that_verifies_over_is_stepped_past_until_one_fits():
     assert any("target tightened" in n for n in plan.notes)
 
 
-def test_fsdp2_inside_a_stage_is_refused_with_what_to_do(four_stages):
-    """FSDP2 under a pipeline schedule keeps its units gathered and its gradients unsharded
-    across the micro-batches, which the rank's memory model does not hold yet: fsdp_units, or a
-    stage already sharded by fully_shard, are refused before any trace."""
+def test_fsdp2_inside_a_stage_is_read_from_the_stage_and_what_is_not_modelled_refused(four_stages):
+    """A stage's FSDP2 units are read from ``fully_shard``'s state: fsdp_units, world_size over 1
+    on a stage that was not sharded, a stage sharded with FSDP2's default (non-root units
+    reshard after forward) and offload are refused before any trace, each with what to do."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -98,13 +99,34 @@ def test_fsdp2_inside_a_stage_is_refused_with_what_to_do(four_stages):
 
     stage, step = four_stages[1]
     units = PlanOptions(fsdp_units=("LlamaStage",), world_size=2, pipeline=_options(1).pipeline)
-    with pytest.raises(PlanningError, match="FSDP2 inside a pipeline stage is not modelled yet.*world_size=<dp>"):
+    with pytest.raises(PlanningError, match="FSDP2 units are read from the stage: fully_shard it first"):
         RankPlanner({1: (stage, step)}, options=units)
+    zero = PlanOptions(world_size=2, pipeline=_options(1).pipeline)
+    with pytest.raises(PlanningError, match=r"world_size=2 \(a mesh.s dp dim\) inside a pipeline stage means FSDP2.*fully_shard the stage"):
+        RankPlanner({1: (stage, step)}, options=zero)
     with fake_process_group(world_size=2, rank=0):
         sharded = llama_stage(llama_pipeline_model(n_layers=4), 1, 4)
-        fully_shard(sharded, mesh=init_device_mesh("cpu", (2,)))
-        with pytest.raises(PlanningError, match="plan the stage before fully_shard"):
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in sharded.layers.values():
+            fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        with pytest.raises(PlanningError, match="reshards after forward.*reshard_after_forward=False"):
             RankPlanner({1: (sharded, step)}, options=_options(1))
+        # a runtime schedule's UNSHARD gathers a root unit at the step's start; a split backward
+        root_only = {s: (fully_shard(llama_stage(llama_pipeline_model(n_layers=4), s, 4), mesh=mesh), four_stages[s][1])
+                     for s in (0, 2)}
+        interleaved = PlanOptions(pipeline=Pipeline(ScheduleInterleaved1F1B, n_microbatches=4, stage_index=0,
+                                                    n_stages=4, virtual_stages=2))
+        with pytest.raises(PlanningError, match="stage 0's root FSDP2 unit holds parameters: ScheduleInterleaved1F1B"):
+            RankPlanner(root_only, options=interleaved)
+        zero_bubble = PlanOptions(pipeline=Pipeline(ScheduleInterleavedZeroBubble, n_microbatches=4, stage_index=0,
+                                                    n_stages=4, virtual_stages=2))
+        with pytest.raises(PlanningError, match="without a split backward; ScheduleInterleavedZeroBubble"):
+            RankPlanner(root_only, options=zero_bubble)
+        one = RankPlanner({0: root_only[0]}, options=_options(0))  # 1F1B gathers the root unit in its forward
+        looped = PlanOptions(pipeline=Pipeline(ScheduleLoopedBFS, n_microbatches=8, stage_index=0, n_stages=4))
+        with pytest.raises(PlanningError, match="root FSDP2 unit holds parameters: ScheduleLoopedBFS"):
+            one.for_options(looped)
     with pytest.raises(PlanningError, match="without offload for now"):
         RankPlanner({1: (stage, step)}, options=PlanOptions(offload=True, pipeline=_options(1).pipeline))
 
