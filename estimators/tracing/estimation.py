@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from estimators.step import host_rng
@@ -74,10 +74,12 @@ from estimators.contract.module_info import ModuleInfo
 from estimators.step.optimizer import check_optimizer_params, param_groups, resolve_optimizer
 from estimators.tracing.steady_state import first_step_module_info, first_step_peak, grad_placement_hooks, steady_state
 from estimators.tracing.trace import InplaceModifiedError, StepTrace, StepTracer
+from estimators.tracing.model_calls import refuse_calls_of
 from estimators.tracing.replicate import NotReplicable, expand_stacks
 from estimators.tracing.stacks import Stack, find_stacks
 from estimators.tracing.fake_copy import FakeCopyError, fake_copy, fake_tensor
-from estimators.tracing.truncation import FullListsRuntime, gc_paused, may_index_blocks, pre_step_owners
+from estimators.tracing.thread_state import eager_in_this_thread, gc_paused, torch_rng_restored
+from estimators.tracing.truncation import FullListsRuntime, may_index_blocks, pre_step_owners
 
 __all__ = [
     "DEFAULT_DEVICE",
@@ -360,7 +362,7 @@ def _trace_step(
             # Fake tensors draw nothing, but the model's Python code may touch the generators
             # itself (Reformer calls torch.seed() in train mode): planning leaves them as they were.
             cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-            restore.enter_context(torch.random.fork_rng(devices=cuda))
+            restore.enter_context(torch_rng_restored(cuda))
         groups = param_groups(model, step.optimizer, mapping)
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             # Built in the mode: a constructor that makes state (Adagrad's step count) makes it
@@ -386,8 +388,8 @@ def _trace_step(
             full_lists.phase, full_lists.optimizer = functools.partial(getattr, tracer, "phase"), opt
         owners = [pre_step_owners(tracer.sid_of, traced, st, opt) for st in stacks]
         applied = prepare(traced) if prepare is not None else None
-        if fake:  # the user's model itself must not train in the step (see _refuse_calls_of)
-            restore.callback(_refuse_calls_of(model))
+        if fake:  # the user's model itself must not train in the step (see model_calls)
+            restore.callback(refuse_calls_of(model, _TheModelItself))
         graded: set[str] = set()
         trainable = {n: p for n, p in traced.named_parameters() if p.requires_grad}
         grad_hooks = [p.register_post_accumulate_grad_hook(lambda _, n=n: graded.add(n)) for n, p in trainable.items()]
@@ -395,9 +397,8 @@ def _trace_step(
         tracer.attach()
         try:
             with contextlib.ExitStack() as modes:
-                # The step's eager ops are what is traced: a compiled block runs them eagerly here
-                # (torch.compile under the trace's modes would trace our own dispatch code).
-                modes.enter_context(torch.compiler.set_stance("force_eager"))
+                # The step's eager ops are traced: compiled code runs eagerly in this thread (see thread_state)
+                modes.enter_context(eager_in_this_thread())
                 if fake_mode is not None:
                     modes.enter_context(hf_real_paths(step.inputs))  # HF's real-run code path
                     modes.enter_context(fake_mode)
@@ -495,48 +496,6 @@ class _TheModelItself(TraceError):
             "PlanOptions(trace=EstimateOptions(mode=TraceMode.REAL))), --mode real on the command line")
 
 
-def _refuse_calls_of(model: torch.nn.Module) -> Callable[[], None]:
-    """Forward pre-hooks on the user's modules, for the step's calls outside the traced copy:
-    one that holds parameters is refused before its forward runs with grad on (its gradients and
-    optimizer state would be the user's, not the copy's, and missing from the trace); under
-    no_grad it runs, its parameters counted as the step's inputs (FixMatch's pseudo-label
-    forward: counted high, where a refusal would leave no plan at all).
-    One that holds only buffers runs as the copy's would (``CrossEntropyLoss(weight=...)`` kept
-    on the model, a plain criterion), its buffers put back afterwards (a no-grad forward of a
-    BatchNorm counts a batch into its statistics). Returns the removal of the hooks."""
-    names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
-    kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-
-    def refuse(module, args):
-        if not torch.is_grad_enabled():  # a no-grad forward (FixMatch's pseudo-labels): nothing of
-            return keep_buffers(module, args)  # it trains; its parameters count as inputs (high)
-        raise _TheModelItself(f"calls {names[id(module)]} of the model itself, from loss_fn, a hook, "
-                              "or a reference the model's code keeps to itself (deepcopy shares "
-                              "functions and their closures)")
-
-    def keep_buffers(module, _args):
-        if id(module) not in kept:
-            with torch.no_grad(), unset_fake_temporarily():
-                kept[id(module)] = [(b, b.detach().clone()) for b in module.buffers()]
-
-    hooks = []
-    for m in model.modules():
-        if next(m.parameters(), None) is not None:
-            hooks.append(m.register_forward_pre_hook(refuse))
-        elif next(m.buffers(), None) is not None:
-            hooks.append(m.register_forward_pre_hook(keep_buffers))
-
-    def remove() -> None:
-        for h in hooks:
-            h.remove()
-        with torch.no_grad(), unset_fake_temporarily():
-            for pairs in kept.values():
-                for b, value in pairs:
-                    b.copy_(value)
-
-    return remove
-
-
 class HostRandomnessWarning(UserWarning):
     """The traced step drew from Python's ``random`` or numpy's global generator."""
 
@@ -586,7 +545,7 @@ def _restored(model: torch.nn.Module):
                     saved.append((table, name, t, t.detach().clone()))
     grads = {id(p): (p, p.grad) for p in model.parameters()}
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
+    with torch_rng_restored(devices):
         try:
             yield
         finally:

@@ -40,10 +40,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from estimators.pipeline.makespan import Span, bubble_fractions, makespan_ms, simulate, timeline_text
+from estimators.pipeline.schedule import ScheduleLayout, schedule_class
 from planner.errors import PlanningError
 from planner.format import GiB, check_budget_gib
 from planner.options import Pipeline, PlanOptions
 from planner.plan import Plan
+from planner.plan_pipeline import PipelineRecord
 from planner.planning.pipeline_solve import RankPlanner, solve_pipeline_rank
 
 __all__ = ["Pipeline", "solve_pipeline_rank", "RankPlanner", "PipelineStep", "pipeline_step", "plan_layout_rank",
@@ -65,26 +67,33 @@ class PipelineStep:
 
 
 def pipeline_step(plans: Sequence) -> PipelineStep:
-    """``plans``: one plan per stage of one pipeline (``Plan.pipeline`` set, the same schedule)."""
-    recs = {p.pipeline.stage_index: p.pipeline for p in plans if p.pipeline is not None}
-    if not recs or len(recs) != len(plans):
-        raise PlanningError("pipeline_step needs one pipeline stage plan per stage (Plan.pipeline set)")
-    first = next(iter(recs.values()))
+    """``plans``: one plan per stage of one pipeline (``Plan.pipeline`` set), all made for the
+    same schedule, micro-batch count and stage layout (the step is laid out on it)."""
+    if isinstance(plans, (str, bytes)) or not isinstance(plans, Sequence) or \
+            not all(isinstance(p, Plan) and p.pipeline is not None for p in plans) or not plans:
+        raise PlanningError("pipeline_step needs a list of pipeline stage plans (Plan.pipeline set), one per stage")
+    first = plans[0].pipeline
+    recs: dict[int, PipelineRecord] = {}
+    for p in plans:
+        rec = p.pipeline
+        ours, theirs = _pipeline_of(rec), _pipeline_of(first)
+        if ours != theirs:
+            raise PlanningError(f"pipeline_step lays out one pipeline: the plan for stage {rec.stage_index} is for "
+                                f"{rec.describe()}, the one for stage {first.stage_index} for {first.describe()}; "
+                                "give the plans of one pipeline (re-plan the stages made for another)")
+        if rec.stage_index in recs:
+            raise PlanningError(f"pipeline_step got two plans for stage {rec.stage_index}; give one per stage")
+        recs[rec.stage_index] = rec
     missing = sorted(set(range(first.n_stages)) - set(recs))
     if missing:
-        raise PlanningError(f"pipeline_step needs a plan for every stage; missing {missing}")
-    layout = Pipeline(_schedule_class(first.schedule), n_microbatches=first.n_microbatches, n_stages=first.n_stages,
-                      virtual_stages=first.virtual_stages).layout
+        raise PlanningError(f"pipeline_step needs a plan for every stage; missing {missing[:20]}"
+                            f"{' ...' if len(missing) > 20 else ''}")
+    layout = ScheduleLayout.of(schedule_class(first.schedule), n_microbatches=first.n_microbatches,
+                               n_stages=first.n_stages, virtual_stages=first.virtual_stages)
     times = lambda s, k: {"F": recs[s].fw_ms, "B": recs[s].bw_ms, "I": recs[s].bw_ms, "W": recs[s].w_ms}[k]
     spans = simulate({r: layout.actions(r) for r in range(layout.n_ranks)}, layout.stage_to_rank(), times)
     optim = {r: sum(recs[s].optim_ms for s in layout.stages_of(r)) for r in range(layout.n_ranks)}
     return PipelineStep(makespan_ms(spans, optim), bubble_fractions(spans), spans)
-
-
-def _schedule_class(name: str):
-    from torch.distributed.pipelining import schedules
-
-    return getattr(schedules, name)
 
 
 @dataclass(frozen=True)
@@ -185,3 +194,8 @@ def fake_layout_rank(build: StageBuilder, *, mesh_shape: Mapping[str, int], rank
         options = dataclasses.replace(options or PlanOptions(), pipeline=pipe, world_size=shape.get("dp", 1))
         local = pipe.layout.stages_of(pipe.layout.rank_of(pipe.stage_index))
         yield RankPlanner({s: build(s, mesh) for s in local}, options=options, estimates=estimates), coordinates
+
+
+def _pipeline_of(rec: PipelineRecord) -> tuple:
+    """What every stage plan of one pipeline has in common."""
+    return rec.schedule, rec.n_microbatches, rec.n_stages, rec.virtual_stages, rec.split_backward, rec.return_outputs

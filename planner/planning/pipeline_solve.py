@@ -94,6 +94,22 @@ def _rank_stages(pipeline: Pipeline, stages: Mapping[int, tuple]) -> tuple[int, 
     return rank, expected
 
 
+def _check_stages(stages: object) -> None:
+    """``stages`` is {stage index: (module, TrainStep)}; a one-line TypeError otherwise (the
+    message names types, never a module's repr)."""
+    usage = "pass {stage index: (stage module, TrainStep(...))} for every stage of the rank"
+    if not isinstance(stages, Mapping) or not stages:
+        raise TypeError(f"stages must be a non-empty dict, got {type(stages).__name__}: {usage}")
+    for s, v in stages.items():
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"stages' keys are stage indices (int), got {type(s).__name__}: {usage}")
+        if not (isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], torch.nn.Module)
+                and isinstance(v[1], TrainStep)):
+            got = (f"a tuple of ({', '.join(type(x).__name__ for x in v[:3])}{', ...' if len(v) > 3 else ''})"
+                   if isinstance(v, tuple) else f"a {type(v).__name__}")
+            raise TypeError(f"stages[{s}] must be a (module, TrainStep) pair, got {got}: {usage}")
+
+
 def solve_pipeline_rank(stages: Mapping[int, tuple[torch.nn.Module, TrainStep]], budget_gib: float, *,
                         options: PlanOptions) -> dict[int, Plan]:
     """One plan per stage of the rank that runs ``options.pipeline.stage_index``, so that the rank
@@ -115,7 +131,8 @@ class RankPlanner:
         """``estimates``: traces of some of the stages to use instead of tracing them (e.g. one
         middle stage's, ``estimators.pipeline.stage_trace.renamed`` for the others): each must be
         of that stage's micro-batch as this planner traces it (its role, device, trace options)."""
-        pipeline = options.pipeline
+        _check_stages(stages)
+        pipeline = options.pipeline if isinstance(options, PlanOptions) else None
         if pipeline is None:
             raise PlanningError("planning a pipeline rank needs options=PlanOptions(pipeline=Pipeline(...))")
         if options.offload:

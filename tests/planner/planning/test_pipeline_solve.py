@@ -106,3 +106,22 @@ def test_fsdp2_inside_a_stage_is_refused_with_what_to_do(four_stages):
             RankPlanner({1: (sharded, step)}, options=_options(1))
     with pytest.raises(PlanningError, match="without offload for now"):
         RankPlanner({1: (stage, step)}, options=PlanOptions(offload=True, pipeline=_options(1).pipeline))
+
+
+def test_stages_of_the_wrong_shape_are_refused_in_one_line():
+    from planner.distributed.pipeline import solve_pipeline_rank
+
+    module = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(30)])  # a long repr
+    step = TrainStep(inputs=torch.randn(2, 8))
+    options = PlanOptions(pipeline=Pipeline(Schedule1F1B, n_microbatches=2, n_stages=2))
+    for bad, message in (({0: module}, r"stages\[0\] must be a \(module, TrainStep\) pair, got a Sequential"),
+                         ([module], "stages must be a non-empty dict, got list"),
+                         ({}, "non-empty dict"),
+                         ({"0": (module, step)}, r"keys are stage indices \(int\), got str"),
+                         ({0: (module,)}, r"got a tuple of \(Sequential\)"),
+                         ({0: (step, module)}, r"got a tuple of \(TrainStep, Sequential\)")):
+        with pytest.raises(TypeError, match=message) as e:
+            solve_pipeline_rank(bad, 1.0, options=options)
+        assert "\n" not in str(e.value) and len(str(e.value)) < 200
+    with pytest.raises(PlanningError, match="needs options=PlanOptions"):
+        solve_pipeline_rank({0: (module, step)}, 1.0, options=None)
