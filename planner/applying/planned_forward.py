@@ -48,12 +48,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch._guards import active_fake_mode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_map
 from torch.utils.checkpoint import (
     SAC_IGNORED_OPS,
     CheckpointPolicy,
-    SelectiveCheckpointContext,
     _CachedTorchDispatchMode,
     _CachingTorchDispatchMode,
     _detach_helper,
@@ -92,12 +90,43 @@ def _param_dtypes(module: torch.nn.Module) -> frozenset[torch.dtype]:
     return frozenset(p.dtype for p in module.parameters())
 
 
-def _meta(args: Any, kwargs: Any) -> tuple:
-    flat, _ = tree_flatten((args, kwargs))
-    return tuple((tuple(t.shape), t.dtype) for t in flat if isinstance(t, torch.Tensor))
+_Tensor, _Size, _NODES = torch.Tensor, torch.Size, SUPPORTED_NODES
 
 
-@dataclass
+def _add_tensors(items: Any, out: list) -> None:
+    """Append the tensors among ``items`` (and in their lists and tuples) to ``out``, in
+    ``tree_flatten``'s order: every op's arguments are flattened twice a step (forward and
+    replay), so the plain containers aten passes are walked here and only other pytree nodes
+    (a namedtuple, a dict) go through ``tree_flatten``. ``torch.Size`` holds no tensor."""
+    for a in items:
+        t = type(a)
+        if t is _Tensor:
+            out.append(a)
+        elif t is list or t is tuple:
+            _add_tensors(a, out)
+        elif t is _Size:
+            pass
+        elif t in _NODES or isinstance(a, tuple):  # tree_flatten's other nodes
+            out.extend(x for x in tree_flatten(a)[0] if isinstance(x, _Tensor))
+        elif isinstance(a, _Tensor):  # FakeTensor, Parameter
+            out.append(a)
+
+
+def _tensors(args: tuple, kwargs: dict) -> list:
+    """The tensors of ``tree_flatten((args, kwargs))``, in its order."""
+    out: list = []
+    _add_tensors(args, out)
+    if kwargs:
+        _add_tensors(kwargs.values(), out)
+    return out
+
+
+def _meta(tensors: list) -> tuple:
+    """(shape, dtype) of each of an op's tensor arguments: what the replay compares it by."""
+    return tuple([(t.shape, t.dtype) for t in tensors])
+
+
+@dataclass(slots=True)
 class _Entry:
     func: Any
     meta: tuple
@@ -117,42 +146,101 @@ def _storage_ids(flat: list) -> set[int]:
     return out
 
 
-def _step_op(func, fake_mode) -> bool:
-    """An op of the module's own forward, as the plan's trace recorded it: not DTensor's
-    output-metadata ops (run on fake global shapes, under another fake mode when the step is
-    real), not a collective's wait (it runs where the output is first used, which a recompute
-    may do elsewhere; a cached output is complete) (``estimators.tracing.subclasses``)."""
-    return not (func in SYNC_OPS or in_sharding_propagation() or active_fake_mode() is not fake_mode)
+_FAKE, _PROXY = torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY
+_dispatch_mode = torch._C._get_dispatch_mode
+
+
+def _active_fake_mode():
+    """``torch._guards.active_fake_mode()`` in one call: a FakeTensorMode (and any subclass)
+    is an infra mode that sits in its own slot of the mode stack, and only one at a time (a
+    fake mode entered under another takes the slot until it exits)."""
+    return _dispatch_mode(_FAKE)
+
+
+def _compiling(func, args, kwargs) -> bool:
+    """torch's ``_is_compiling``, its cheap half (no proxy mode: not compiling) asked first."""
+    return _dispatch_mode(_PROXY) is not None and _is_compiling(func, args, kwargs)
+
+
+def _outside_step(fake_mode) -> bool:
+    """An op that is not the module's own forward's, as the plan's trace recorded it: our own
+    state handling (``Bookkeeping``), DTensor's output-metadata ops (run on fake global shapes,
+    under another fake mode when the step is real) (``estimators.tracing.subclasses``). A
+    collective's wait is another (``SYNC_OPS``, in ``_op_info``: it runs where the output is
+    first used, which a recompute may do elsewhere; a cached output is complete)."""
+    return in_bookkeeping() or in_sharding_propagation() or _dispatch_mode(_FAKE) is not fake_mode
+
+
+class _Policy:
+    """The plan's decision for each forward op of one call: save the ``(op key, occurrence)``
+    pairs the plan names (``op_key``), recompute the rest. Called as torch's policy function
+    under ``torch.compile``; the eager recording mode asks :meth:`save` directly."""
+
+    __slots__ = ("owner", "saved", "counts", "last")
+
+    def __init__(self, owner: "PlannedForward") -> None:
+        self.owner = owner
+        self.saved = owner._saved
+        self.counts: dict[str, int] = {}
+        self.last: tuple | None = None  # the last op's (op key, occurrence)
+
+    def save(self, key: str) -> bool:
+        """Whether to save the output of the next op, of ``op_key`` ``key``."""
+        occ = self.counts.get(key, 0)
+        self.counts[key] = occ + 1
+        self.last = k = (key, occ)
+        if k in self.saved:
+            self.owner.saved_hits += 1
+            return True
+        return False
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if self.save(_op_info(op)[1]) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_OP_INFO: dict[Any, tuple[bool, str]] = {}
+
+
+def _op_info(func) -> tuple[bool, str]:
+    """(whether the modes pass ``func`` through whatever the step: torch's SAC-ignored ops and a
+    collective's wait, see ``_outside_step``; its ``op_key``), worked out once per op."""
+    info = _OP_INFO.get(func)
+    if info is None:
+        info = _OP_INFO[func] = (func in SAC_IGNORED_OPS or func in SYNC_OPS, op_key(str(func)))
+    return info
 
 
 class _RecordingMode(_CachingTorchDispatchMode):
     """Forward side: log every op in order; keep the outputs the policy saves."""
 
-    def __init__(self, policy_fn, storage, log: list[_Entry], key_of: Callable[[], tuple]) -> None:
-        super().__init__(policy_fn, storage)
+    def __init__(self, policy: _Policy, storage, log: list[_Entry]) -> None:
+        super().__init__(policy, storage)
+        self.policy = policy
         self.log = log
-        self.key_of = key_of
         self.fake_mode = None
 
     def __enter__(self):
-        self.fake_mode = active_fake_mode()  # the trace's (None in a real step)
+        self.fake_mode = _active_fake_mode()  # the trace's (None in a real step)
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = {} if kwargs is None else kwargs
-        if _is_compiling(func, args, kwargs):  # the compiler partitions by policy itself
+        if _compiling(func, args, kwargs):  # the compiler partitions by policy itself
             return super().__torch_dispatch__(func, types, args, kwargs)
         if defers(types):
             return NotImplemented  # a DTensor op: decide on its local ops, as the plan's trace saw them
-        if func in SAC_IGNORED_OPS or in_bookkeeping() or not _step_op(func, self.fake_mode):
+        passed, key = _op_info(func)
+        if passed or _outside_step(self.fake_mode):
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        policy = self.policy_fn(SelectiveCheckpointContext(is_recompute=False, op_output=out), func, *args, **kwargs)
-        entry = _Entry(func, _meta(args, kwargs), key=self.key_of())
-        if policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE):
+        policy = self.policy
+        save = policy.save(key)
+        inputs = _tensors(args, kwargs)
+        entry = _Entry(func, _meta(inputs), None, policy.last)
+        if save:
             entry.value = tree_map(lambda x: _VersionWrapper(_detach_helper(x)), out)
-            outs = _storage_ids(tree_flatten(out)[0])
-            entry.fresh = bool(outs) and not (outs & _storage_ids(tree_flatten((args, kwargs))[0]))
+            outs = _storage_ids(_tensors((out,), {}))
+            entry.fresh = bool(outs) and not (outs & _storage_ids(inputs))
         self.log.append(entry)
         return out
 
@@ -170,22 +258,25 @@ class _ReplayMode(_CachedTorchDispatchMode):
 
     def __enter__(self):
         self.pos, self.diverged = 0, False
-        self.fake_mode = active_fake_mode()
+        self.fake_mode = _active_fake_mode()
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = {} if kwargs is None else kwargs
-        if _is_compiling(func, args, kwargs):
+        if _compiling(func, args, kwargs):
             return super().__torch_dispatch__(func, types, args, kwargs)
         if defers(types):
             return NotImplemented
-        if func in SAC_IGNORED_OPS or in_bookkeeping() or not _step_op(func, self.fake_mode):
+        if _op_info(func)[0] or _outside_step(self.fake_mode):
             return func(*args, **kwargs)
         if not self.diverged:
-            meta = _meta(args, kwargs)
-            i = self._skip_forward_only_views(self.pos, func, meta)
+            meta = _meta(_tensors(args, kwargs))
+            log, i = self.log, self.pos
+            e = log[i] if i < len(log) else None
+            if e is None or e.func is not func or e.meta != meta:
+                i = self._skip_forward_only_views(i, func, meta)
+                e = log[i] if i < len(log) else None
             self.pos = i + 1
-            e = self.log[i] if i < len(self.log) else None
             if e is None or e.func is not func or e.meta != meta:
                 self.diverged = True
                 self.on_diverge(func, i, e)
@@ -197,7 +288,6 @@ class _ReplayMode(_CachedTorchDispatchMode):
                 with Bookkeeping():
                     return tree_map(lambda x: offload.materialize(x.get_val(True)), value)
         return func(*args, **kwargs)
-
 
     def _skip_forward_only_views(self, i: int, func, meta: tuple) -> int:
         """Where the forward's log resumes for this op: past views the forward ran and the
@@ -393,24 +483,9 @@ class PlannedForward:
         return out
 
     def _contexts(self, log: list[_Entry] | None = None):
-        counts: dict[str, int] = {}
-        saved = self._saved
-        last: list[tuple | None] = [None]
-
-        def policy(ctx, op, *args, **kwargs):
-            key = op_key(str(op))
-            occ = counts.get(key, 0)
-            counts[key] = occ + 1
-            last[0] = (key, occ)
-            if (key, occ) in saved:
-                self.saved_hits += 1
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
-
         storage: dict = defaultdict(dict)  # torch's format, used only under torch.compile
         log = [] if log is None else log
-        return (_RecordingMode(policy, storage, log, lambda: last[0]),
-                _ReplayMode(storage, log, self._diverged))
+        return (_RecordingMode(_Policy(self), storage, log), _ReplayMode(storage, log, self._diverged))
 
     def _diverged(self, func, index: int, expected: _Entry | None) -> None:
         if self.fallback is not None:
