@@ -86,7 +86,7 @@ def plan_ranks(planners: RankPlanners, schedule: str, n: int, fractions=FRACTION
         for f in fractions:
             budget = int(lo + f * (hi - lo))
             plans = rp.plan(budget / GiB)
-            levels.append((budget, {s: dataclasses.replace(p, train_step=None) for s, p in plans.items()}))
+            levels.append((budget, {s: dataclasses.replace(p, step_ref=None) for s, p in plans.items()}))
         out[rank] = (hi, lo, levels)
     return out
 

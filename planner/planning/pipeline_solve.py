@@ -38,6 +38,7 @@ from planner.plan_pipeline import PipelineRecord
 from planner.planning.module_plans import module_plan
 from planner.planning.reserve import default_reserve_bytes
 from planner.planning.verification import traced_or_diverged
+from planner.step_ref import StepRef
 from solver import InfeasibleBudgetError, SACMilp
 
 __all__ = ["solve_pipeline_rank", "RankPlanner", "trace_stage"]
@@ -310,7 +311,7 @@ def _plans(rp: RankPlanner, profiles, modules, verified, res, budget, reserve, n
                    f"pipeline: {record.describe()}; the rank's peak over its schedule, at {verified.peak_where}",
                    *notes),
             steady_peak_bytes=verified.peak_bytes, step=StepRecord.of(step), pipeline=record,
-            solve_time_s=solve_s, train_step=est.step)
+            solve_time_s=solve_s, step_ref=StepRef(est.step))
     return out
 
 

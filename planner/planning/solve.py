@@ -45,6 +45,7 @@ from planner.errors import PlanningError
 from planner.planning.module_plans import module_plan
 from planner.planning.reserve import default_reserve_bytes
 from planner.planning.step_timeline import plan_timeline, step_layout_of, timeline_fields
+from planner.step_ref import StepRef
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes
 
 __all__ = [
@@ -196,12 +197,17 @@ def solve_sac(
     _check_budget(budget_gib, options)  # all before the trace, which can take minutes
     fsdp_options(model, options.fsdp_units, options.world_size)  # refuses options a sharded model contradicts
     check_parallel_support(model, options)
-    step = as_train_step(model, step)
+    given, step = step, as_train_step(model, step)
     if options.pipeline is not None:  # a pipeline stage: planned for its schedule, on its rank
         return _solve_stage(model, budget_gib, step, options)
     with hf_cache_off(model):  # trace the step as it runs once the plan is applied
         est = estimate(model, step, device=options.spec, options=options.trace)
-    return plan_estimate(model, est, budget_gib, options=options)
+    plan = plan_estimate(model, est, budget_gib, options=options)
+    if given is None or given.inputs is None:
+        # The inputs are the model's example_inputs(), which check_gradients makes again: the
+        # plan keeps the step as given, not the tensors made for it.
+        plan = dataclasses.replace(plan, step_ref=StepRef(given or TrainStep()))
+    return plan
 
 
 def plan_estimate(model: torch.nn.Module, est: Estimate, budget_gib: float, *,
@@ -525,7 +531,7 @@ def _plan_for_budget(
         notes=tuple(notes),
         first_step_peak_bytes=first,
         steady_peak_bytes=steady,
-        step=StepRecord.of(est.step), train_step=est.step,
+        step=StepRecord.of(est.step), step_ref=StepRef(est.step),
         **_timeline_fields(info, modules, est.spec, units, world_size),
     )
     if traced > usable:
