@@ -32,8 +32,8 @@ from estimators.tracing.steady_state import first_step_module_info
 from estimators.step.train_step import TrainStep
 from planner.options import PlanOptions
 from planner.planning.floor import PeakBreakdown, floor_text, lowering_hints, peak_breakdown
-from planner.distributed.fsdp import fsdp_module_info, original_class_name
-from planner.distributed.layout import check_parallel_support, fsdp_options, has_dtensors, plan_layout
+from planner.distributed.fsdp import FsdpPrecision, original_class_name, per_rank_info
+from planner.distributed.layout import check_parallel_support, fsdp_options, fsdp_precision, has_dtensors, plan_layout
 from planner.format import GiB, check_budget_gib
 from planner.plan import Plan, StepRecord, model_fingerprint, model_shape
 from planner.planning import plan_notes
@@ -111,7 +111,7 @@ class _Floor:
 
 
 def _floor(milp: SACMilp, est: Estimate, info, model, world_size: int, solver_options,
-           units: list[str] | None = None) -> _Floor:
+           units: list[str] | None = None, mp_policy: Any = None) -> _Floor:
     """Trace the min-peak plan: its peak is the floor that verifies and its breakdown says why
     (per rank, at the per-rank peak, where ``world_size`` > 1)."""
     low = milp.min_reachable_peak_bytes()
@@ -121,22 +121,22 @@ def _floor(milp: SACMilp, est: Estimate, info, model, world_size: int, solver_op
         planned = verification.traced_estimate(model, modules, est)
     except Exception as exc:  # the explanation must never hide the refusal itself
         logger.warning("could not trace the min-peak plan to explain the floor: %s", exc)
-        return _Floor(low, _breakdown(est, world_size, units))
+        return _Floor(low, _breakdown(est, world_size, units, mp_policy))
     traced = max(planned.first_step_peak_bytes, planned.steady_peak_bytes)
     unplanned = max(est.first_step_peak_bytes, est.steady_peak_bytes)
     if world_size == 1 and traced > unplanned:
         # The min-peak plan traced above the unplanned step (what its checkpoints hold: start
         # values of buffers their forwards rebind, inputs): no plan, which always verifies, is
         # the floor; a refusal would state more than is reachable.
-        return _Floor(unplanned, _breakdown(est, world_size, units))
-    return _Floor(max(low, traced) if world_size == 1 else low, _breakdown(planned, world_size, units))
+        return _Floor(unplanned, _breakdown(est, world_size, units, mp_policy))
+    return _Floor(max(low, traced) if world_size == 1 else low, _breakdown(planned, world_size, units, mp_policy))
 
 
-def _breakdown(est: Estimate, world_size: int, units: list[str] | None) -> PeakBreakdown:
+def _breakdown(est: Estimate, world_size: int, units: list[str] | None, mp_policy: Any = None) -> PeakBreakdown:
     """``peak_breakdown`` of one rank: at the per-rank peak with FSDP2's buffers where sharded."""
     if world_size == 1:
         return peak_breakdown(est)
-    info = est.module_info if units is None else fsdp_module_info(est.module_info, units, world_size)
+    info = est.module_info if units is None else per_rank_info(est.module_info, units, world_size, mp_policy)
     return peak_breakdown(est, world_size=world_size, per_rank_info=info)
 
 
@@ -195,7 +195,8 @@ def solve_sac(
     model = unwrap_compiled(model)  # plan what torch.compile wraps; the compiled module is untouched
     check_plannable(model)  # before anything touches the model
     _check_budget(budget_gib, options)  # all before the trace, which can take minutes
-    fsdp_options(model, options.fsdp_units, options.world_size)  # refuses options a sharded model contradicts
+    units, _ = fsdp_options(model, options.fsdp_units, options.world_size)  # refuses options a sharded model contradicts
+    fsdp_precision(model, options.fsdp_mp_policy, units)
     check_parallel_support(model, options)
     given, step = step, as_train_step(model, step)
     if options.pipeline is not None:  # a pipeline stage: planned for its schedule, on its rank
@@ -219,6 +220,7 @@ def plan_estimate(model: torch.nn.Module, est: Estimate, budget_gib: float, *,
     options = _check_options(options)
     budget, host_budget = _check_budget(budget_gib, options)
     fsdp_units, world_size = fsdp_options(model, options.fsdp_units, options.world_size)
+    mp_policy = fsdp_precision(model, options.fsdp_mp_policy, fsdp_units)
     check_parallel_support(model, options)
     spec = options.spec
     reserve = (int(options.reserve_gib * GiB) if options.reserve_gib is not None
@@ -232,6 +234,7 @@ def plan_estimate(model: torch.nn.Module, est: Estimate, budget_gib: float, *,
         reserve_bytes=reserve,
         ac_units=options.ac_units,
         fsdp_units=fsdp_units,
+        fsdp_mp_policy=mp_policy,
         solver_options=options.solver,
         verify=options.verify,
         offload=options.offload,
@@ -302,6 +305,7 @@ def plan_for_budget(
     reserve_bytes: int = 0,
     ac_units: Iterable[str] | None = None,
     fsdp_units: Iterable[str] | None = None,
+    fsdp_mp_policy: Any = None,
     solver_options: SolverOptions | None = None,
     verify: bool = True,
     milp: SACMilp | None = None,
@@ -312,12 +316,14 @@ def plan_for_budget(
     """The Plan for one budget, from an existing estimate (see :func:`solve_sac`); the estimate
     carries the step and trace options its verification trace reuses. With ``fsdp_units`` the
     memory points get FSDP2's per-rank additions (``planner.distributed.fsdp.fsdp_module_info``) here, the
-    one place every entry point goes through; a ``milp`` passed in must be built on those.
+    one place every entry point goes through, with ``fsdp_mp_policy`` (FSDP2's mixed precision)
+    if given; a ``milp`` passed in must be built on those.
     ``unplanned_peak_bytes``: the peak of the model as it runs without the plan where that is
     not ``est``'s (see :func:`unplanned_peak_bytes`); the plan's ``baseline_peak_bytes``."""
     plan = _plan_for_budget(model, est, budget_bytes, world_size=world_size, reserve_bytes=reserve_bytes,
-                            ac_units=ac_units, fsdp_units=fsdp_units, solver_options=solver_options,
-                            verify=verify, milp=milp, offload=offload, host_budget_bytes=host_budget_bytes)
+                            ac_units=ac_units, fsdp_units=fsdp_units, mp_policy=fsdp_mp_policy,
+                            solver_options=solver_options, verify=verify, milp=milp, offload=offload,
+                            host_budget_bytes=host_budget_bytes)
     if not (unplanned_peak_bytes is None or unplanned_peak_bytes == plan.baseline_peak_bytes or world_size > 1):
         # per rank (world_size > 1) the no-AC figure is the MILP's (sharded state); the trace is not
         plan = dataclasses.replace(plan, baseline_peak_bytes=unplanned_peak_bytes, notes=(*plan.notes, (
@@ -353,6 +359,7 @@ def _plan_for_budget(
     reserve_bytes: int,
     ac_units: Iterable[str] | None,
     fsdp_units: Iterable[str] | None,
+    mp_policy: Any,
     solver_options: SolverOptions | None,
     verify: bool,
     milp: SACMilp | None,
@@ -372,10 +379,12 @@ def _plan_for_budget(
     model = unwrap_compiled(model)
     check_plannable(model)
     units = None if fsdp_units is None else list(fsdp_units)
-    info = est.module_info if units is None else fsdp_module_info(est.module_info, units, world_size)
+    if mp_policy is not None and not isinstance(mp_policy, FsdpPrecision):  # a MixedPrecisionPolicy
+        mp_policy = FsdpPrecision.of(mp_policy, model)
+    info = est.module_info if units is None else per_rank_info(est.module_info, units, world_size, mp_policy)
     first_info = first_step_module_info(info)
     t0 = time.perf_counter()
-    notes: list[str] = [est.step.describe()] + [
+    notes: list[str] = [est.step.describe()] + plan_notes.precision_notes(mp_policy, est.step) + [
         n for n in (hf_cache_note(model), plan_notes.mode_note(model, est.step),
                     plan_notes.output_note(info, est.step), plan_notes.real_trace_note(model, est),
                     plan_notes.sparse_note(model), plan_notes.no_optimizer_note(est.step)) if n]
@@ -401,7 +410,7 @@ def _plan_for_budget(
     full_milp = milp
 
     def floor() -> _Floor:
-        return _floor(full_milp, est, info, model, world_size, solver_options, units)
+        return _floor(full_milp, est, info, model, world_size, solver_options, units, mp_policy)
 
     mispriced: dict[str, str] = {}  # candidates whose traced recompute set a peak the MILP missed
     tensor_parallel = has_dtensors(model)  # per-rank plans of a TP model are traced (FSDP-only: the MILP's)
@@ -417,7 +426,7 @@ def _plan_for_budget(
             return planned.first_step_peak_bytes, planned.steady_peak_bytes
         if verify and tensor_parallel:  # per rank: the planned step's trace, sharded by the FSDP rules
             planned = verification.traced_or_diverged(model, modules, est)
-            return verification.per_rank_peaks(planned, units, world_size)
+            return verification.per_rank_peaks(planned, units, world_size, mp_policy)
         first = predict_peak_bytes(first_info, res.discarded_bytes, world_size=world_size)
         return first, res.predicted_peak_bytes
 
@@ -453,7 +462,7 @@ def _plan_for_budget(
                     break
                 low = floor()
                 if found_peak is not None and found_peak < low.usable_bytes:  # the lower floor verifies
-                    low = _Floor(found_peak, _breakdown(found[2], world_size, units))
+                    low = _Floor(found_peak, _breakdown(found[2], world_size, units, mp_policy))
                 err = _infeasible(budget_bytes, reserve_bytes, floor=low, spec=est.spec)
                 if excluded:  # say what the floor would be without the safety exclusions
                     err.args = (err.args[0] + " Left out as unsafe to checkpoint: "

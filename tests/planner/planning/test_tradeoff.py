@@ -364,3 +364,24 @@ def test_a_step_no_plan_can_lower_says_why():
     assert table.min_reachable_peak_bytes == table.no_ac_peak_bytes
     (note,) = [n for n in table.notes if n.startswith("no plan lowers the peak")]
     assert "optimizer state" in note and "at its peak" in note
+
+
+def test_the_sweep_plans_per_rank_with_the_options_fsdp_units_and_precision():
+    """As solve_sac does: FSDP2's gathered parameters and buffers in the policy's dtypes, per rank
+    (the sweep ignored fsdp_units: its no-AC peak and floor were those of ZeRO-style sharding)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from planner.distributed.fsdp import FsdpPrecision, fsdp_module_info
+
+    est = demo_estimate()
+    units = ["GPT", *(s.fqn for s in est.module_info.mod_stats if s.fqn.count(".") == 2 and ".blocks." in s.fqn)]
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for mp in (None, policy):
+        options = PlanOptions(world_size=4, fsdp_units=units, fsdp_mp_policy=mp)
+        table = tradeoff_curve(est, options=options, n_points=3)
+        info = fsdp_module_info(est.module_info, units, 4, mp_policy=mp and FsdpPrecision(torch.bfloat16, torch.float32))
+        milp = SACMilp(info, world_size=4, fsdp_units=units)
+        assert (table.no_ac_peak_bytes, table.min_reachable_peak_bytes) == (milp.no_ac_peak_bytes,
+                                                                            milp.min_reachable_peak_bytes())
+    zero = tradeoff_curve(est, options=PlanOptions(world_size=4), n_points=3)
+    assert table.no_ac_peak_bytes > zero.no_ac_peak_bytes  # FSDP2's buffers are in it
