@@ -63,7 +63,8 @@ from planner.analysis.report import gradient_check_text, steps_vs_prediction
 from planner.format import fmt_bytes
 from planner.errors import PlanningError
 from planner.format import check_budget_gib
-from planner.planning.solve import default_reserve_bytes, plan_for_budget, unplanned_peak_bytes
+from planner.planning.solve import (check_budget_on_device, default_reserve_bytes, plan_for_budget,
+                                    unplanned_peak_bytes)
 from solver import SACMilp, SolverOptions
 from solver.errors import SolverError
 
@@ -317,6 +318,8 @@ def _solve(args, model, inputs, loss_fn) -> Plan:
     opts = EstimateOptions(mode=TraceMode(args.mode), progress=not args.quiet)
     if args.budget_gib is not None and args.reserve_gib is not None and args.reserve_gib >= args.budget_gib:
         raise CLIError(f"--reserve-gib ({args.reserve_gib:g}) must be below --budget-gib ({args.budget_gib:g})")
+    if args.budget_gib is not None:
+        check_budget_on_device(int(args.budget_gib * GiB), spec, "--budget-gib")
     if args.budget_gib is not None and args.reserve_gib is None:
         default = default_reserve_bytes(spec, int(args.budget_gib * GiB))
         if default >= args.budget_gib * GiB:

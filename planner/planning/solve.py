@@ -255,9 +255,21 @@ def _solve_stage(model: torch.nn.Module, budget_gib: float, step: TrainStep, opt
     return solve_pipeline_rank({pipe.stage_index: (model, step)}, budget_gib, options=options)[pipe.stage_index]
 
 
+def check_budget_on_device(budget_bytes: int, spec: DeviceSpec, flag: str = "budget_gib") -> None:
+    """A budget above a GPU target's memory plans for memory it does not have (``--budget-gib
+    120`` for an 80 GiB H100 passed): refused. CPU targets have no fixed size: not checked."""
+    if spec.is_cuda and budget_bytes > spec.memory_bytes:
+        raise PlanningError(
+            f"{flag} {budget_bytes / GiB:g} GiB is more than the {spec.name}'s {spec.memory_bytes / GiB:g} GiB: "
+            f"the budget is one GPU's memory; pass at most {spec.memory_bytes / GiB:g}, or plan for a device "
+            "with more (PlanOptions(device=...), --device)")
+
+
 def _check_budget(budget_gib: Any, options: PlanOptions) -> tuple[int, int | None]:
-    """The budget and the host budget in bytes, checked against each other and the reserve."""
+    """The budget and the host budget in bytes, checked against each other, the reserve and the
+    target's memory."""
     budget = int(check_budget_gib(budget_gib) * GiB)
+    check_budget_on_device(budget, options.spec)
     _check_reserve_gib(options.reserve_gib, budget / GiB)
     host_budget = None if options.host_budget_gib is None else int(check_budget_gib(
         options.host_budget_gib, "host_budget_gib",

@@ -150,6 +150,7 @@ def test_cli_bad_budget_names_budget_gib(bad, capsys):
     (["--budget-gib", "0.01", "--reserve-gib", "0.02"], r"--reserve-gib \(0.02\) must be below --budget-gib"),
     (["--budget-gib", "0.5", "--device", "h100"], "--budget-gib 0.5 leaves nothing once the default reserve for h100"),
     (["--world-size", "0"], "--world-size: must be an integer >= 1"),
+    (["--budget-gib", "120", "--device", "h100"], "--budget-gib 120 GiB is more than the h100's 80 GiB"),
     (["--time-limit-s", "0"], "--time-limit-s: must be a positive"),
     (["--optimizer", "lion"], "--optimizer must be adam, adamw, sgd or none"),
     (["--micro-batches", "0"], "--micro-batches: must be an integer >= 1"),
