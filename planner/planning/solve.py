@@ -86,11 +86,25 @@ def _infeasible(budget: int, reserve: int, *, floor: "_Floor", spec: DeviceSpec)
         + "). "
     )
     if floor.breakdown is not None:
-        msg += f"With the most checkpointing possible, {floor_text(floor.breakdown)}. "
+        msg += f"With the most checkpointing possible, {floor_text(floor.breakdown)}{_model_margin(floor)}. "
     hints = lowering_hints(floor.breakdown) if floor.breakdown is not None else ()
     msg += "To go lower: " + "; or ".join(hints or ("a smaller batch or sequence length",
                                                     "world_size > 1 (FSDP)")) + "."
     return _with_floor(PlanningError(msg), need, floor.breakdown)
+
+
+def _model_margin(floor: "_Floor") -> str:
+    """Where the smallest usable budget is not the breakdown's traced peak: the memory model the
+    plans are solved on can put the min-peak plan above its trace (a few KiB on small models, a
+    fraction of a percent on large ones), and the MILP refuses a budget below the model's figure;
+    said, so the stated floor and the traced peak beside it do not read as a contradiction."""
+    gap = floor.usable_bytes - floor.breakdown.peak_bytes
+    if not gap:
+        return ""
+    per_rank = " per rank" if floor.breakdown.world_size > 1 else ""
+    return (f"; the memory model the plans are solved on puts that plan {fmt_bytes(abs(gap))} "
+            f"{'higher' if gap > 0 else 'lower'}, at {fmt_bytes(floor.usable_bytes)}{per_rank} ({floor.usable_bytes:,} "
+            "bytes), the figure a budget's usable part (budget - reserve) must hold")
 
 
 def _with_floor(err: PlanningError, need_bytes: int, breakdown) -> PlanningError:
