@@ -226,8 +226,9 @@ class Plan:
     exposed_copy_ms: float = 0.0
     """Offload copy time the compute stream waits for."""
     step_ms: float = 0.0
-    """Predicted time of one micro-batch plus the optimizer step, as ``baseline_step_ms``:
-    compute + recompute + exposed comm + exposed copies (0: not costed, e.g. a plan file written
+    """Predicted time of one micro-batch plus the optimizer step with the plan applied, recompute
+    included: compute + recompute + exposed comm + exposed copies (do not add ``recompute_ms``;
+    ``baseline_step_ms`` is the step without checkpointing; 0: not costed, e.g. a plan file written
     before the timeline existed)."""
     trainable_numel: int = 0
     """Elements of the parameters that required grad when planned: their gradients and optimizer

@@ -120,7 +120,7 @@ class TradeoffTable:
     """A budget sweep: one row per budget, ascending, with the Pareto frontier marked.
 
     >>> table = tradeoff_curve(info, n_points=10)            # doctest: +SKIP
-    >>> table.cheapest_under(int(0.6 * table.no_ac_peak_bytes)).budget_bytes  # doctest: +SKIP
+    >>> table.cheapest_under(int(0.6 * table.no_ac_peak_bytes)).recompute_ms  # doctest: +SKIP
     """
 
     rows: tuple[TradeoffPoint, ...]
@@ -154,7 +154,9 @@ class TradeoffTable:
 
     def cheapest_under(self, peak_bytes: int) -> TradeoffPoint | None:
         """Feasible row of least recompute whose predicted peak is <= ``peak_bytes`` (ties: lower
-        peak); None if no row fits."""
+        peak); None if no row fits. A row of the sweep only: to plan for a limit, plan at the
+        limit itself (``solve_sac``), which takes any plan under it and so never recomputes more
+        (between two rows the lower one can cost far more)."""
         fits = [r for r in self.feasible_rows if r.predicted_peak_bytes <= peak_bytes]
         return min(fits, key=lambda r: (r.recompute_ms, r.predicted_peak_bytes), default=None)
 
