@@ -59,7 +59,7 @@ def plan_405b(*, pp: int, tp: int, dp: int, n_microbatches: int, seq_len: int, b
             traced.setdefault(s, rp.traced[s])
             trace_s += rp.trace_time_s if estimates is None else 0.0
             try:
-                plan = dataclasses.replace(rp.plan(budget_gib)[s], train_step=None)
+                plan = dataclasses.replace(rp.plan(budget_gib)[s], step_ref=None)
                 planned, n_mod, rct, makespan = (plan.predicted_peak_bytes, len(plan.modules), plan.recompute_ms,
                                                  plan.pipeline.makespan_ms)
             except PlanningError as e:  # a budget below the floor: report it per rank

@@ -97,7 +97,7 @@ def _levels(rp, fractions) -> tuple[int, int, list]:
     levels = []
     for f in fractions:
         budget = int(lo + f * (hi - lo))
-        levels.append((budget, {s: dataclasses.replace(p, train_step=None) for s, p in rp.plan(budget / GiB).items()}))
+        levels.append((budget, {s: dataclasses.replace(p, step_ref=None) for s, p in rp.plan(budget / GiB).items()}))
     return hi, lo, levels
 
 

@@ -39,7 +39,9 @@ import json
 import logging
 import math
 import os
+import re
 import sys
+from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -50,6 +52,7 @@ from estimators.step.train_step import StepError, TrainStep, ZeroGrad
 from planner.errors import AlreadyCheckpointedError, FileRefusedError, PlanMismatchError
 from planner.applying.checkpointing import apply_plan, check_plan_modules, hf_cache_off, other_model
 from planner.applying.offload import OffloadError
+from planner.distributed.fsdp import FsdpPrecision, per_rank_info
 from planner.distributed.fsdp.units import FSDPUnitError
 from planner.distributed.layout import layout_mismatch
 from planner.analysis.gradcheck import GradientCheck, check_gradients
@@ -62,8 +65,9 @@ from planner.analysis.report import gradient_check_text, steps_vs_prediction
 from planner.format import fmt_bytes
 from planner.errors import PlanningError
 from planner.format import check_budget_gib
-from planner.planning.solve import default_reserve_bytes, plan_for_budget, unplanned_peak_bytes
-from solver import SolverOptions, min_reachable_peak_bytes
+from planner.planning.solve import (check_budget_on_device, default_reserve_bytes, plan_for_budget,
+                                    unplanned_peak_bytes)
+from solver import SACMilp, SolverOptions
 from solver.errors import SolverError
 
 __all__ = ["main"]
@@ -218,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-mode", choices=sorted(TRAIN_MODES), help="the modules' training flags in the step: auto (a model left in eval mode trains as model.train() leaves it), train (always model.train()), as_is (the flags as the factory returns them; a loop that trains in eval mode) (default auto; with --plan-in, the plan's)")
     p.add_argument("--keep-output", action=argparse.BooleanOptionalAction, help="the training loop holds the model output through backward and the optimizer step (out = model(**batch); out.loss.backward()): count it, e.g. a causal LM's logits (default: the output is dropped once the loss is computed; with --plan-in, the plan's)")
     p.add_argument("--world-size", type=_positive_int, default=1, help="ranks sharing parameters, gradients and optimizer state (FSDP) (default 1)")
+    p.add_argument("--fsdp-units", metavar="NAMES", help="with --world-size: the modules you will fully_shard, comma-separated, root included, as the plan names them; '*' stands for one name part (e.g. 'Transformer,Transformer.layers.*'): FSDP2's gathered parameters and buffers are counted per rank (default: none, the state divided by --world-size)")
+    p.add_argument("--fsdp-param-dtype", choices=sorted(_DTYPES), help="with --fsdp-units: FSDP2 MixedPrecisionPolicy(param_dtype=...): parameters gathered, and gradients unsharded, in this dtype (default: the model's)")
+    p.add_argument("--fsdp-reduce-dtype", choices=sorted(_DTYPES), help="with --fsdp-units: MixedPrecisionPolicy(reduce_dtype=...) (default: --fsdp-param-dtype)")
     p.add_argument("--reserve-gib", type=_reserve_gib, help="held back from the budget for CUDA context and fragmentation (default: 1 GiB + 5%% of the budget on CUDA targets, 0 on cpu)")
     p.add_argument("--mode", choices=[m.value for m in TraceMode], default="fake", help="trace with fake tensors (default) or real ones")
     p.add_argument("--plan-out", help="write the plan as JSON here")
@@ -250,11 +257,16 @@ def _check_args(args) -> None:
             if given:
                 raise CLIError(f"{flag} has no effect with --plan-in (the plan is already made, with its "
                                "own); drop one")
+    if args.fsdp_units is None and (args.fsdp_param_dtype or args.fsdp_reduce_dtype):
+        raise CLIError("--fsdp-param-dtype / --fsdp-reduce-dtype are FSDP2's mixed precision: add --fsdp-units")
+    if args.plan_in and args.fsdp_units is not None:
+        raise CLIError("--fsdp-units has no effect with --plan-in (the plan is already made, with its own); drop one")
     if args.optimizer is not None and args.optimizer.lower() not in _OPTIMIZER_NAMES:
         raise CLIError(f"--optimizer must be adam, adamw, sgd or none, got {args.optimizer!r}")
 
 
 _AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _OPTIMIZER_NAMES = ("adam", "adamw", "sgd", "none")
 # The step flags, their defaults, and how a plan's StepRecord spells each value as the flag takes it.
 _STEP_FLAGS = {
@@ -322,6 +334,8 @@ def _solve(args, model, inputs, loss_fn) -> Plan:
     opts = EstimateOptions(mode=TraceMode(args.mode), progress=not args.quiet)
     if args.budget_gib is not None and args.reserve_gib is not None and args.reserve_gib >= args.budget_gib:
         raise CLIError(f"--reserve-gib ({args.reserve_gib:g}) must be below --budget-gib ({args.budget_gib:g})")
+    if args.budget_gib is not None:
+        check_budget_on_device(int(args.budget_gib * GiB), spec, "--budget-gib")
     if args.budget_gib is not None and args.reserve_gib is None:
         default = default_reserve_bytes(spec, int(args.budget_gib * GiB))
         if default >= args.budget_gib * GiB:
@@ -332,7 +346,8 @@ def _solve(args, model, inputs, loss_fn) -> Plan:
             )
     with hf_cache_off(model):  # trace the step as it runs once the plan is applied
         est = estimate(model, _step(args, inputs, loss_fn), device=spec, options=opts)
-    info = est.module_info
+    units, precision = _fsdp(args, model, est.module_info)
+    info = est.module_info if units is None else per_rank_info(est.module_info, units, args.world_size, precision)
     solver_options = SolverOptions(time_limit_s=args.time_limit_s)
     fixed_reserve = int(args.reserve_gib * GiB) if args.reserve_gib is not None else None
     if args.budget_gib is not None:
@@ -340,21 +355,43 @@ def _solve(args, model, inputs, loss_fn) -> Plan:
         reserve = fixed_reserve if fixed_reserve is not None else default_reserve_bytes(spec, budget)
     else:
         # The usable budget (budget - reserve) is the midpoint; the reserve is added on top.
-        low = min_reachable_peak_bytes(info, world_size=args.world_size, options=solver_options)
-        high = info.peak_bytes
+        milp = SACMilp(info, world_size=args.world_size, fsdp_units=units, options=solver_options)
+        low, high = milp.min_reachable_peak_bytes(), milp.no_ac_peak_bytes  # per rank
         usable = (low + high) // 2
         reserve = fixed_reserve if fixed_reserve is not None else default_reserve_bytes(spec, usable)
         budget = usable + reserve
         logger.info(
             "no --budget-gib: using %s (usable %s), halfway between the smallest reachable peak %s "
-            "and the no-AC peak %s", fmt_bytes(budget), fmt_bytes(usable), fmt_bytes(low), fmt_bytes(high)
+            "and the no-AC peak %s%s", fmt_bytes(budget), fmt_bytes(usable), fmt_bytes(low), fmt_bytes(high),
+            " (per rank)" if args.world_size > 1 else ""
         )
     return plan_for_budget(
-        model, est, budget, world_size=args.world_size, reserve_bytes=reserve,
+        model, est, budget, world_size=args.world_size, reserve_bytes=reserve, fsdp_units=units,
+        fsdp_mp_policy=precision,
         solver_options=solver_options, verify=True, offload=args.offload,
         host_budget_bytes=int(args.host_budget_gib * GiB) if args.host_budget_gib is not None else None,
         unplanned_peak_bytes=unplanned_peak_bytes(model, est),
     )
+
+
+def _fsdp(args, model, info) -> tuple[list[str] | None, FsdpPrecision | None]:
+    """``--fsdp-units`` as the traced module names (each pattern's '*' one name part), and the
+    mixed precision of ``--fsdp-param-dtype`` / ``--fsdp-reduce-dtype``."""
+    if args.fsdp_units is None:
+        return None, None
+    names = [s.fqn for s in info.mod_stats]
+    units = []
+    for pattern in (p.strip() for p in args.fsdp_units.split(",")):
+        regex = re.compile("[^.]+".join(re.escape(part) for part in pattern.split("*")) + r"\Z")
+        found = [n for n in names if regex.match(n)]
+        if not pattern or not found:
+            close = difflib.get_close_matches(pattern, names, n=3)
+            raise CLIError(f"--fsdp-units: {pattern!r} names no module of the traced model (names start with "
+                           f"{names[0]!r}" + (f"; did you mean {', '.join(map(repr, close))}?)" if close else ")"))
+        units += [n for n in found if n not in units]
+    param, reduce = (_DTYPES[d] if d else None for d in (args.fsdp_param_dtype, args.fsdp_reduce_dtype))
+    policy = SimpleNamespace(param_dtype=param, reduce_dtype=reduce)
+    return units, FsdpPrecision.of(policy, model)
 
 
 def _verify(args, plan: Plan, model, inputs, loss_fn

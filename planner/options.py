@@ -15,6 +15,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from estimators.runtime.device import DeviceSpec, get_device_spec
 from estimators.tracing.estimation import DEFAULT_DEVICE, EstimateOptions
 from estimators.tracing.routing import ExpertLoad
@@ -79,6 +81,19 @@ class Pipeline:
                                  virtual_stages=self.virtual_stages)
 
 
+def _check_mp_policy(policy: Any) -> None:
+    """None, or a policy whose ``param_dtype`` / ``reduce_dtype`` are floating dtypes or None."""
+    if policy is None:
+        return
+    if not (hasattr(policy, "param_dtype") and hasattr(policy, "reduce_dtype")):
+        raise TypeError(f"fsdp_mp_policy must be FSDP2's MixedPrecisionPolicy (param_dtype=, reduce_dtype=), "
+                        f"got {type(policy).__name__}")
+    for name in ("param_dtype", "reduce_dtype"):
+        dtype = getattr(policy, name)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise PlanningError(f"fsdp_mp_policy.{name} must be a floating torch.dtype or None, got {dtype!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:
     """How a step is planned: the target device, the memory held back, the parallel layout, what
@@ -108,6 +123,14 @@ class PlanOptions:
     """The modules you will ``fully_shard`` (root included), e.g. ``("GPT", "GPT.blocks.0", ...)``:
     FSDP2's gathered parameters, prefetch and reduce-scatter buffers are added per rank
     (``planner.distributed.fsdp``). None: no FSDP2."""
+
+    fsdp_mp_policy: Any = None
+    """FSDP2's ``MixedPrecisionPolicy`` the units will be sharded with (anything with
+    ``param_dtype`` / ``reduce_dtype``): parameters gather, and gradients stay unsharded, in
+    ``param_dtype``; gradients reduce in ``reduce_dtype`` (rule R8 of
+    ``planner.distributed.fsdp.memory``). The sharded state keeps the model's dtype. Compute in
+    ``param_dtype`` is traced with ``TrainStep(autocast_dtype=...)``. None: no mixed precision, or
+    the policy of a model ``fully_shard`` sharded already."""
 
     offload: bool = False
     """Also consider host memory for the saved activations of repeated blocks: the plan of least
@@ -149,6 +172,7 @@ class PlanOptions:
             if not all(isinstance(n, str) for n in names):
                 raise PlanningError(f"{name} must hold module names (str), got {names!r}")
             object.__setattr__(self, name, names)
+        _check_mp_policy(self.fsdp_mp_policy)
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise PlanningError(f"world_size must be an int >= 1, got {self.world_size!r}")
         for name in ("offload", "verify"):

@@ -29,6 +29,7 @@ from planner.plan_fields import (MAX_BYTES, MAX_COUNT, MAX_JSON_DEPTH, MAX_MODUL
                                  MAX_PLAN_FILE_BYTES,
                                  check_bool, check_float, check_int, check_str, fields_of, op_keys, short)
 from planner.safe_io import FileRefusedError, parse_json, read_regular_file, write_atomic
+from planner.step_ref import StepRef
 # Written by plan files of the first release: a timing, not part of the plan (read and dropped).
 _LEGACY_FIELDS = frozenset({"solve_time_s"})
 
@@ -225,8 +226,9 @@ class Plan:
     exposed_copy_ms: float = 0.0
     """Offload copy time the compute stream waits for."""
     step_ms: float = 0.0
-    """Predicted time of one micro-batch plus the optimizer step, as ``baseline_step_ms``:
-    compute + recompute + exposed comm + exposed copies (0: not costed, e.g. a plan file written
+    """Predicted time of one micro-batch plus the optimizer step with the plan applied, recompute
+    included: compute + recompute + exposed comm + exposed copies (do not add ``recompute_ms``;
+    ``baseline_step_ms`` is the step without checkpointing; 0: not costed, e.g. a plan file written
     before the timeline existed)."""
     trainable_numel: int = 0
     """Elements of the parameters that required grad when planned: their gradients and optimizer
@@ -245,9 +247,9 @@ class Plan:
     solve_time_s: float = field(default=0.0, compare=False, repr=False)
     """Wall time of the solve. A timing, not part of the plan: left out of equality, of the JSON
     (so of ``plan_hash``), so identical solves give identical plans; 0 for a loaded plan."""
-    train_step: Any = field(default=None, compare=False, repr=False, metadata={"saved": False})
-    """The ``TrainStep`` the plan was made for, in memory only (never saved, not compared): what
-    ``check_gradients(model, plan)`` runs. None for a loaded plan."""
+    step_ref: StepRef | None = field(default=None, compare=False, repr=False, metadata={"saved": False})
+    """The ``TrainStep`` the plan was made for, in memory only (never saved, not compared), held
+    without its memory (``planner.step_ref``): read it as ``train_step``."""
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
@@ -311,6 +313,14 @@ class Plan:
         self.__post_init__()
 
     @property
+    def train_step(self) -> Any:
+        """The ``TrainStep`` the plan was made for, what ``check_gradients(model, plan)`` runs,
+        while its batch lives: a plan never keeps the tensors of its step alive (the batch, what
+        the loop holds beside it), so once the caller lets go of them this is None, as for a
+        loaded plan."""
+        return None if self.step_ref is None else self.step_ref.get()
+
+    @property
     def binding_step(self) -> str:
         """``"steady state"``, ``"first step"``, or ``""`` for a plan that does not say."""
         if self.first_step_peak_bytes is None or self.steady_peak_bytes is None:
@@ -355,8 +365,8 @@ class Plan:
     # ---------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data (``kind``, ``version``, then every field but the timing)."""
-        body = dataclasses.asdict(dataclasses.replace(self, train_step=None))
-        del body["solve_time_s"], body["train_step"]
+        body = dataclasses.asdict(dataclasses.replace(self, step_ref=None))
+        del body["solve_time_s"], body["step_ref"]
         return {"kind": _KIND, "version": PLAN_VERSION, **body}
 
     def to_json(self) -> str:

@@ -32,6 +32,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from estimators.contract.module_info import Phase
+from estimators.step.errors import StepError, in_the_loss
 from estimators.step.optimizer import check_optimizer_name
 
 if TYPE_CHECKING:
@@ -40,10 +41,6 @@ if TYPE_CHECKING:
 
 __all__ = ["StepError", "TrainStep", "ZeroGrad", "split_inputs", "run_step", "step_mode", "mode_changes", "zero_grads",
            "values_read_in"]
-
-
-class StepError(RuntimeError):
-    """The step could not run; the message says what to change."""
 
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -400,7 +397,7 @@ def run_step(
                         raise  # says itself which op failed and what to do
                     raise StepError(_forward_hint(model, e, kwargs)) from e
                 held = out if keep_output else None  # `out = model(...)` lets go of the previous output
-                with values_read_in("the loss function"):
+                with values_read_in("the loss function"), in_the_loss(out, inputs):
                     loss = loss_fn(out, inputs) if loss_fn is not None else _default_loss(out)
                 _check_loss(loss)
                 del out

@@ -64,7 +64,7 @@ from estimators.tracing.hf_paths import hf_real_paths
 from estimators.runtime.device import DeviceSpec, get_device_spec
 from estimators.tracing.marks import TraceMarks
 from estimators.tracing.memory import MemoryTimeline, build_timeline
-from estimators.tracing.sharded_model import fsdp_units_of, original_class_name
+from estimators.tracing.sharded_model import fsdp_units_of, original_class_name, uneven_shards
 from estimators.runtime.collective_ops import CollectivePricing
 from estimators.runtime.models import RuntimeKind, make_runtime_model
 from estimators.tracing import fake_leaks
@@ -436,7 +436,7 @@ def _trace_step(
         except StepError as e:
             raise TraceError(str(e)) from e.__cause__
         except (FakeKernelError, InplaceModifiedError) as e:
-            raise TraceError(str(e)) from e
+            raise TraceError(uneven_shards(model, str(e)) + str(e)) from e
         finally:
             tracer.detach()
             if full_lists is not None:

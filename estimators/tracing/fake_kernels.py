@@ -433,7 +433,18 @@ _REAL_MODE_WAY = ("trace in real mode (solve_sac(..., options=PlanOptions(trace=
                   "mode=TraceMode.REAL))), --mode real on the command line)")
 
 
+_META_MISMATCH = ("a tensor on the meta device met the trace's fake CPU tensors (a fake trace runs the model's "
+                  "meta parameters and inputs as fake CPU ones): one the step holds outside the model and its "
+                  "inputs is still on meta, e.g. labels loss_fn closes over; make it a CPU tensor of its shape "
+                  "and dtype (torch.empty(shape, dtype=..., device='cpu'): planning reads none of its values), "
+                  "or pass it in the inputs")
+
+
 def _explain(func, args, kwargs, e: Exception) -> str:
+    if "meta" in str(e) and ("DeviceMismatch" in type(e).__name__ or "two devices" in str(e)):
+        # Not the real-mode advice: a model given on meta (a 72B) has no real mode.
+        return (f"torch's fake (meta) kernel for {func} raised {type(e).__name__}: {str(e).splitlines()[0]} "
+                f"(arguments: {_describe(args, kwargs)}); {_META_MISMATCH}")
     real, raises = _real_behaviour(func, args, kwargs)
     if raises:
         # Seen: a 4-channel image into a 3-channel conv, float input_ids into an embedding; the

@@ -32,6 +32,7 @@ __all__ = [
     "ShardedModelError",
     "PreShardParam",
     "unsharded_parts",
+    "uneven_shards",
 ]
 
 
@@ -181,3 +182,30 @@ def unsharded_parts(model: torch.nn.Module) -> tuple[dict[int, PreShardParam], d
                 size = spec.shape if spec is not None else fp._orig_size
                 params[id(sharded)] = PreShardParam(spec, torch.Size(size), sharded.dtype, sharded.requires_grad)
     return params, hooks, states
+
+
+_RESHAPE_FAILED = ("is invalid for input of size", "view size is not compatible")
+
+
+def uneven_shards(model: torch.nn.Module, error: str) -> str:
+    """Where a reshape failed and a tensor-parallel degree does not divide a sharded dimension
+    (HF's ``tp_plan`` at a degree that does not divide the heads): the parameters it splits
+    unevenly, named, since the op that fails (a view by heads) names neither; "" for any other
+    error (an uneven vocabulary shard is a layout that runs), an even layout or no DTensors."""
+    if ("torch.distributed.tensor" not in sys.modules or fsdp_units_of(model)
+            or not any(s in error for s in _RESHAPE_FAILED)):
+        return ""
+    from torch.distributed.tensor import DTensor
+
+    uneven = []
+    for name, p in model.named_parameters():
+        for mesh_dim, placement in enumerate(getattr(p, "placements", ()) if isinstance(p, DTensor) else ()):
+            size, ranks = (p.shape[placement.dim], p.device_mesh.size(mesh_dim)) if placement.is_shard() else (0, 1)
+            if size % ranks:
+                uneven.append(f"{name} ({size} along dim {placement.dim} over {ranks} ranks)")
+    if not uneven:
+        return ""
+    more = f" and {len(uneven) - 3} more" if len(uneven) > 3 else ""
+    return (f"the tensor-parallel layout splits {'; '.join(uneven[:3])}{more} unevenly, so a model that divides "
+            "its heads or hidden size by the degree fails to reshape: use a degree that divides the attention "
+            "and KV heads and the hidden, FFN and vocabulary sizes. The trace stopped here: ")

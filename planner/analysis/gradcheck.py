@@ -70,7 +70,7 @@ def check_gradients(model: torch.nn.Module, plan: Plan, step: TrainStep | None =
     a model with a plan applied already is refused). ``step``: the step to check (its inputs,
     loss, autocast, ``keep_output`` and ``train_mode``; one micro-batch, no optimizer step);
     None: the step the plan was made for (``plan.train_step``), which a plan loaded from a file
-    does not carry. Check the step training runs: an fp32 check of a bf16 plan compares other
+    does not carry, nor one whose batch was freed (a plan keeps no tensors of its step alive). Check the step training runs: an fp32 check of a bf16 plan compares other
     kernels than training runs."""
     if unwrap_compiled(model) is not model:
         raise TypeError("check_gradients got a torch.compile'd model: check the original module, "
@@ -79,8 +79,9 @@ def check_gradients(model: torch.nn.Module, plan: Plan, step: TrainStep | None =
     if step is None:
         step = plan.train_step
         if step is None:
-            raise ValueError("this plan does not carry its training step (a plan loaded from a file): "
-                             "pass it, check_gradients(model, plan, TrainStep(inputs=batch, loss_fn=...))")
+            raise ValueError("this plan does not carry its training step (a plan loaded from a file, or one "
+                             "whose batch was freed: a plan keeps no tensors of its step alive): pass it, "
+                             "check_gradients(model, plan, TrainStep(inputs=batch, loss_fn=...))")
     step = as_train_step(model, step)
     # The user's RNG streams go on where they were: the check seeds every generator twice
     # (torch.manual_seed reseeds every CUDA device's, not only the model's).

@@ -74,7 +74,8 @@ def measure_steps(
     (the instance itself, or one built from its name or class over the model's trainable
     parameters, made once for these steps). Step 1 starts from the model as given (normally no
     gradients and no optimizer state: the first step of a fresh run); steps 2.. are the steady
-    state.
+    state. The gradients the steps leave are dropped where the model had none, so a second call
+    starts from a fresh run's state again (the parameters stay trained).
     """
     if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
         raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
@@ -92,7 +93,8 @@ def measure_steps(
     # A loop that keeps the output holds each step's last one into the next step's forward.
     held: list = [None]
     resident = step.held_tensors() + step.loss_closure_tensors(model)  # the same every step
-    with step_mode(model, step.train_mode):
+    no_grad = [p for p in model.parameters() if p.grad is None]
+    with step_mode(model, step.train_mode), _drop_grads(no_grad):
         for i in range(n_steps):
             if i:
                 zero_grads(model, optimizer, step.zero_grad)
@@ -102,6 +104,17 @@ def measure_steps(
                 keep_output=step.keep_output, held_output=held, context=step.context,
             ), held=held_tensors(held[0]) + resident))
     return out
+
+
+@contextlib.contextmanager
+def _drop_grads(params: list[torch.nn.Parameter]):
+    """On the way out, ``params``' gradients set to None (the steps' last ones, held otherwise:
+    a second measure_steps' first step read them as the model's)."""
+    try:
+        yield
+    finally:
+        for p in params:
+            p.grad = None
 
 
 def _check_real(model: torch.nn.Module) -> None:

@@ -72,12 +72,16 @@ def _draw_limits(ax: Any, table: TradeoffTable, div: int, unit: str) -> None:
 
 
 def _draw_baselines(ax: Any, baselines: Sequence[BaselinePoint], div: int) -> None:
+    at: dict[tuple[int, float], list[int]] = {}  # policies at one point share a label
     for i, b in enumerate(baselines):
         x, y = b.predicted_peak_bytes / div, b.recompute_ms
         ax.plot([x], [y], _BASELINE_MARKERS[i % len(_BASELINE_MARKERS)], color=f"C{i + 1}", ms=8,
                 label=b.name, zorder=4)
-        ax.annotate(b.name, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=7,
-                    color=f"C{i + 1}")
+        at.setdefault((b.predicted_peak_bytes, round(b.recompute_ms, 9)), []).append(i)
+    for same in at.values():
+        first = baselines[same[0]]
+        ax.annotate(" = ".join(baselines[i].name for i in same), (first.predicted_peak_bytes / div, first.recompute_ms),
+                    textcoords="offset points", xytext=(6, 4), fontsize=7, color=f"C{same[0] + 1}")
 
 
 def _add_percent_axis(ax: Any, step_ms: float) -> None:
@@ -93,13 +97,16 @@ def plot_tradeoff(
     baselines: Sequence[BaselinePoint] | None = None,
     ax: Any = None,
     *,
+    budget_bytes: int | None = None,
     save_path: str | Path | None = None,
 ) -> Figure:
     """Peak memory (x) against recompute time (y) for the planner's sweep and the baselines.
 
     ``ax``: draw into an existing matplotlib Axes (its figure is returned); default a new Figure.
-    The right axis shows recompute as a percentage of the no-AC step. Nothing is written unless
-    ``save_path`` is given.
+    ``budget_bytes``: the user's budget (per rank), drawn as a vertical line. Baselines at the
+    same point (two policies that checkpoint the same modules) share one label. The right axis
+    shows recompute as a percentage of the no-AC step. Nothing is written unless ``save_path``
+    is given.
 
     >>> fig = plot_tradeoff(table, hand_made_baselines(info), save_path="out.png")  # doctest: +SKIP
     """
@@ -113,6 +120,8 @@ def plot_tradeoff(
     _draw_curve(ax, table, div)
     _draw_baselines(ax, baselines or (), div)
     _draw_limits(ax, table, div, unit)
+    if budget_bytes is not None:
+        ax.axvline(budget_bytes / div, color="C3", ls="-", lw=1.2, label=f"your budget ({budget_bytes / div:.2f} {unit})")
     _add_percent_axis(ax, table.step_ms)
     n_bad = sum(not r.feasible for r in table.rows)
     title = f"Peak memory vs recompute (world_size {table.world_size})"

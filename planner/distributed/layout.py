@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Iterable
 
 import torch
@@ -28,8 +29,8 @@ from planner.plan_fields import MAX_COUNT, MAX_MODULES, MAX_OPS, check_int, chec
 MAX_MESHES = 64
 """Device meshes of one model's DTensor parameters (a model has one or two)."""
 
-__all__ = ["LayoutRecord", "layout_of", "plan_layout", "layout_mismatch", "fsdp_options", "has_dtensors",
-           "check_parallel_support"]
+__all__ = ["LayoutRecord", "layout_of", "plan_layout", "layout_mismatch", "fsdp_options", "fsdp_precision",
+           "has_dtensors", "check_parallel_support"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,13 +159,29 @@ def fsdp_options(model: torch.nn.Module, fsdp_units: Iterable[str] | None, world
     if world_size not in (1, sharded.shard_world_size):
         raise PlanningError(f"world_size={world_size} but the model is sharded over {sharded.shard_world_size} "
                             "ranks; drop world_size (it is read from the model)")
-    if sharded.param_dtype is not None or sharded.reduce_dtype is not None:
-        raise PlanningError("the model is sharded with an FSDP2 MixedPrecisionPolicy, which solve_sac does not "
-                            "plan yet (planner.distributed.fsdp.fsdp_module_info(mp_policy=...) counts it); "
-                            "plan the model before fully_shard with autocast in the TrainStep instead")
     # HSDP: a rank holds what FSDP2 over its shard group holds (the replicas all-reduce the
     # reduce-scattered gradients in place).
     return sharded.units, sharded.shard_world_size
+
+
+def fsdp_precision(model: torch.nn.Module, mp_policy: Any, units: Iterable[str] | None) -> Any:
+    """The FSDP2 mixed precision to plan ``model`` with (``PlanOptions.fsdp_mp_policy``), as an
+    ``FsdpPrecision``: the options' for a model not yet sharded, the model's own for one
+    ``fully_shard`` sharded (a policy that says otherwise is refused); None: full precision."""
+    from planner.distributed.fsdp import FsdpPrecision
+
+    sharded = fsdp_layout(model)
+    if sharded is not None and (sharded.param_dtype is not None or sharded.reduce_dtype is not None):
+        own = (sharded.param_dtype, sharded.reduce_dtype)
+        if mp_policy is not None and (mp_policy.param_dtype, mp_policy.reduce_dtype) != own:
+            raise PlanningError(f"fsdp_mp_policy (param {mp_policy.param_dtype}, reduce {mp_policy.reduce_dtype}) is not "
+                                f"the policy fully_shard sharded the model with (param {own[0]}, reduce {own[1]}); "
+                                "drop fsdp_mp_policy (it is read from the model)")
+        mp_policy = SimpleNamespace(param_dtype=own[0], reduce_dtype=own[1])
+    elif mp_policy is not None and units is None:
+        raise PlanningError("fsdp_mp_policy is FSDP2's mixed precision, which applies to FSDP2 units: pass "
+                            "fsdp_units (the modules you will fully_shard) or drop fsdp_mp_policy")
+    return FsdpPrecision.of(mp_policy, model)
 
 
 def has_dtensors(model: torch.nn.Module) -> bool:

@@ -171,7 +171,7 @@ def plan_layout_rank(build: StageBuilder, budget_gib: float | None, *, mesh_shap
         plans, refusal = None, None
         if budget_gib is not None:
             try:
-                plans = {s: dataclasses.replace(p, train_step=None) for s, p in rp.plan(budget_gib).items()}
+                plans = {s: dataclasses.replace(p, step_ref=None) for s, p in rp.plan(budget_gib).items()}
             except PlanningError as e:
                 refusal = str(e)
         return LayoutRankPlan(
@@ -187,7 +187,7 @@ def fake_layout_rank(build: StageBuilder, *, mesh_shape: Mapping[str, int], rank
     """``plan_layout_rank``'s set-up, held open: the rank's traced ``RankPlanner`` and its mesh
     coordinates, inside the fake process group (plan and verify any budget, or other schedules
     over the same stages with ``for_options``, before the block ends; plans made here carry a
-    ``train_step`` on fake DTensors: drop it, ``dataclasses.replace(plan, train_step=None)``,
+    ``train_step`` on fake DTensors: drop it, ``dataclasses.replace(plan, step_ref=None)``,
     before the block ends if they are kept). ``estimates``: traces of local stages to use
     instead of tracing them (``RankPlanner``'s)."""
     from torch.distributed.device_mesh import init_device_mesh

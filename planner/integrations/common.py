@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import random
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -17,8 +18,8 @@ from planner.format import GiB
 from planner.options import PlanOptions
 from planner.plan import Plan
 
-__all__ = ["FrameworkStep", "rng_kept", "plan_options", "budget_gib_of", "with_notes", "tensors_of",
-           "scalars"]
+__all__ = ["FrameworkStep", "rng_kept", "peek_batch", "plan_options", "budget_gib_of", "with_notes",
+           "tensors_of", "scalars"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,44 @@ def rng_kept() -> Iterator[None]:
         finally:
             random.setstate(py)
             np.random.set_state(npy)
+
+
+def peek_batch(loader: Any) -> Any:
+    """The first batch ``loader`` (a ``torch.utils.data.DataLoader``) yields, taking nothing
+    from the run. A map-style dataset: from a fresh iterator of the loader, the generators put
+    back (the run draws the same shuffle). An ``IterableDataset`` read in this process: its
+    first examples, collated as the loader collates them, then put back in front of the rest
+    (``_put_back``), so a single-pass stream still gives the run every example, in order."""
+    dataset = getattr(loader, "dataset", None)
+    if not isinstance(dataset, torch.utils.data.IterableDataset) or getattr(loader, "num_workers", 0):
+        with rng_kept():
+            return next(iter(loader))
+    it = iter(dataset)
+    n = loader.batch_size
+    items = list(itertools.islice(it, 1 if n is None else n))
+    if not items:
+        raise ValueError("the train dataset yields no example: there is no step to plan")
+    _put_back(dataset, items, it)
+    return loader.collate_fn(items[0] if n is None else items)
+
+
+def _put_back(dataset: Any, items: list, rest: Iterator) -> None:
+    """The next ``iter(dataset)`` yields ``items`` and then ``rest`` (the iterator they came
+    from), once; after it, ``dataset`` is as it was. Done by giving the object a one-use subclass
+    of its own class (``iter`` looks ``__iter__`` up on the class)."""
+    cls = type(dataset)
+
+    def __iter__(self):
+        self.__class__ = cls
+        return itertools.chain(items, rest)
+
+    try:
+        dataset.__class__ = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
+                                                        "__qualname__": cls.__qualname__})
+    except TypeError as e:  # a class whose instances cannot change class (slots, an extension type)
+        raise NotImplementedError(
+            f"the train dataset ({cls.__name__}) is an IterableDataset whose examples cannot be put back after "
+            f"planning reads a batch ({e}): plan with solve_sac and a TrainStep of one batch, then train") from None
 
 
 def _cuda_devices() -> list[int]:

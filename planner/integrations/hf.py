@@ -13,16 +13,19 @@ Needs ``pip install 'sac-planner[hf]'`` (transformers, accelerate). The step is 
 micro-batches, one batch of ``per_device_train_batch_size`` from ``get_train_dataloader()``,
 ``num_items_in_batch`` as ``get_batch_samples`` computes it, the loss as ``compute_loss`` takes it
 from the output (which is then dropped), ``bf16`` / ``fp16`` autocast, gradients set to None after
-each step, and what the Trainer keeps beside the step (see :func:`trainer_step`).
-``args.activation_checkpointing`` (``gradient_checkpointing``) is turned off, with a note: the plan
-replaces it. The predicted
-peak goes into the Trainer's logs (``sac_predicted_peak_bytes``), beside the measured one
-(``sac_measured_peak_bytes``) where measuring is on.
+each step, and what the Trainer keeps beside the step (see :func:`trainer_step`). The run is
+left as it would be unplanned: the batch is read without taking it from the run (``peek_batch``),
+and ``train()`` is wrapped so that within it ``args.activation_checkpointing``
+(``gradient_checkpointing``) is off, with a note (the plan replaces it), and after it, also after
+an exception, the plan is removed and the arguments and the model's checkpointing flags are as
+they were. The predicted peak goes into the Trainer's logs (``sac_predicted_peak_bytes``), beside
+the measured one (``sac_measured_peak_bytes``) where measuring is on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import types
 from typing import Any
@@ -36,18 +39,22 @@ from planner.applying.checkpointing import apply_plan
 from planner.integrations.common import (
     FrameworkStep,
     budget_gib_of,
+    peek_batch,
     plan_options,
     rng_kept,
     scalars,
     tensors_of,
     with_notes,
 )
+from planner.format import check_budget_gib
 from planner.options import PlanOptions
 from planner.planning.solve import solve_sac
 
 __all__ = ["plan_trainer", "SACPlanCallback", "trainer_step"]
 
 logger = logging.getLogger(__name__)
+
+_CHECKPOINTING_ARGS = ("activation_checkpointing", "gradient_checkpointing")
 
 _TRAINER_SCALARS = 4
 """Float32 scalars the Trainer keeps through the binding micro-batch's backward besides the
@@ -64,21 +71,31 @@ def plan_trainer(trainer: transformers.Trainer, budget_gib: float | None = None,
     ``budget_gib`` None: the GPU's memory. ``options``: how to plan (``PlanOptions``; None: the
     defaults on the device the Trainer trains on). ``measure``: log the measured peak of every
     step beside the predicted one (``planner.analysis.StepPeaks``); None: on CUDA, where it costs
-    nothing (on CPU it runs torch's MemTracker, which slows every op)."""
+    nothing (on CPU it runs torch's MemTracker, which slows every op).
+
+    Within each ``train()`` (``trainer.train`` is wrapped): ``args.activation_checkpointing`` is
+    off (the plan replaces it); when ``train()`` ends, also by an exception, the plan is removed
+    and the arguments and the model's HF checkpointing are as they were."""
     if not isinstance(trainer, transformers.Trainer):
         raise TypeError(f"plan_trainer takes a transformers.Trainer, got {type(trainer).__name__}")
+    if any(isinstance(c, SACPlanCallback) for c in trainer.callback_handler.callbacks):
+        raise ValueError("plan_trainer was called on this Trainer already: its callback plans every train()")
     _check_supported(trainer)
     callback = SACPlanCallback(trainer, budget_gib, options=options, measure=measure)
-    # train() reads it before the loop; transformers 5 names it activation_checkpointing and keeps
-    # gradient_checkpointing as a mirrored alias.
-    on = [name for name in ("activation_checkpointing", "gradient_checkpointing") if getattr(trainer.args, name, False)]
-    for name in on:
-        setattr(trainer.args, name, False)
-    if on:
-        callback.notes.append(f"args.{on[0]} turned off: the plan replaces it")
     # First in line: its on_log adds the peaks before the printer and the reporting integrations
     # see the logs.
     trainer.callback_handler.callbacks.insert(0, callback)
+    train = trainer.train
+
+    @functools.wraps(train)
+    def planned_train(*args, **kwargs):
+        callback.run_begins()
+        try:
+            return train(*args, **kwargs)
+        finally:
+            callback.run_ends()
+
+    trainer.train = planned_train
     return callback
 
 
@@ -91,9 +108,12 @@ def _check_supported(trainer: transformers.Trainer) -> None:
         raise NotImplementedError("args.torch_compile compiles before training begins, and a plan must be "
                                   "applied before compiling: apply_plan, then torch.compile the model yourself")
     base = transformers.Trainer
-    if type(trainer).compute_loss is not base.compute_loss or type(trainer).training_step is not base.training_step:
+    replaced = [n for n in ("compute_loss", "training_step")
+                if getattr(type(trainer), n) is not getattr(base, n) or n in vars(trainer)]
+    if replaced:
         raise NotImplementedError(
-            f"{type(trainer).__name__} overrides compute_loss or training_step, so its step cannot be read: "
+            f"{type(trainer).__name__} overrides {' and '.join(replaced)} (on the class or the instance), so its "
+            "step cannot be read: "
             "plan it with solve_sac and a TrainStep whose loss_fn computes your loss from the model output")
     if trainer.label_smoother is not None:
         raise NotImplementedError("label_smoothing_factor > 0 is not read yet: plan with solve_sac and a "
@@ -132,12 +152,11 @@ def trainer_step(trainer: transformers.Trainer, optimizer: torch.optim.Optimizer
 
 
 def _one_batch(trainer: transformers.Trainer) -> dict:
-    """One micro-batch as the Trainer's dataloader yields it (on its device); the generators are
-    put back, so the run draws the batches and masks it would draw unplanned."""
+    """One micro-batch as the Trainer's dataloader yields it (on its device), taken from none
+    of the run's (``peek_batch``): the run draws the batches and masks it would draw unplanned."""
     from accelerate.utils import send_to_device
 
-    with rng_kept():
-        batch = next(iter(trainer.get_train_dataloader()))
+    batch = peek_batch(trainer.get_train_dataloader())
     if not isinstance(batch, dict):
         raise NotImplementedError(f"the Trainer's batches are {type(batch).__name__}, not dicts of model "
                                   "inputs: plan with solve_sac and a TrainStep")
@@ -189,17 +208,48 @@ class SACPlanCallback(transformers.TrainerCallback):
 
     def __init__(self, trainer: transformers.Trainer, budget_gib: float | None, *,
                  options: PlanOptions | None = None, measure: bool | None = None) -> None:
+        if budget_gib is not None:  # here, not once train() has built everything
+            check_budget_gib(budget_gib)
+        plan_options(options, torch.device("cpu"))  # its type, before train()
         self.trainer, self.budget_gib, self.options, self.measure = trainer, budget_gib, options, measure
         self.plan = None
         """The plan, once training began."""
         self.notes: list[str] = []
         self.meter: StepPeaks | None = None
         self._handle = None
+        self._args: dict[str, Any] = {}
+        self._model_checkpointing: dict[torch.nn.Module, tuple] = {}
+
+    def run_begins(self) -> None:
+        """Before ``train()``: HF's checkpointing arguments off (train() reads them before the
+        loop; transformers 5 names them activation_, keeping gradient_ as a mirrored alias)."""
+        self.notes = []
+        self._args = {n: getattr(self.trainer.args, n) for n in _CHECKPOINTING_ARGS if hasattr(self.trainer.args, n)}
+        on = [n for n, v in self._args.items() if v]
+        for name in on:
+            setattr(self.trainer.args, name, False)
+        if on:
+            self.notes.append(f"args.{on[0]} turned off: the plan replaces it")
+
+    def run_ends(self) -> None:
+        """After ``train()``, also one that raised: the plan removed, the meter stopped, HF's
+        checkpointing arguments and the model's checkpointing flags as they were."""
+        self.on_train_end(self.trainer.args, None, None)
+        for name, value in self._args.items():
+            if getattr(self.trainer.args, name) != value:
+                setattr(self.trainer.args, name, value)
+        for module, (flag, func) in self._model_checkpointing.items():
+            module.gradient_checkpointing = flag
+            if func is not None:
+                module._gradient_checkpointing_func = func
+        self._args, self._model_checkpointing = {}, {}
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         # transformers 5 names it activation checkpointing (the gradient_ names warn, deprecated).
         new = hasattr(model, "activation_checkpointing_disable")
         if getattr(model, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False):
+            self._model_checkpointing = {m: (m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func"))
+                                         for m in model.modules() if hasattr(m, "gradient_checkpointing")}
             (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
             self.notes.append("the model's HF gradient checkpointing turned off: the plan replaces it")
         read = trainer_step(self.trainer, optimizer)

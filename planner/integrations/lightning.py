@@ -10,13 +10,15 @@
 
 Needs ``pip install 'sac-planner[lightning]'``. The step is read at ``on_train_start``, once
 ``configure_optimizers`` ran and the train dataloader exists: ``training_step(batch, 0)`` on the
-first batch of that dataloader (from a fresh iterator, the generators put back, moved by the
-module's own transfer hooks) is the forward and the loss, divided over
-``accumulate_grad_batches`` micro-batches as Lightning's closure does; the precision plugin's
-context is the step's (``*-mixed``: autocast with its cache off, as Lightning runs it;
-``*-true``: the low default dtype); the optimizer is the one configured, its gradients set to
-None. What Lightning keeps beside the step is counted too (:func:`lightning_step`). The root
-module is never checkpointed (Lightning calls ``training_step``, not ``forward``).
+first batch of that dataloader (taking none of the loop's, moved by the module's own transfer
+hooks) is the forward and the loss, divided over ``accumulate_grad_batches`` micro-batches as
+Lightning's closure does; the precision plugin's context is the step's (``*-mixed``: autocast
+with its cache off, as Lightning runs it; ``*-true``: the low default dtype); the optimizer is
+the one configured, its gradients set to None where Lightning sets them. ``training_step`` runs
+as in the loop: ``self(x)``, ``self.trainer`` and ``self.optimizers()`` work. What Lightning
+keeps beside the step is counted too (:func:`lightning_step`). The root module is never
+checkpointed (Lightning calls ``training_step``, not ``forward``); a fit that raises leaves the
+module unplanned.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import numbers
 import types
 from typing import Any, Callable
 
@@ -37,12 +40,14 @@ from planner.applying.checkpointing import apply_plan, check_plannable, hf_cache
 from planner.integrations.common import (
     FrameworkStep,
     budget_gib_of,
+    peek_batch,
     plan_options,
     rng_kept,
     scalars,
     tensors_of,
     with_notes,
 )
+from planner.format import check_budget_gib
 from planner.options import PlanOptions
 from planner.plan import Plan
 from planner.planning.solve import plan_estimate
@@ -61,6 +66,9 @@ class SACPlanCallback(pl.Callback):
 
     def __init__(self, budget_gib: float | None = None, *, options: PlanOptions | None = None,
                  measure: bool | None = None) -> None:
+        if budget_gib is not None:  # here, not once fit() has built everything
+            check_budget_gib(budget_gib)
+        plan_options(options, torch.device("cpu"))  # its type, before fit()
         self.budget_gib, self.options, self.measure = budget_gib, options, measure
         self.plan: Plan | None = None
         """The plan, once training started."""
@@ -92,6 +100,10 @@ class SACPlanCallback(pl.Callback):
             self._handle.remove()
             self._handle = None
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """A fit that raised leaves the module unplanned, as ``on_train_end`` does."""
+        self.on_train_end(trainer, pl_module)
+
 
 def plan_lightning(trainer: pl.Trainer, pl_module: pl.LightningModule, budget_gib: float | None = None, *,
                    options: PlanOptions | None = None) -> Plan:
@@ -120,17 +132,14 @@ def plan_lightning(trainer: pl.Trainer, pl_module: pl.LightningModule, budget_gi
 
 
 def first_batch(trainer: pl.Trainer) -> Any:
-    """The first batch of the train dataloader as ``training_step`` gets it: from a fresh
-    iterator of the loader (the loop's own is left alone; the generators put back), moved by the
-    module's transfer hooks."""
+    """The first batch of the train dataloader as ``training_step`` gets it, taking none of the
+    loop's (``peek_batch``), moved by the module's transfer hooks."""
     loader = trainer.train_dataloader  # the DataLoader, or a CombinedLoader of several
     loaders = getattr(loader, "flattened", [loader])
     if len(loaders) != 1:
         raise NotImplementedError(f"{len(loaders)} train dataloaders: SACPlanCallback plans one; "
                                   "plan with solve_sac and a TrainStep")
-    with rng_kept():
-        batch = next(iter(loaders[0]))
-    return trainer.strategy.batch_to_device(batch)
+    return trainer.strategy.batch_to_device(peek_batch(loaders[0]))
 
 
 def lightning_step(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> FrameworkStep:
@@ -158,17 +167,36 @@ def lightning_step(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: An
                      "step: its temporaries come between backward and the optimizer step")
     if trainer.lr_scheduler_configs:
         notes.append("the learning-rate scheduler is not in the planned step (it holds no tensors)")
-    if k == 1:
-        notes.append("Lightning frees the gradients after the first micro-batch's forward, not before: with "
-                     "accumulate_grad_batches=1 the last step's gradients are alive through each forward, "
-                     "which the plan does not count (a forward-bound step peaks up to their bytes higher)")
-    step = TrainStep(inputs=(batch, 0), loss_fn=_loss_of, optimizer=trainer.optimizers[0], micro_batches=k,
-                     zero_grad=ZeroGrad.SET_TO_NONE, train_mode=True, held=held)
+    # Lightning frees the gradients after the first micro-batch's training_step, before its
+    # backward. With k > 1 the binding micro-batch is a later one (gradients alive throughout);
+    # with k = 1 the last step's gradients are alive through the forward: the trace starts with
+    # them (ZeroGrad.ZERO) and the planning forward frees them where Lightning does.
+    step = TrainStep(inputs=(batch, 0), loss_fn=_loss_of if k > 1 else _loss_over_one,
+                     optimizer=trainer.optimizers[0], micro_batches=k, train_mode=True, held=held,
+                     zero_grad=ZeroGrad.ZERO if k == 1 else ZeroGrad.SET_TO_NONE)
     return FrameworkStep(step, tuple(notes))
 
 
 def _loss_of(out: Any, inputs: Any) -> torch.Tensor:
-    return out["loss"] if isinstance(out, dict) else out
+    """The loss Lightning's automatic optimization backpropagates from what ``training_step``
+    returned: the tensor, or a dict's ``"loss"``."""
+    if isinstance(out, dict):
+        if "loss" not in out:
+            raise ValueError(f"training_step returned a dict without a 'loss' key (keys: {', '.join(map(str, out))}); "
+                             "Lightning's automatic optimization backpropagates out['loss']: return {'loss': loss, ...}")
+        return out["loss"]
+    if out is None:
+        raise ValueError("training_step returned None on the first batch (Lightning skips such a batch), so there "
+                         "is no step to plan: plan with solve_sac and a TrainStep of a batch it trains on")
+    return out
+
+
+def _loss_over_one(out: Any, inputs: Any) -> torch.Tensor:
+    """``_loss_of`` divided by ``accumulate_grad_batches`` = 1, as Lightning's closure divides
+    (``ClosureResult``), into a new tensor: ``training_step``'s own output is not held through the
+    backward (a loss can hold a large storage: CPU ``mse_loss`` returns a view of its elementwise
+    buffer). With k > 1 the step's own division does the same."""
+    return _loss_of(out, inputs) / 1
 
 
 def _has_len(trainer: pl.Trainer) -> bool:
@@ -184,19 +212,18 @@ def _zeros(dtypes: list[tuple[torch.dtype, torch.device]]) -> list[torch.Tensor]
 
 @contextlib.contextmanager
 def _planning_view(pl_module: pl.LightningModule, trainer: pl.Trainer, logged: dict):
-    """``pl_module`` as the planner traces it: ``forward`` is ``training_step`` in the precision
-    context, ``self.log`` keeps what Lightning keeps (``_log_recorder``), and no trainer is
-    attached (a fake trace copies the module, and must not copy the trainer). All undone after."""
+    """``pl_module`` as the planner traces it: called as the loop calls it, it runs
+    ``training_step`` in the precision context (inside it, ``self(x)`` and ``self.forward(x)``
+    are the module's own forward); ``self.log`` keeps what Lightning keeps (``_log_recorder``);
+    the trainer is attached (``self.trainer``, ``self.optimizers()``; see ``_step_as_forward``).
+    All undone after."""
     log, log_dict = _log_recorder(logged)
-    pl_module.forward = types.MethodType(_step_as_forward(_precision_context(trainer)), pl_module)
+    pl_module.forward = types.MethodType(_step_as_forward(_precision_context(trainer), trainer), pl_module)
     pl_module.log = types.MethodType(log, pl_module)
     pl_module.log_dict = types.MethodType(log_dict, pl_module)
-    attached = pl_module._trainer
-    pl_module._trainer = None
     try:
         yield pl_module
     finally:
-        pl_module._trainer = attached
         for name in ("forward", "log", "log_dict", "_sac_logged"):
             pl_module.__dict__.pop(name, None)
 
@@ -222,10 +249,28 @@ def _precision_context(trainer: pl.Trainer) -> Callable[[torch.nn.Module], Any]:
     return autocast
 
 
-def _step_as_forward(context: Callable[[torch.nn.Module], Any]):
+def _step_as_forward(context: Callable[[torch.nn.Module], Any], trainer: pl.Trainer):
+    """The loop's call, ``training_step(batch, batch_idx)``. While it runs, the instance's
+    ``forward`` is the class's again, so ``self(x)`` in ``training_step`` (Lightning's own idiom)
+    runs the module's forward; and ``trainer`` is attached, also to a fake trace's copy of the
+    module (Lightning's ``__getstate__`` detaches a copy; the copy shares the trainer)."""
+
     def forward(self, batch, batch_idx):
-        with context(self):
-            return self.training_step(batch, batch_idx)
+        step_forward, attached = self.__dict__.pop("forward"), self._trainer
+        self._trainer = trainer
+        try:
+            with context(self):
+                out = self.training_step(batch, batch_idx)
+        finally:
+            self.forward, self._trainer = step_forward, attached
+        if trainer.accumulate_grad_batches == 1:
+            # Lightning's closure clones the loss while the last step's clone is still held, then
+            # zeroes the gradients (set to None) before the backward.
+            clone = _loss_of(out, None).detach().clone()
+            for p in self.parameters():
+                p.grad = None
+            del clone
+        return out
 
     return forward
 
@@ -241,6 +286,8 @@ def _log_recorder(logged: dict):
     Nothing is logged."""
 
     def log(self, name, value, *args, reduce_fx="mean", **kwargs):
+        if isinstance(value, numbers.Number):  # Lightning makes it a tensor of the default dtype
+            value = torch.tensor(value, dtype=torch.get_default_dtype())
         if not isinstance(value, torch.Tensor):
             return
         v = value.detach()

@@ -35,6 +35,7 @@ from planner.errors import PlanningError
 from planner.planning.module_plans import module_plan
 from planner.planning.step_timeline import offloaded_bytes, plan_timeline, step_layout_of, timeline_fields
 from planner.planning.verification import traced_estimate
+from planner.step_ref import StepRef
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions
 from solver.offload.cost import (
     offload_take,
@@ -162,7 +163,8 @@ def plan_offload(
         solver_status=res.status.value, solve_time_s=time.perf_counter() - t0, notes=tuple(notes),
         first_step_peak_bytes=first, steady_peak_bytes=steady, host_peak_bytes=host,
         host_bytes_per_step=host * micro_batches,
-        step=StepRecord.of(est.step) if est.step is not None else None, train_step=est.step,
+        step=StepRecord.of(est.step) if est.step is not None else None,
+        step_ref=StepRef(est.step) if est.step is not None else None,
         **timeline_fields(tl),
     )
 

@@ -41,8 +41,10 @@ from planner.options import Pipeline, PlanOptions
 from planner.plan import Plan, StepRecord, model_fingerprint, model_shape
 from planner.plan_pipeline import PipelineRecord
 from planner.planning.module_plans import module_plan
+from planner.planning.op_steps import settle
 from planner.planning.reserve import default_reserve_bytes
 from planner.planning.verification import traced_or_diverged
+from planner.step_ref import StepRef
 from solver import InfeasibleBudgetError, SACMilp
 
 __all__ = ["solve_pipeline_rank", "RankPlanner", "trace_stage"]
@@ -53,12 +55,16 @@ _MAX_TIGHTENINGS = 4
 
 
 def _tensor_bytes(obj) -> int:
+    """The bytes of one micro-batch's tensors: their own elements, not their storages'. A
+    micro-batch sliced from the batch the loop holds (``x[:mb]``) views its storage, and the
+    schedule's n micro-batches of it are that batch, held once (as they are slices of a dataset
+    tensor, they are n of these); a tensor named twice counts once."""
     seen = {}
     for t in tree_flatten(obj)[0]:
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            seen[id(t.untyped_storage())] = t.untyped_storage().nbytes()
-        elif isinstance(t, torch.Tensor):
-            seen[id(t)] = t.numel() * t.element_size()
+        if isinstance(t, torch.Tensor):
+            key = (id(t) if t.device.type == "meta" else
+                   (id(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.stride()))
+            seen[key] = t.numel() * t.element_size()
     return sum(seen.values())
 
 
@@ -169,6 +175,7 @@ class RankPlanner:
         self._views = {s: _view(e, s, self.fsdp.get(s)) for s, e in self.traced.items()}
         self._verified: dict[tuple, tuple] = {}
         """(stage, its module plans) -> the planned stage's profile and FSDP2 part (traced once)."""
+        self._op_ms: dict[tuple[str, int], float] = {}
         self.trace_time_s = time.perf_counter() - t0
         self._schedule(options)
 
@@ -244,6 +251,7 @@ class RankPlanner:
                     f"the smallest reachable peak over its schedule is {fmt_bytes(floor)} ({floor / GiB:.6f} GiB); "
                     f"unplanned {fmt_bytes(self.unplanned_peak_bytes)}. Raise the budget, or use more micro-batches "
                     "of fewer samples, or more stages") from e
+            res = self._on_op_steps(res, target)
             modules = _stage_modules(res.discarded_bytes, self.names, self.traced, options)
             if not options.verify:  # the MILP's figure
                 verified, profiles = _MilpFigure(res.predicted_peak_bytes), {s: v.profile for s, v in self._views.items()}
@@ -271,6 +279,30 @@ class RankPlanner:
             notes.append("the least-recompute plans verified over budget: using the min-peak plan")
         return _plans(self, profiles, modules, verified, res, budget, reserve, notes,
                       time.perf_counter() - t0 + self.trace_time_s, traced_plans=isinstance(verified, RankMemory))
+
+    def _on_op_steps(self, res, target: int):
+        """``res`` settled on the steps its modules' op plans take (``planner.planning.op_steps``):
+        each discard a micro-batch in flight repeats, so a partial step the op plan rounds up
+        costs its recompute once and frees the bytes the budget did not need once per micro-batch."""
+        discards = settle(self.milp, res.discarded_bytes, target, self._recompute_ms)
+        if discards == dict(res.discarded_bytes):
+            return res
+        size = {f: self.milp.memory.stats[f].sac_memory_bytes for f in discards}
+        order = [c.fqn for c in self.milp.candidates if c.fqn in discards]
+        return dataclasses.replace(
+            res, discarded_bytes={f: discards[f] for f in order}, checkpointed=tuple(order),
+            decisions={f: discards[f] / size[f] if size[f] else 1.0 for f in order},
+            predicted_peak_bytes=self.milp.memory.peak(discards),
+            recompute_ms=sum(self._recompute_ms(f, d) for f, d in discards.items()))
+
+    def _recompute_ms(self, fqn: str, discarded: int) -> float:
+        """What the op plan of discarding ``discarded`` bytes of the rank's module ``fqn`` recomputes."""
+        key = (fqn, discarded)
+        if key not in self._op_ms:
+            s, own = self.names[fqn]
+            stats = self.traced[s].module_info.stats(own)
+            self._op_ms[key] = module_plan(stats, discarded, self.options.solver).recompute_ms
+        return self._op_ms[key]
 
     def _verify(self, modules):
         """Every planned stage traced again and the rank laid out again: (RankMemory, profiles)."""
@@ -409,7 +441,7 @@ def _plans(rp: RankPlanner, profiles, modules, verified, res, budget, reserve, n
                    f"pipeline: {record.describe()}; the rank's peak over its schedule, at {verified.peak_where}",
                    *notes),
             steady_peak_bytes=verified.peak_bytes, step=StepRecord.of(step), pipeline=record,
-            solve_time_s=solve_s, train_step=est.step)
+            solve_time_s=solve_s, step_ref=StepRef(est.step))
     return out
 
 

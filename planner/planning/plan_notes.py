@@ -16,7 +16,7 @@ from planner.format import GiB
 from planner.format import fmt_bytes
 
 __all__ = ["unit_slip_note", "output_note", "real_trace_note", "sparse_note", "mode_note", "shared_note",
-           "no_optimizer_note"]
+           "no_optimizer_note", "precision_notes"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,3 +153,19 @@ def no_optimizer_note(step: TrainStep) -> str | None:
             "parameters' bytes). Pass optimizer=\"adamw\" (a name, a class, a factory or your instance)")
     logger.warning("%s", note)
     return note
+
+
+def precision_notes(precision, step: TrainStep) -> list[str]:
+    """FSDP2's mixed precision (an ``FsdpPrecision``, or None), and where the step traced
+    computes in a wider dtype than the policy's ``param_dtype`` (no autocast): its activations
+    are counted at the traced width, above what the run holds."""
+    if precision is None:
+        return []
+    notes = [precision.describe()]
+    low = precision.param_dtype
+    if low is not None and step.autocast_dtype is None and low.itemsize < precision.traced_param_dtype.itemsize:
+        name = str(low).replace("torch.", "")
+        notes.append(f"the step is traced in {str(precision.traced_param_dtype).replace('torch.', '')}, but FSDP2 "
+                     f"computes in {name}: activations are counted at the wider dtype (an upper bound); trace "
+                     f"TrainStep(autocast_dtype=torch.{name}) to count them near {name}")
+    return notes

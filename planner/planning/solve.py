@@ -32,8 +32,8 @@ from estimators.tracing.steady_state import first_step_module_info
 from estimators.step.train_step import TrainStep
 from planner.options import PlanOptions
 from planner.planning.floor import PeakBreakdown, floor_text, lowering_hints, peak_breakdown
-from planner.distributed.fsdp import fsdp_module_info, original_class_name
-from planner.distributed.layout import check_parallel_support, fsdp_options, has_dtensors, plan_layout
+from planner.distributed.fsdp import FsdpPrecision, original_class_name, per_rank_info
+from planner.distributed.layout import check_parallel_support, fsdp_options, fsdp_precision, has_dtensors, plan_layout
 from planner.format import GiB, check_budget_gib
 from planner.plan import Plan, StepRecord, model_fingerprint, model_shape
 from planner.planning import plan_notes
@@ -45,6 +45,7 @@ from planner.errors import PlanningError
 from planner.planning.module_plans import module_plan
 from planner.planning.reserve import default_reserve_bytes
 from planner.planning.step_timeline import plan_timeline, step_layout_of, timeline_fields
+from planner.step_ref import StepRef
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes
 
 __all__ = [
@@ -85,11 +86,25 @@ def _infeasible(budget: int, reserve: int, *, floor: "_Floor", spec: DeviceSpec)
         + "). "
     )
     if floor.breakdown is not None:
-        msg += f"With the most checkpointing possible, {floor_text(floor.breakdown)}. "
+        msg += f"With the most checkpointing possible, {floor_text(floor.breakdown)}{_model_margin(floor)}. "
     hints = lowering_hints(floor.breakdown) if floor.breakdown is not None else ()
     msg += "To go lower: " + "; or ".join(hints or ("a smaller batch or sequence length",
                                                     "world_size > 1 (FSDP)")) + "."
     return _with_floor(PlanningError(msg), need, floor.breakdown)
+
+
+def _model_margin(floor: "_Floor") -> str:
+    """Where the smallest usable budget is not the breakdown's traced peak: the memory model the
+    plans are solved on can put the min-peak plan above its trace (a few KiB on small models, a
+    fraction of a percent on large ones), and the MILP refuses a budget below the model's figure;
+    said, so the stated floor and the traced peak beside it do not read as a contradiction."""
+    gap = floor.usable_bytes - floor.breakdown.peak_bytes
+    if not gap:
+        return ""
+    per_rank = " per rank" if floor.breakdown.world_size > 1 else ""
+    return (f"; the memory model the plans are solved on puts that plan {fmt_bytes(abs(gap))} "
+            f"{'higher' if gap > 0 else 'lower'}, at {fmt_bytes(floor.usable_bytes)}{per_rank} ({floor.usable_bytes:,} "
+            "bytes), the figure a budget's usable part (budget - reserve) must hold")
 
 
 def _with_floor(err: PlanningError, need_bytes: int, breakdown) -> PlanningError:
@@ -110,7 +125,7 @@ class _Floor:
 
 
 def _floor(milp: SACMilp, est: Estimate, info, model, world_size: int, solver_options,
-           units: list[str] | None = None) -> _Floor:
+           units: list[str] | None = None, mp_policy: Any = None) -> _Floor:
     """Trace the min-peak plan: its peak is the floor that verifies and its breakdown says why
     (per rank, at the per-rank peak, where ``world_size`` > 1)."""
     low = milp.min_reachable_peak_bytes()
@@ -120,22 +135,22 @@ def _floor(milp: SACMilp, est: Estimate, info, model, world_size: int, solver_op
         planned = verification.traced_estimate(model, modules, est)
     except Exception as exc:  # the explanation must never hide the refusal itself
         logger.warning("could not trace the min-peak plan to explain the floor: %s", exc)
-        return _Floor(low, _breakdown(est, world_size, units))
+        return _Floor(low, _breakdown(est, world_size, units, mp_policy))
     traced = max(planned.first_step_peak_bytes, planned.steady_peak_bytes)
     unplanned = max(est.first_step_peak_bytes, est.steady_peak_bytes)
     if world_size == 1 and traced > unplanned:
         # The min-peak plan traced above the unplanned step (what its checkpoints hold: start
         # values of buffers their forwards rebind, inputs): no plan, which always verifies, is
         # the floor; a refusal would state more than is reachable.
-        return _Floor(unplanned, _breakdown(est, world_size, units))
-    return _Floor(max(low, traced) if world_size == 1 else low, _breakdown(planned, world_size, units))
+        return _Floor(unplanned, _breakdown(est, world_size, units, mp_policy))
+    return _Floor(max(low, traced) if world_size == 1 else low, _breakdown(planned, world_size, units, mp_policy))
 
 
-def _breakdown(est: Estimate, world_size: int, units: list[str] | None) -> PeakBreakdown:
+def _breakdown(est: Estimate, world_size: int, units: list[str] | None, mp_policy: Any = None) -> PeakBreakdown:
     """``peak_breakdown`` of one rank: at the per-rank peak with FSDP2's buffers where sharded."""
     if world_size == 1:
         return peak_breakdown(est)
-    info = est.module_info if units is None else fsdp_module_info(est.module_info, units, world_size)
+    info = est.module_info if units is None else per_rank_info(est.module_info, units, world_size, mp_policy)
     return peak_breakdown(est, world_size=world_size, per_rank_info=info)
 
 
@@ -194,14 +209,20 @@ def solve_sac(
     model = unwrap_compiled(model)  # plan what torch.compile wraps; the compiled module is untouched
     check_plannable(model)  # before anything touches the model
     _check_budget(budget_gib, options)  # all before the trace, which can take minutes
-    fsdp_options(model, options.fsdp_units, options.world_size)  # refuses options a sharded model contradicts
+    units, _ = fsdp_options(model, options.fsdp_units, options.world_size)  # refuses options a sharded model contradicts
+    fsdp_precision(model, options.fsdp_mp_policy, units)
     check_parallel_support(model, options)
-    step = as_train_step(model, step)
+    given, step = step, as_train_step(model, step)
     if options.pipeline is not None:  # a pipeline stage: planned for its schedule, on its rank
         return _solve_stage(model, budget_gib, step, options)
     with hf_cache_off(model):  # trace the step as it runs once the plan is applied
         est = estimate(model, step, device=options.spec, options=options.trace)
-    return plan_estimate(model, est, budget_gib, options=options)
+    plan = plan_estimate(model, est, budget_gib, options=options)
+    if given is None or given.inputs is None:
+        # The inputs are the model's example_inputs(), which check_gradients makes again: the
+        # plan keeps the step as given, not the tensors made for it.
+        plan = dataclasses.replace(plan, step_ref=StepRef(given or TrainStep()))
+    return plan
 
 
 def plan_estimate(model: torch.nn.Module, est: Estimate, budget_gib: float, *,
@@ -213,6 +234,7 @@ def plan_estimate(model: torch.nn.Module, est: Estimate, budget_gib: float, *,
     options = _check_options(options)
     budget, host_budget = _check_budget(budget_gib, options)
     fsdp_units, world_size = fsdp_options(model, options.fsdp_units, options.world_size)
+    mp_policy = fsdp_precision(model, options.fsdp_mp_policy, fsdp_units)
     check_parallel_support(model, options)
     spec = options.spec
     reserve = (int(options.reserve_gib * GiB) if options.reserve_gib is not None
@@ -226,6 +248,7 @@ def plan_estimate(model: torch.nn.Module, est: Estimate, budget_gib: float, *,
         reserve_bytes=reserve,
         ac_units=options.ac_units,
         fsdp_units=fsdp_units,
+        fsdp_mp_policy=mp_policy,
         solver_options=options.solver,
         verify=options.verify,
         offload=options.offload,
@@ -246,9 +269,21 @@ def _solve_stage(model: torch.nn.Module, budget_gib: float, step: TrainStep, opt
     return solve_pipeline_rank({pipe.stage_index: (model, step)}, budget_gib, options=options)[pipe.stage_index]
 
 
+def check_budget_on_device(budget_bytes: int, spec: DeviceSpec, flag: str = "budget_gib") -> None:
+    """A budget above a GPU target's memory plans for memory it does not have (``--budget-gib
+    120`` for an 80 GiB H100 passed): refused. CPU targets have no fixed size: not checked."""
+    if spec.is_cuda and budget_bytes > spec.memory_bytes:
+        raise PlanningError(
+            f"{flag} {budget_bytes / GiB:g} GiB is more than the {spec.name}'s {spec.memory_bytes / GiB:g} GiB: "
+            f"the budget is one GPU's memory; pass at most {spec.memory_bytes / GiB:g}, or plan for a device "
+            "with more (PlanOptions(device=...), --device)")
+
+
 def _check_budget(budget_gib: Any, options: PlanOptions) -> tuple[int, int | None]:
-    """The budget and the host budget in bytes, checked against each other and the reserve."""
+    """The budget and the host budget in bytes, checked against each other, the reserve and the
+    target's memory."""
     budget = int(check_budget_gib(budget_gib) * GiB)
+    check_budget_on_device(budget, options.spec)
     _check_reserve_gib(options.reserve_gib, budget / GiB)
     host_budget = None if options.host_budget_gib is None else int(check_budget_gib(
         options.host_budget_gib, "host_budget_gib",
@@ -296,6 +331,7 @@ def plan_for_budget(
     reserve_bytes: int = 0,
     ac_units: Iterable[str] | None = None,
     fsdp_units: Iterable[str] | None = None,
+    fsdp_mp_policy: Any = None,
     solver_options: SolverOptions | None = None,
     verify: bool = True,
     milp: SACMilp | None = None,
@@ -306,12 +342,14 @@ def plan_for_budget(
     """The Plan for one budget, from an existing estimate (see :func:`solve_sac`); the estimate
     carries the step and trace options its verification trace reuses. With ``fsdp_units`` the
     memory points get FSDP2's per-rank additions (``planner.distributed.fsdp.fsdp_module_info``) here, the
-    one place every entry point goes through; a ``milp`` passed in must be built on those.
+    one place every entry point goes through, with ``fsdp_mp_policy`` (FSDP2's mixed precision)
+    if given; a ``milp`` passed in must be built on those.
     ``unplanned_peak_bytes``: the peak of the model as it runs without the plan where that is
     not ``est``'s (see :func:`unplanned_peak_bytes`); the plan's ``baseline_peak_bytes``."""
     plan = _plan_for_budget(model, est, budget_bytes, world_size=world_size, reserve_bytes=reserve_bytes,
-                            ac_units=ac_units, fsdp_units=fsdp_units, solver_options=solver_options,
-                            verify=verify, milp=milp, offload=offload, host_budget_bytes=host_budget_bytes)
+                            ac_units=ac_units, fsdp_units=fsdp_units, mp_policy=fsdp_mp_policy,
+                            solver_options=solver_options, verify=verify, milp=milp, offload=offload,
+                            host_budget_bytes=host_budget_bytes)
     if not (unplanned_peak_bytes is None or unplanned_peak_bytes == plan.baseline_peak_bytes or world_size > 1):
         # per rank (world_size > 1) the no-AC figure is the MILP's (sharded state); the trace is not
         plan = dataclasses.replace(plan, baseline_peak_bytes=unplanned_peak_bytes, notes=(*plan.notes, (
@@ -347,6 +385,7 @@ def _plan_for_budget(
     reserve_bytes: int,
     ac_units: Iterable[str] | None,
     fsdp_units: Iterable[str] | None,
+    mp_policy: Any,
     solver_options: SolverOptions | None,
     verify: bool,
     milp: SACMilp | None,
@@ -366,10 +405,12 @@ def _plan_for_budget(
     model = unwrap_compiled(model)
     check_plannable(model)
     units = None if fsdp_units is None else list(fsdp_units)
-    info = est.module_info if units is None else fsdp_module_info(est.module_info, units, world_size)
+    if mp_policy is not None and not isinstance(mp_policy, FsdpPrecision):  # a MixedPrecisionPolicy
+        mp_policy = FsdpPrecision.of(mp_policy, model)
+    info = est.module_info if units is None else per_rank_info(est.module_info, units, world_size, mp_policy)
     first_info = first_step_module_info(info)
     t0 = time.perf_counter()
-    notes: list[str] = [est.step.describe()] + [
+    notes: list[str] = [est.step.describe()] + plan_notes.precision_notes(mp_policy, est.step) + [
         n for n in (hf_cache_note(model), plan_notes.mode_note(model, est.step),
                     plan_notes.output_note(info, est.step), plan_notes.real_trace_note(model, est),
                     plan_notes.sparse_note(model), plan_notes.no_optimizer_note(est.step)) if n]
@@ -395,7 +436,7 @@ def _plan_for_budget(
     full_milp = milp
 
     def floor() -> _Floor:
-        return _floor(full_milp, est, info, model, world_size, solver_options, units)
+        return _floor(full_milp, est, info, model, world_size, solver_options, units, mp_policy)
 
     mispriced: dict[str, str] = {}  # candidates whose traced recompute set a peak the MILP missed
     tensor_parallel = has_dtensors(model)  # per-rank plans of a TP model are traced (FSDP-only: the MILP's)
@@ -411,7 +452,7 @@ def _plan_for_budget(
             return planned.first_step_peak_bytes, planned.steady_peak_bytes
         if verify and tensor_parallel:  # per rank: the planned step's trace, sharded by the FSDP rules
             planned = verification.traced_or_diverged(model, modules, est)
-            return verification.per_rank_peaks(planned, units, world_size)
+            return verification.per_rank_peaks(planned, units, world_size, mp_policy)
         first = predict_peak_bytes(first_info, res.discarded_bytes, world_size=world_size)
         return first, res.predicted_peak_bytes
 
@@ -447,7 +488,7 @@ def _plan_for_budget(
                     break
                 low = floor()
                 if found_peak is not None and found_peak < low.usable_bytes:  # the lower floor verifies
-                    low = _Floor(found_peak, _breakdown(found[2], world_size, units))
+                    low = _Floor(found_peak, _breakdown(found[2], world_size, units, mp_policy))
                 err = _infeasible(budget_bytes, reserve_bytes, floor=low, spec=est.spec)
                 if excluded:  # say what the floor would be without the safety exclusions
                     err.args = (err.args[0] + " Left out as unsafe to checkpoint: "
@@ -525,7 +566,7 @@ def _plan_for_budget(
         notes=tuple(notes),
         first_step_peak_bytes=first,
         steady_peak_bytes=steady,
-        step=StepRecord.of(est.step), train_step=est.step,
+        step=StepRecord.of(est.step), step_ref=StepRef(est.step),
         **_timeline_fields(info, modules, est.spec, units, world_size),
     )
     if traced > usable:

@@ -120,7 +120,7 @@ class TradeoffTable:
     """A budget sweep: one row per budget, ascending, with the Pareto frontier marked.
 
     >>> table = tradeoff_curve(info, n_points=10)            # doctest: +SKIP
-    >>> table.cheapest_under(int(0.6 * table.no_ac_peak_bytes)).budget_bytes  # doctest: +SKIP
+    >>> table.cheapest_under(int(0.6 * table.no_ac_peak_bytes)).recompute_ms  # doctest: +SKIP
     """
 
     rows: tuple[TradeoffPoint, ...]
@@ -154,7 +154,9 @@ class TradeoffTable:
 
     def cheapest_under(self, peak_bytes: int) -> TradeoffPoint | None:
         """Feasible row of least recompute whose predicted peak is <= ``peak_bytes`` (ties: lower
-        peak); None if no row fits."""
+        peak); None if no row fits. A row of the sweep only: to plan for a limit, plan at the
+        limit itself (``solve_sac``), which takes any plan under it and so never recomputes more
+        (between two rows the lower one can cost far more)."""
         fits = [r for r in self.feasible_rows if r.predicted_peak_bytes <= peak_bytes]
         return min(fits, key=lambda r: (r.recompute_ms, r.predicted_peak_bytes), default=None)
 
@@ -262,6 +264,24 @@ def _module_info(source: "torch.nn.Module | Estimate | ModuleInfo", step: TrainS
     )
 
 
+def _per_rank(info: ModuleInfo, source, options: PlanOptions) -> tuple[ModuleInfo, list[str] | None, int]:
+    """``info`` per rank as ``solve_sac`` plans it: with FSDP2's buffers for the options' units
+    (a sharded model's own), in its mixed precision; and the units and the ranks sharded over."""
+    from planner.distributed.fsdp import FsdpPrecision, per_rank_info
+    from planner.distributed.layout import fsdp_options, fsdp_precision
+
+    units, world_size = options.fsdp_units, options.world_size
+    if isinstance(source, torch.nn.Module):
+        units, world_size = fsdp_options(source, units, world_size)
+        precision = fsdp_precision(source, options.fsdp_mp_policy, units)
+    else:
+        policy = options.fsdp_mp_policy
+        precision = None if policy is None else FsdpPrecision(policy.param_dtype, policy.reduce_dtype)
+    if units is None:
+        return info, None, world_size
+    return per_rank_info(info, list(units), world_size, precision), list(units), world_size
+
+
 def _solve_point(milp: SACMilp, budget: int, min_peak: int, step_ms: float) -> TradeoffPoint:
     t0 = time.perf_counter()
     if budget < min_peak:  # known without a solve: the min-peak solve proved it
@@ -324,9 +344,10 @@ def tradeoff_curve(
     extra = _budget_values(extra_budgets, "extra_budgets")
     info, est = _module_info(source, step, options)
     options = options or PlanOptions()
-    world_size, solver_options = options.world_size, options.solver
+    info, units, world_size = _per_rank(info, source, options)
+    solver_options = options.solver
     t0 = time.perf_counter()
-    milp = SACMilp(info, world_size=world_size, options=solver_options)
+    milp = SACMilp(info, world_size=world_size, fsdp_units=units, options=solver_options)
     min_peak = milp.min_reachable_peak_bytes()
     notes: list[str] = []
     below = None  # a plan traced under the MILP's floor (shared modules), as a row
@@ -506,12 +527,8 @@ def step_time_curves(
 
     info, _ = _module_info(source, step, options)
     options = options or PlanOptions()
-    spec, world_size, solver_options = options.spec, options.world_size, options.solver
-    units = list(options.fsdp_units) if options.fsdp_units else None
-    if units and world_size > 1:
-        from planner.distributed.fsdp import fsdp_module_info
-
-        info = fsdp_module_info(info, units, world_size)
+    info, units, world_size = _per_rank(info, source, options)
+    spec, solver_options = options.spec, options.solver
     layout = step_layout_of(info, spec, fsdp_units=units, world_size=world_size)
     sac = SACMilp(info, world_size=world_size, fsdp_units=units, options=solver_options)
     three = OffloadMilp(info, layout, copy_bytes_per_s=spec.host_copy_bytes_per_s,

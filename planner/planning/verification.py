@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
 
 from estimators.tracing.estimation import Estimate, estimate
 from estimators.tracing.steady_state import first_step_module_info
-from planner.distributed.fsdp import fsdp_module_info
+from planner.distributed.fsdp import per_rank_info
 from solver import predict_peak_bytes
 
 __all__ = ["RecomputeDivergedError", "traced_estimate", "traced_or_diverged", "traced_peak",
@@ -117,12 +118,12 @@ def traced_estimate(model, modules, est: Estimate) -> Estimate:
     return estimate(model, est.step, device=est.spec, options=opts, prepare=lambda m: apply_module_plans(m, modules))
 
 
-def per_rank_peaks(planned: Estimate, fsdp_units, world_size: int) -> tuple[int, int]:
+def per_rank_peaks(planned: Estimate, fsdp_units, world_size: int, mp_policy: Any = None) -> tuple[int, int]:
     """(first-step, steady-state) per-rank peak of a planned step's trace sharded over
     ``world_size`` ranks: the MILP's memory model with nothing more discarded, on the traced
-    figures, with FSDP2's buffers for ``fsdp_units`` (``planner.distributed.fsdp``)."""
+    figures, with FSDP2's buffers for ``fsdp_units`` in ``mp_policy`` (``planner.distributed.fsdp``)."""
     info = planned.module_info
     if fsdp_units is not None:
-        info = fsdp_module_info(info, list(fsdp_units), world_size)
+        info = per_rank_info(info, list(fsdp_units), world_size, mp_policy)
     first = predict_peak_bytes(first_step_module_info(info), {}, world_size=world_size)
     return first, predict_peak_bytes(info, {}, world_size=world_size)

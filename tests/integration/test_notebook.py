@@ -47,6 +47,11 @@ def test_notebook_runs_and_prints_prediction_beside_measurement(tmp_path, monkey
         "no AC", "full AC, every block", "full AC, every 2nd block", "full AC, every 3rd block",
         "op-level SAC (torchtitan 'op')", "attention core (Megatron)"], text[-3000:]
     assert all(float(best) <= float(ms) for _, ms, best in rows), rows
+    # Planned at the limit, not at the sweep point under it (which was the floor: 100.6 ms against
+    # 88.5 ms at the limit): never more recompute than that point.
+    at_limit = re.search(r"planned at the limit .*?: ([\d.]+) ms recompute; the cheapest sweep point under it: "
+                         r"budget .*?, ([\d.]+) ms", text)
+    assert at_limit and float(at_limit.group(1)) <= float(at_limit.group(2)), text[-3000:]
     predicted = re.search(r"predicted peak\s+\S+ \S+ \(([\d,]+) B\)", text)
     measured = re.search(r"measured peak\s+\S+ \S+ \(([\d,]+) B\)", text)
     assert predicted and measured, text[-2000:]

@@ -118,7 +118,7 @@ def test_pp_x_fsdp_x_tp_each_ranks_measured_peak_is_its_prediction():
         with fake_layout_rank(build, mesh_shape={"pp": 2, "dp": 2, "tp": 2}, rank=r, schedule=torch_pp.Schedule1F1B,
                               n_microbatches=4, options=PlanOptions(device="cpu")) as (rp, _):
             budget = (rp.min_peak_bytes() + rp.unplanned_peak_bytes) // 2
-            plans[r] = {s: dataclasses.replace(p, train_step=None) for s, p in rp.plan(budget / 2**30).items()}
+            plans[r] = {s: dataclasses.replace(p, step_ref=None) for s, p in rp.plan(budget / 2**30).items()}
             expected[r] = (rp.unplanned_peak_bytes, budget, max(p.predicted_peak_bytes for p in plans[r].values()))
     by_rank = {r: plans[r - r % 4] for r in range(8)}
     results = run_ranks(rank_worker, 8, "llama", [RunConfig("1F1B", 4, None, tp=2, dp=2),

@@ -151,6 +151,7 @@ def test_cli_bad_budget_names_budget_gib(bad, capsys):
     (["--budget-gib", "0.01", "--reserve-gib", "0.02"], r"--reserve-gib \(0.02\) must be below --budget-gib"),
     (["--budget-gib", "0.5", "--device", "h100"], "--budget-gib 0.5 leaves nothing once the default reserve for h100"),
     (["--world-size", "0"], r"--world-size: must be an integer in \[1, 1,048,576\]"),
+    (["--budget-gib", "120", "--device", "h100"], "--budget-gib 120 GiB is more than the h100's 80 GiB"),
     (["--time-limit-s", "0"], "--time-limit-s: must be a positive"),
     (["--optimizer", "lion"], "--optimizer must be adam, adamw, sgd or none"),
     (["--micro-batches", "0"], r"--micro-batches: must be an integer in \[1, 1,048,576\]"),
@@ -412,3 +413,21 @@ def test_a_model_module_in_the_current_directory_imports_as_with_python_m(tmp_pa
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "mymodels_here", raising=False)
     assert load_callable("mymodels_here:make", "--model", "examples:gpt_demo")() == 42
+
+
+def test_several_ranks_plan_per_rank_with_fsdp_units_and_precision(capsys):
+    # With --world-size 8 the default budget was halfway to the one-process peak (1.28 MiB for a
+    # per-rank no-AC peak of 974.72 KiB): nothing to plan. FSDP2's units and mixed precision had no flag.
+    assert main(["--model", "examples:llama_tiny", "--quiet", "--json", "--no-verify", "--world-size", "8"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["budget_bytes"] < plan["baseline_peak_bytes"] and plan["modules"]
+    assert main(["--model", "examples:llama_tiny", "--quiet", "--json", "--no-verify", "--world-size", "8",
+                 "--fsdp-units", "Llama, Llama.layers.*", "--fsdp-param-dtype", "bf16", "--fsdp-reduce-dtype", "fp32"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["layout"]["fsdp_units"] == ["Llama", "Llama.layers.0", "Llama.layers.1"]
+    assert plan["budget_bytes"] < plan["baseline_peak_bytes"] and plan["modules"]
+    assert "FSDP2 mixed precision: parameters gathered in bfloat16, gradients reduced in float32" in plan["notes"]
+    for argv, says in ((["--fsdp-units", "Llama,Llama.layer.*"], "'Llama.layer.*' names no module of the traced model"),
+                       (["--fsdp-param-dtype", "bf16"], "add --fsdp-units")):
+        assert main(["--model", "examples:llama_tiny", "--quiet", "--no-verify", "--world-size", "8", *argv]) == 2
+        assert says in _error_line(capsys)

@@ -129,6 +129,33 @@ def test_the_expert_load_is_the_trace_s():
         PlanOptions(expert_load=1.25)
 
 
+def test_fsdp_mixed_precision_is_an_option_checked_up_front():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    assert PlanOptions(fsdp_units=("GPT",), fsdp_mp_policy=policy).fsdp_mp_policy is policy
+    with pytest.raises(TypeError, match="fsdp_mp_policy must be FSDP2's MixedPrecisionPolicy"):
+        PlanOptions(fsdp_mp_policy=torch.bfloat16)
+    with pytest.raises(PlanningError, match=r"fsdp_mp_policy.param_dtype must be a floating torch.dtype"):
+        PlanOptions(fsdp_mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    with pytest.raises(PlanningError, match="applies to FSDP2 units: pass fsdp_units"):
+        solve_sac(model, 1, TrainStep(inputs=inputs), options=PlanOptions(world_size=2, fsdp_mp_policy=policy))
+
+
+def test_an_fsdp_plan_counts_the_gathered_parameters_in_the_policys_dtype():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw", autocast_dtype=torch.bfloat16)
+    units = ["GPT", *(f"GPT.blocks.{i}" for i in range(len(model.blocks)))]
+    full = solve_sac(model, 1, step, options=PlanOptions(world_size=8, fsdp_units=units))
+    mixed = solve_sac(model, 1, step, options=PlanOptions(world_size=8, fsdp_units=units,
+                                                          fsdp_mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)))
+    assert mixed.baseline_peak_bytes < full.baseline_peak_bytes
+    assert any("parameters gathered in bfloat16, gradients reduced in bfloat16" in n for n in mixed.notes)
+
+
 def test_a_pipeline_torch_would_refuse_later_is_refused_at_once():
     import time
 

@@ -12,7 +12,7 @@
 """
 
 from planner.distributed.fsdp.comm import RECOMPUTE_EXTRA_ALL_GATHER_REASON, FsdpCommEstimate, FsdpUnitComm, fsdp_comm_ms
-from planner.distributed.fsdp.memory import FSDPExtraBytes, fsdp_extra_bytes, fsdp_module_info
+from planner.distributed.fsdp.memory import FSDPExtraBytes, FsdpPrecision, fsdp_extra_bytes, fsdp_module_info, per_rank_info
 from planner.distributed.fsdp.model import fsdp_units_of, original_class_name
 from planner.distributed.fsdp.units import FSDPUnitError
 
@@ -22,6 +22,8 @@ __all__ = [
     "fsdp_units_of",
     "fsdp_extra_bytes",
     "fsdp_module_info",
+    "FsdpPrecision",
+    "per_rank_info",
     "original_class_name",
     "FsdpUnitComm",
     "FsdpCommEstimate",

@@ -86,7 +86,7 @@ import torch
 from estimators.contract.module_info import MemoryPoint, ModuleInfo, Phase
 from planner.distributed.fsdp.units import Unit, check_world_size, unit_table
 
-__all__ = ["FSDPExtraBytes", "fsdp_extra_bytes", "fsdp_module_info"]
+__all__ = ["FSDPExtraBytes", "FsdpPrecision", "fsdp_extra_bytes", "fsdp_module_info", "per_rank_info"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,3 +256,37 @@ def fsdp_module_info(
         for p, e in zip(info.memory_points, extras)
     )
     return dataclasses.replace(info, memory_points=points)
+
+
+@dataclass(frozen=True)
+class FsdpPrecision:
+    """FSDP2's mixed precision as the rules read it (R8): the policy's dtypes and the dtype the
+    model's parameters were traced in (the sharded state's)."""
+
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    traced_param_dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def of(cls, policy: Any, model: torch.nn.Module) -> "FsdpPrecision | None":
+        """``policy`` (a ``MixedPrecisionPolicy``, or None) for ``model``, whose first floating
+        parameter gives the traced dtype."""
+        if policy is None or (policy.param_dtype is None and policy.reduce_dtype is None):
+            return None
+        traced = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        return cls(policy.param_dtype, policy.reduce_dtype, traced)
+
+    def describe(self) -> str:
+        name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+        param, reduce = (name.get(d, str(d)) if d is not None else None for d in (self.param_dtype, self.reduce_dtype))
+        return (f"FSDP2 mixed precision: parameters gathered in {param or name.get(self.traced_param_dtype)}, "
+                f"gradients reduced in {reduce or param or name.get(self.traced_param_dtype)}")
+
+
+def per_rank_info(info: ModuleInfo, fsdp_units: Iterable[str], world_size: int,
+                  precision: FsdpPrecision | None = None) -> ModuleInfo:
+    """``fsdp_module_info`` with ``precision`` (None: the traced dtype throughout)."""
+    if precision is None:
+        return fsdp_module_info(info, fsdp_units, world_size)
+    return fsdp_module_info(info, fsdp_units, world_size, mp_policy=precision,
+                            traced_param_dtype=precision.traced_param_dtype)

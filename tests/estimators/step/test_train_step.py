@@ -435,3 +435,19 @@ def test_the_tensors_a_loss_closes_over_are_found_and_the_counted_ones_left_out(
     same = TrainStep(inputs=(x,), loss_fn=lambda out, _, a=labels, b=view: out.sum()).loss_closure_tensors()
     assert len(same) == 1  # a view of a storage already found is that storage
     assert TrainStep(inputs=(x,)).loss_closure_tensors(model) == []
+
+
+@pytest.mark.parametrize("loss_fn, error", [
+    (lambda out, inputs: out.square().mean() + inputs[1].sum(), "IndexError: tuple index out of range"),
+    (lambda out, inputs: {"out": out}["logits"].sum(), "KeyError: 'logits'"),
+    (lambda out, inputs: out.loss, "AttributeError: 'Tensor' object has no attribute 'loss'"),
+])
+def test_a_loss_that_looks_up_what_is_not_there_says_it_is_the_loss(loss_fn, error):
+    """It raised a bare IndexError / AttributeError that did not say it came from the loss."""
+    model = torch.nn.Linear(16, 4)
+    with pytest.raises(StepError) as info:
+        run_step(model, (torch.randn(8, 16),), loss_fn, None)
+    msg = str(info.value)
+    assert msg.startswith(f"the loss function raised {error}")
+    assert "output being what the model returned (float32[8, 4]) and inputs the batch as given (tuple of 1: " \
+           "(float32[8, 16]))" in msg

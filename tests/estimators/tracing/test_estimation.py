@@ -561,3 +561,21 @@ def test_a_no_grad_forward_of_the_model_in_the_loss_is_planned_and_leaves_its_st
     # The user's parameters and buffers it reads count as the step's tensors: high (4,528 B of
     # 31,936 here; 70,944 B of 1.3 MB on a ResNet-D), never low.
     assert measured[1] == measured[2] <= est.steady_peak_bytes <= 1.15 * measured[1]
+
+
+def test_a_tensor_parallel_degree_that_does_not_divide_the_heads_is_named():
+    """Llama (4 heads, 2 KV heads, dim 64) at TP 3: the trace stopped on a view-shape error that
+    named neither the degree nor what it splits."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from examples.llama import llama_tiny
+    from examples.tensor_parallel import parallelize_llama
+    from planner.distributed.fake_world import fake_process_group
+
+    with fake_process_group(world_size=3):
+        model, inputs = llama_tiny(device="meta")
+        parallelize_llama(model, init_device_mesh("cpu", (3,)), sequence_parallel=False, loss_parallel=False)
+        with pytest.raises(TraceError, match=r"^the tensor-parallel layout splits tok_embeddings.weight \(256 along "
+                                             r"dim 0 over 3 ranks\); layers.0.attention.wq.weight \(64 along dim 0 "
+                                             r"over 3 ranks\).* unevenly.*The trace stopped here: .*aten.view"):
+            estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn))

@@ -349,3 +349,22 @@ def test_ids_past_the_table_are_refused_in_a_fake_trace(bag, ids, low, high):
                                          r"embedding they index has 100 rows \(ids must be in \[0, 100\)\)"):
         estimate(_TinyLM(bag), TrainStep(inputs={"input_ids": ids}))
     estimate(_TinyLM(bag), TrainStep(inputs={"input_ids": torch.randint(0, 100, (4, 8))}))  # in range: traced
+
+
+def test_labels_left_on_meta_are_named_not_sent_to_real_mode():
+    """A meta model (a 72B has no real mode) whose loss closes over meta labels: the fake kernel's
+    device mismatch advised a real-mode trace. It says what to make of the labels instead, and
+    with CPU labels the step traces."""
+    import torch.nn.functional as F
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    x = torch.empty(8, 16, device="meta")
+    labels = torch.empty(8, dtype=torch.long, device="meta")
+    with pytest.raises(TraceError) as info:
+        estimate(model, TrainStep(inputs=(x,), loss_fn=lambda out, inp: F.cross_entropy(out, labels)))
+    msg = str(info.value)
+    assert "still on meta, e.g. labels loss_fn closes over; make it a CPU tensor of its shape" in msg
+    assert "real mode" not in msg
+    cpu_labels = torch.zeros(8, dtype=torch.long)
+    estimate(model, TrainStep(inputs=(x,), loss_fn=lambda out, inp: F.cross_entropy(out, cpu_labels)))

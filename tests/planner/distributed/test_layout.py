@@ -123,6 +123,31 @@ def test_fsdp_units_of_a_model_not_yet_sharded_are_the_options():
     assert fsdp_options(_Net(), ["_Net"], 8) == (("_Net",), 8)
 
 
+def test_the_mixed_precision_of_a_sharded_model_is_read_from_it(one_intra_op_thread):
+    """A model fully_shard sharded with a MixedPrecisionPolicy was refused; now its policy is the
+    one planned (an options policy that says otherwise is refused)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from planner.distributed.layout import fsdp_precision
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert fsdp_precision(_Net(), None, None) is None
+    with pytest.raises(PlanningError, match="applies to FSDP2 units"):
+        fsdp_precision(_Net(), policy, None)
+    with fake_process_group(world_size=4):
+        net = _Net()
+        for block in net.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(net, mp_policy=policy)
+        read = fsdp_precision(net, None, None)
+        assert (read.param_dtype, read.reduce_dtype, read.traced_param_dtype) == (torch.bfloat16, torch.float32,
+                                                                                  torch.float32)
+        with pytest.raises(PlanningError, match="is not the policy fully_shard sharded the model with"):
+            fsdp_precision(net, MixedPrecisionPolicy(param_dtype=torch.float16), None)
+        plan = solve_sac(net, 1, TrainStep(inputs=(torch.randn(8, 16),), optimizer="adamw"))
+        assert "FSDP2 mixed precision: parameters gathered in bfloat16, gradients reduced in float32" in plan.notes
+
+
 def _fsdp_plan(model: nn.Module, world_size: int) -> Plan:
     from planner.plan import ModulePlan, model_fingerprint
 

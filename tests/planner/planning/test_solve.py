@@ -696,3 +696,11 @@ def test_a_refusal_never_states_a_smallest_budget_above_the_unplanned_peak():
         solve_sac(model, (lo + 0.3 * (hi - lo)) / GiB, step)
     assert e.value.min_budget_bytes == hi
     assert solve_sac(model, e.value.min_budget_gib, step).predicted_peak_bytes <= hi
+
+
+def test_a_budget_above_the_gpus_memory_is_refused():
+    """``--budget-gib 120`` for an 80 GiB H100 planned for memory the device does not have."""
+    model, inputs = EXAMPLES["gpt_tiny"]()
+    with pytest.raises(PlanningError, match=r"budget_gib 120 GiB is more than the h100's 80 GiB: the budget is one "
+                                            r"GPU's memory; pass at most 80"):
+        solve_sac(model, 120, TrainStep(inputs=inputs), options=PlanOptions(device="h100"))

@@ -368,3 +368,48 @@ def test_a_step_no_plan_can_lower_says_why():
     assert table.min_reachable_peak_bytes == table.no_ac_peak_bytes
     (note,) = [n for n in table.notes if n.startswith("no plan lowers the peak")]
     assert "optimizer state" in note and "at its peak" in note
+
+
+def test_the_sweep_plans_per_rank_with_the_options_fsdp_units_and_precision():
+    """As solve_sac does: FSDP2's gathered parameters and buffers in the policy's dtypes, per rank
+    (the sweep ignored fsdp_units: its no-AC peak and floor were those of ZeRO-style sharding)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from planner.distributed.fsdp import FsdpPrecision, fsdp_module_info
+
+    est = demo_estimate()
+    units = ["GPT", *(s.fqn for s in est.module_info.mod_stats if s.fqn.count(".") == 2 and ".blocks." in s.fqn)]
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for mp in (None, policy):
+        options = PlanOptions(world_size=4, fsdp_units=units, fsdp_mp_policy=mp)
+        table = tradeoff_curve(est, options=options, n_points=3)
+        info = fsdp_module_info(est.module_info, units, 4, mp_policy=mp and FsdpPrecision(torch.bfloat16, torch.float32))
+        milp = SACMilp(info, world_size=4, fsdp_units=units)
+        assert (table.no_ac_peak_bytes, table.min_reachable_peak_bytes) == (milp.no_ac_peak_bytes,
+                                                                            milp.min_reachable_peak_bytes())
+    zero = tradeoff_curve(est, options=PlanOptions(world_size=4), n_points=3)
+    assert table.no_ac_peak_bytes > zero.no_ac_peak_bytes  # FSDP2's buffers are in it
+
+
+@pytest.mark.slow
+def test_plot_labels_coinciding_policies_once_and_marks_the_budget():
+    """Two policies at one point (every 2nd and every 3rd block of a 2-block model) printed their
+    names over each other, and the user's budget was not on the plot."""
+    import dataclasses
+
+    pytest.importorskip("matplotlib", reason="plotting needs matplotlib: pip install sac-planner[plot]")
+    from planner.analysis.plotting import plot_tradeoff
+    from planner.planning.baselines import hand_made_baselines
+
+    info = demo_estimate().module_info
+    bases = hand_made_baselines(info)
+    twin = dataclasses.replace(bases[2], name="twin of " + bases[2].name)
+    table = tradeoff_curve(info, n_points=3)
+    budget = int(0.6 * table.no_ac_peak_bytes)
+    ax = plot_tradeoff(table, [*bases, twin], budget_bytes=budget).axes[0]
+    notes = {t.xy: t.get_text() for t in ax.texts}
+    assert len(notes) == len(ax.texts) == len(bases)  # one label per point
+    assert notes[(bases[2].predicted_peak_bytes / 2**20, bases[2].recompute_ms)] == f"{bases[2].name} = {twin.name}"
+    line = next(line for line in ax.get_lines() if line.get_label().startswith("your budget"))
+    assert list(line.get_xdata()) == [budget / 2**20] * 2
+    assert f"your budget ({budget / 2**20:.2f} MiB)" in [t.get_text() for t in ax.get_legend().get_texts()]
