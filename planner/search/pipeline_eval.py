@@ -1,0 +1,169 @@
+"""Pipeline layouts: every rank planned over its schedule (``RankPlanner``), from one trace per
+stage program (``World.trace_stages``), and the step on the schedule (``cost.pipeline_step_time``).
+
+FSDP2 under a pipeline: torchtitan keeps a stage's parameters gathered after forward, and torch's
+``PipelineStage`` defers resharding and gradient sync to the step's end, so through the step a rank
+holds its stages' parameters gathered and their gradients unsharded, beside its shard of the
+parameters and of the optimizer state. The rank is therefore planned as one process holding its
+whole stages (``world_size=1``: what ``RankPlanner`` traces and verifies) and shifted by a constant:
+
+    per-rank peak = planned peak + ceil(P / W) - (O - ceil(O / W))
+
+(``P`` the rank's parameter bytes, ``O`` its optimizer state's, ``W`` the FSDP degree): the rank
+holds its parameter shard on top, and a ``1 / W`` share of the optimizer state instead of all of it.
+The budget the rank is planned for is the usable budget less that shift.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from estimators.tracing.records import StorageKind
+from planner.errors import PlanningError
+from planner.format import GiB, fmt_bytes
+from planner.search.cost import RankTraffic, pipeline_step_time
+from planner.search.results import Evaluation, Status
+from planner.search.programs import StageSet, World
+
+__all__ = ["PipelineCases"]
+
+
+class PipelineCases:
+    """The pipeline candidates of one World: rank planners shared across FSDP degrees."""
+
+    def __init__(self, evaluator, world: World) -> None:
+        self.ev, self.world = evaluator, world
+        self.planners: dict[tuple, object] = {}
+
+    def _split(self, t) -> StageSet:
+        return StageSet(pp=t.pp, virtual=t.virtual_stages, split=t.split_backward, micro_batch=t.micro_batch)
+
+    def options(self, t, stage: int, *, verify: bool = False):
+        from torch.distributed.pipelining import schedules
+
+        from planner.options import Pipeline, PlanOptions
+
+        return PlanOptions(device=self.ev.cluster.spec, reserve_gib=0, verify=verify, solver=self.ev.solver,
+                           pipeline=Pipeline(getattr(schedules, t.schedule_class), n_microbatches=t.accumulation,
+                                             stage_index=stage, n_stages=t.n_stages, virtual_stages=t.virtual_stages))
+
+    def bound_ms(self, t) -> float:
+        """A lower bound of ``t``'s step, no stage traced: the schedule's makespan with each stage
+        as long as its layers' forward and backward in the whole-model program of the same
+        degrees and micro-batch (the same ops at the same shapes), plus its optimizer share; no
+        recompute, no communication."""
+        from estimators.pipeline.makespan import makespan_ms, simulate
+
+        info = self.world.layer_times(t.micro_batch).module_info
+        root = info.mod_stats[0].fqn
+        layer = [info.stats(f"{root}.layers.{i}") for i in range(self.ev.family.n_layers)]
+        embed = info.stats(f"{root}.tok_embeddings")
+        fw_rest = info.fw_runtime_ms - sum(s.fw_runtime_ms for s in layer) - embed.fw_runtime_ms
+        bw_rest = info.bw_runtime_ms - sum(s.bw_runtime_ms for s in layer) - embed.bw_runtime_ms
+        layout = self.options(t, 0).pipeline.layout
+        ranges = self.ev.family.stage_layers(t.n_stages)
+        n = t.n_stages
+        dur = {}
+        for s in range(n):
+            fw = sum(layer[i].fw_runtime_ms for i in ranges[s]) + (embed.fw_runtime_ms if s == 0 else 0) + \
+                (fw_rest if s == n - 1 else 0)
+            bw = sum(layer[i].bw_runtime_ms for i in ranges[s]) + (embed.bw_runtime_ms if s == 0 else 0) + \
+                (bw_rest if s == n - 1 else 0)
+            half = bw / 2 if layout.split_backward else bw
+            dur[s] = {"F": fw, "B": bw, "I": half, "W": bw - half}
+        spans = simulate({r: layout.actions(r) for r in range(layout.n_ranks)}, layout.stage_to_rank(),
+                         lambda s, k: dur[s][k])
+        optim = info.optimizer_runtime_ms / t.pp  # the ranks share the optimizer's work
+        return makespan_ms(spans, {r: optim for r in spans})
+
+    def traces(self, t):
+        return self.world.trace_stages(self._split(t), options_for=lambda s: self.options(t, s))
+
+    def planner(self, t, rank: int, *, verify: bool = False):
+        from planner.planning.pipeline_solve import RankPlanner
+
+        key = (self._split(t), t.schedule, t.accumulation, rank, verify)
+        if key not in self.planners:
+            traces = self.traces(t)
+            stages = self.options(t, 0).pipeline.layout.stages_of(rank)
+            self.planners[key] = RankPlanner({s: (traces.modules[s], traces.steps[s]) for s in stages},
+                                             options=self.options(t, stages[0], verify=verify),
+                                             estimates={s: traces.estimates[s] for s in stages})
+        return self.planners[key]
+
+    def _shift(self, stage_state: tuple[int, int, int], w: int) -> int:
+        p, o, _ = stage_state
+        return -(-p // w) - (o - -(-o // w)) if w > 1 else 0
+
+    def evaluate(self, t, *, verify: bool = False) -> Evaluation:
+        traces = self.traces(t)
+        usable = self.ev.cluster.usable_bytes
+        w = t.fsdp_size
+        plans, peaks, state, empty = {}, {}, {}, True
+        for r in range(t.pp):
+            rp = self.planner(t, r, verify=verify)
+            state[r] = self._state_of(traces, rp.local)
+            shift = self._shift(state[r], w)
+            if usable - shift < 1:
+                return self._over(t, r, rp, shift, f"its state alone, {fmt_bytes(shift)}, is over the budget")
+            try:
+                got = rp.plan((usable - shift) / GiB)
+            except PlanningError as e:
+                return self._over(t, r, rp, shift, str(e))
+            plans.update(got)
+            rank_plans = list(got.values())
+            if any(p.modules for p in rank_plans):
+                empty = False
+                peaks[r] = max(p.predicted_peak_bytes for p in rank_plans) + shift
+            else:
+                peaks[r] = rp.unplanned_peak_bytes + shift
+        binding = max(peaks, key=peaks.get)
+        st = self._time(t, plans, state)
+        status = Status.FITS if (verify or empty) else Status.PLANNED
+        where = f"rank {binding} (stage{'s' if t.virtual_stages > 1 else ''} " \
+                f"{', '.join(map(str, self.options(t, 0).pipeline.layout.stages_of(binding)))})"
+        program = (f"{t.n_stages} stages of {t.micro_batch} x {self.world.local_seq} tokens, "
+                   f"{traces.traced} stage programs traced")
+        return Evaluation(layout=t, status=status, peak_bytes=peaks[binding], binding=where,
+                          rank_peaks=tuple(peaks[r] for r in range(t.pp)),
+                          checkpointed=sum(len(p.modules) for p in plans.values()), time=st, program=program,
+                          plans=tuple(plans[s] for s in sorted(plans)) if verify else ())
+
+    def _state_of(self, traces, stages) -> tuple[int, int, int]:
+        p = o = g = 0
+        for s in stages:
+            est = traces.estimates[s]
+            row = est.timeline.live_by_kind[0]
+            p, o = p + int(row[StorageKind.PARAM]), o + int(row[StorageKind.OPTIMIZER])
+            g += est.module_info.mod_stats[0].grad_bytes
+        return p, o, g
+
+    def _over(self, t, rank: int, rp, shift: int, why: str) -> Evaluation:
+        try:
+            floor = rp.min_peak_bytes() + shift
+        except Exception:  # noqa: BLE001 - only an explanation
+            floor = 0
+        return Evaluation(layout=t, status=Status.OVER, peak_bytes=floor, binding=f"rank {rank}",
+                          why=f"rank {rank}: {' '.join(why.split())}"
+                              + (f" (FSDP2 under PP adds {fmt_bytes(shift)} per rank)" if shift > 0 else ""))
+
+    def _time(self, t, plans, state):
+        layout = self.options(t, 0).pipeline.layout
+        records = {s: p.pipeline for s, p in plans.items()}
+        recompute = {s: p.recompute_ms for s, p in plans.items()}
+        traffic = {r: RankTraffic(param_bytes=state[r][0], grad_bytes=state[r][2]) for r in state}
+        c = self.ev.cluster
+        return pipeline_step_time(
+            layout, records, recompute, traffic,
+            hop_bytes=self.ev.family.stage_boundary_bytes(t.micro_batch, self.world.boundary_seq),
+            pp_link=c.link(2, t.dp * t.cp * t.tp), fsdp_size=t.fsdp_size, fsdp_link=c.link(t.fsdp_size, t.tp),
+            replicas=t.dp_replicate, replica_link=c.link(t.dp_replicate, t.tp * t.cp * t.dp_shard))
+
+    def verify(self, e: Evaluation) -> Evaluation:
+        """Every rank planned with its stages traced under the plan (``RankPlanner`` verifies)."""
+        t0 = time.perf_counter()
+        got = self.evaluate(e.layout, verify=True)
+        if got.status is Status.FITS:
+            return got
+        return replace(got, why=f"verification ({time.perf_counter() - t0:.0f} s): {got.why}")
