@@ -21,6 +21,7 @@ Where the order comes from (torch 2.13):
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,7 +131,13 @@ class ScheduleLayout:
             return [(rank, "F", m) for m in range(n)] + [(rank, "B", m) for m in range(n)]
         if self.runtime is Runtime.ONE_F_ONE_B:
             return _one_f_one_b(rank, self.n_stages, self.n_microbatches)
-        return _runtime_actions(self, rank)
+        return list(_runtime_actions_by_rank(self)[rank])
+
+
+    def actions_by_rank(self) -> dict[int, list[Action]]:
+        """Every rank's ``actions``; a runtime schedule's order is built once for all of them (it
+        is the same torch computation whichever rank asks)."""
+        return {r: self.actions(r) for r in range(self.n_ranks)}
 
 
 def _one_f_one_b(stage: int, n_stages: int, n: int) -> list[Action]:
@@ -147,9 +154,17 @@ def _one_f_one_b(stage: int, n_stages: int, n: int) -> list[Action]:
     return out + [(stage, "B", m) for m in range(b, n)]
 
 
-def _runtime_actions(layout: ScheduleLayout, rank: int) -> list[Action]:
-    stages = [_StandIn(s, layout.n_stages, layout.n_ranks, rank) for s in layout.stages_of(rank)]
-    sched = layout.schedule_cls(stages, layout.n_microbatches)
+@functools.lru_cache(maxsize=64)
+def _runtime_actions_by_rank(layout: ScheduleLayout) -> dict[int, tuple[Action, ...]]:
+    """Every rank's compute actions from one construction of torch's schedule (its constructor
+    lays out every rank: building it once per rank asked made a 16-rank interleaved schedule's
+    order cost 16 constructions; planning every rank cost 16 x 16)."""
+    stages = [_StandIn(s, layout.n_stages, layout.n_ranks, 0) for s in layout.stages_of(0)]
+    order = layout.schedule_cls(stages, layout.n_microbatches).pipeline_order_with_comms
+    return {r: tuple(_compute_actions(order[r])) for r in range(layout.n_ranks)}
+
+
+def _compute_actions(order) -> list[Action]:
     out: list[Action] = []
 
     def add(a) -> None:
@@ -159,6 +174,6 @@ def _runtime_actions(layout: ScheduleLayout, rank: int) -> list[Action]:
         elif a.computation_type.value in ("F", "B", "I", "W"):
             out.append((a.stage_index, a.computation_type.value, a.microbatch_index))
 
-    for a in sched.pipeline_order_with_comms[rank]:
+    for a in order:
         add(a)
     return out

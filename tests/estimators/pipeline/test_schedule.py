@@ -44,3 +44,36 @@ def test_refuses_what_it_does_not_model():
         ScheduleLayout.of(Schedule1F1B, n_microbatches=4, n_stages=4, virtual_stages=2)
     with pytest.raises(ScheduleError, match="schedule class or object"):
         ScheduleLayout.of(int, n_microbatches=4, n_stages=4)
+
+
+@pytest.mark.parametrize("cls", [ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble])
+def test_a_runtime_schedule_lays_out_every_rank_the_same_whichever_rank_builds_it(cls):
+    """The order is built once for all ranks (from rank 0's stand-ins): torch's constructor lays
+    out every rank from the group's size, not from the rank that builds it."""
+    from estimators.pipeline.schedule import _StandIn
+
+    layout = ScheduleLayout.of(cls, n_microbatches=8, n_stages=8, virtual_stages=2)
+
+    def order(rank):
+        stages = [_StandIn(s, 8, 4, rank) for s in layout.stages_of(rank)]
+        return {r: [str(a) for a in acts] for r, acts in cls(stages, 8).pipeline_order_with_comms.items()}
+
+    assert order(0) == order(3)
+    by_rank = layout.actions_by_rank()
+    assert all(by_rank[r] == layout.actions(r) for r in range(4))
+    assert [a for a in by_rank[3] if a[1] == "F"][0] == (3, "F", 0)
+
+
+def test_a_runtime_schedule_is_built_once_for_every_rank():
+    class Counting(ScheduleInterleaved1F1B):
+        built = 0
+
+        def __init__(self, *args, **kwargs):
+            Counting.built += 1
+            super().__init__(*args, **kwargs)
+
+    layout = ScheduleLayout.of(Counting, n_microbatches=8, n_stages=8, virtual_stages=2)
+    for rank in range(4):
+        layout.actions(rank)
+    layout.actions_by_rank()
+    assert Counting.built == 1
