@@ -41,7 +41,8 @@ from planner.distributed.fsdp.comm import fsdp_comm_ms
 from planner.planning.baselines import find_blocks
 from solver.plan_cost import module_recompute_ms
 
-__all__ = ["StepTime", "RankTraffic", "unit_comms", "model_step_time", "pipeline_step_time", "in_trace_comm_ms"]
+__all__ = ["StepTime", "RankTraffic", "unit_comms", "model_step_time", "pipeline_step_time", "pipeline_bound_ms",
+           "in_trace_comm_ms"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,16 +127,17 @@ class RankTraffic:
 
 def pipeline_step_time(layout, records: Mapping[int, object], recompute_ms: Mapping[int, float],
                        traffic: Mapping[int, RankTraffic], *, hop_bytes: int, pp_link, fsdp_size: int,
-                       fsdp_link, replicas: int, replica_link) -> StepTime:
+                       fsdp_link, replicas: int, replica_link, actions=None) -> StepTime:
     """The step of a pipeline layout (module docstring). ``layout``: the schedule's
     ``ScheduleLayout``; ``records``: each stage's ``PipelineRecord`` (its plan's durations);
     ``recompute_ms``: each stage's recompute per micro-batch; ``traffic``: per rank; FSDP2 over
-    ``fsdp_size`` ranks on ``fsdp_link``, HSDP's ``replicas`` on ``replica_link``."""
+    ``fsdp_size`` ranks on ``fsdp_link``, HSDP's ``replicas`` on ``replica_link``; ``actions``:
+    every rank's actions where known already (``layout.actions`` otherwise)."""
     hop = _collectives(pp_link)
     p2p = hop.costs[Collective.BROADCAST]
     hop_ms = 1e3 * (p2p.latency_s + hop_bytes / p2p.bandwidth_bytes_per_s)
     dur = {s: {"F": r.fw_ms, "B": r.bw_ms, "I": r.bw_ms, "W": r.w_ms} for s, r in records.items()}
-    acts = {r: layout.actions(r) for r in range(layout.n_ranks)}
+    acts = actions if actions is not None else {r: layout.actions(r) for r in range(layout.n_ranks)}
     stage_rank = layout.stage_to_rank()
     optim = {r: sum(records[s].optim_ms for s in layout.stages_of(r)) for r in acts}
     spans = simulate(acts, stage_rank, lambda s, k: dur[s][k], lambda _a, _b: hop_ms)
@@ -160,3 +162,62 @@ def pipeline_step_time(layout, records: Mapping[int, object], recompute_ms: Mapp
     exposed = (end - end0) + gather + reduce
     return StepTime(compute_ms=compute, recompute_ms=rec[binding], exposed_comm_ms=exposed,
                     bubble_ms=max(0.0, step - compute - rec[binding] - exposed), step_ms=step)
+
+
+def pipeline_bound_ms(info, layout, ranges, state_bytes: Mapping[int, int], *, usable_bytes: int,
+                      actions: Mapping[int, list]) -> float:
+    """A lower bound of a pipeline layout's step before its stages are traced, from ``info``, the
+    whole-model program of the same degrees and micro-batch (the same ops at the same shapes):
+
+    * each stage as long as its layers' forward and backward there (the embedding on the first,
+      the rest of the model on the last); the schedule's makespan with no communication;
+    * recompute each rank cannot avoid: at the start of its first backward its ``k`` micro-batches
+      in flight hold at least their saved activations (``act_fw_bytes``) beside its state; what
+      the usable budget does not hold must be discarded from every one of them, at no less than
+      the layers' convex recompute-vs-memory curves cost, every micro-batch (twice under a split
+      backward), on that rank's busy time.
+
+    ``ranges``: each stage's layers; ``state_bytes``: each pipeline rank's state."""
+    root = info.mod_stats[0].fqn
+    n_layers = sum(len(r) for r in ranges)
+    layer = [info.stats(f"{root}.layers.{i}") for i in range(n_layers)]
+    embed = info.stats(f"{root}.tok_embeddings")
+    rest_fw = info.fw_runtime_ms - sum(x.fw_runtime_ms for x in layer) - embed.fw_runtime_ms
+    rest_bw = info.bw_runtime_ms - sum(x.bw_runtime_ms for x in layer) - embed.bw_runtime_ms
+    n = len(ranges)
+    dur = {}
+    for s in range(n):
+        fw = sum(layer[i].fw_runtime_ms for i in ranges[s]) + (embed.fw_runtime_ms if s == 0 else 0.0) \
+            + (rest_fw if s == n - 1 else 0.0)
+        bw = sum(layer[i].bw_runtime_ms for i in ranges[s]) + (embed.bw_runtime_ms if s == 0 else 0.0) \
+            + (rest_bw if s == n - 1 else 0.0)
+        half = bw / 2 if layout.split_backward else bw
+        dur[s] = {"F": fw, "B": bw, "I": half, "W": bw - half}
+    spans = simulate(dict(actions), layout.stage_to_rank(), lambda s, k: dur[s][k])
+    optim = info.optimizer_runtime_ms / layout.n_ranks  # the ranks share the optimizer's work
+    bound = max(sp[-1].end_ms for sp in spans.values()) + optim
+    halves = 2 if layout.split_backward else 1
+    curve = layer[0].tradeoff
+    for r, acts in actions.items():
+        held = peak = 0
+        for _s, kind, _m in acts:  # micro-batches between their forward and their (last) backward
+            held += 1 if kind == "F" else -1 if kind in (("W",) if layout.split_backward else ("B",)) else 0
+            peak = max(peak, held)
+        layers_r = [i for s in layout.stages_of(r) for i in ranges[s]]
+        kept = sum(layer[i].act_fw_bytes for i in layers_r)
+        excess = state_bytes[r] + peak * kept - usable_bytes
+        busy = sum(dur[s][k] for s, k, _m in acts)
+        if excess > 0 and peak and layers_r:
+            per_layer = min(curve.total_bytes, excess / (peak * len(layers_r)))
+            rec = layout.n_microbatches * halves * len(layers_r) * _curve_ms(curve, per_layer)
+            bound = max(bound, busy + rec + optim)
+    return bound
+
+
+def _curve_ms(curve, discarded: float) -> float:
+    """The convex curve's recompute time at ``discarded`` bytes (linear between breakpoints)."""
+    xs, ys = curve.discarded_bytes, curve.recompute_ms
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if discarded <= x1:
+            return y0 + (y1 - y0) * ((discarded - x0) / (x1 - x0) if x1 > x0 else 1.0)
+    return ys[-1]

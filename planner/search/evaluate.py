@@ -96,17 +96,18 @@ class Evaluator:
                     out[t] = self._model_candidate(world, t)
                     self._tick()
                 pipelined = [t for t in group if t.pp > 1]
-                bounds = {t: pipes.bound_ms(t) if self.bound else 0.0 for t in pipelined} if not refusal else {}
+                bounds = {t: pipes.bound_ms(t) for t in pipelined} if not refusal else {}
                 for t in sorted(pipelined, key=lambda t: (bounds.get(t, 0.0), t)):
                     best = min((e.step_ms for e in out.values() if e.runs), default=float("inf"))
                     if refusal:
                         out[t] = Evaluation(layout=t, status=Status.NOT_EVALUATED, why=refusal)
-                    elif bounds[t] >= best:
-                        out[t] = Evaluation(layout=t, status=Status.BOUNDED, why=(
-                            f"its schedule with no recompute and no communication takes {bounds[t]:,.4g} ms "
-                            f"per step, over the fastest planned layout's {best:,.4g} ms"))
+                    elif self.bound and bounds[t] >= best:
+                        out[t] = Evaluation(layout=t, status=Status.BOUNDED, bound_ms=bounds[t], why=(
+                            f"a lower bound of its step (its schedule's compute and the recompute its micro-batches "
+                            f"in flight force, no communication) is {bounds[t]:,.4g} ms, over the fastest planned "
+                            f"layout's {best:,.4g} ms"))
                     else:
-                        out[t] = pipes.evaluate(t)
+                        out[t] = replace(pipes.evaluate(t), bound_ms=bounds[t])
                     self._tick()
                 self.traced += world.traced
                 self.trace_s += world.trace_s
@@ -128,7 +129,7 @@ class Evaluator:
     def _model_candidate(self, world: World, t: Layout) -> Evaluation:
         est = world.trace_model(micro_batch=t.micro_batch, accumulation=t.accumulation)
         w = t.fsdp_size
-        case = self._case(world, est, w, world.__dict__.setdefault("_search_cases", {}))
+        case = self._case(world, est, w, world.cache)
         if case.outcome is None:
             case.outcome = self._plan_points(case, world.units, w)
         discards, peak, floor, why = case.outcome

@@ -296,14 +296,16 @@ def _divides(layout: Layout, family, cluster: Cluster, global_batch: int, seq_le
     return None
 
 
-def state_bound_bytes(layout: Layout, family) -> int:
-    """The largest rank's parameters, gradients and optimizer state: sharded over the FSDP group,
-    plus (under PP with FSDP) the stage's parameters and gradients FSDP2 keeps unsharded through
-    the step (torch's ``PipelineStage`` turns off resharding after backward and gradient sync
-    until the last micro-batch; torchtitan keeps parameters gathered after forward under PP)."""
+def state_bound_bytes(layout: Layout, family, *, rank: int | None = None) -> int:
+    """The largest rank's (or pipeline rank ``rank``'s) parameters, gradients and optimizer state:
+    sharded over the FSDP group, plus (under PP with FSDP) the stage's parameters and gradients
+    FSDP2 keeps unsharded through the step (torch's ``PipelineStage`` turns off resharding after
+    backward and gradient sync until the last micro-batch; torchtitan keeps parameters gathered
+    after forward under PP)."""
     w = layout.fsdp_size
     worst = 0
-    for ids, first, last in family.rank_layer_sets(layout.pp, layout.virtual_stages):
+    sets = family.rank_layer_sets(layout.pp, layout.virtual_stages)
+    for ids, first, last in (sets if rank is None else [sets[rank]]):
         p = family.param_bytes(tp=layout.tp, layer_ids=ids, first=first, last=last)
         state = math.ceil((p + p + family.optimizer_bytes_per_param_byte * p) / w)
         if layout.pp > 1 and w > 1:

@@ -16,17 +16,25 @@ The budget the rank is planned for is the usable budget less that shift.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import replace
 
 from estimators.tracing.records import StorageKind
 from planner.errors import PlanningError
 from planner.format import GiB, fmt_bytes
-from planner.search.cost import RankTraffic, pipeline_step_time
+from planner.search.cost import RankTraffic, pipeline_bound_ms, pipeline_step_time
 from planner.search.results import Evaluation, Status
 from planner.search.programs import StageSet, World
 
-__all__ = ["PipelineCases"]
+__all__ = ["PipelineCases", "rank_actions"]
+
+
+@functools.lru_cache(maxsize=256)
+def rank_actions(layout) -> dict[int, list]:
+    """Every rank's actions of a schedule layout, computed once (a runtime schedule's order is
+    built by constructing torch's schedule, once per rank asked)."""
+    return layout.actions_by_rank()
 
 
 class PipelineCases:
@@ -49,33 +57,16 @@ class PipelineCases:
                                              stage_index=stage, n_stages=t.n_stages, virtual_stages=t.virtual_stages))
 
     def bound_ms(self, t) -> float:
-        """A lower bound of ``t``'s step, no stage traced: the schedule's makespan with each stage
-        as long as its layers' forward and backward in the whole-model program of the same
-        degrees and micro-batch (the same ops at the same shapes), plus its optimizer share; no
-        recompute, no communication."""
-        from estimators.pipeline.makespan import makespan_ms, simulate
+        """A lower bound of ``t``'s step before any stage is traced (``cost.pipeline_bound_ms``),
+        from the whole-model program of the same degrees and micro-batch."""
+        from planner.search.layouts import state_bound_bytes
 
+        fam = self.ev.family
         info = self.world.layer_times(t.micro_batch).module_info
-        root = info.mod_stats[0].fqn
-        layer = [info.stats(f"{root}.layers.{i}") for i in range(self.ev.family.n_layers)]
-        embed = info.stats(f"{root}.tok_embeddings")
-        fw_rest = info.fw_runtime_ms - sum(s.fw_runtime_ms for s in layer) - embed.fw_runtime_ms
-        bw_rest = info.bw_runtime_ms - sum(s.bw_runtime_ms for s in layer) - embed.bw_runtime_ms
         layout = self.options(t, 0).pipeline.layout
-        ranges = self.ev.family.stage_layers(t.n_stages)
-        n = t.n_stages
-        dur = {}
-        for s in range(n):
-            fw = sum(layer[i].fw_runtime_ms for i in ranges[s]) + (embed.fw_runtime_ms if s == 0 else 0) + \
-                (fw_rest if s == n - 1 else 0)
-            bw = sum(layer[i].bw_runtime_ms for i in ranges[s]) + (embed.bw_runtime_ms if s == 0 else 0) + \
-                (bw_rest if s == n - 1 else 0)
-            half = bw / 2 if layout.split_backward else bw
-            dur[s] = {"F": fw, "B": bw, "I": half, "W": bw - half}
-        spans = simulate({r: layout.actions(r) for r in range(layout.n_ranks)}, layout.stage_to_rank(),
-                         lambda s, k: dur[s][k])
-        optim = info.optimizer_runtime_ms / t.pp  # the ranks share the optimizer's work
-        return makespan_ms(spans, {r: optim for r in spans})
+        state = {r: state_bound_bytes(t, fam, rank=r) for r in range(t.pp)}
+        return pipeline_bound_ms(info, layout, fam.stage_layers(t.n_stages), state,
+                                 usable_bytes=self.ev.cluster.usable_bytes, actions=rank_actions(layout))
 
     def traces(self, t):
         return self.world.trace_stages(self._split(t), options_for=lambda s: self.options(t, s))
@@ -155,7 +146,7 @@ class PipelineCases:
         traffic = {r: RankTraffic(param_bytes=state[r][0], grad_bytes=state[r][2]) for r in state}
         c = self.ev.cluster
         return pipeline_step_time(
-            layout, records, recompute, traffic,
+            layout, records, recompute, traffic, actions=rank_actions(layout),
             hop_bytes=self.ev.family.stage_boundary_bytes(t.micro_batch, self.world.boundary_seq),
             pp_link=c.link(2, t.dp * t.cp * t.tp), fsdp_size=t.fsdp_size, fsdp_link=c.link(t.fsdp_size, t.tp),
             replicas=t.dp_replicate, replica_link=c.link(t.dp_replicate, t.tp * t.cp * t.dp_shard))

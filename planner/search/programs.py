@@ -62,6 +62,8 @@ class World:
         self.family, self.cluster, self.tp, self.cp = family, cluster, tp, cp
         self._models: dict[Any, Estimate] = {}
         self._stages: dict[Any, StageTraces] = {}
+        self.cache: dict[Any, Any] = {}
+        """What an evaluator derives from this world's traces (per-rank points, MILPs)."""
         self.traced = 0
         self.trace_s = 0.0
         self._exit = contextlib.ExitStack()

@@ -42,6 +42,8 @@ class Evaluation:
     time: StepTime | None = None
     why: str = ""
     """Over budget or not evaluated: which rank, what fills it / what is missing."""
+    bound_ms: float | None = None
+    """Pipeline layouts: the lower bound of the step computed before tracing (``cost.pipeline_bound_ms``)."""
     program: str = ""
     plans: tuple = field(default=(), compare=False)
     """Verified plans of the layout's distinct ranks (``Plan``), for plan files."""

@@ -17,7 +17,8 @@ BUDGET_GIB = 1.6 / 1024  # between the tiny Llama's floor and its no-AC peak on 
 
 @pytest.fixture(scope="module")
 def result():
-    options = SearchOptions(space=SearchSpace(cp=(1,), micro_batches=(1, 2), schedules=("1F1B",)), verify_all=True)
+    options = SearchOptions(space=SearchSpace(cp=(1,), micro_batches=(1, 2), schedules=("1F1B",)), verify_all=True,
+                            bound=False)
     return search(llama_tiny, Cluster.parse("2xcpu", budget_gib=BUDGET_GIB), global_batch=4, seq_len=32,
                   options=options)
 
@@ -40,6 +41,13 @@ def test_the_ranking_is_by_modelled_step_time(result):
         t = e.time
         assert t.compute_ms + t.recompute_ms + t.exposed_comm_ms + t.bubble_ms == pytest.approx(t.step_ms)
         assert result.tokens_per_s(e) == pytest.approx(4 * 32 / (t.step_ms / 1e3))
+
+
+def test_the_pipeline_bound_is_below_the_step_it_bounds(result):
+    pipelined = [e for e in result.evaluations if e.layout.pp > 1 and e.time is not None]
+    assert pipelined
+    for e in pipelined:
+        assert 0 < e.bound_ms <= e.step_ms
 
 
 def test_each_program_is_traced_once(result):
