@@ -160,7 +160,7 @@ def _pipeline_run(t, mesh, plans):
     opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-3)
 
     def step():
-        sched.step(*((x,) if first else ()), **({"target": x} if last else {}))
+        sched.step(*((x,) if first else ()), **({"target": x} if last else {}), return_outputs=False)  # torchtitan
         opt.step()
 
     def held():

@@ -41,7 +41,7 @@ from planner.distributed.fsdp.comm import fsdp_comm_ms
 from planner.planning.baselines import find_blocks
 from solver.plan_cost import module_recompute_ms
 
-__all__ = ["StepTime", "RankTraffic", "unit_comms", "model_step_time", "pipeline_step_time", "pipeline_bound_ms",
+__all__ = ["StepTime", "RankTraffic", "unit_comms", "model_step_time", "pipeline_step_time", "pipeline_bound", "PipelineBound",
            "in_trace_comm_ms"]
 
 
@@ -164,18 +164,35 @@ def pipeline_step_time(layout, records: Mapping[int, object], recompute_ms: Mapp
                     bubble_ms=max(0.0, step - compute - rec[binding] - exposed), step_ms=step)
 
 
-def pipeline_bound_ms(info, layout, ranges, state_bytes: Mapping[int, int], *, usable_bytes: int,
-                      actions: Mapping[int, list]) -> float:
-    """A lower bound of a pipeline layout's step before its stages are traced, from ``info``, the
-    whole-model program of the same degrees and micro-batch (the same ops at the same shapes):
+@dataclass(frozen=True)
+class PipelineBound:
+    """Lower bounds of a pipeline layout, before its stages are traced (``pipeline_bound``)."""
+
+    step_ms: float
+    floor_bytes: int
+    """The largest rank's smallest possible peak: its state and, for each micro-batch in flight,
+    what its layers keep with every one of them checkpointed."""
+    floor_rank: int
+    in_flight: int
+    """Micro-batches that rank holds at its first backward."""
+
+
+def pipeline_bound(info, layout, ranges, state_bytes: Mapping[int, int], *, usable_bytes: int,
+                   actions: Mapping[int, list]) -> PipelineBound:
+    """Lower bounds of a pipeline layout's step and peak before its stages are traced, from
+    ``info``, the whole-model program of the same degrees and micro-batch (the same ops at the
+    same shapes):
 
     * each stage as long as its layers' forward and backward there (the embedding on the first,
       the rest of the model on the last); the schedule's makespan with no communication;
-    * recompute each rank cannot avoid: at the start of its first backward its ``k`` micro-batches
-      in flight hold at least their saved activations (``act_fw_bytes``) beside its state; what
-      the usable budget does not hold must be discarded from every one of them, at no less than
-      the layers' convex recompute-vs-memory curves cost, every micro-batch (twice under a split
-      backward), on that rank's busy time.
+    * (torchtitan's ``return_outputs=False``: the last stage keeps no output chunks)
+    * at the start of its first backward a rank's ``k`` micro-batches in flight hold at least
+      their saved activations (``act_fw_bytes``) beside its state: what the usable budget does not
+      hold must be discarded from every one of them, at no less than the layers' convex
+      recompute-vs-memory curves cost, every micro-batch (twice under a split backward), on that
+      rank's busy time. Its floor: every layer discarding all it can (each micro-batch in flight
+      keeps the rest), or the stage checkpointed whole (its recompute brings one micro-batch's
+      activations back at once), whichever is lower.
 
     ``ranges``: each stage's layers; ``state_bytes``: each pipeline rank's state."""
     root = info.mod_stats[0].fqn
@@ -198,20 +215,28 @@ def pipeline_bound_ms(info, layout, ranges, state_bytes: Mapping[int, int], *, u
     bound = max(sp[-1].end_ms for sp in spans.values()) + optim
     halves = 2 if layout.split_backward else 1
     curve = layer[0].tradeoff
+    most = curve.total_bytes + layer[0].forced_discard_bytes  # a layer's largest discard
+    floor, floor_rank, floor_k = 0, 0, 0
     for r, acts in actions.items():
-        held = peak = 0
+        held = k = 0
         for _s, kind, _m in acts:  # micro-batches between their forward and their (last) backward
             held += 1 if kind == "F" else -1 if kind in (("W",) if layout.split_backward else ("B",)) else 0
-            peak = max(peak, held)
+            k = max(k, held)
         layers_r = [i for s in layout.stages_of(r) for i in ranges[s]]
         kept = sum(layer[i].act_fw_bytes for i in layers_r)
-        excess = state_bytes[r] + peak * kept - usable_bytes
-        busy = sum(dur[s][k] for s, k, _m in acts)
-        if excess > 0 and peak and layers_r:
-            per_layer = min(curve.total_bytes, excess / (peak * len(layers_r)))
+        # Every layer checkpointed: each micro-batch in flight keeps what its layers cannot discard,
+        # and the first layer's recompute brings its discard back; the stage checkpointed whole
+        # instead: its recompute brings one micro-batch's activations back at once.
+        low = state_bytes[r] + min(kept, k * max(0, kept - most * len(layers_r)) + most) if k else state_bytes[r]
+        if low > floor:
+            floor, floor_rank, floor_k = low, r, k
+        excess = state_bytes[r] + k * kept - usable_bytes
+        busy = sum(dur[s][kind] for s, kind, _m in acts)
+        if excess > 0 and k and layers_r:
+            per_layer = min(curve.total_bytes, excess / (k * len(layers_r)))
             rec = layout.n_microbatches * halves * len(layers_r) * _curve_ms(curve, per_layer)
             bound = max(bound, busy + rec + optim)
-    return bound
+    return PipelineBound(step_ms=bound, floor_bytes=floor, floor_rank=floor_rank, in_flight=floor_k)
 
 
 def _curve_ms(curve, discarded: float) -> float:

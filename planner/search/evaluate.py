@@ -89,29 +89,39 @@ class Evaluator:
                 group = [t for t in group if t.pp == 1]
             if not group:
                 continue
-            with World(self.family, self.cluster, tp=tp, cp=cp) as world:
+            with World(self.family, self.cluster, tp=tp, cp=cp, progress=self.progress) as world:
                 pipes = PipelineCases(self, world)
                 refusal = pp_tp_refusal(world) if tp > 1 and any(t.pp > 1 for t in group) else ""
                 for t in sorted((t for t in group if t.pp == 1), key=lambda t: (t.micro_batch, -t.dp_shard)):
                     out[t] = self._model_candidate(world, t)
                     self._tick()
                 pipelined = [t for t in group if t.pp > 1]
-                bounds = {t: pipes.bound_ms(t) for t in pipelined} if not refusal else {}
-                for t in sorted(pipelined, key=lambda t: (bounds.get(t, 0.0), t)):
-                    best = min((e.step_ms for e in out.values() if e.runs), default=float("inf"))
-                    if refusal:
-                        out[t] = Evaluation(layout=t, status=Status.NOT_EVALUATED, why=refusal)
-                    elif self.bound and bounds[t] >= best:
-                        out[t] = Evaluation(layout=t, status=Status.BOUNDED, bound_ms=bounds[t], why=(
-                            f"a lower bound of its step (its schedule's compute and the recompute its micro-batches "
-                            f"in flight force, no communication) is {bounds[t]:,.4g} ms, over the fastest planned "
-                            f"layout's {best:,.4g} ms"))
-                    else:
-                        out[t] = replace(pipes.evaluate(t), bound_ms=bounds[t])
+                bounds = {t: pipes.bound(t) for t in pipelined} if not refusal else {}
+                for t in sorted(pipelined, key=lambda t: (bounds[t].step_ms if t in bounds else 0.0, t)):
+                    out[t] = self._pipeline_candidate(pipes, t, bounds.get(t), refusal, out)
                     self._tick()
                 self.traced += world.traced
                 self.trace_s += world.trace_s
         return [out[t] for t in layouts]
+
+    def _pipeline_candidate(self, pipes, t: Layout, bound, refusal: str, out: dict) -> Evaluation:
+        """Not evaluated (``refusal``), over budget or slower by its bound (not traced), or planned."""
+        if refusal:
+            return Evaluation(layout=t, status=Status.NOT_EVALUATED, why=refusal)
+        usable = self.cluster.usable_bytes
+        if bound.floor_bytes > usable:
+            return Evaluation(layout=t, status=Status.OVER, peak_bytes=bound.floor_bytes, binding=f"rank {bound.floor_rank}",
+                              bound_ms=bound.step_ms, why=(
+                f"rank {bound.floor_rank} holds at least {fmt_bytes(bound.floor_bytes)} with every layer checkpointed "
+                f"(its state and {bound.in_flight} micro-batches in flight, each keeping what its layers cannot "
+                f"discard), over the usable {fmt_bytes(usable)}; not traced"))
+        best = min((e.step_ms for e in out.values() if e.runs), default=float("inf"))
+        if self.bound and bound.step_ms >= best:
+            return Evaluation(layout=t, status=Status.BOUNDED, bound_ms=bound.step_ms, why=(
+                f"a lower bound of its step (its schedule's compute and the recompute its micro-batches in flight "
+                f"force, no communication) is {bound.step_ms:,.4g} ms, over the fastest planned layout's "
+                f"{best:,.4g} ms; not traced"))
+        return replace(pipes.evaluate(t), bound_ms=bound.step_ms)
 
     def _tick(self) -> None:
         self.done += 1
@@ -230,7 +240,7 @@ class Evaluator:
 
     def _verify_one(self, e: Evaluation) -> Evaluation:
         t0 = time.perf_counter()
-        with World(self.family, self.cluster, tp=e.layout.tp, cp=e.layout.cp) as world:
+        with World(self.family, self.cluster, tp=e.layout.tp, cp=e.layout.cp, progress=self.progress) as world:
             got = PipelineCases(self, world).verify(e) if e.layout.pp > 1 else self._verify_model(world, e)
             self.traced += world.traced
             self.trace_s += world.trace_s

@@ -23,7 +23,7 @@ from dataclasses import replace
 from estimators.tracing.records import StorageKind
 from planner.errors import PlanningError
 from planner.format import GiB, fmt_bytes
-from planner.search.cost import RankTraffic, pipeline_bound_ms, pipeline_step_time
+from planner.search.cost import RankTraffic, pipeline_bound, pipeline_step_time
 from planner.search.results import Evaluation, Status
 from planner.search.programs import StageSet, World
 
@@ -54,19 +54,20 @@ class PipelineCases:
 
         return PlanOptions(device=self.ev.cluster.spec, reserve_gib=0, verify=verify, solver=self.ev.solver,
                            pipeline=Pipeline(getattr(schedules, t.schedule_class), n_microbatches=t.accumulation,
-                                             stage_index=stage, n_stages=t.n_stages, virtual_stages=t.virtual_stages))
+                                             stage_index=stage, n_stages=t.n_stages, virtual_stages=t.virtual_stages,
+                                             return_outputs=False))  # as torchtitan steps its schedule
 
-    def bound_ms(self, t) -> float:
-        """A lower bound of ``t``'s step before any stage is traced (``cost.pipeline_bound_ms``),
-        from the whole-model program of the same degrees and micro-batch."""
+    def bound(self, t):
+        """Lower bounds of ``t``'s step and peak before any stage is traced
+        (``cost.pipeline_bound``), from the whole-model program of the same degrees and micro-batch."""
         from planner.search.layouts import state_bound_bytes
 
         fam = self.ev.family
         info = self.world.layer_times(t.micro_batch).module_info
         layout = self.options(t, 0).pipeline.layout
         state = {r: state_bound_bytes(t, fam, rank=r) for r in range(t.pp)}
-        return pipeline_bound_ms(info, layout, fam.stage_layers(t.n_stages), state,
-                                 usable_bytes=self.ev.cluster.usable_bytes, actions=rank_actions(layout))
+        return pipeline_bound(info, layout, fam.stage_layers(t.n_stages), state,
+                              usable_bytes=self.ev.cluster.usable_bytes, actions=rank_actions(layout))
 
     def traces(self, t):
         return self.world.trace_stages(self._split(t), options_for=lambda s: self.options(t, s))

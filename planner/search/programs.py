@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -58,8 +59,9 @@ class StageTraces:
 class World:
     """A fake process group of ``tp x cp`` ranks with the model built and parallelized in it."""
 
-    def __init__(self, family, cluster, *, tp: int, cp: int) -> None:
+    def __init__(self, family, cluster, *, tp: int, cp: int, progress: bool = False) -> None:
         self.family, self.cluster, self.tp, self.cp = family, cluster, tp, cp
+        self.progress = progress
         self._models: dict[Any, Estimate] = {}
         self._stages: dict[Any, StageTraces] = {}
         self.cache: dict[Any, Any] = {}
@@ -197,6 +199,8 @@ class World:
         self.traced += 1
         self.trace_s += dt
         logger.info("traced %s in %.1f s", what, dt)
+        if self.progress:
+            print(f"[search] traced {what} in {dt:.1f} s", file=sys.stderr, flush=True)
 
 
 def _shift_layers(fqn: str, k: int) -> str:
