@@ -11,6 +11,7 @@ alive at its deadline.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
@@ -36,9 +37,26 @@ class RunConfig:
     schedule: str
     n_microbatches: int
     plans: dict | None = None
-    """{stage: Plan} applied on the PipelineStages (None: unplanned)."""
+    """{stage: Plan} applied on the PipelineStages (None: unplanned); with ``tp > 1``
+    {rank: {stage: Plan}}, each rank's own plans."""
     timed_steps: int = 0
     """Untracked steps timed after the measured ones."""
+    tp: int = 1
+    """Tensor-parallel degree inside each stage: the ranks are a (pp, tp) mesh, rank r runs
+    pipeline rank r // tp, and each stage's module is parallelized over its ``tp`` group as
+    torchtitan does (``examples.tensor_parallel.parallelize_llama``, loss_parallel; llama only)."""
+    sequence_parallel: bool = True
+    """With ``tp > 1``: sequence parallelism on (activations between stages are sequence shards)."""
+    plan_here_gib: dict[int, float] | None = None
+    """{rank: budget}: before the run, each rank plans its stages on the live group at its
+    budget (tracing them at its local shapes, as ``solve_sac`` does in a job) and returns the
+    plans' hashes (``live_plan_hashes``)."""
+
+    def plans_of(self, rank: int) -> dict:
+        """The {stage: Plan} this rank applies."""
+        if not self.plans:
+            return {}
+        return self.plans.get(rank, {}) if self.tp > 1 else self.plans
 
 
 def build_model(kind: str) -> torch.nn.Module:
@@ -68,13 +86,37 @@ def receive_buffers(stages) -> list[torch.Tensor]:
 
 
 def _grad_digest(modules) -> str:
+    """The rank's gradients (its local shards under tensor parallelism), bit for bit."""
     h = hashlib.sha256()
     for m in modules:
         for name, p in m.named_parameters():
             h.update(name.encode())
             g = p.grad
+            g = g.to_local() if hasattr(g, "to_local") else g
             h.update(b"none" if g is None else g.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+_MESHES: dict = {}
+
+
+def pp_tp_mesh(world: int, tp: int):
+    """The (pp, tp) mesh of ``world`` ranks (made once per process: each makes process groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if (world, tp) not in _MESHES:
+        _MESHES[(world, tp)] = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("pp", "tp"))
+    return _MESHES[(world, tp)]
+
+
+def tp_stage(kind: str, model: torch.nn.Module, stage: int, n_stages: int, tp_mesh, sequence_parallel: bool):
+    """Stage ``stage``'s module parallelized over ``tp_mesh`` (torchtitan's order: split, then TP)."""
+    from examples.tensor_parallel import parallelize_llama
+
+    if kind != "llama":
+        raise ValueError(f"tensor parallel stages are built for the llama decoder only, not {kind!r}")
+    return parallelize_llama(build_stage(kind, model, stage, n_stages), tp_mesh,
+                             sequence_parallel=sequence_parallel, loss_parallel=True)
 
 
 def run_config(rank: int, world: int, kind: str, cfg: RunConfig, n_steps: int = 3) -> dict:
@@ -85,13 +127,22 @@ def run_config(rank: int, world: int, kind: str, cfg: RunConfig, n_steps: int = 
     from planner.analysis import measure_run
 
     cls_name, virtual = SCHEDULES[cfg.schedule]
-    n_stages = world * virtual
-    local = [rank + v * world for v in range(virtual)]
+    pp_size, pp_rank, group, context = world, rank, None, contextlib.nullcontext
     full = build_model(kind)
-    mods = [build_stage(kind, full, s, n_stages) for s in local]
+    if cfg.tp > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        mesh = pp_tp_mesh(world, cfg.tp)
+        pp_size, pp_rank, group, context = world // cfg.tp, rank // cfg.tp, mesh["pp"].get_group(), loss_parallel
+    n_stages = pp_size * virtual
+    local = [pp_rank + v * pp_size for v in range(virtual)]
+    mods = [build_stage(kind, full, s, n_stages) if cfg.tp == 1 else
+            tp_stage(kind, full, s, n_stages, mesh["tp"], cfg.sequence_parallel) for s in local]
     del full
-    stages = [pp.PipelineStage(m, s, n_stages, torch.device("cpu")) for m, s in zip(mods, local)]
-    handles = [apply_plan(st, cfg.plans[s]) for st, s in zip(stages, local) if cfg.plans and s in cfg.plans]
+    live = _plan_here(cfg, cfg.plan_here_gib[rank], mods, local, n_stages, context) if cfg.plan_here_gib else None
+    stages = [pp.PipelineStage(m, s, n_stages, torch.device("cpu"), group=group) for m, s in zip(mods, local)]
+    plans = cfg.plans_of(rank)
+    handles = [apply_plan(st, plans[s]) for st, s in zip(stages, local) if s in plans]
     cls = getattr(pp, cls_name)
     sched = cls(stages[0] if virtual == 1 else stages, cfg.n_microbatches, loss_fn=stage_loss)
     opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-3)
@@ -103,7 +154,8 @@ def run_config(rank: int, world: int, kind: str, cfg: RunConfig, n_steps: int = 
 
     def step(record: bool = False):
         nonlocal digest
-        sched.step(*args, **kw)
+        with context():  # loss_parallel around the schedule's step, as torchtitan's train_context
+            sched.step(*args, **kw)
         if record:
             digest = _grad_digest(mods)
         opt.step()
@@ -125,7 +177,29 @@ def run_config(rank: int, world: int, kind: str, cfg: RunConfig, n_steps: int = 
     for h in handles:
         h.remove()
     torch.distributed.barrier()
-    return {"peaks": peaks, "grads": digest, "step_ms": times}
+    return {"peaks": peaks, "grads": digest, "step_ms": times, "live_plan_hashes": live}
+
+
+def _plan_here(cfg: RunConfig, budget_gib: float, mods, local: list[int], n_stages: int, context) -> dict[int, str]:
+    """{stage: plan hash} of this rank's stages planned on the live group (``plan_here_gib``)."""
+    from torch.distributed import pipelining as pp
+
+    from examples.pipeline_stages import stage_loss
+    from planner import PlanOptions, TrainStep
+    from planner.distributed.pipeline import Pipeline, solve_pipeline_rank
+    from planner.distributed.ranks import plan_hash
+
+    cls_name, virtual = SCHEDULES[cfg.schedule]
+    tokens = batch(1)[:MB_SIZE]  # one micro-batch: (MB_SIZE, SEQ)
+    seq = SEQ // cfg.tp if cfg.tp > 1 and cfg.sequence_parallel else SEQ  # a sequence shard between stages
+    hidden = torch.empty(MB_SIZE, seq, build_model("llama").config.dim, device="meta")
+    steps = {s: (m, TrainStep(inputs=tokens if s == 0 else hidden, loss_fn=stage_loss, optimizer="adamw",
+                              target=tokens if s == n_stages - 1 else None,
+                              context=context if cfg.tp > 1 else None)) for m, s in zip(mods, local)}
+    pipe = Pipeline(getattr(pp, cls_name), n_microbatches=cfg.n_microbatches, stage_index=local[0],
+                    n_stages=n_stages, virtual_stages=virtual)
+    plans = solve_pipeline_rank(steps, budget_gib, options=PlanOptions(device="cpu", pipeline=pipe))
+    return {s: plan_hash(p) for s, p in plans.items()}
 
 
 def rank_worker(rank: int, world: int, kind: str, configs: list[RunConfig]) -> list[dict]:

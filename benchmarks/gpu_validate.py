@@ -1,30 +1,31 @@
-"""GPU truth for CUDA-target plans: predicted vs measured peak and step time, saved ops matched.
+"""GPU truth for CUDA-target plans: predicted vs measured peak and step time, at 3 budgets, for
+plans made with the roofline and with kernels benchmarked on the GPU; one CSV for docs/accuracy.md.
 
-    python benchmarks/gpu_validate.py                        # on a CUDA machine: every model below
-    python benchmarks/gpu_validate.py --models gpt_demo hf_t5 --budget-frac 0.2 --json out.json
-    python benchmarks/gpu_validate.py --device cpu           # dry run of the same pipeline on CPU
-    python benchmarks/gpu_validate.py --device cpu --target h100   # an h100 plan run on this CPU
+    python benchmarks/gpu_validate.py                   # on a CUDA machine: every model, < 8 min on an H200
+    python benchmarks/gpu_validate.py --models gpt_demo hf_t5 --csv out.csv
+    python benchmarks/gpu_validate.py --dry-run         # the same pipeline on this CPU (tiny models)
+    python benchmarks/gpu_validate.py --dry-run --target h100   # h100 plans, run on this CPU
 
-For each model (built-in examples and HF GPT-2 / Llama / BERT / T5 from small configs with their
-default settings): trace the step in fake mode for ``--target`` (default: the DeviceSpec of the
-GPU at hand, e.g. h100), plan for a budget ``--budget-frac`` of the way from the smallest reachable
-peak to the no-AC peak (verification on), then, on the real device:
+For each model (built-in examples and HF GPT-2 / Llama / BERT / T5 from configs with their default
+settings), the step (AdamW) is traced in fake mode for ``--target`` (default: the DeviceSpec of
+the GPU at hand), priced two ways: by the roofline (``RuntimeKind.ROOFLINE``) and by every kernel
+timed on the device (``RuntimeKind.BENCHMARK``). Budgets sit ``--budget-fracs`` of the way from
+the smallest reachable peak to the no-AC peak; each mode plans each budget (verification on).
+Then on the device:
 
-* peak: the unplanned model and the planned model each train ``--steps`` steps (AdamW,
-  ``zero_grad(set_to_none=True)``); each step's ``torch.cuda.max_memory_allocated`` (CPU:
-  torch's MemTracker, through planner.analysis.measure). Step 1 creates the optimizer state; steps 2.. are
-  the steady state. Both are printed beside the prediction (no-AC and planned peak).
-* step time: predicted by the roofline (``EstimateOptions(runtime=RuntimeKind.ROOFLINE)``) and by
-  benchmarked kernels (``RuntimeKind.BENCHMARK``: every op timed on this device) -- each is the
-  unplanned step plus the plan's recompute, priced by that runtime -- against the median wall time
-  of steps 2..N of the planned model in a separate run without a memory tracker.
-* saved ops matched: the plan's selective policies are wrapped to count their MUST_SAVE answers in
-  step 1's forward; ``matched / planned`` is how many of the plan's saved ops (op, occurrence)
-  were met by an op of that name on the device. A plan made under the CUDA rules matches fully on
-  CUDA; on CPU its CUDA-only ops (flash / efficient attention, native_dropout) are not found and
-  simply get recomputed.
+* peak: the unplanned model and every plan train ``--steps`` steps (AdamW,
+  ``zero_grad(set_to_none=True)``); each step's ``torch.cuda.max_memory_allocated`` (CPU: torch's
+  MemTracker). Step 1 creates the optimizer state; steps 2.. are the steady state, compared with
+  the prediction;
+* step time: the median of steps 2..N of a separate untracked run (CUDA: synchronised), beside
+  the unplanned step plus the plan's recompute priced by each runtime model; the measured
+  overhead is the planned step less the unplanned one;
+* saved ops matched: the plan's selective policies count their MUST_SAVE answers in step 1;
+  ``matched / planned`` (a CUDA-rules plan run on a CPU misses its CUDA-only ops).
 
-On a machine without CUDA (and without ``--device cpu``) it says what it needs and exits 0.
+Rows go to ``--csv`` (default ``gpu_validate.csv``). Models still to run when ``--max-minutes``
+is spent are skipped and named. Without CUDA (and without ``--dry-run``) it says what it needs and
+exits 0; a dry run says what it skips for want of a GPU.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
+import csv
 import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,17 +48,16 @@ import torch  # noqa: E402
 from torch.utils._pytree import tree_map  # noqa: E402
 
 from estimators.runtime.device import get_device_spec  # noqa: E402
-from estimators.tracing.estimation import EstimateOptions, estimate  # noqa: E402
 from estimators.runtime.models import RuntimeKind  # noqa: E402
-from estimators.step.train_step import run_step  # noqa: E402
+from estimators.step.train_step import TrainStep, run_step  # noqa: E402
+from estimators.tracing.estimation import EstimateOptions, estimate  # noqa: E402
 from examples import EXAMPLES  # noqa: E402
-from planner.applying.checkpointing import apply_plan  # noqa: E402
 from planner.analysis.measure import measure_step  # noqa: E402
+from planner.applying.checkpointing import apply_plan, hf_cache_off  # noqa: E402
 from planner.plan import Plan  # noqa: E402
 from planner.planning.module_plans import recompute_ms_with_saved  # noqa: E402
 from planner.planning.solve import plan_for_budget  # noqa: E402
 from solver import SACMilp  # noqa: E402
-from estimators.step.train_step import TrainStep
 
 MiB = 2**20
 Built = tuple[torch.nn.Module, Any, Callable]  # (model, inputs, loss_fn(output, inputs))
@@ -78,9 +78,17 @@ def _hf_loss(output, inputs):
     return output.loss
 
 
+SIZES = {
+    "tiny": dict(batch=2, seq=64, layers=2, hidden=64, ffn=128),
+    "small": dict(batch=4, seq=256, layers=4, hidden=256, ffn=688),
+    "medium": dict(batch=8, seq=256, layers=4, hidden=256, ffn=1024),
+}
+"""The HF models' shapes: tiny for a CPU dry run, small for CPU timings, medium on a GPU."""
+
+
 def _ids(size: str, vocab: int) -> torch.Tensor:
-    batch, seq = (2, 64) if size == "tiny" else (8, 256)
-    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+    d = SIZES[size]
+    return torch.randint(0, vocab, (d["batch"], d["seq"]), generator=torch.Generator().manual_seed(1))
 
 
 def _hf(build: Callable[[Any, str], tuple[torch.nn.Module, dict]]) -> Callable[[str], Built]:
@@ -96,7 +104,7 @@ def _hf(build: Callable[[Any, str], tuple[torch.nn.Module, dict]]) -> Callable[[
 
 
 def _dims(size: str) -> dict:
-    return dict(layers=2, hidden=64, ffn=128) if size == "tiny" else dict(layers=4, hidden=256, ffn=1024)
+    return SIZES[size]
 
 
 _VOCAB = 512
@@ -148,56 +156,69 @@ MODELS: dict[str, Callable[[str], Built]] = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class Validation:
-    """One model: what was predicted and what the device measured."""
+class Row:
+    """One model run one way (unplanned, or a plan of one mode at one budget): predicted and
+    measured. A CSV row."""
 
     model: str
     target: str
     device: str
+    plan_mode: str
+    """"none" (unplanned), "roofline" or "benchmark": the runtime model the plan was made with."""
+    budget_frac: float
+    """Where the budget sits from the smallest reachable peak (0) to the no-AC peak (1); NaN: none."""
     budget_bytes: int
-    predicted_no_ac_peak_bytes: int
     predicted_peak_bytes: int
-    measured_no_ac_peak_bytes: tuple[int, ...]
-    """Unplanned model, one peak per step (step 1 creates the optimizer state)."""
-    measured_peak_bytes: tuple[int, ...]
-    """Planned model, one peak per step."""
+    measured_peak_step1_bytes: int
+    measured_peak_steady_bytes: int
+    """Largest peak of steps 2..N (step 1's alone with one step)."""
     predicted_step_ms_roofline: float
     predicted_step_ms_benchmark: float
-    """NaN when the target's kernels cannot run here (a CUDA target in a CPU dry run)."""
+    """NaN where the target's kernels cannot run here (a CUDA target in a CPU dry run)."""
     measured_step_ms: float
-    """Median over steps 2..N of the planned model (a separate, untracked run)."""
+    predicted_recompute_ms_roofline: float
+    predicted_recompute_ms_benchmark: float
+    measured_overhead_ms: float
+    """This run's step less the unplanned step (0 for the unplanned row)."""
+    checkpointed_modules: int
     saved_ops_planned: int
     saved_ops_matched: int
-    checkpointed_modules: int
     tracker: str
 
     @property
-    def steady_peak_bytes(self) -> int:
-        return max(self.measured_peak_bytes[1:] or self.measured_peak_bytes)
+    def peak_error(self) -> float:
+        return (self.measured_peak_steady_bytes - self.predicted_peak_bytes) / self.predicted_peak_bytes
 
 
-def _pct(measured: float, predicted: float) -> str:
-    return f"{100 * (measured - predicted) / predicted:+.1f}%" if predicted else "n/a"
+def _ms(x: float) -> str:
+    return "     n/a" if math.isnan(x) else f"{x:8.2f}"
 
 
-def render(rows: list[Validation]) -> str:
-    head = (f"{'model':13} {'target':7} {'budget':>9} {'noAC pred':>10} {'noAC meas':>10} "
-            f"{'plan pred':>10} {'step1':>9} {'steady':>9} {'err':>7}  {'ms roof':>8} {'ms bench':>8} "
-            f"{'ms meas':>8}  saved")
+def render(rows: list[Row]) -> str:
+    head = (f"{'model':13} {'mode':9} {'frac':>4} {'peak pred':>10} {'step1':>10} {'steady':>10} {'err':>7}  "
+            f"{'ms roof':>8} {'ms bench':>8} {'ms meas':>8}  {'rc roof':>8} {'rc bench':>8} {'ovh meas':>8}  saved")
     lines = [head, "-" * len(head)]
     for r in rows:
+        frac = "" if math.isnan(r.budget_frac) else f"{r.budget_frac:.1f}"
         lines.append(
-            f"{r.model:13} {r.target:7} {r.budget_bytes / MiB:8.2f}M "
-            f"{r.predicted_no_ac_peak_bytes / MiB:9.2f}M {max(r.measured_no_ac_peak_bytes[1:] or r.measured_no_ac_peak_bytes) / MiB:9.2f}M "
-            f"{r.predicted_peak_bytes / MiB:9.2f}M {r.measured_peak_bytes[0] / MiB:8.2f}M "
-            f"{r.steady_peak_bytes / MiB:8.2f}M {_pct(r.steady_peak_bytes, r.predicted_peak_bytes):>7}  "
-            f"{r.predicted_step_ms_roofline:8.3f} {r.predicted_step_ms_benchmark:8.3f} {r.measured_step_ms:8.3f}  "
-            f"{r.saved_ops_matched}/{r.saved_ops_planned}"
-        )
+            f"{r.model:13} {r.plan_mode:9} {frac:>4} {r.predicted_peak_bytes / MiB:9.2f}M "
+            f"{r.measured_peak_step1_bytes / MiB:9.2f}M {r.measured_peak_steady_bytes / MiB:9.2f}M "
+            f"{100 * r.peak_error:+6.2f}%  {_ms(r.predicted_step_ms_roofline)} {_ms(r.predicted_step_ms_benchmark)} "
+            f"{_ms(r.measured_step_ms)}  {_ms(r.predicted_recompute_ms_roofline)} "
+            f"{_ms(r.predicted_recompute_ms_benchmark)} {_ms(r.measured_overhead_ms)}  "
+            f"{r.saved_ops_matched}/{r.saved_ops_planned}")
     if rows:
-        lines.append(f"peaks measured by {rows[0].tracker} on {rows[0].device}; err = steady vs plan pred; "
+        lines.append(f"peaks by {rows[0].tracker} on {rows[0].device}, target {rows[0].target}; err = steady vs "
+                     "pred; ms = step (unplanned + recompute), rc = recompute, ovh = measured step - unplanned; "
                      "M = MiB; saved = MUST_SAVE hits in step 1 / the plan's saved ops")
     return "\n".join(lines)
+
+
+def write_csv(rows: list[Row], path: str | Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(Row)])
+        w.writeheader()
+        w.writerows(asdict(r) for r in rows)
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -206,8 +227,12 @@ def render(rows: list[Validation]) -> str:
 def plan_step_ms(est, plan: Plan) -> float:
     """The unplanned step plus the plan's recompute, priced by ``est``'s runtime model (the
     planner's own rule: every op a checkpointed module re-runs)."""
-    return est.module_info.step_runtime_ms + sum(
-        recompute_ms_with_saved(est.module_info.stats(mp.fqn), frozenset(mp.saved_ops)) for mp in plan.modules)
+    return est.module_info.step_runtime_ms + recompute_of(est, plan)
+
+
+def recompute_of(est, plan: Plan) -> float:
+    """The plan's recompute priced by ``est``'s runtime model."""
+    return sum(recompute_ms_with_saved(est.module_info.stats(mp.fqn), frozenset(mp.saved_ops)) for mp in plan.modules)
 
 
 def saved_hits(model) -> int:
@@ -230,13 +255,13 @@ def train_steps(model, inputs, loss_fn, steps: int, plan: Plan | None = None):
     return peaks, hits, m.tracker
 
 
-def time_steps(model, inputs, loss_fn, steps: int, plan: Plan) -> float:
-    """Median wall time of steps 2..N in ms, untracked (CPU's MemTracker slows a step down)."""
+def time_steps(model, inputs, loss_fn, steps: int, plan: Plan | None) -> float:
+    """Median time of steps 2..N in ms, untracked (CPU's MemTracker slows a step down)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
     times = []
-    with apply_plan(model, plan):
-        for step in range(max(steps, 2)):
+    with apply_plan(model, plan) if plan else contextlib.nullcontext():
+        for _ in range(max(steps, 2)):
             model.zero_grad(set_to_none=True)
             sync()
             t0 = time.perf_counter()
@@ -262,62 +287,105 @@ def _gpu_spec_name() -> str:
     return "h100"
 
 
-def validate(name: str, *, target: str, device: torch.device, size: str, budget_frac: float,
-             steps: int) -> Validation:
+def _measured(model, dev_inputs, loss_fn, device, steps: int, plan: Plan | None):
+    """(peaks per step, MUST_SAVE hits, tracker, median step ms) of ``plan`` on a fresh copy."""
+    peaks, hits, tracker = train_steps(copy.deepcopy(model).to(device), dev_inputs, loss_fn, steps, plan)
+    ms = time_steps(copy.deepcopy(model).to(device), dev_inputs, loss_fn, steps, plan)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return peaks, hits, tracker, ms
+
+
+def validate(name: str, *, target: str, device: torch.device, size: str, budget_fracs: tuple[float, ...],
+             steps: int) -> list[Row]:
+    """The unplanned row and one row per mode and budget for model ``name``."""
     model, inputs, loss_fn = MODELS[name](size)
-    est = estimate(model, TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer="adamw"), device=target, options=EstimateOptions(runtime=RuntimeKind.ROOFLINE))
-    milp = SACMilp(est.module_info)
-    low, high = milp.min_reachable_peak_bytes(), est.module_info.peak_bytes
-    budget = int(low + budget_frac * (high - low))
-    plan = plan_for_budget(model, est, budget, milp=milp)
-    bench_ms = math.nan  # kernels of a CUDA target cannot be timed on this CPU (dry run)
-    if get_device_spec(target).kind == device.type:
-        bench = estimate(model, TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer="adamw"), device=target, options=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
-        bench_ms = plan_step_ms(bench, plan)
+    step = TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer="adamw")
+    modes = [RuntimeKind.ROOFLINE]
+    if get_device_spec(target).kind == device.type:  # else: kernels of the target cannot run here
+        modes.append(RuntimeKind.BENCHMARK)
+    with hf_cache_off(model):
+        ests = {m: estimate(model, step, device=target, options=EstimateOptions(runtime=m)) for m in modes}
+    roof = ests[RuntimeKind.ROOFLINE]
+    bench = ests.get(RuntimeKind.BENCHMARK)
+    milp = SACMilp(roof.module_info)
+    low, high = milp.min_reachable_peak_bytes(), roof.module_info.peak_bytes
     dev_inputs = _to(device, inputs)
-    base_peaks, _, _ = train_steps(copy.deepcopy(model).to(device), dev_inputs, loss_fn, steps)
-    timed = copy.deepcopy(model).to(device)
-    peaks, hits, tracker = train_steps(model.to(device), dev_inputs, loss_fn, steps, plan)
-    return Validation(
-        model=name, target=target, device=str(device), budget_bytes=budget,
-        predicted_no_ac_peak_bytes=high, predicted_peak_bytes=plan.predicted_peak_bytes,
-        measured_no_ac_peak_bytes=tuple(base_peaks), measured_peak_bytes=tuple(peaks),
-        predicted_step_ms_roofline=plan_step_ms(est, plan), predicted_step_ms_benchmark=bench_ms,
-        measured_step_ms=time_steps(timed, dev_inputs, loss_fn, steps, plan),
-        saved_ops_planned=sum(len(m.saved_ops) for m in plan.modules), saved_ops_matched=hits,
-        checkpointed_modules=len(plan.modules), tracker=tracker,
-    )
+    peaks, _, tracker, base_ms = _measured(model, dev_inputs, loss_fn, device, steps, None)
+    nan = math.nan
+
+    def row(mode: str, frac: float, budget: int, plan: Plan | None, peaks, hits, ms) -> Row:
+        mods = plan.modules if plan else ()
+        return Row(
+            model=name, target=target, device=str(device), plan_mode=mode, budget_frac=frac, budget_bytes=budget,
+            predicted_peak_bytes=plan.predicted_peak_bytes if plan else high,
+            measured_peak_step1_bytes=peaks[0], measured_peak_steady_bytes=max(peaks[1:] or peaks),
+            predicted_step_ms_roofline=roof.module_info.step_runtime_ms + (recompute_of(roof, plan) if plan else 0.0),
+            predicted_step_ms_benchmark=(bench.module_info.step_runtime_ms + (recompute_of(bench, plan) if plan else 0.0))
+            if bench else nan,
+            measured_step_ms=ms,
+            predicted_recompute_ms_roofline=recompute_of(roof, plan) if plan else 0.0,
+            predicted_recompute_ms_benchmark=(recompute_of(bench, plan) if plan else 0.0) if bench else nan,
+            measured_overhead_ms=ms - base_ms, checkpointed_modules=len(mods),
+            saved_ops_planned=sum(len(m.saved_ops) for m in mods), saved_ops_matched=hits, tracker=tracker)
+
+    rows = [row("none", nan, high, None, peaks, 0, base_ms)]
+    for mode in modes:
+        est = ests[mode]
+        milp = SACMilp(est.module_info)
+        for frac in budget_fracs:
+            budget = int(low + frac * (high - low))
+            plan = plan_for_budget(model, est, budget, milp=milp)
+            peaks, hits, _, ms = _measured(model, dev_inputs, loss_fn, device, steps, plan)
+            rows.append(row(mode.value, frac, budget, plan, peaks, hits, ms))
+    return rows
 
 
 NEEDS = """gpu_validate needs a CUDA GPU: torch.cuda.is_available() is False here (torch {torch}, CUDA
 build: {cuda}). Run it on a machine with an NVIDIA GPU and a CUDA build of torch (and
 `pip install transformers` for the HF models):
 
-    python benchmarks/gpu_validate.py [--models ...] [--json out.json]
+    python benchmarks/gpu_validate.py [--models ...] [--csv out.csv]
 
-or try the same pipeline on this CPU: python benchmarks/gpu_validate.py --device cpu"""
+or try the same pipeline on this CPU: python benchmarks/gpu_validate.py --dry-run (or --device cpu)"""
+
+SKIPPED_ON_CPU = ("dry run on CPU: skipped for want of a GPU: torch.cuda.max_memory_allocated (peaks are "
+                  "MemTracker's), CUDA kernels timed for the benchmark mode (a CUDA --target is priced by "
+                  "its roofline only), CUDA-only ops of a CUDA-rules plan (flash attention, native_dropout: "
+                  "recomputed here), GPU step times")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS), help="models to validate (default all)")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where to measure (default cuda; cpu: dry run)")
-    p.add_argument("--target", help="DeviceSpec to plan for (default: the GPU at hand; cpu with --device cpu)")
-    p.add_argument("--size", choices=["tiny", "medium"], help="HF model size (default medium on cuda, tiny on cpu)")
-    p.add_argument("--budget-frac", type=float, default=0.3, help="budget between the smallest reachable (0) and the no-AC peak (1) (default 0.3)")
-    p.add_argument("--steps", type=int, default=3, help="training steps measured per model (default 3; >= 2 for a steady state)")
-    p.add_argument("--json", help="also write the rows as JSON here")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="where to measure (default cuda; cpu: a dry run)")
+    p.add_argument("--dry-run", action="store_true", help="the same as --device cpu")
+    p.add_argument("--target", help="DeviceSpec to plan for (default: the GPU at hand; cpu in a dry run)")
+    p.add_argument("--size", choices=list(SIZES), help="HF model size (default medium on cuda, tiny on cpu)")
+    p.add_argument("--budget-fracs", type=float, nargs="+", default=[0.2, 0.5, 0.8],
+                   help="budgets between the smallest reachable (0) and the no-AC peak (1) (default 0.2 0.5 0.8)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default 5 on cuda, 2 on cpu)")
+    p.add_argument("--csv", default="gpu_validate.csv", help="write the rows here (default gpu_validate.csv)")
+    p.add_argument("--max-minutes", type=float, default=7.5, help="start no model after this many minutes (default 7.5)")
     args = p.parse_args(argv)
-    if not 0 <= args.budget_frac <= 1 or args.steps < 1:
-        p.error("--budget-frac must be in [0, 1] and --steps >= 1")
-    if args.device == "cuda" and not torch.cuda.is_available():
+    device = torch.device("cpu" if args.dry_run else args.device)
+    steps = args.steps if args.steps is not None else (5 if device.type == "cuda" else 2)
+    if not all(0 <= f <= 1 for f in args.budget_fracs) or steps < 1:
+        p.error("--budget-fracs must be in [0, 1] and --steps >= 1")
+    if device.type == "cuda" and not torch.cuda.is_available():
         print(NEEDS.format(torch=torch.__version__, cuda=torch.version.cuda))
         return 0
-    device = torch.device(args.device)
     target = args.target or (_gpu_spec_name() if device.type == "cuda" else "cpu")
     size = args.size or ("medium" if device.type == "cuda" else "tiny")
-    rows, failures = [], []
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # tiny kernels: an intra-op pool only contends for the cores
+        print(SKIPPED_ON_CPU)
+    t0 = time.perf_counter()
+    rows, failures, skipped = [], [], []
     for name in args.models:
+        if time.perf_counter() - t0 > 60 * args.max_minutes:
+            skipped.append(name)
+            continue
         if name.startswith("hf_"):
             try:
                 import transformers  # noqa: F401
@@ -325,17 +393,20 @@ def main(argv=None) -> int:
                 print(f"skip {name}: transformers is not installed", file=sys.stderr)
                 continue
         try:
-            rows.append(validate(name, target=target, device=device, size=size,
-                                 budget_frac=args.budget_frac, steps=args.steps))
+            rows += validate(name, target=target, device=device, size=size,
+                             budget_fracs=tuple(args.budget_fracs), steps=steps)
         except Exception as e:  # noqa: BLE001 -- report every model, then fail
             failures.append(f"{name}: {type(e).__name__}: {e}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(render(rows))
+    if skipped:
+        print(f"not run (--max-minutes {args.max_minutes:g} spent): {', '.join(skipped)}")
     for f in failures:
         print(f"FAILED {f}", file=sys.stderr)
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    if args.csv:
+        write_csv(rows, args.csv)
+        print(f"{len(rows)} rows in {args.csv}; {time.perf_counter() - t0:.0f} s")
     return 1 if failures else 0
 
 

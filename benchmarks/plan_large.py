@@ -6,7 +6,7 @@
     python benchmarks/plan_large.py --world-size 1     # shows the smallest reachable budget
     python benchmarks/plan_large.py --layout 70b-fsdp8-tp8      # per rank of FSDP 8 x TP 8, seq 8192
     python benchmarks/plan_large.py --layout all                # 70B and 405B layouts (benchmarks/_layouts.py)
-    python benchmarks/plan_large.py --pipeline         # Llama-3.1-405B, PP 8 x TP 8 x FSDP 8, per stage
+    python benchmarks/plan_large.py --pipeline         # Llama-3.1-405B, PP 8 x DP 8 x TP 8, per rank
 
 ``--layout``: a torchtitan-style layout planned per rank in this one process on torch's fake
 process group (tensor + sequence parallel + loss_parallel, FSDP2 over the other ranks, context
@@ -72,8 +72,9 @@ def main(argv=None) -> int:
     p.add_argument("--pipeline", action="store_true",
                    help="Llama-3.1-405B planned per pipeline stage instead (benchmarks/_plan_large_pipeline.py)")
     p.add_argument("--pp", type=int, default=8, help="--pipeline: pipeline stages (default 8)")
-    p.add_argument("--tp", type=int, default=8, help="--pipeline: tensor-parallel degree, local shapes (default 8)")
-    p.add_argument("--dp", type=int, default=8, help="--pipeline: FSDP ranks sharding the state (default 8)")
+    p.add_argument("--tp", type=int, default=8, help="--pipeline: tensor-parallel degree inside a stage (default 8)")
+    p.add_argument("--dp", type=int, default=8,
+                   help="--pipeline: data-parallel ranks dividing the state, ZeRO-style (default 8)")
     p.add_argument("--microbatches", type=int, default=16, help="--pipeline: micro-batches per step (default 16)")
     args = p.parse_args(argv)
     if args.layout:
@@ -174,21 +175,26 @@ def pipeline_main(args) -> int:
     from benchmarks._plan_large_pipeline import plan_405b
 
     seq = 8192 if args.seq_len == 4096 else args.seq_len  # Llama 3.1's training length unless given
-    print(f"Llama-3.1-405B, Schedule1F1B, PP {args.pp} x TP {args.tp} (local shapes) x FSDP {args.dp} "
-          f"({args.pp * args.tp * args.dp} GPUs), {args.microbatches} micro-batches of 1 x {seq}, bf16, AdamW, "
-          f"budget {args.budget_gib} GiB per GPU on {args.device}")
+    print(f"Llama-3.1-405B, Schedule1F1B, PP {args.pp} x DP {args.dp} x TP {args.tp} "
+          f"({args.pp * args.tp * args.dp} GPUs; TP + sequence parallel + loss_parallel traced per rank on the fake "
+          f"process group, DP dividing the state ZeRO-style), {args.microbatches} micro-batches of 1 x {seq}, bf16, "
+          f"AdamW, budget {args.budget_gib} GiB per GPU on {args.device}")
     out = plan_405b(pp=args.pp, tp=args.tp, dp=args.dp, n_microbatches=args.microbatches, seq_len=seq,
                     budget_gib=args.budget_gib, device=args.device)
-    print(f"{'stage':>5} {'layers':>6} {'unplanned GiB':>13} {'floor GiB':>9} {'planned GiB':>11} {'modules':>7} "
-          f"{'recompute ms/mb':>15}")
+    print(f"{'stage':>5} {'rank':>5} {'layers':>6} {'unplanned GiB':>13} {'floor GiB':>9} {'planned GiB':>11} "
+          f"{'modules':>7} {'recompute ms/mb':>15} {'makespan ms':>11} {'seconds':>7}")
     for r in out["rows"]:
         planned = f"{r['planned'] / GiB:11.2f}" if r["planned"] is not None else f"{'over':>11}"
-        print(f"{r['stage']:>5} {r['layers']:>6} {r['unplanned'] / GiB:13.2f} {r['floor'] / GiB:9.2f} {planned} "
-              f"{r['modules']:>7} {r['recompute_ms']:15.1f}")
+        makespan = f"{r['makespan_ms']:11.0f}" if r["makespan_ms"] is not None else f"{'-':>11}"
+        print(f"{r['stage']:>5} {r['stage'] * args.dp * args.tp:>5} {r['layers']:>6} {r['unplanned'] / GiB:13.2f} "
+              f"{r['floor'] / GiB:9.2f} {planned} {r['modules']:>7} {r['recompute_ms']:15.1f} {makespan} "
+              f"{r['seconds']:6.1f}{'' if r['traced'] else '*'}")
+    print("  * the middle stage's trace under this stage's layer names")
     ok = out["wall_s"] <= 60 and all(r["planned"] is not None for r in out["rows"])
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"{'wall time (3 stage traces + one MILP per stage)':48s} {out['wall_s']:7.1f} s  (traces "
           f"{out['trace_s']:.1f} s)  target <= 60 s  {'PASS' if out['wall_s'] <= 60 else 'FAIL'}")
-    print(f"{'CPU time of this process':48s} {out['cpu_s']:7.1f} s  (wall above CPU: waiting for a shared CPU)")
+    print(f"{'CPU time of this process':48s} {out['cpu_s']:7.1f} s  (load average {load} on {os.cpu_count()} cores)")
     print(f"{'max RSS of this process':48s} {max_rss_gib():7.2f} GiB")
     return 0 if ok else 1
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["layer_ranges", "LlamaStage", "llama_stage", "HFDecoderStage", "hf_decoder_stage",
-           "stage_loss", "llama_pipeline_model", "qwen2_pipeline_model"]
+           "stage_loss", "llama_pipeline_model", "qwen2_pipeline_model", "llama_stage_builder"]
 
 
 def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
@@ -35,7 +35,8 @@ def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
 
 class LlamaStage(nn.Module):
     """Layers ``layer_ids`` of an ``examples.llama.Llama`` (copies): the embedding on the first
-    stage, the final norm and the output projection on the last."""
+    stage, the final norm and the output projection on the last. ``LlamaStage.on_meta`` builds
+    one from a config alone (any size, no storage)."""
 
     def __init__(self, model: nn.Module, layer_ids: range, *, first: bool, last: bool) -> None:
         super().__init__()
@@ -45,6 +46,25 @@ class LlamaStage(nn.Module):
         self.output = copy.deepcopy(model.output) if last else None
         self.register_buffer("rope_cos", model.rope_cos.clone(), persistent=False)
         self.register_buffer("rope_sin", model.rope_sin.clone(), persistent=False)
+
+    @classmethod
+    def on_meta(cls, config, layer_ids: range, *, first: bool, last: bool,
+                dtype: torch.dtype = torch.float32) -> "LlamaStage":
+        """The stage of an ``examples.llama.Llama`` of ``config`` built on the meta device, its
+        parameters in ``dtype`` (the rotary tables float32, as ``Llama`` keeps them)."""
+        from examples.llama import RMSNorm, TransformerBlock, rotary_tables
+
+        stage = cls.__new__(cls)
+        nn.Module.__init__(stage)
+        with torch.device("meta"):
+            stage.tok_embeddings = nn.Embedding(config.vocab_size, config.dim, dtype=dtype) if first else None
+            stage.layers = nn.ModuleDict({str(i): TransformerBlock(config).to(dtype) for i in layer_ids})
+            stage.norm = RMSNorm(config.dim, config.norm_eps).to(dtype) if last else None
+            stage.output = nn.Linear(config.dim, config.vocab_size, bias=False, dtype=dtype) if last else None
+        cos, sin = rotary_tables(config.head_dim, config.seq_len, config.rope_theta)
+        stage.register_buffer("rope_cos", cos, persistent=False)
+        stage.register_buffer("rope_sin", sin, persistent=False)
+        return stage
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T, dim)
@@ -120,3 +140,35 @@ def qwen2_pipeline_model(n_layers: int = 8, *, seed: int = 0) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config).train()
+
+
+def llama_stage_builder(config, *, n_stages: int, micro_batch: int, dtype: torch.dtype = torch.float32,
+                        sequence_parallel: bool = True, optimizer: str = "adamw"):
+    """``build(stage, mesh) -> (module, TrainStep)`` for
+    ``planner.distributed.pipeline.plan_layout_rank``: stage ``stage`` of ``n_stages`` of a Llama
+    of ``config`` (``examples.llama.LlamaConfig``), built on meta in ``dtype``, parallelized over
+    ``mesh["tp"]`` as torchtitan does where the mesh has a ``tp`` dim over 1 (sequence parallel
+    as asked, vocabulary-sharded logits under ``loss_parallel``), and one micro-batch of
+    ``micro_batch`` sequences of ``config.seq_len`` tokens at the rank's local shapes."""
+    from planner import TrainStep
+
+    def build(stage: int, mesh) -> tuple[nn.Module, object]:
+        first, last = stage == 0, stage == n_stages - 1
+        module = LlamaStage.on_meta(config, layer_ranges(config.n_layers, n_stages)[stage], first=first, last=last,
+                                    dtype=dtype)
+        tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
+        context = None
+        if tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            from examples.tensor_parallel import parallelize_llama
+
+            parallelize_llama(module, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=True)
+            context = loss_parallel
+        seq = config.seq_len // tp if tp > 1 and sequence_parallel else config.seq_len  # a sequence shard
+        tokens = torch.zeros(micro_batch, config.seq_len, dtype=torch.long, device="meta")
+        hidden = torch.empty(micro_batch, seq, config.dim, dtype=dtype, device="meta")  # (B, T / tp, dim)
+        return module, TrainStep(inputs=tokens if first else hidden, loss_fn=stage_loss, optimizer=optimizer,
+                                 target=tokens if last else None, context=context)
+
+    return build

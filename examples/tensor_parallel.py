@@ -16,6 +16,7 @@ projection keeps the logits sharded over the vocabulary, and the loss must run i
 
 from __future__ import annotations
 
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -43,8 +44,13 @@ def parallelize_llama(model: Llama, tp_mesh: DeviceMesh, *, sequence_parallel: b
     }
     if sequence_parallel:
         root["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, root)
-    for layer in model.layers:
+    # A pipeline stage (examples.pipeline_stages.LlamaStage) holds some of these (None: not on
+    # this stage) and its layers by name, as torchtitan parallelizes each stage's module.
+    root = {name: style for name, style in root.items() if getattr(model, name, None) is not None}
+    if root:
+        parallelize_module(model, tp_mesh, root)
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for layer in layers:
         plan = {
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),

@@ -51,11 +51,13 @@ from planner.errors import AlreadyCheckpointedError, FileRefusedError, PlanMisma
 from planner.applying.checkpointing import apply_plan, check_plan_modules, hf_cache_off, other_model
 from planner.applying.offload import OffloadError
 from planner.distributed.fsdp.units import FSDPUnitError
+from planner.distributed.layout import layout_mismatch
 from planner.analysis.gradcheck import GradientCheck, check_gradients
 from planner.analysis.measure import MeasuredStep, measure_steps
 from planner.format import GiB
 from planner.errors import PlanFormatError, StepMismatchError
 from planner.plan import TRAIN_MODES, Plan
+from planner.plan_fields import MAX_COUNT
 from planner.analysis.report import gradient_check_text, steps_vs_prediction
 from planner.format import fmt_bytes
 from planner.errors import PlanningError
@@ -171,12 +173,26 @@ _positive_seconds = _finite_float(lambda v: v > 0, "a positive, finite number of
 
 
 def _positive_int(text: str) -> int:
+    """An integer in [1, MAX_COUNT] (what a plan file records: --micro-batches 10**20 overflowed
+    in the loss's division, --world-size 10**20 was refused only after the trace)."""
     try:
         v = int(text)
     except ValueError:
         v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    if not 1 <= v <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be an integer in [1, {MAX_COUNT:,}], got {text[:40]!r}")
+    return v
+
+
+def _seed(text: str) -> int:
+    """torch.manual_seed's range (a 64-bit seed, signed or not): a larger one raised from torch
+    with a traceback."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = None
+    if v is None or not -2**63 <= v < 2**64:
+        raise argparse.ArgumentTypeError(f"must be an integer in [-2**63, 2**64), got {text[:40]!r}")
     return v
 
 
@@ -211,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", action="store_true", help="plan keep / recompute / offload to host memory (least step time on the step timeline), not recompute alone; --verify then also compares the bytes copied to host per step with the prediction")
     p.add_argument("--host-budget-gib", type=_positive_gib("--host-budget-gib"), help="with --offload: host memory per rank for offloaded activations, in GiB (default: not limited)")
     p.add_argument("--time-limit-s", type=_positive_seconds, default=60.0, help="MILP time limit in seconds (default 60)")
-    p.add_argument("--seed", type=int, default=0, help="torch seed of the verification steps (dropout masks) (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="torch seed of the verification steps (dropout masks) (default 0)")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error instead of one line")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress messages")
     return p
@@ -422,6 +438,20 @@ def target_device(args, plan: Plan | None) -> str:
     return plan.device
 
 
+def _check_plan_in_layout(args, model, plan: Plan) -> None:
+    """A --plan-in plan made for a pipeline stage or a tensor-parallel layout: the command line
+    runs one process's ordinary step, against which its per-rank figures mean nothing (they were
+    printed as this process's, and a stage's peak over its schedule was reported "within")."""
+    if plan.pipeline is not None:
+        raise CLIError(f"--plan-in {args.plan_in}: the plan is for pipeline {plan.pipeline.describe()}, whose "
+                       "peak is its rank's over the schedule; the command line runs one process's step. "
+                       "Check it on the stage's schedule (benchmarks/pipeline_e2e.py measures one)")
+    why = layout_mismatch(plan.layout, model)
+    if why is not None:
+        raise CLIError(f"--plan-in {args.plan_in}: {why}; its figures are per rank of that layout, the command "
+                       "line runs one process. Check it on the parallelized model (apply_plan, measure_steps)")
+
+
 def _run(args) -> int:
     _check_args(args)
     model, inputs, loss_fn = _build(args.model, args.loss_fn)
@@ -446,6 +476,7 @@ def _run(args) -> int:
         # The fingerprint does not cover the module list, which a file can have edited: checked
         # with --no-verify too (a missing module and a parameter's name were printed, exit 0).
         check_plan_modules(model, plan)
+        _check_plan_in_layout(args, model, plan)  # --no-verify included
         args.device = target_device(args, plan)
         _settle_step(args, plan)
         plan.check_step(_step(args, inputs, loss_fn))  # the flags above make them agree
@@ -493,6 +524,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         return _run(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130  # as a shell reports a command Ctrl-C ended (128 + SIGINT)
     except _EXPECTED as e:
         if args.debug:
             raise

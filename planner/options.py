@@ -39,7 +39,9 @@ class Pipeline:
     """The schedule: a class (``Schedule1F1B``, ``ScheduleGPipe``, ``ScheduleInterleaved1F1B``,
     ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``) or a built schedule object."""
     n_microbatches: int = field(default=1, kw_only=True)
-    """Micro-batches per step (``n_microbatches`` of the schedule)."""
+    """Micro-batches per step (``n_microbatches`` of the schedule), at most 4,096; at most 65,536
+    over all stages (``n_stages * n_microbatches``). Real runs use tens to low hundreds; the
+    bounds and why: ``estimators.pipeline.schedule.MAX_MICROBATCHES``."""
     stage_index: int = field(default=0, kw_only=True)
     """The stage to plan (for a rank of several stages: any of them; all are planned together)."""
     n_stages: int = field(default=1, kw_only=True)

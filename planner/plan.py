@@ -296,6 +296,9 @@ class Plan:
             raise PlanFormatError(f"step must be a StepRecord or None, got {type(self.step).__name__}")
         if self.layout is not None and not isinstance(self.layout, LayoutRecord):
             raise PlanFormatError(f"layout must be a LayoutRecord or None, got {type(self.layout).__name__}")
+        if self.layout is not None and self.layout.fsdp_world_size not in (1, self.world_size):
+            raise PlanFormatError(f"layout.fsdp_world_size ({self.layout.fsdp_world_size:,}) is not the plan's "
+                                  f"world_size ({self.world_size:,}): the per-rank figures are for one of them")
         if self.pipeline is not None and not isinstance(self.pipeline, PipelineRecord):
             raise PlanFormatError(f"pipeline must be a PipelineRecord or None, got {type(self.pipeline).__name__}")
 

@@ -12,8 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from estimators.pipeline.schedule import MAX_MICROBATCHES, MAX_STAGES, ScheduleError, ScheduleLayout, schedule_class
 from planner.errors import PlanFormatError
-from planner.plan_fields import MAX_COUNT, check_bool, check_float, check_int, check_str, fields_of
+from planner.plan_fields import check_bool, check_float, check_int, check_str, fields_of, short
 
 __all__ = ["PipelineRecord"]
 
@@ -52,20 +53,35 @@ class PipelineRecord:
     """This rank's idle share of that step."""
 
     def __post_init__(self) -> None:
-        # Bounded as every field of a plan file (planner.plan_fields): the file may come from anywhere.
+        # Bounded as every field of a plan file (planner.plan_fields): the file may come from
+        # anywhere. The pipeline is checked as Pipeline checks it, the stage's rank included.
         check_str("pipeline.schedule", self.schedule, nonempty=True)
-        for name in ("n_microbatches", "n_stages", "virtual_stages"):
-            check_int(f"pipeline.{name}", getattr(self, name), low=1, high=MAX_COUNT)
+        check_int("pipeline.n_microbatches", self.n_microbatches, low=1, high=MAX_MICROBATCHES)
+        for name in ("n_stages", "virtual_stages"):
+            check_int(f"pipeline.{name}", getattr(self, name), low=1, high=MAX_STAGES)
         if not isinstance(self.stage_index, int) or isinstance(self.stage_index, bool) \
                 or not 0 <= self.stage_index < self.n_stages:
-            raise PlanFormatError(f"pipeline: stage_index must be in [0, {self.n_stages}), got {self.stage_index!r}")
+            raise PlanFormatError(f"pipeline: stage_index must be in [0, {self.n_stages}), got {short(self.stage_index)}")
+        try:
+            layout = ScheduleLayout.of(schedule_class(self.schedule), n_microbatches=self.n_microbatches,
+                                       n_stages=self.n_stages, virtual_stages=self.virtual_stages)
+        except ScheduleError as e:
+            raise PlanFormatError(f"pipeline: {e}") from None
         stages = self.rank_stages
         if isinstance(stages, (str, bytes)) or not isinstance(stages, (list, tuple)) or len(stages) > self.n_stages:
             raise PlanFormatError(f"pipeline.rank_stages must list at most n_stages ({self.n_stages}) stages")
         stages = tuple(check_int("pipeline.rank_stages[]", s, high=self.n_stages - 1) for s in stages)
-        object.__setattr__(self, "rank_stages", stages or (self.stage_index,))
+        rank = layout.rank_of(self.stage_index)
+        if stages and stages != layout.stages_of(rank):
+            raise PlanFormatError(f"pipeline.rank_stages {list(stages)[:8]} are not the stages of stage "
+                                  f"{self.stage_index}'s rank {rank} ({list(layout.stages_of(rank))[:8]}) under "
+                                  f"{self.schedule} with {self.virtual_stages} stage(s) per rank")
+        object.__setattr__(self, "rank_stages", layout.stages_of(rank))
         for name in ("split_backward", "return_outputs"):
             check_bool(f"pipeline.{name}", getattr(self, name))
+        if self.split_backward != layout.split_backward:
+            raise PlanFormatError(f"pipeline.split_backward is {str(self.split_backward).lower()}, but {self.schedule} "
+                                  f"{'splits' if layout.split_backward else 'does not split'} the backward")
         for name in ("fw_ms", "bw_ms", "w_ms", "optim_ms", "makespan_ms"):
             object.__setattr__(self, name, check_float(f"pipeline.{name}", getattr(self, name)))
         object.__setattr__(self, "bubble_fraction", check_float("pipeline.bubble_fraction", self.bubble_fraction, high=1.0))

@@ -131,7 +131,10 @@ def _pipeline_lines(plan: Any) -> list[str]:
         try:
             from estimators.pipeline.summary import uniform_timeline_text
 
-            lines += ["    " + row for row in uniform_timeline_text(rec).splitlines()]
+            rows = uniform_timeline_text(rec).splitlines()
+            if len(rows) > 16:  # a rank per row: the first and last eight of a long pipeline
+                rows = rows[:8] + [f"... {len(rows) - 16:,} more ranks"] + rows[-8:]
+            lines += ["    " + row for row in rows]
         except Exception:  # noqa: BLE001 - a drawing: a plan from another torch still summarises
             pass
     return lines

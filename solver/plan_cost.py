@@ -188,12 +188,19 @@ def module_recompute_ms(s: ModStats, discarded_bytes: int) -> float:
     """Recompute time of checkpointing ``s`` with ``discarded_bytes`` discarded: its fixed cost
     plus the exact curve, linear between breakpoints. At 0 the checkpoint still discards its
     forced bytes and recomputes the curve's zero-byte steps (the envelope's cost at 0+); a
-    module that is not checkpointed is simply not in the plan."""
+    module that is not checkpointed is simply not in the plan. Discarding everything, a plain
+    (full) checkpoint is taken where it is cheaper (``ModStats.full_recompute_ms``: no selective
+    policy), as ``planner.planning.module_plans.module_plan`` applies it."""
     curve = s.tradeoff
+    fixed = getattr(s, "recompute_fixed_ms", 0.0)
     if discarded_bytes <= 0:
         at_zero = [ms for b, ms in zip(curve.discarded_bytes, curve.recompute_ms) if b == 0]
-        return getattr(s, "recompute_fixed_ms", 0.0) + (at_zero[-1] if at_zero else 0.0)
-    return getattr(s, "recompute_fixed_ms", 0.0) + curve.recompute_ms_at(discarded_bytes)
+        return fixed + (at_zero[-1] if at_zero else 0.0)
+    selective = fixed + curve.recompute_ms_at(discarded_bytes)
+    full = getattr(s, "full_recompute_ms", 0.0)
+    if full > 0 and discarded_bytes >= s.sac_memory_bytes:
+        return min(selective, full)
+    return selective
 
 
 def cost_envelope(s: ModStats) -> tuple[list[tuple[float, float]], bool]:
@@ -205,9 +212,13 @@ def cost_envelope(s: ModStats) -> tuple[list[tuple[float, float]], bool]:
     pts = [(0.0, module_recompute_ms(s, 0))]  # recompute_ms_at(0+): the last zero-byte step
     pts += [(b / size, fixed + ms) for b, ms in zip(curve.discarded_bytes, curve.recompute_ms)
             if 0 < b < size]
+    # A full checkpoint below the selective curve's end is a vertex the envelope takes; the
+    # curve is convex where the selective points are (the ratios just under 1 are then priced
+    # below their selective cost: the plan's recompute_ms is the exact one).
+    selective_end = (1.0, fixed + curve.recompute_ms_at(size))
     pts.append((1.0, module_recompute_ms(s, size)))
     segs = lower_hull_segments(pts)
-    return segs, _all_on_envelope(segs, pts)
+    return segs, _all_on_envelope(lower_hull_segments([*pts[:-1], selective_end]), [*pts[:-1], selective_end])
 
 
 def _all_on_envelope(segs: list[tuple[float, float]], pts: list[tuple[float, float]]) -> bool:

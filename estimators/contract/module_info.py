@@ -93,7 +93,9 @@ class SACOp:
     ``(func, occurrence)`` identifies the op at run time: the selective-checkpoint policy counts
     ops the same way in the forward and in the recompute."""
     runtime_ms: float
-    """Estimated time to recompute this op, in milliseconds (per call of the module)."""
+    """Estimated time to recompute this op, in milliseconds, over the module's calls: its kernel
+    and the host's cost of re-running it (``DeviceSpec.recompute_op_ms``; a view launches no
+    kernel and costs that alone)."""
     memory_bytes: int
     """Bytes freed if this op is recomputed instead of saved: its new output storages that autograd
     saves for backward inside this module only. 0 for views, in-place ops and unsaved outputs."""
@@ -253,8 +255,20 @@ class ModStats:
     sac_runtime_ms: float = 0.0
     """Time to recompute all of it (= tradeoff.total_ms)."""
     recompute_fixed_ms: float = 0.0
-    """Time any checkpointing of this module costs, whatever the ratio: the recompute re-runs the
-    ops whose outputs autograd does not save, up to the last op whose output it does."""
+    """Time any selective checkpoint of this module costs, whatever the ratio: the recompute
+    re-runs the ops whose outputs autograd does not save, up to the last op whose output it
+    does; plus ``checkpoint_call_ms`` and ``selective_policy_ms``."""
+    checkpoint_call_ms: float = 0.0
+    """Host time of the checkpoint itself over the module's calls, beside the ops it re-runs
+    (``DeviceSpec.checkpoint_call_ms`` per call): paid by every checkpoint of the module."""
+    selective_policy_ms: float = 0.0
+    """Host time of a selective policy over the module's calls: ``DeviceSpec.selective_op_ms``
+    for every forward op and every op the recompute replays up to the last saved one. Paid by
+    a selective checkpoint, not by a full one."""
+    full_recompute_ms: float = 0.0
+    """Recompute time of a plain (full) checkpoint of this module: every op up to the last one
+    autograd saves, and ``checkpoint_call_ms``; no policy. 0: discarding everything is not a
+    full checkpoint here (some op must be saved)."""
     tradeoff: TradeoffCurve = field(default_factory=TradeoffCurve)
     ops: tuple[SACOp, ...] = ()
     """Forward ops of one call (leaf modules: empty), in execution order."""

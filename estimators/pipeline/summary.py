@@ -5,16 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from estimators.pipeline.makespan import simulate, timeline_text
-from estimators.pipeline.schedule import ScheduleLayout
+from estimators.pipeline.schedule import ScheduleLayout, schedule_class
 
 __all__ = ["uniform_timeline_text"]
 
 
 def uniform_timeline_text(record: Any, width: int = 80) -> str:
     """``record``: a ``PipelineRecord`` (schedule name, micro-batches, stages, times)."""
-    from torch.distributed.pipelining import schedules
-
-    layout = ScheduleLayout.of(getattr(schedules, record.schedule), n_microbatches=record.n_microbatches,
+    layout = ScheduleLayout.of(schedule_class(record.schedule), n_microbatches=record.n_microbatches,
                                n_stages=record.n_stages, virtual_stages=record.virtual_stages)
     times = {"F": record.fw_ms, "B": record.bw_ms, "I": record.bw_ms, "W": record.w_ms}
     spans = simulate({r: layout.actions(r) for r in range(layout.n_ranks)}, layout.stage_to_rank(),

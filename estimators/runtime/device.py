@@ -172,6 +172,25 @@ class DeviceSpec:
     on this project's machine at 5.7-6.1 us for 256 B to 32 KiB storages (a bare numpy
     ``empty`` + ``copyto`` of 256 B: 0.55 us)."""
 
+    checkpoint_call_ms: float = 0.0
+    """Host time one call of a checkpointed module adds beside the ops it re-runs: the
+    checkpoint's forward wrapper (saved-tensor hooks, RNG state) and its recompute's setup in
+    backward. Paid by every checkpoint, full or selective."""
+    recompute_op_ms: float = 0.0
+    """Host time per op a recompute re-runs, beside the op's kernel time: autograd records the
+    op again and the checkpoint's hooks hand its saved tensors over. Counted per re-run op,
+    views included (they launch no kernel but are dispatched and recorded)."""
+    selective_op_ms: float = 0.0
+    """Host time a selective policy adds per op it sees: each forward op of the module and each
+    op its recompute replays up to the last saved one, cached or re-run. A plain (full)
+    checkpoint runs no policy and does not pay it.
+
+    The three host costs add to the step on a CPU, where the host runs the kernels. On a GPU
+    the host runs ahead of the device's queue and they are hidden where kernels are longer, so
+    the CUDA specs leave them at 0 (not modelled). They are the host's, not the chip's: every
+    built-in spec has 0 (not priced); ``planner.analysis.calibration.calibrate_device`` measures
+    them on the machine at hand (this project's CPU: docs/accuracy.md#runtimes)."""
+
     @property
     def host_copy_bytes_per_s(self) -> float:
         """Bytes per second an offload copy moves in one direction (0: no host link)."""
@@ -206,6 +225,10 @@ class DeviceSpec:
             raise ValueError("DeviceSpec efficiencies must be in (0, 1]")
         if self.allocator_block_bytes < 1:
             raise ValueError("DeviceSpec.allocator_block_bytes must be >= 1")
+        for name in ("checkpoint_call_ms", "recompute_op_ms", "selective_op_ms"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"DeviceSpec.{name} must be finite and >= 0, got {v}")
         if self.kernel_launch_ms < 0 or self.interconnect_bytes_per_s < 0:
             raise ValueError("DeviceSpec.kernel_launch_ms and interconnect_bytes_per_s must be >= 0")
         if self.interconnect is not None and not isinstance(self.interconnect, Interconnect):
@@ -258,6 +281,21 @@ class DeviceSpec:
 
     def replace(self, **changes) -> "DeviceSpec":
         return dataclasses.replace(self, **changes)
+
+    def summary(self) -> str:
+        """One line: the spec's name and the figures a runtime model prices ops with.
+
+        >>> get_device_spec("h100").summary()[:46]
+        'h100 (cuda): fp32 66.9 TFLOP/s x 0.75 eff, bf16'
+        """
+        return (
+            f"{self.name} ({self.kind}): fp32 {self.flops_per_s(torch.float32) / _TF:.3g} TFLOP/s x "
+            f"{self.compute_efficiency:.3g} eff, bf16 {self.flops_per_s(torch.bfloat16) / _TF:.3g} TFLOP/s, "
+            f"{self.memory_bandwidth_bytes_per_s / _GB:,.0f} GB/s x {self.bandwidth_efficiency:.3g} eff, "
+            f"launch {self.kernel_launch_ms * 1e3:.3g} us; checkpoint {self.checkpoint_call_ms * 1e3:.3g} us "
+            f"per call + {self.recompute_op_ms * 1e3:.3g} us per re-run op + {self.selective_op_ms * 1e3:.3g} us "
+            "per selective-policy op"
+        )
 
 
 _PCIE5_X16_BYTES_PER_S = 32e9 * 16 / 8 * 128 / 130  # 63.0 GB/s per direction

@@ -35,18 +35,20 @@ Args = Sequence[Any]
 Kwargs = Mapping[str, Any]
 
 _CACHE_FORMAT = "sac-planner/benchmark-cache"
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: floating inputs uniform in [0.5, 1), not randn
 
 
 class BenchmarkRuntime:
     """Times each distinct op by running it on real tensors on this machine.
 
     Inputs are materialised with the traced shape / stride / dtype: fake (or meta) tensors become
-    ``randn`` (floating) or zeros (integer / bool, so indices stay in range); real tensors are
-    copied, data included. The op runs on these private copies, so in-place and random ops never
-    touch the caller's tensors. The time is the median of ``timed_runs`` runs after
-    ``warmup_runs`` (CUDA events on a GPU, ``perf_counter_ns`` on CPU). An op that cannot run
-    standalone gets the roofline time of ``fallback_spec`` and is counted in :attr:`fallbacks`.
+    uniform in [0.5, 1) (floating: in every op's domain, see
+    ``estimators.runtime.op_signatures.synthetic_tensor``) or zeros (integer / bool, so indices
+    stay in range); real tensors are copied, data included. The op runs on these private copies,
+    so in-place and random ops never touch the caller's tensors. The time is the median of
+    ``timed_runs`` runs after ``warmup_runs``: CUDA events on a GPU; on CPU the ``clock`` (wall
+    time, or the calling thread's CPU time). An op that cannot run standalone gets the roofline
+    time of ``fallback_spec`` and is counted in :attr:`fallbacks`.
 
     Example::
 
@@ -65,6 +67,7 @@ class BenchmarkRuntime:
         max_ms_per_op: float = 200.0,
         cache_path: str | os.PathLike[str] | None = None,
         autosave_every: int = 64,
+        clock: str = "auto",
     ) -> None:
         """
         Args:
@@ -75,8 +78,16 @@ class BenchmarkRuntime:
             max_ms_per_op: fewer timed runs (at least 1) for slow ops, to bound the cost.
             cache_path: JSON file timings are loaded from and saved to; ``None``: memory only.
             autosave_every: with ``cache_path``, save after this many new timings (and at exit).
+            clock: how a CPU kernel is timed. ``"wall"``: ``perf_counter_ns``. ``"thread"``: the
+                calling thread's CPU time (``thread_time_ns``), what the kernel ran and not what
+                other processes took from it while it ran: steady on a loaded machine and the
+                wall time on an idle one, for a kernel on one intra-op thread (needs
+                ``torch.get_num_threads() == 1``: other threads' work is not counted).
+                ``"auto"``: ``"thread"`` on a CPU with one intra-op thread, else ``"wall"``.
+                CUDA kernels are timed by CUDA events whatever the clock.
         """
         self.device = _check_device(torch.device(device))
+        self.clock = _check_clock(clock, self.device)
         if min(warmup_runs, timed_runs, autosave_every) < 1 or not max_ms_per_op > 0:
             raise ValueError(
                 "warmup_runs, timed_runs and autosave_every must be >= 1, max_ms_per_op > 0"
@@ -84,7 +95,7 @@ class BenchmarkRuntime:
         self.fallback = RooflineRuntime(get_device_spec(fallback_spec))
         self.warmup_runs, self.timed_runs = warmup_runs, timed_runs
         self.max_ms_per_op = max_ms_per_op
-        self.device_label = _device_label(self.device)
+        self.device_label = _device_label(self.device, self.clock)
         self.name = f"benchmark:{self.device_label}"
         self.hits = 0
         """Calls answered from the cache (memory or file), without running the op."""
@@ -201,7 +212,7 @@ class BenchmarkRuntime:
         # Not torch.utils.benchmark.Timer: its timeit() runs its own warm-up on every call, runs
         # at 1 thread unless told, and synchronises the whole device around a wall clock where
         # CUDA events time the stream; the median of single runs is what is cached here.
-        timer = _cuda_time_ms if self.device.type == "cuda" else _cpu_time_ms
+        timer = {"cuda": _cuda_time_ms, "thread": _thread_time_ms, "wall": _cpu_time_ms}[self.clock]
         first_ms = timer(run)  # also proves the op runs at all
         for _ in range(self.warmup_runs - 1):
             timer(run)
@@ -245,12 +256,30 @@ def _check_device(device: torch.device) -> torch.device:
     return device
 
 
-def _device_label(device: torch.device) -> str:
+def _check_clock(clock: str, device: torch.device) -> str:
+    """The clock a kernel is timed by: ``"cuda"`` (events), ``"thread"`` or ``"wall"``."""
+    if clock not in ("auto", "wall", "thread"):
+        raise ValueError(f"clock must be 'auto', 'wall' or 'thread', got {clock!r}")
+    if device.type == "cuda":
+        return "cuda"
+    threads = torch.get_num_threads()
+    if clock == "thread" and threads != 1:
+        raise ValueError(
+            f"clock='thread' times the calling thread only and torch runs {threads} intra-op "
+            "threads here: call torch.set_num_threads(1) first, or use clock='wall'"
+        )
+    if clock == "auto":
+        return "thread" if threads == 1 else "wall"
+    return clock
+
+
+def _device_label(device: torch.device, clock: str = "wall") -> str:
     """Identifies the hardware timings belong to; a cache file from another label is refused."""
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     # The thread count changes CPU kernel times as much as the chip does.
-    return f"cpu:{platform.machine()}:{torch.get_num_threads()}threads"
+    label = f"cpu:{platform.machine()}:{torch.get_num_threads()}threads"
+    return label + (":thread-cpu-time" if clock == "thread" else "")
 
 
 def _materialise(value: Any, device: torch.device, memo: dict[int, torch.Tensor]) -> Any:
@@ -290,6 +319,12 @@ def _cpu_time_ms(run: Callable[[], Any]) -> float:
     start = time.perf_counter_ns()
     run()
     return (time.perf_counter_ns() - start) / 1e6
+
+
+def _thread_time_ms(run: Callable[[], Any]) -> float:
+    start = time.thread_time_ns()
+    run()
+    return (time.thread_time_ns() - start) / 1e6
 
 
 def _cuda_time_ms(run: Callable[[], Any]) -> float:

@@ -24,13 +24,18 @@ Kwargs = Mapping[str, Any]
 
 
 def synthetic_tensor(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``numel`` elements of ``dtype``: ``randn`` if floating (or complex), zeros otherwise (so
-    integer indices stay in range)."""
+    """``numel`` elements of ``dtype``: uniform in [0.5, 1) if floating (or complex), zeros
+    otherwise (so integer indices stay in range).
+
+    Floating values are in the domain of every elementwise op a step runs (``sqrt``, ``log``,
+    ``rsqrt``, ``pow``, ``acos``, probabilities for ``bernoulli`` / ``multinomial``) and far
+    from denormals: outside an op's domain it makes NaN, which some CPUs compute on a slow path
+    many times the op's time on training data (AdamW's second moment, for one, is >= 0)."""
     if dtype.is_floating_point or dtype.is_complex:
-        # randn has no kernel for every float dtype (float8): draw in float32 and cast.
+        # rand has no kernel for every float dtype (float8): draw in float32 and cast.
         if dtype.itemsize < 2 and not dtype.is_complex:
-            return torch.randn(numel, device=device).to(dtype)
-        return torch.randn(numel, dtype=dtype, device=device)
+            return (torch.rand(numel, device=device) * 0.5 + 0.5).to(dtype)
+        return torch.rand(numel, dtype=dtype, device=device) * 0.5 + 0.5
     return torch.zeros(numel, dtype=dtype, device=device)
 
 
@@ -53,7 +58,7 @@ class TensorSpec:
         return cls(tuple(map(hint, t.shape)), tuple(map(hint, t.stride())), t.dtype)
 
     def synthetic(self, device: torch.device) -> torch.Tensor:
-        """A tensor of this layout on ``device``: ``randn`` if floating, zeros otherwise."""
+        """A tensor of this layout on ``device``, values as :func:`synthetic_tensor` draws them."""
         shape, stride = list(self.shape), list(self.stride)
         return synthetic_tensor(storage_extent(shape, stride), self.dtype, device).as_strided(
             shape, stride, 0

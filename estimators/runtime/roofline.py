@@ -129,6 +129,9 @@ def _call_formula(func: Any, formula: FlopFormula, args: Args, kwargs: Kwargs, o
         return 0
 
 
+_ANNOUNCED: set[str] = set()
+
+
 class RooflineRuntime:
     """Roofline time of each op on a DeviceSpec; see the module docstring for what is modelled.
 
@@ -139,6 +142,10 @@ class RooflineRuntime:
     def __init__(self, spec: DeviceSpec) -> None:
         self.spec = spec
         self.name = f"roofline:{spec.name}"
+        summary = spec.summary()
+        if summary not in _ANNOUNCED:  # which spec and efficiencies price the ops, once per spec
+            _ANNOUNCED.add(summary)
+            logger.info("roofline on %s", summary)
         self._cache: dict[tuple, float] = {}
         self._bytes_per_ms = spec.memory_bandwidth_bytes_per_s * spec.bandwidth_efficiency / 1e3
 

@@ -196,9 +196,15 @@ class Draws:
         self._start: State | None = None
 
     def __enter__(self) -> "Draws":
+        from estimators.tracing.thread_state import restored_by_last_out
+
         self._start = get_state()
+        # Put back by the last of the threads tracing at once (a thread putting back its own
+        # start would put back what another one drew since).
+        self._restore = restored_by_last_out("host-rng", get_state, set_state)
+        self._restore.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.drew = not same(self._start, get_state())
-        set_state(self._start)
+        self._restore.__exit__(*exc)

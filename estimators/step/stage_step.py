@@ -71,16 +71,18 @@ def run_stage_microbatch(
     *,
     on_phase: Callable[[Phase], None] | None = None,
     on_mark: Callable[[str, torch.Tensor | None], None] | None = None,
+    context: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> set[int]:
     """Forward, loss (last stage), backward of one micro-batch, then the optimizer step.
 
     ``inputs``: the stage's forward input (a tensor or a tuple of positional tensors): the
     batch on the first stage, else the received activation (made a leaf that requires grad, as
-    the receive buffer is). Returns the ids of the parameters whose ``.grad`` the backward wrote
-    (a split backward assigns ``.grad`` itself, so post-accumulate-grad hooks do not fire)."""
-    from torch.distributed.pipelining._backward import (
-        stage_backward, stage_backward_input, stage_backward_weight)
-
+    the receive buffer is). ``context``: ``TrainStep.context``, entered around the forward, the
+    loss and the backward (both halves), as a loop enters it around ``schedule.step()``
+    (torchtitan's ``train_context``: ``loss_parallel`` for vocabulary-sharded logits); the
+    optimizer step runs outside it. Returns the ids of the parameters whose ``.grad`` the
+    backward wrote (a split backward assigns ``.grad`` itself, so post-accumulate-grad hooks do
+    not fire)."""
     phase = on_phase or (lambda _p: None)
     mark = on_mark or (lambda _n, _t=None: None)
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
@@ -89,6 +91,22 @@ def run_stage_microbatch(
                      else a for a in args)
     params = [p for p in model.parameters() if p.requires_grad]
     before = {id(p): (p.grad, p.grad._version if p.grad is not None else -1) for p in params}
+    with context() if context is not None else contextlib.nullcontext():
+        _forward_backward(model, args, loss_fn, target, role, params, phase, mark)
+    written = {id(p) for p in params
+               if p.grad is not None and (p.grad is not before[id(p)][0] or p.grad._version != before[id(p)][1])}
+    if optimizer is not None:
+        phase(Phase.OPTIM)
+        mark("optimizer", None)
+        optimizer.step()
+    return written
+
+
+def _forward_backward(model, args: tuple, loss_fn, target, role: StageRole, params: list, phase, mark) -> None:
+    """The micro-batch's forward, loss (last stage) and backward, as the schedule runs them."""
+    from torch.distributed.pipelining._backward import (
+        stage_backward, stage_backward_input, stage_backward_weight)
+
     phase(Phase.FW)
     out = model(*args)
     outputs = out if isinstance(out, tuple) else (out,)
@@ -122,14 +140,6 @@ def run_stage_microbatch(
         mark("weight", None)
         with _grouped(role):
             stage_backward_weight(iter(params), groups)
-    del out, outputs, bw_outputs, bw_grads
-    written = {id(p) for p in params
-               if p.grad is not None and (p.grad is not before[id(p)][0] or p.grad._version != before[id(p)][1])}
-    if optimizer is not None:
-        phase(Phase.OPTIM)
-        mark("optimizer", None)
-        optimizer.step()
-    return written
 
 
 def _grouped(role: StageRole):

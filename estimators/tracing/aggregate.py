@@ -9,13 +9,16 @@ import numpy as np
 
 from estimators.tracing.memory import MemoryTimeline
 from estimators.contract.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, Phase
+from estimators.runtime.device import DeviceSpec
 from estimators.tracing.sac import (
     forced_recompute_ops,
+    full_recompute_ms,
     subtree,
     fixed_recompute_ms,
     greedy_units,
     module_ops,
     cumulative_curve,
+    policy_ops,
 )
 from estimators.contract.sac_groups import cached_if_saved, sac_groups, unsafe_reads
 from estimators.tracing.trace import ModuleCall, StepTrace, StorageKind
@@ -76,17 +79,22 @@ def _sum_bytes(trace: StepTrace, sids) -> int:
 
 def _local_stats(
     trace: StepTrace, fqn: str, calls: list[ModuleCall], saved: dict[int, set[int]],
-    last_fw_write: dict[int, tuple[int, Any]],
+    last_fw_write: dict[int, tuple[int, Any]], host: DeviceSpec | None,
 ) -> dict:
     """The fields of a module's ModStats that depend on its own ops and storages only: the same
-    for a call laid in as a copy of another (``StepTrace.twin_of``) as for that call."""
+    for a call laid in as a copy of another (``StepTrace.twin_of``) as for that call. ``host``:
+    the spec whose checkpoint host costs are priced (None: none)."""
     is_leaf = fqn in trace.leaf_fqns
     first = calls[0]
-    ops = () if is_leaf else module_ops(trace, calls)
+    n = len(calls)
+    call_ms = host.checkpoint_call_ms * n if host is not None else 0.0
+    ops = () if is_leaf else module_ops(trace, calls, host.recompute_op_ms if host is not None else 0.0)
     groups = sac_groups(ops) if ops else ()
     units = greedy_units(ops, groups) if ops else []
     curve = cumulative_curve(units)
     forced = set(forced_recompute_ops(ops, groups)) if ops else set()
+    policy_ms = host.selective_op_ms * policy_ops(ops) * n if host is not None and ops else 0.0
+    full_ms = full_recompute_ms(ops, groups) if ops else 0.0
     return dict(
         is_leaf=is_leaf,
         input_bytes=_sum_bytes(trace, first.input_sids),
@@ -95,7 +103,10 @@ def _local_stats(
         act_fw_bytes=_sum_bytes(trace, set().union(*(saved.get(c.cid, set()) for c in calls))),
         sac_memory_bytes=curve.total_bytes,
         sac_runtime_ms=curve.total_ms,
-        recompute_fixed_ms=fixed_recompute_ms(ops, groups),
+        recompute_fixed_ms=(fixed_recompute_ms(ops, groups) + call_ms + policy_ms) if ops else 0.0,
+        checkpoint_call_ms=call_ms if ops else 0.0,
+        selective_policy_ms=policy_ms,
+        full_recompute_ms=full_ms + call_ms if full_ms else 0.0,
         checkpoint_retain_bytes=0 if is_leaf else _retained_inputs(trace, calls),
         tradeoff=curve,
         ops=ops,
@@ -318,7 +329,9 @@ def memory_points(trace: StepTrace, tl: MemoryTimeline, stats: list[ModStats]) -
     return points
 
 
-def build_module_info(trace: StepTrace, tl: MemoryTimeline) -> ModuleInfo:
+def build_module_info(trace: StepTrace, tl: MemoryTimeline, spec: DeviceSpec | None = None) -> ModuleInfo:
+    """The ModuleInfo of a traced step; recompute is priced with ``spec``'s checkpoint host costs
+    (``DeviceSpec.checkpoint_call_ms`` and the like; None: kernels only)."""
     by_fqn: dict[str, list[ModuleCall]] = {}
     for c in trace.calls:
         by_fqn.setdefault(c.fqn, []).append(c)
@@ -336,7 +349,7 @@ def build_module_info(trace: StepTrace, tl: MemoryTimeline) -> ModuleInfo:
         key = trace.twin_of.get(calls[0].cid, calls[0].cid) if len(calls) == 1 else -1
         local = local_of.get(key)
         if local is None:
-            local = _local_stats(trace, fqn, calls, saved, last_fw_write)
+            local = _local_stats(trace, fqn, calls, saved, last_fw_write, spec)
             if key >= 0:
                 local_of[key] = local
         stats.append(_mod_stats(trace, tl, fqn, calls, local, bw_rt, fw_rt_cum, live_act))

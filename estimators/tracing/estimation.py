@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from estimators.step import host_rng
@@ -72,12 +72,14 @@ from estimators.step.stage_step import run_stage_microbatch
 from estimators.step.train_step import StepError, TrainStep, run_step, step_mode
 from estimators.contract.module_info import ModuleInfo
 from estimators.step.optimizer import check_optimizer_params, param_groups, resolve_optimizer
-from estimators.tracing.steady_state import first_step_module_info, first_step_peak, steady_state
+from estimators.tracing.steady_state import first_step_module_info, first_step_peak, grad_placement_hooks, steady_state
 from estimators.tracing.trace import InplaceModifiedError, StepTrace, StepTracer
+from estimators.tracing.model_calls import refuse_calls_of
 from estimators.tracing.replicate import NotReplicable, expand_stacks
 from estimators.tracing.stacks import Stack, find_stacks
 from estimators.tracing.fake_copy import FakeCopyError, fake_copy, fake_tensor
-from estimators.tracing.truncation import FullListsRuntime, gc_paused, may_index_blocks, pre_step_owners
+from estimators.tracing.thread_state import eager_in_this_thread, gc_paused, torch_rng_restored
+from estimators.tracing.truncation import FullListsRuntime, may_index_blocks, pre_step_owners
 
 __all__ = [
     "DEFAULT_DEVICE",
@@ -254,18 +256,18 @@ def estimate(
     # pipeline stage's trace carries marks (op positions) that laying blocks in would move: traced whole.
     stacks = (find_stacks(model) if fake and options.replicate_blocks and prepare is None and step.stage is None
               and not fsdp_units_of(model) else [])
-    trace, without_grad, stacks = _trace(model, step, spec, options, prepare, cuda_rules, frozenset(), stacks)
-    if without_grad and (step.optimizer is not None or step.grads_alive_at_start):
+    trace, without_grad, stacks, placed = _trace(model, step, spec, options, prepare, cuda_rules, frozenset(), stacks)
+    if (without_grad and (step.optimizer is not None or step.grads_alive_at_start)) or placed:
         # torch's optimizers create no state for (and do not step) a parameter whose .grad is
         # None, and a parameter the loss never reaches never gets one (an unused pooler, a frozen
-        # part the optimizer was still given): trace again with those parameters as the loop
-        # has them from step 2 on, without gradient or state.
-        logger.info("%d parameter(s) get no gradient in the step (%s); traced again without their "
-                    "optimizer state", len(without_grad), ", ".join(sorted(without_grad)[:3]))
-        trace, _, _ = _trace(model, step, spec, options, prepare, cuda_rules, without_grad, stacks)
+        # part the optimizer was still given): trace again with the parameters as the loop has
+        # them from step 2 on (without gradient or state; kept gradients as the backward made them).
+        logger.info("traced again: %d parameter(s) get no gradient (%s), %d one in other placements",
+                    len(without_grad), ", ".join(sorted(without_grad)[:3]), len(placed))
+        trace, _, _, _ = _trace(model, step, spec, options, prepare, cuda_rules, without_grad, stacks, placed)
     with gc_paused():
         timeline = build_timeline(trace)
-        info = build_module_info(trace, timeline)
+        info = build_module_info(trace, timeline, spec)
     dt = time.perf_counter() - t0
     logger.info("traced %d ops, %d module calls in %.2f s", len(trace.ops), len(trace.calls), dt)
     return Estimate(
@@ -295,24 +297,25 @@ def _check_held_is_not_the_model(model: torch.nn.Module, step: TrainStep) -> Non
 def _trace(
     model: torch.nn.Module, step: TrainStep, spec: DeviceSpec, options: EstimateOptions,
     prepare: Callable[[torch.nn.Module], Any] | None, cuda_rules: bool, without_grad: frozenset[str],
-    stacks: list[Stack],
-) -> tuple[StepTrace, frozenset[str], list[Stack]]:
+    stacks: list[Stack], grad_placements: dict[str, tuple] | None = None,
+) -> tuple[StepTrace, frozenset[str], list[Stack], dict[str, tuple]]:
     """``_trace_step`` with the blocks of ``stacks`` traced once each (and the stacks used), or,
     where that trace cannot stand for the full one, of the full model (and no stacks)."""
     fake = options.mode is TraceMode.FAKE
     if stacks:
         try:
             with _trace_mode(fake) as box:
-                trace, got_no_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad,
-                                                 box.mode, stacks)
-            return trace, got_no_grad, stacks
+                trace, got_no_grad, placed = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad,
+                                                         box.mode, stacks, grad_placements)
+            return trace, got_no_grad, stacks, placed
         except (NotReplicable, TraceError) as e:
             if not isinstance(e, NotReplicable) and not may_index_blocks(e):
                 raise  # the model's own error: the full model raises it too
             logger.debug("%s: every block traced (%s: %s)", type(model).__name__, type(e).__name__, e)
     with _trace_mode(fake) as box:
-        trace, got_no_grad = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad, box.mode)
-    return trace, got_no_grad, []
+        trace, got_no_grad, placed = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad,
+                                                 box.mode, (), grad_placements)
+    return trace, got_no_grad, [], placed
 
 
 def _trace_mode(fake: bool) -> contextlib.AbstractContextManager[fake_leaks.FakeTrace]:
@@ -324,13 +327,14 @@ def _trace_mode(fake: bool) -> contextlib.AbstractContextManager[fake_leaks.Fake
 def _trace_step(
     model: torch.nn.Module, step: TrainStep, spec: DeviceSpec, options: EstimateOptions,
     prepare: Callable[[torch.nn.Module], Any] | None, cuda_rules: bool, without_grad: frozenset[str],
-    fake_mode: FakeTensorMode | None, stacks: list[Stack] = (),
-) -> tuple[StepTrace, frozenset[str]]:
-    """One traced step of the steady state, and the names of the trainable parameters that got
-    no gradient in it. ``without_grad``: parameters that start the step with neither
-    gradient nor optimizer state (they got none in a previous trace). ``fake_mode``: the mode
-    of a fake trace, None for a real one. ``stacks`` (fake mode): run four blocks of each and lay
-    the others in (``estimators.tracing.replicate``; raises NotReplicable where it cannot)."""
+    fake_mode: FakeTensorMode | None, stacks: list[Stack] = (), grad_placements: dict[str, tuple] | None = None,
+) -> tuple[StepTrace, frozenset[str], dict[str, tuple]]:
+    """One traced step of the steady state, the trainable parameters that got no gradient in
+    it, and the DTensor ones whose gradient the backward made in other placements than it had
+    (-> those). ``without_grad``: parameters that start the step with neither gradient nor
+    optimizer state; ``grad_placements``: gradients that start in these placements (both seen
+    in a previous trace). ``fake_mode``: the mode of a fake trace, None for a real one. ``stacks``
+    (fake mode): run four blocks of each and lay the others in (``estimators.tracing.replicate``)."""
     fake = fake_mode is not None
     if fake:
         try:
@@ -358,7 +362,7 @@ def _trace_step(
             # Fake tensors draw nothing, but the model's Python code may touch the generators
             # itself (Reformer calls torch.seed() in train mode): planning leaves them as they were.
             cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-            restore.enter_context(torch.random.fork_rng(devices=cuda))
+            restore.enter_context(torch_rng_restored(cuda))
         groups = param_groups(model, step.optimizer, mapping)
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             # Built in the mode: a constructor that makes state (Adagrad's step count) makes it
@@ -367,7 +371,7 @@ def _trace_step(
             opt = resolve_optimizer(step.optimizer, groups, spec, fake)
             try:
                 with MemoMode(fake_mode) if fake_mode is not None else contextlib.nullcontext():
-                    steady_state(traced, opt, step, without_grad, fake=fake)
+                    steady_state(traced, opt, step, without_grad, fake=fake, grad_placements=grad_placements)
             except StepError as e:
                 raise TraceError(str(e)) from e.__cause__
         runtime = make_runtime_model(options.runtime, spec)
@@ -384,17 +388,17 @@ def _trace_step(
             full_lists.phase, full_lists.optimizer = functools.partial(getattr, tracer, "phase"), opt
         owners = [pre_step_owners(tracer.sid_of, traced, st, opt) for st in stacks]
         applied = prepare(traced) if prepare is not None else None
-        if fake:  # the user's model itself must not train in the step (see _refuse_calls_of)
-            restore.callback(_refuse_calls_of(model))
+        if fake:  # the user's model itself must not train in the step (see model_calls)
+            restore.callback(refuse_calls_of(model, _TheModelItself))
         graded: set[str] = set()
         trainable = {n: p for n, p in traced.named_parameters() if p.requires_grad}
         grad_hooks = [p.register_post_accumulate_grad_hook(lambda _, n=n: graded.add(n)) for n, p in trainable.items()]
+        grad_hooks += grad_placement_hooks(trainable, placed := {}, kept=step.grads_alive_at_start)
         tracer.attach()
         try:
             with contextlib.ExitStack() as modes:
-                # The step's eager ops are what is traced: a compiled block runs them eagerly here
-                # (torch.compile under the trace's modes would trace our own dispatch code).
-                modes.enter_context(torch.compiler.set_stance("force_eager"))
+                # The step's eager ops are traced: compiled code runs eagerly in this thread (see thread_state)
+                modes.enter_context(eager_in_this_thread())
                 if fake_mode is not None:
                     modes.enter_context(hf_real_paths(step.inputs))  # HF's real-run code path
                     modes.enter_context(fake_mode)
@@ -412,7 +416,8 @@ def _trace_step(
                     on_phase = autocast.on_phase(tracer.set_phase) if autocast else tracer.set_phase
                     if step.stage is not None:  # one micro-batch of a pipeline stage
                         written = run_stage_microbatch(traced, step_inputs, step.loss_fn, step_target, opt,
-                                                       step.stage, on_phase=on_phase, on_mark=marks.mark)
+                                                       step.stage, on_phase=on_phase, on_mark=marks.mark,
+                                                       context=step.context)
                         graded.update(n for n, p in trainable.items() if id(p) in written)
                     else:
                         run_step(
@@ -468,7 +473,7 @@ def _trace_step(
             "fewer layers peak higher (a Data2VecAudio with layerdrop 0.5: up to 36 % over). Plan "
             "such a model with every layer running (HF: config.layerdrop = 0.0 while planning).",
             DrawnControlFlowWarning, stacklevel=3)
-    return trace, got_no_grad
+    return trace, got_no_grad, placed
 
 
 def _batch_values(real: Any, fake: Any) -> dict[int, torch.Tensor]:
@@ -489,48 +494,6 @@ class _TheModelItself(TraceError):
             "called from loss_fn: 48 % under the measured peak). Compute it in the model's forward, "
             "or trace in real mode, which runs the model itself: solve_sac(..., options="
             "PlanOptions(trace=EstimateOptions(mode=TraceMode.REAL))), --mode real on the command line")
-
-
-def _refuse_calls_of(model: torch.nn.Module) -> Callable[[], None]:
-    """Forward pre-hooks on the user's modules, for the step's calls outside the traced copy:
-    one that holds parameters is refused before its forward runs with grad on (its gradients and
-    optimizer state would be the user's, not the copy's, and missing from the trace); under
-    no_grad it runs, its parameters counted as the step's inputs (FixMatch's pseudo-label
-    forward: counted high, where a refusal would leave no plan at all).
-    One that holds only buffers runs as the copy's would (``CrossEntropyLoss(weight=...)`` kept
-    on the model, a plain criterion), its buffers put back afterwards (a no-grad forward of a
-    BatchNorm counts a batch into its statistics). Returns the removal of the hooks."""
-    names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
-    kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-
-    def refuse(module, args):
-        if not torch.is_grad_enabled():  # a no-grad forward (FixMatch's pseudo-labels): nothing of
-            return keep_buffers(module, args)  # it trains; its parameters count as inputs (high)
-        raise _TheModelItself(f"calls {names[id(module)]} of the model itself, from loss_fn, a hook, "
-                              "or a reference the model's code keeps to itself (deepcopy shares "
-                              "functions and their closures)")
-
-    def keep_buffers(module, _args):
-        if id(module) not in kept:
-            with torch.no_grad(), unset_fake_temporarily():
-                kept[id(module)] = [(b, b.detach().clone()) for b in module.buffers()]
-
-    hooks = []
-    for m in model.modules():
-        if next(m.parameters(), None) is not None:
-            hooks.append(m.register_forward_pre_hook(refuse))
-        elif next(m.buffers(), None) is not None:
-            hooks.append(m.register_forward_pre_hook(keep_buffers))
-
-    def remove() -> None:
-        for h in hooks:
-            h.remove()
-        with torch.no_grad(), unset_fake_temporarily():
-            for pairs in kept.values():
-                for b, value in pairs:
-                    b.copy_(value)
-
-    return remove
 
 
 class HostRandomnessWarning(UserWarning):
@@ -582,7 +545,7 @@ def _restored(model: torch.nn.Module):
                     saved.append((table, name, t, t.detach().clone()))
     grads = {id(p): (p, p.grad) for p in model.parameters()}
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
+    with torch_rng_restored(devices):
         try:
             yield
         finally:

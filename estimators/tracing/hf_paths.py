@@ -31,11 +31,14 @@ with no mask passed at all; the shape is what the trace can tell, not where valu
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten
+
+from estimators.tracing.thread_state import original, patched_in_this_thread
 
 __all__ = ["hf_real_paths"]
 
@@ -120,11 +123,12 @@ class hf_real_paths:
 
     def __init__(self, inputs: Any) -> None:
         self.inputs = inputs
-        self.restore: list[tuple[Any, str, Any]] = []
+        self.restore = contextlib.ExitStack()
 
     def _patch(self, module: Any, name: str, replacement: Any) -> None:
-        self.restore.append((module, name, getattr(module, name)))
-        setattr(module, name, replacement)
+        # In this thread only: transformers' functions are the process's (another thread's model
+        # runs the originals, and two traces in two threads restore nothing of each other's).
+        self.restore.enter_context(patched_in_this_thread(module, name, replacement))
 
     def __enter__(self):
         mu = sys.modules.get("transformers.masking_utils")
@@ -132,7 +136,7 @@ class hf_real_paths:
             return self
         from torch._subclasses.fake_tensor import is_fake
 
-        fn = getattr(mu, "find_packed_sequence_indices", None)
+        fn = original(mu, "find_packed_sequence_indices") if hasattr(mu, "find_packed_sequence_indices") else None
         given = _position_ids(self.inputs)
         if fn is not None and given is not None and not any(
             isinstance(t, torch.Tensor) and (t.device.type == "meta" or fn(t if t.dim() == 2 else t.view(1, -1)) is not None)
@@ -150,20 +154,19 @@ class hf_real_paths:
         if shapes:  # None (unknowable) or no all-ones shape: nothing to answer
             for name in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa"):
                 if callable(getattr(mu, name, None)):
-                    self._patch(mu, name, _asked_of_ones(getattr(mu, name), shapes))
-            recurrent = getattr(mu, "create_recurrent_attention_mask", None)
-            if callable(recurrent):
+                    self._patch(mu, name, _asked_of_ones(original(mu, name), shapes))
+            if callable(getattr(mu, "create_recurrent_attention_mask", None)):
+                recurrent = original(mu, "create_recurrent_attention_mask")
                 # Mamba-2 / linear-attention models import it by name: patch every holder.
                 replacement = _no_mask_when_ones(recurrent, shapes)
                 for module in list(sys.modules.values()):
-                    if getattr(module, "create_recurrent_attention_mask", None) is recurrent:
+                    if hasattr(module, "create_recurrent_attention_mask") and \
+                            original(module, "create_recurrent_attention_mask") is recurrent:
                         self._patch(module, "create_recurrent_attention_mask", replacement)
         return self
 
     def __exit__(self, *exc) -> None:
-        for module, name, original in reversed(self.restore):
-            setattr(module, name, original)
-        self.restore = []
+        self.restore.close()
 
 
 def _asked_of_ones(check: Any, shapes: set[tuple[int, ...]]) -> Any:

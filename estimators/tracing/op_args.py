@@ -28,8 +28,9 @@ _FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
 class HotPathMode(TorchDispatchMode):
     """A dispatch mode every op of a traced step goes through. torch wraps a mode's
     ``__torch_dispatch__`` in ``_disable_dynamo`` (a cost on each call) unless
-    ``_should_skip_dynamo`` says False; the traced step runs under ``set_stance("force_eager")``
-    (``estimation._trace_step``), so no frame below it is compiled anyway."""
+    ``_should_skip_dynamo`` says False; the traced step runs with compiled code eager in its
+    thread (``thread_state.eager_in_this_thread``, entered by ``estimation._trace_step``), so no
+    frame below it is compiled anyway."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:

@@ -31,7 +31,7 @@ from estimators.tracing.trace import ModuleCall, StepTrace, StorageKind
 
 __all__ = [
     "module_ops", "greedy_units", "cumulative_curve", "replay_ms", "fixed_recompute_ms", "forced_recompute_ops",
-    "subtree",
+    "subtree", "last_saved", "policy_ops", "full_recompute_ms",
 ]
 
 _TO_COPY = torch.ops.aten._to_copy.default
@@ -54,7 +54,7 @@ def subtree(trace: StepTrace, call: ModuleCall) -> set[int]:
     return ids
 
 
-def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
+def _call_ops(trace: StepTrace, call: ModuleCall, host_op_ms: float) -> list[SACOp]:
     inside = subtree(trace, call)
     ops: list[SACOp] = []
     seen: dict[str, int] = {}
@@ -93,7 +93,7 @@ def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
             SACOp(
                 func=name,
                 occurrence=occ,
-                runtime_ms=rec.runtime_ms,
+                runtime_ms=rec.runtime_ms + host_op_ms,
                 memory_bytes=memory,
                 is_view=rec.is_view,
                 inplace_parent=parent,
@@ -106,18 +106,20 @@ def _call_ops(trace: StepTrace, call: ModuleCall) -> list[SACOp]:
     return ops
 
 
-def module_ops(trace: StepTrace, calls: list[ModuleCall]) -> tuple[SACOp, ...]:
-    """Op table of a module, summed over its calls (matched by (func, occurrence))."""
+def module_ops(trace: StepTrace, calls: list[ModuleCall], host_op_ms: float = 0.0) -> tuple[SACOp, ...]:
+    """Op table of a module, summed over its calls (matched by (func, occurrence)). Each op's
+    ``runtime_ms`` is its traced time plus ``host_op_ms``, the host's cost of re-running it in a
+    recompute (``DeviceSpec.recompute_op_ms``)."""
     if not calls:
         return ()
-    first = _call_ops(trace, calls[0])
+    first = _call_ops(trace, calls[0], host_op_ms)
     if len(calls) == 1:
         return tuple(first)
     mem = [o.memory_bytes for o in first]
     rt = [o.runtime_ms for o in first]
     index = {(o.func, o.occurrence): i for i, o in enumerate(first)}
     for call in calls[1:]:
-        for o in _call_ops(trace, call):
+        for o in _call_ops(trace, call, host_op_ms):
             i = index.get((o.func, o.occurrence))
             if i is not None:
                 mem[i] += o.memory_bytes
@@ -148,11 +150,23 @@ def cumulative_curve(units: list[SACGroup]) -> TradeoffCurve:
     return TradeoffCurve(discarded_bytes=tuple(xs), recompute_ms=tuple(ys))
 
 
+def last_saved(ops: tuple[SACOp, ...]) -> int:
+    """Index of the last op whose output autograd saves (-1: none): torch's recompute stops
+    early after it, and without one nothing is unpacked, so nothing is recomputed."""
+    return max((i for i, o in enumerate(ops) if o.is_saved), default=-1)
+
+
 def replay_ms(ops: tuple[SACOp, ...], rerun: Callable[[int, SACOp], bool]) -> float:
-    """Time of a recompute that re-runs the ops ``rerun(index, op)`` selects. Views launch nothing,
-    and the recompute stops early after the last op whose output autograd saves."""
-    last = max((i for i, o in enumerate(ops) if o.is_saved), default=-1)
-    return sum(o.runtime_ms for i, o in enumerate(ops[: last + 1]) if not o.is_view and rerun(i, o))
+    """Time of a recompute that re-runs the ops ``rerun(index, op)`` selects (each op's
+    ``runtime_ms``: its kernel and the host's cost of re-running it), up to the early stop
+    (:func:`last_saved`)."""
+    return sum(o.runtime_ms for i, o in enumerate(ops[: last_saved(ops) + 1]) if rerun(i, o))
+
+
+def policy_ops(ops: tuple[SACOp, ...]) -> int:
+    """Ops a selective policy sees in one call: every forward op, and every op the recompute
+    replays up to the early stop (a cached op is looked up, not re-run, but still dispatched)."""
+    return len(ops) + last_saved(ops) + 1
 
 
 def fixed_recompute_ms(ops: tuple[SACOp, ...], groups: tuple[SACGroup, ...] | None = None) -> float:
@@ -160,6 +174,14 @@ def fixed_recompute_ms(ops: tuple[SACOp, ...], groups: tuple[SACGroup, ...] | No
     re-run (saving them would cost memory the baseline never held), and so are the forced ones."""
     forced = set(forced_recompute_ops(ops, groups))
     return replay_ms(ops, lambda i, o: not o.is_saved or i in forced)
+
+
+def full_recompute_ms(ops: tuple[SACOp, ...], groups: tuple[SACGroup, ...] | None = None) -> float:
+    """Re-run time of a plain (full) checkpoint: every op up to the early stop; 0 where some
+    group must be saved (discarding everything is then a selective checkpoint)."""
+    if any(g.must_save for g in (sac_groups(ops) if groups is None else groups)):
+        return 0.0
+    return replay_ms(ops, lambda i, o: True)
 
 
 def forced_recompute_ops(ops: tuple[SACOp, ...], groups: tuple[SACGroup, ...] | None = None) -> list[int]:

@@ -10,6 +10,7 @@ gives the solver the same view."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 import torch
 
@@ -19,25 +20,30 @@ from estimators.contract.module_info import ModuleInfo, Phase
 from estimators.step.train_step import TrainStep, values_read_in
 from estimators.tracing.trace import StepTrace, StorageKind
 
-__all__ = ["steady_state", "sparse_grad_params", "first_step_peak", "first_step_module_info"]
+__all__ = ["steady_state", "grad_placement_hooks", "sparse_grad_params", "first_step_peak", "first_step_module_info"]
 
 
 def steady_state(
     model: torch.nn.Module, opt: torch.optim.Optimizer | None, step: TrainStep, without_grad: frozenset[str] = frozenset(),
-    *, fake: bool = False,
+    *, fake: bool = False, grad_placements: Mapping[str, tuple] | None = None,
 ) -> None:
     """Give the traced model the state the loop's binding micro-batch starts with: optimizer
     state created (one step on zero gradients), gradients allocated or not (see TrainStep).
     Parameters named in ``without_grad`` never get a gradient, so neither gradient nor state.
     ``fake``: the model's tensors are fake; the state of a common optimizer is then made as that
-    step leaves it, without running it (``estimators.tracing.optimizer_state``)."""
-    params = [p for n, p in model.named_parameters() if p.requires_grad and n not in without_grad]
+    step leaves it, without running it (``estimators.tracing.optimizer_state``).
+    ``grad_placements``: DTensor parameters whose gradient the backward makes in these
+    placements (``grad_placement_hooks``); their gradients are made so."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in without_grad]
+    params = [p for _, p in named]
     sparse = sparse_grad_params(model)
     stepped = opt is not None and not (fake and not sparse and make_first_step_state(opt, params))
     if stepped or step.grads_alive_at_start:
         with torch.no_grad():
-            for p in params:
-                p.grad = _empty_sparse_like(p) if id(p) in sparse else torch.zeros_like(p)
+            for n, p in named:
+                p.grad = (_empty_sparse_like(p) if id(p) in sparse else
+                          _dtensor_zeros(p, grad_placements[n]) if grad_placements and n in grad_placements else
+                          torch.zeros_like(p))
     if stepped:
         with values_read_in(f"the optimizer step ({type(opt).__name__})"):
             opt.step()
@@ -46,6 +52,37 @@ def steady_state(
             p.grad = None
         elif stepped:  # zero again after the step (the fresh zeros of a made state are zero already)
             p.grad.zero_()
+
+
+def grad_placement_hooks(params: Mapping[str, torch.Tensor], placed: dict[str, tuple], *, kept: bool) -> list:
+    """Hooks that note in ``placed`` each DTensor parameter whose gradient reaches it in other
+    placements than its ``.grad`` has (a vocabulary-sharded embedding's gradient is replicated):
+    with gradients ``kept`` across micro-batches, the loop's gradient is the one the first
+    backward made, in its placements and size. None for ``kept=False``."""
+    hooks = []
+    for name, p in params.items() if kept else ():
+        if _placements(p) is None:
+            continue
+
+        def seen(g: torch.Tensor, name: str = name, p: torch.Tensor = p) -> None:
+            start = _placements(p.grad if p.grad is not None else p)
+            if _placements(g) not in (None, start):
+                placed.setdefault(name, _placements(g))
+        hooks.append(p.register_hook(seen))
+    return hooks
+
+
+def _placements(t: torch.Tensor) -> tuple | None:
+    """A DTensor's placements, None for a plain tensor."""
+    placements = getattr(t, "placements", None)
+    return None if placements is None else tuple(placements)
+
+
+def _dtensor_zeros(p: torch.Tensor, placements: tuple) -> torch.Tensor:
+    """Zeros of DTensor ``p``'s global shape and dtype on its mesh, in ``placements``."""
+    from torch.distributed.tensor import zeros
+
+    return zeros(p.shape, dtype=p.dtype, device_mesh=p.device_mesh, placements=placements)
 
 
 def sparse_grad_params(model: torch.nn.Module) -> set[int]:

@@ -15,9 +15,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import gc
 import weakref
 from typing import Any, Callable
 
@@ -28,7 +26,7 @@ from estimators.contract.module_info import Phase
 from estimators.tracing.stacks import Stack
 from estimators.tracing.subclasses import storage_of
 
-__all__ = ["truncate_in_memo", "skipped_param_ids", "pre_step_owners", "FullListsRuntime", "gc_paused",
+__all__ = ["truncate_in_memo", "skipped_param_ids", "pre_step_owners", "FullListsRuntime",
            "may_index_blocks"]
 
 
@@ -164,20 +162,6 @@ def _widen(items, flags: list[bool], copies: int) -> list:
         out.append(item)
     out += run * (copies + 1)
     return out
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Building the records of a step makes a hundred thousand objects and no reference cycles:
-    the cyclic collector's passes over the whole heap meanwhile (a tenth of the time) find
-    nothing. Never around the traced step, whose frees the trace records."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def may_index_blocks(e: BaseException) -> bool:

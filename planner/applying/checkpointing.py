@@ -357,6 +357,8 @@ def apply_plan(model: torch.nn.Module, plan: Plan, *, check_fingerprint: bool = 
             "Re-plan with solve_sac(model, ...) as the model now trains", StalePlanWarning, stacklevel=2)
     handle = apply_module_plans(model, plan.modules, planned_trainable_numel=plan.trainable_numel)
     handle.plan = plan
+    if handle.modules and check_fingerprint:  # the layout and stage it runs in, at its first call
+        handle.modules[0].forward.expect(plan.layout, plan.pipeline, check_stage=stage is None)
     if stage is not None and plan.pipeline is not None and plan.pipeline.split_backward and plan.modules:
         handle.undo.append(group_weight_backward(stage))
     return handle

@@ -41,6 +41,7 @@ checkpointed modules, or leave them out of the plan (``ac_units``).
 from __future__ import annotations
 
 from collections import defaultdict
+import sys
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ from torch.utils.checkpoint import (
     checkpoint,
 )
 
+from estimators.tracing.sharded_model import ShardedModelError, fsdp_layout
 from estimators.tracing.subclasses import SYNC_OPS, defers, in_sharding_propagation
 from planner.applying import offload
 from planner.applying.forward_state import Bookkeeping, in_bookkeeping, StateKeeper
@@ -233,6 +235,7 @@ class PlannedForward:
         self._stale_warned = False
         self._ancestors: list[weakref.ref] = []  # the modules above it, root first
         self._watch: ModelShape | None = None  # the whole model as applied (see watch)
+        self._expected: tuple | None = None  # what the plan was made for, checked at the first call
         self.handle = 0  # the number of the AppliedPlan that installed it (planner.applying.checkpointing)
 
     def set_ancestors(self, modules: list[torch.nn.Module]) -> None:
@@ -247,6 +250,31 @@ class PlannedForward:
         change elsewhere moves every figure of the plan with no planned module changed
         (``resize_token_embeddings``, ``.double()``, unfreezing layers after apply)."""
         self._watch = shape
+
+    def expect(self, layout: Any, pipeline: Any, *, check_stage: bool = True) -> None:
+        """At the first call, check how the model runs against the plan's ``LayoutRecord`` and
+        ``PipelineRecord`` (None: one process): what ``apply_plan`` cannot see yet, in
+        torchtitan's order (apply, then ``fully_shard`` over another number of ranks than
+        planned; a bare stage module, wrapped in another ``PipelineStage`` than the plan's).
+        ``check_stage`` False: the plan was applied to its ``PipelineStage``, checked then."""
+        self._expected = (layout, pipeline, check_stage)
+
+    def _check_expected(self) -> None:
+        from planner.applying.pipeline import enclosing_stage, stage_mismatch
+        from planner.distributed.layout import layout_mismatch
+
+        (layout, pipeline, check_stage), self._expected = self._expected, None
+        root = self._ancestors[0]() if self._ancestors else self.module
+        why = stage_mismatch(pipeline, enclosing_stage(sys._getframe(2))) if check_stage else None
+        try:  # never fail a step over a check: a layout the FSDP rules do not model is left alone
+            if why is None and root is not None and fsdp_layout(root) is not None:
+                why = layout_mismatch(layout, root)
+        except ShardedModelError:
+            pass
+        if why is not None:
+            warnings.warn(f"the plan for {self.mp.fqn} does not match how the model runs: {why}; its predicted "
+                          "peak does not hold. remove_plan(model) and plan the model as it runs",
+                          StalePlanWarning, stacklevel=3)
 
     @property
     def checkpointed(self) -> bool:
@@ -330,6 +358,8 @@ class PlannedForward:
         kwargs = _without_hf_cache(kwargs)
         # Offload runs in the eager forward only: not in a recompute (backward), not compiled.
         eager = not torch.compiler.is_compiling() and not offload.in_recompute()
+        if eager and self._expected is not None:
+            self._check_expected()
         if eager and not self._stale_warned:
             self._warn_if_stale(args, kwargs)
         claimed = offload.take_pending() if eager else []  # this module's backward prefetches them

@@ -15,6 +15,7 @@ gives its FSDP2 units and group size too (:func:`fsdp_options`).
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -22,6 +23,10 @@ import torch
 
 from estimators.tracing.sharded_model import fsdp_layout, unsharded_parts
 from planner.errors import PlanFormatError, PlanningError
+from planner.plan_fields import MAX_COUNT, MAX_MODULES, MAX_OPS, check_int, check_str, short
+
+MAX_MESHES = 64
+"""Device meshes of one model's DTensor parameters (a model has one or two)."""
 
 __all__ = ["LayoutRecord", "layout_of", "plan_layout", "layout_mismatch", "fsdp_options", "has_dtensors",
            "check_parallel_support"]
@@ -44,19 +49,26 @@ class LayoutRecord:
     """The modules ``fully_shard`` is (or will be) called on."""
 
     def __post_init__(self) -> None:
-        for name in ("meshes", "fsdp_units"):
+        # Bounded as every field of a plan file (planner.plan_fields): the file may come from anywhere.
+        for name, most in (("meshes", MAX_MESHES), ("fsdp_units", MAX_MODULES)):
             value = getattr(self, name)
             if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or \
                     not all(isinstance(v, str) for v in value):
-                raise PlanFormatError(f"layout: {name} must be a list of strings, got {value!r}")
+                raise PlanFormatError(f"layout: {name} must be a list of strings, got {short(value)}")
+            if len(value) > most:
+                raise PlanFormatError(f"layout: {name} lists {len(value):,} entries, more than the {most:,} a plan takes")
+            for v in value:
+                check_str(f"layout.{name}[]", v, nonempty=True)
+            if len(set(value)) != len(value):
+                raise PlanFormatError(f"layout: {name} lists an entry twice")
             object.__setattr__(self, name, tuple(value))
-        if not isinstance(self.placements, str):
-            raise PlanFormatError(f"layout: placements must be a string, got {self.placements!r}")
-        for name in ("dtensor_parameters", "fsdp_world_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "fsdp_world_size" else 0):
-                raise PlanFormatError(f"layout: {name} must be an int >= {1 if name == 'fsdp_world_size' else 0}, "
-                                      f"got {value!r}")
+        if not isinstance(self.placements, str) or not re.fullmatch(r"([0-9a-f]{16})?", self.placements):
+            raise PlanFormatError(f"layout: placements must be 16 hex digits or empty, got {short(self.placements)}")
+        check_int("layout.dtensor_parameters", self.dtensor_parameters, high=MAX_OPS)
+        check_int("layout.fsdp_world_size", self.fsdp_world_size, low=1, high=MAX_COUNT)
+        if bool(self.meshes) != bool(self.placements) or bool(self.placements) != (self.dtensor_parameters > 0):
+            raise PlanFormatError("layout: meshes, placements and dtensor_parameters must be all set (tensor "
+                                  "parallel) or all empty")
 
     @property
     def parallel(self) -> bool:
@@ -174,12 +186,6 @@ def check_parallel_support(model: torch.nn.Module, options: Any, *, traced_on_on
         raise PlanningError(
             "offload=True is not planned for a tensor-parallel (DTensor) model yet: host copies of its "
             "activations are not implemented; plan it with offload=False (recompute only)")
-    if getattr(options, "pipeline", None) is not None:
-        raise PlanningError(
-            "a pipeline stage with DTensor parameters (tensor parallel inside a stage) is not planned yet: "
-            "the stage's step runs without TrainStep.context (loss_parallel) and its plan records no layout; "
-            "plan the stage built at its TP-local shapes with plain modules (benchmarks/_plan_large_pipeline.py), "
-            "or plan the TP model without pipeline=")
     mode = getattr(getattr(options, "trace", None), "mode", None)
     if traced_on_one_rank and getattr(mode, "value", mode) == "real":
         raise PlanningError(

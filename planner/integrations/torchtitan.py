@@ -37,12 +37,18 @@ class PlannedAC(ActivationCheckpointing):
 
     @dataclass(kw_only=True, slots=True)
     class Config(ActivationCheckpointing.Config):
-        plan_path: str = ""
-        """The plan file (``plan.save(path)``), made for this model as ``parallelize`` leaves it
-        before activation checkpointing (after TP, before FSDP) and for the step it trains."""
+        plan_path: str | os.PathLike = ""
+        """The plan file (``plan.save(path)``; a str or a ``Path``), made for this model as
+        ``parallelize`` leaves it before activation checkpointing (after TP, before FSDP) and for
+        the step it trains."""
 
         def __post_init__(self) -> None:
-            if not isinstance(self.plan_path, str) or not self.plan_path:
+            if isinstance(self.plan_path, os.PathLike):
+                self.plan_path = os.fspath(self.plan_path)
+            if not isinstance(self.plan_path, str):
+                raise TypeError(f"PlannedAC.Config plan_path must be a path (str or pathlib.Path), got "
+                                f"{type(self.plan_path).__name__}")
+            if not self.plan_path:
                 raise ValueError("PlannedAC.Config needs plan_path: the file plan.save(path) wrote")
             if not self.preserve_rng_state:
                 raise ValueError("PlannedAC replays every random draw in the recompute (a plan is bitwise "
@@ -51,7 +57,7 @@ class PlannedAC(ActivationCheckpointing):
     def apply(self, model: torch.nn.Module) -> None:
         """Apply the plan file to ``model`` (the plan's modules get its checkpoints)."""
         path = self.config.plan_path
-        if not os.path.isfile(path):
+        if not os.path.exists(path):  # a FIFO, a directory...: Plan.load says what it is
             raise FileNotFoundError(f"PlannedAC: no plan file at {path!r}; make one offline with "
                                     "solve_sac(model, budget_gib, step).save(path) for this model and step")
         plan = Plan.load(path)

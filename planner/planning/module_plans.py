@@ -16,7 +16,12 @@ __all__ = ["PlanningError", "module_plan", "recompute_ms_with_saved"]
 
 
 def module_plan(stats: ModStats, discarded_bytes: int, options: SolverOptions | None = None) -> ModulePlan:
-    """Concrete op decisions for discarding at least ``discarded_bytes`` of ``stats``."""
+    """Concrete op decisions for discarding at least ``discarded_bytes`` of ``stats``.
+
+    Where the op plan discards everything it can, a plain (full) checkpoint discards as much;
+    it is taken when it costs no more than the op plan with its selective policy
+    (``ModStats.full_recompute_ms``), as the solver prices a ratio of 1
+    (``solver.plan_cost.module_recompute_ms``)."""
     keep = max(0, stats.sac_memory_bytes - discarded_bytes)
     op_plan = _op_plan(stats.ops, keep, options)
     saved, recomputed = [], []
@@ -27,6 +32,9 @@ def module_plan(stats: ModStats, discarded_bytes: int, options: SolverOptions | 
             saved.append(key)
         elif op.is_saved and op.memory_bytes > 0:
             recomputed.append(key)
+    if saved and op_plan.saved_bytes == 0 and 0 < stats.full_recompute_ms <= recompute_ms_with_saved(stats, frozenset(saved)):
+        recomputed = [(op_key(op.func), op.occurrence) for op in stats.ops if op.is_saved and op.memory_bytes > 0]
+        saved = []
     # The ratio is over the bytes the op plan could discard (every op not forced to be saved).
     # sac_memory_bytes is the trade-off curve's total, which leaves out ops that are recomputed
     # whenever the module is checkpointed (e.g. batch norm's statistics, whose output is not
@@ -54,5 +62,8 @@ def _op_plan(ops: tuple[SACOp, ...], keep_bytes: int, options: SolverOptions | N
 
 def recompute_ms_with_saved(stats: ModStats, saved: frozenset) -> float:
     """Recompute time of a checkpoint of ``stats`` that caches the ``saved`` op keys: every other
-    op is re-run (``estimators.tracing.sac.replay_ms``)."""
-    return replay_ms(stats.ops, lambda _, o: (op_key(o.func), o.occurrence) not in saved)
+    op is re-run (``estimators.tracing.sac.replay_ms``), plus the checkpoint's own host cost and,
+    where something is cached, the selective policy's (``ModStats.selective_policy_ms``); with
+    nothing cached it is a plain checkpoint, which runs no policy."""
+    rerun = replay_ms(stats.ops, lambda _, o: (op_key(o.func), o.occurrence) not in saved)
+    return rerun + stats.checkpoint_call_ms + (stats.selective_policy_ms if saved else 0.0)

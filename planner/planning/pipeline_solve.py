@@ -30,6 +30,8 @@ from estimators.pipeline.stage_trace import resident_bytes_at, stage_module_info
 from estimators.step.stage_step import StageRole
 from estimators.step.train_step import TrainStep, ZeroGrad
 from estimators.tracing.estimation import estimate
+from estimators.tracing.sharded_model import fsdp_layout
+from planner.distributed.layout import plan_layout
 from planner.errors import PlanningError
 from planner.format import GiB, check_budget_gib, fmt_bytes
 from planner.options import Pipeline, PlanOptions
@@ -92,6 +94,22 @@ def _rank_stages(pipeline: Pipeline, stages: Mapping[int, tuple]) -> tuple[int, 
     return rank, expected
 
 
+def _check_stages(stages: object) -> None:
+    """``stages`` is {stage index: (module, TrainStep)}; a one-line TypeError otherwise (the
+    message names types, never a module's repr)."""
+    usage = "pass {stage index: (stage module, TrainStep(...))} for every stage of the rank"
+    if not isinstance(stages, Mapping) or not stages:
+        raise TypeError(f"stages must be a non-empty dict, got {type(stages).__name__}: {usage}")
+    for s, v in stages.items():
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"stages' keys are stage indices (int), got {type(s).__name__}: {usage}")
+        if not (isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], torch.nn.Module)
+                and isinstance(v[1], TrainStep)):
+            got = (f"a tuple of ({', '.join(type(x).__name__ for x in v[:3])}{', ...' if len(v) > 3 else ''})"
+                   if isinstance(v, tuple) else f"a {type(v).__name__}")
+            raise TypeError(f"stages[{s}] must be a (module, TrainStep) pair, got {got}: {usage}")
+
+
 def solve_pipeline_rank(stages: Mapping[int, tuple[torch.nn.Module, TrainStep]], budget_gib: float, *,
                         options: PlanOptions) -> dict[int, Plan]:
     """One plan per stage of the rank that runs ``options.pipeline.stage_index``, so that the rank
@@ -113,12 +131,19 @@ class RankPlanner:
         """``estimates``: traces of some of the stages to use instead of tracing them (e.g. one
         middle stage's, ``estimators.pipeline.stage_trace.renamed`` for the others): each must be
         of that stage's micro-batch as this planner traces it (its role, device, trace options)."""
-        pipeline = options.pipeline
+        _check_stages(stages)
+        pipeline = options.pipeline if isinstance(options, PlanOptions) else None
         if pipeline is None:
             raise PlanningError("planning a pipeline rank needs options=PlanOptions(pipeline=Pipeline(...))")
-        if options.offload or options.fsdp_units is not None:
-            raise PlanningError("a pipeline stage is planned without offload and without fsdp_units for now; "
-                                "world_size divides its parameters, gradients and optimizer state")
+        if options.offload:
+            raise PlanningError("a pipeline stage is planned without offload for now (recompute only): "
+                                "plan it with offload=False")
+        if options.fsdp_units is not None or any(fsdp_layout(m) is not None for m, _ in stages.values()):
+            raise PlanningError(
+                "FSDP2 inside a pipeline stage is not modelled yet (under torch's schedules its units stay "
+                "gathered from their first forward and their unsharded gradients accumulate until the step's "
+                "REDUCE_GRAD): plan the stage before fully_shard, without fsdp_units; world_size=<dp> divides its "
+                "parameters, gradients and optimizer state ZeRO-style, without FSDP2's gathered copies")
         t0 = time.perf_counter()
         self.stages = stages
         self.rank, self.local = _rank_stages(pipeline, stages)
@@ -177,6 +202,13 @@ class RankPlanner:
     def unplanned_peak_bytes(self) -> int:
         """The rank's peak over its schedule without a plan."""
         return self.unplanned.peak_bytes
+
+    def unplanned_makespan_ms(self) -> float:
+        """The pipeline step without a plan, every stage timed as this rank's stages (the rule of
+        ``PipelineRecord.makespan_ms``)."""
+        profiles = {s: v.profile for s, v in self._views.items()}
+        spans = _uniform_spans(self.layout, profiles)
+        return makespan_ms(spans, {r: sum(p.optim_ms for p in profiles.values()) for r in spans})
 
     def min_peak_bytes(self) -> int:
         """The smallest peak the MILP reaches over the schedule (the smallest budget it takes)."""
@@ -302,7 +334,8 @@ def _plans(rp: RankPlanner, profiles, modules, verified, res, budget, reserve, n
         out[s] = Plan(
             modules=modules[s], model_name=type(model).__name__, model_fingerprint=model_fingerprint(model),
             trainable_numel=model_shape(model).trainable_numel, device=options.spec.name,
-            world_size=options.world_size, budget_bytes=budget, reserve_bytes=reserve,
+            world_size=options.world_size, layout=plan_layout(model, None, 1), budget_bytes=budget,
+            reserve_bytes=reserve,
             predicted_peak_bytes=verified.peak_bytes, solver_peak_bytes=res.predicted_peak_bytes,
             baseline_peak_bytes=rp.unplanned_peak_bytes, recompute_ms=sum(m.recompute_ms for m in modules[s]),
             baseline_step_ms=est.module_info.step_runtime_ms, solver_status=res.status.value,

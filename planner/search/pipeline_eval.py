@@ -32,9 +32,8 @@ __all__ = ["PipelineCases", "rank_actions"]
 
 @functools.lru_cache(maxsize=256)
 def rank_actions(layout) -> dict[int, list]:
-    """Every rank's actions of a schedule layout, computed once (a runtime schedule's order is
-    built by constructing torch's schedule, once per rank asked)."""
-    return layout.actions_by_rank()
+    """Every rank's actions of a schedule layout, listed once per layout."""
+    return {r: layout.actions(r) for r in range(layout.n_ranks)}
 
 
 class PipelineCases:

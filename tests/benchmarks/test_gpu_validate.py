@@ -39,3 +39,21 @@ def test_must_save_hits_count_every_saved_op_of_a_cpu_plan_on_cpu():
     assert hits == planned
     assert len(peaks) == 1 and peaks[0] > 0 and "MemTracker" in tracker
     assert gv.saved_hits(model) == 0  # the plan is removed with its counters
+
+
+@pytest.mark.slow
+def test_dry_run_runs_the_whole_pipeline_on_cpu_and_writes_the_csv(tmp_path, capsys):
+    """--dry-run: the unplanned row and, per budget, a roofline and a benchmark plan, measured on
+    this CPU, in the CSV; what needs CUDA is named as skipped."""
+    import csv
+
+    path = tmp_path / "rows.csv"
+    assert gv.main(["--dry-run", "--models", "gpt_tiny", "--budget-fracs", "0.2", "0.8", "--csv", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped for want of a GPU" in out and "max_memory_allocated" in out
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["plan_mode"], r["budget_frac"]) for r in rows] == [
+        ("none", "nan"), ("roofline", "0.2"), ("roofline", "0.8"), ("benchmark", "0.2"), ("benchmark", "0.8")]
+    for r in rows:
+        assert int(r["measured_peak_steady_bytes"]) == int(r["predicted_peak_bytes"])  # MemTracker, CPU: exact
+        assert float(r["measured_step_ms"]) > 0 and float(r["predicted_step_ms_benchmark"]) > 0

@@ -161,3 +161,44 @@ def test_plan_out_on_a_full_disk_keeps_the_old_plan(plan_file, capsys):
 def test_plan_out_to_a_directory_is_one_line(tmp_path, capsys):
     assert main(["--model", _MODEL, "--quiet", "--no-verify", "--plan-out", str(tmp_path)]) == 2
     assert "is a directory, not a regular file" in _error_line(capsys)
+
+
+@pytest.mark.parametrize("field, value, verify, message", [
+    ("layout", {"meshes": ["tp=2"], "placements": "0123456789abcdef", "dtensor_parameters": 4}, ["--no-verify"],
+     "the plan was made for tensor parallel over tp=2 (4 DTensor parameters), the model has one process"),
+    ("pipeline", {"schedule": "Schedule1F1B", "n_microbatches": 4, "stage_index": 0, "n_stages": 2}, [],
+     "the plan is for pipeline stage 0 of 2 (Schedule1F1B, 4 micro-batches)"),
+])
+def test_a_plan_for_another_layout_is_not_checked_as_one_process(plan_file, capsys, field, value, verify, message):
+    # Before (exit 0 both): a TP plan's per-rank figures printed as this process's (--no-verify;
+    # with --verify apply_plan refused it), a stage plan checked against an ordinary step and
+    # reported "within".
+    _edited(plan_file, lambda d: d.update({field: value}))
+    assert _plan_in(plan_file, *verify) == 2
+    assert message in _error_line(capsys)
+
+
+def test_a_seed_torch_cannot_take_is_one_line(capsys):
+    # Before: a 39-line traceback from torch.manual_seed.
+    assert main(["--model", _MODEL, "--quiet", "--seed", "99999999999999999999999"]) == 2
+    assert "argument --seed: must be an integer in [-2**63, 2**64)" in _error_line(capsys)
+
+
+def test_ctrl_c_during_a_solve_is_one_line_and_exit_130(capsys, monkeypatch):
+    # Before: the KeyboardInterrupt's 50-110 line traceback (exit 130 was right).
+    import planner.cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(planner.cli, "_solve", interrupted)
+    assert main(["--model", _MODEL, "--quiet"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["interrupted"]
+
+
+@pytest.mark.parametrize("flag", ["--micro-batches", "--world-size"])
+def test_a_count_no_plan_file_can_hold_is_refused_before_the_trace(capsys, flag):
+    # Before: --micro-batches 10**20 an OverflowError traceback from the loss's division,
+    # --world-size 10**20 refused only once the step was traced and solved.
+    assert main(["--model", _MODEL, "--quiet", "--no-verify", flag, "99999999999999999999"]) == 2
+    assert f"argument {flag}: must be an integer in [1, 1,048,576]" in _error_line(capsys)

@@ -111,3 +111,25 @@ def test_the_pipeline_is_one_line_and_checked():
         Pipeline(Schedule1F1B, n_microbatches=2, stage_index=1, n_stages=4)
     with pytest.raises(TypeError, match="pipeline must be a planner.options.Pipeline"):
         PlanOptions(pipeline="1F1B")
+
+
+def test_a_pipeline_torch_would_refuse_later_is_refused_at_once():
+    import time
+
+    from torch.distributed.pipelining import ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
+
+    from planner.options import Pipeline
+
+    t = time.monotonic()
+    with pytest.raises(PlanningError, match=r"n_microbatches must be an int in \[1, 4,096\]"):
+        Pipeline(ScheduleGPipe, n_microbatches=10**30, n_stages=2)  # grew memory until it died
+    with pytest.raises(PlanningError, match="stage micro-batches"):
+        Pipeline(ScheduleGPipe, n_microbatches=4096, n_stages=32)
+    assert time.monotonic() - t < 2
+    for cls in (PipelineScheduleMulti, _PipelineSchedule):  # failed inside torch, later
+        with pytest.raises(PlanningError, match="schedule class or object, one of ScheduleGPipe"):
+            Pipeline(cls, n_microbatches=4, n_stages=2)
+    with pytest.raises(PlanningError, match="with 9 micro-batches on 4 ranks: torch refuses it"):
+        Pipeline(ScheduleInterleaved1F1B, n_microbatches=9, n_stages=8, virtual_stages=2)
+    assert Pipeline(ScheduleInterleaved1F1B, n_microbatches=8, n_stages=8, virtual_stages=2).layout.n_ranks == 4

@@ -1,6 +1,9 @@
 """Plan files from anywhere (planner/plan.py, planner/safe_io.py): truncated, every field mutated,
 random bytes changed, odd file types. Each is a valid plan or one short line of PlanFormatError,
-quickly; a plan that loads is applied or refused, and the model is left as it was."""
+quickly; a plan that loads is applied or refused, and the model is left as it was. A pipeline
+stage's plan and a parallel layout's are mutated field by field too, and their records are drawn
+by hypothesis: one that loads is a pipeline ``Pipeline`` takes (its rank's stages, its split
+backward) or a layout a model can have."""
 
 from __future__ import annotations
 
@@ -12,12 +15,19 @@ import threading
 import time
 from typing import Any, Iterator
 
+import dataclasses
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
+from estimators.pipeline.schedule import SCHEDULES
 from planner import PlanFormatError, apply_plan, remove_plan
+from planner.distributed.layout import LayoutRecord
 from planner.plan import ModulePlan, Plan, StepRecord, model_fingerprint
+from planner.plan_pipeline import PipelineRecord
 
 _MAX_CASE_S = 5.0
 
@@ -27,7 +37,22 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 
 
-def _plan(model: nn.Module) -> Plan:
+_EXTRAS = {
+    "plain": {},
+    "pipeline": {"pipeline": PipelineRecord(schedule="ScheduleInterleaved1F1B", n_microbatches=8, stage_index=1,
+                                            n_stages=4, virtual_stages=2, rank_stages=(1, 3), fw_ms=1.0, bw_ms=2.0,
+                                            optim_ms=0.5, makespan_ms=30.0, bubble_fraction=0.25)},
+    "layout": {"layout": LayoutRecord(fsdp_world_size=8, fsdp_units=("Sequential", "Sequential.0")), "world_size": 8},
+}
+"""A single-process plan, a pipeline stage's (applied to the bare stage module), an FSDP layout's
+(applied before fully_shard, as torchtitan does)."""
+
+
+def _plan(model: nn.Module, kind: str = "plain") -> Plan:
+    return dataclasses.replace(_plain_plan(model), **_EXTRAS[kind])
+
+
+def _plain_plan(model: nn.Module) -> Plan:
     return Plan(
         modules=(ModulePlan(fqn="Sequential.0", discard_ratio=1.0, full=True, discarded_bytes=512,
                             recompute_ms=0.01, input_numel=64),
@@ -80,11 +105,11 @@ def _delete(d: Any, path: tuple) -> Any:
     return d
 
 
-def _texts(plan: Plan) -> Iterator[tuple[str, bytes]]:
+def _texts(plan: Plan, every: int = 7, n_random: int = 300) -> Iterator[tuple[str, bytes]]:
     text = plan.to_json()
     d = json.loads(text)
     raw = text.encode()
-    for k in range(0, len(raw), 7):
+    for k in range(0, len(raw), every):
         yield f"truncated at {k}", raw[:k]
     for path in _paths(d):
         for i, v in enumerate(_HOSTILE):
@@ -97,7 +122,7 @@ def _texts(plan: Plan) -> Iterator[tuple[str, bytes]]:
         if isinstance(parent, dict):
             yield f"{path} + unknown key", json.dumps(_set(d, path + ("zz",), 1)).encode()
     rng = random.Random(33)
-    for i in range(300):
+    for i in range(n_random):
         b = bytearray(raw)
         for _ in range(rng.randint(1, 8)):
             op, at = rng.randrange(3), rng.randrange(len(b))
@@ -154,16 +179,18 @@ def _check_one(path, model: nn.Module, before: tuple, limit_s: float = _MAX_CASE
 
 
 @pytest.mark.slow
-def test_fuzzed_plan_files_load_or_are_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize("kind", list(_EXTRAS))
+def test_fuzzed_plan_files_load_or_are_refused_in_one_line(tmp_path, kind):
     model = _model()
     before = _state(model)
-    plan = _plan(model)
+    plan = _plan(model, kind)
     p = tmp_path / "plan.json"
     plan.save(p)
     # The unmutated plan works (the first apply imports and sets up: not timed).
     assert _check_one(p, model, before, limit_s=float("inf")) == "applied"
     outcomes: dict[str, int] = {}
-    for name, data in _texts(plan):
+    # Truncation and random bytes test the reader, the same for every kind: the others get fewer.
+    for name, data in _texts(plan, *((7, 300) if kind == "plain" else (31, 60))):
         p.write_bytes(data)
         try:
             outcome = _check_one(p, model, before)
@@ -171,6 +198,7 @@ def test_fuzzed_plan_files_load_or_are_refused_in_one_line(tmp_path):
             raise AssertionError(f"case {name}: {e}") from None
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert sum(outcomes.values()) > 1000 and outcomes["refused"] > 900, outcomes
+    assert outcomes["applied"] > 50, outcomes  # mutations the plan survives are applied and trained
 
 
 def test_odd_file_types_are_refused_at_once(tmp_path):
@@ -197,3 +225,67 @@ def test_odd_file_types_are_refused_at_once(tmp_path):
     dangling.symlink_to(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError):
         Plan.load(dangling)
+
+
+_HOSTILE_FIELD = (st.integers(-2, 12) | st.sampled_from([0, 2**31, 10**30, True, 1.5, "", "x" * 5000]) | st.none()
+                  | st.lists(st.integers(-1, 12), max_size=3))
+
+
+@st.composite
+def _pipeline_fields(draw) -> dict:
+    """A record as the planner writes it, then at most two fields replaced by anything."""
+    schedule = draw(st.sampled_from(SCHEDULES))
+    virtual = 1 if schedule in ("ScheduleGPipe", "Schedule1F1B") else draw(st.sampled_from([1, 2]))
+    n_stages = virtual * draw(st.sampled_from([1, 2, 3, 4]))
+    d = {"schedule": schedule, "n_microbatches": draw(st.integers(1, 12)), "n_stages": n_stages,
+         "virtual_stages": virtual, "stage_index": draw(st.integers(0, n_stages - 1)), "rank_stages": [],
+         "split_backward": schedule == "ScheduleInterleavedZeroBubble", "return_outputs": draw(st.booleans())}
+    for name in draw(st.lists(st.sampled_from(sorted(d)), max_size=2, unique=True)):
+        d[name] = draw(_HOSTILE_FIELD | st.sampled_from(SCHEDULES + ("ScheduleZBVZeroBubble", "os.system", "torch")))
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.property
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(d=_pipeline_fields())
+def test_a_pipeline_record_that_loads_is_a_pipeline_the_planner_takes(d):
+    from estimators.pipeline.schedule import schedule_class
+    from planner.options import Pipeline
+
+    try:
+        rec = PipelineRecord.from_dict(d)
+    except PlanFormatError as e:
+        assert str(e) and "\n" not in str(e) and len(str(e)) < 600, str(e)[:300]
+        return
+    layout = Pipeline(schedule_class(rec.schedule), n_microbatches=rec.n_microbatches, stage_index=rec.stage_index,
+                      n_stages=rec.n_stages, virtual_stages=rec.virtual_stages).layout
+    assert rec.rank_stages == layout.stages_of(layout.rank_of(rec.stage_index))
+    assert rec.split_backward == layout.split_backward
+    assert PipelineRecord.from_dict(json.loads(json.dumps(rec.to_dict()))) == rec
+
+
+@st.composite
+def _layout_fields(draw) -> dict:
+    tp = draw(st.booleans())
+    d = {"meshes": ["tp=2"] if tp else [], "placements": "0123456789abcdef" if tp else "",
+         "dtensor_parameters": draw(st.integers(1, 100)) if tp else 0, "fsdp_world_size": draw(st.integers(1, 64)),
+         "fsdp_units": draw(st.lists(st.sampled_from(["Sequential", "Sequential.0", "Sequential.2"]), unique=True))}
+    for name in draw(st.lists(st.sampled_from(sorted(d)), max_size=2, unique=True)):
+        d[name] = draw(_HOSTILE_FIELD | st.lists(st.sampled_from(["tp=2", "", "x" * 5000, "a"]), max_size=3))
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.property
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(d=_layout_fields())
+def test_a_layout_record_that_loads_is_a_layout_a_model_can_have(d):
+    try:
+        rec = LayoutRecord(**d)
+    except PlanFormatError as e:
+        assert str(e) and "\n" not in str(e) and len(str(e)) < 600, str(e)[:300]
+        return
+    assert bool(rec.meshes) == bool(rec.placements) == (rec.dtensor_parameters > 0)
+    assert 1 <= rec.fsdp_world_size <= 2**20 and all(rec.fsdp_units) and len(rec.describe()) < 20_000
+    assert LayoutRecord(**dataclasses.asdict(rec)) == rec

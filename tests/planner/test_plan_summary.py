@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from planner.plan import ModulePlan, Plan
 from planner.plan_summary import plan_summary
 from tests.planner.analysis.test_report import make_plan
@@ -57,3 +59,15 @@ def test_times_of_a_step_of_several_micro_batches_say_they_are_one_micro_batch_s
     assert ("  recompute        1.750 ms per micro-batch (7.000 ms per step of 4) = 25.0% of the "
             "7.000 ms of one micro-batch and the optimizer step") in four
     assert "ms/step" not in four
+
+
+@pytest.mark.slow  # imports torch.distributed.pipelining (seconds on a loaded machine)
+def test_a_long_pipeline_summarises_its_first_and_last_ranks():
+    """A rank per timeline row: 1,024 stages printed 1,024 rows (99 KB)."""
+    from planner.plan_pipeline import PipelineRecord
+
+    rec = PipelineRecord(schedule="ScheduleGPipe", n_microbatches=8, stage_index=3, n_stages=256, fw_ms=1.0,
+                         bw_ms=2.0, makespan_ms=100.0, bubble_fraction=0.5)
+    text = plan_summary(dataclasses.replace(make_plan(), pipeline=rec))
+    assert "... 240 more ranks" in text and "rank 0 |" in text and "rank 255 |" in text
+    assert len(text) < 10_000

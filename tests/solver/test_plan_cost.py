@@ -43,6 +43,23 @@ def test_recompute_time_on_the_exact_curve_with_its_fixed_cost() -> None:
     assert module_recompute_ms(s, 100 * MiB) == 16.0
 
 
+def test_discarding_everything_takes_the_full_checkpoint_where_it_is_cheaper() -> None:
+    """A selective checkpoint pays its policy (in the fixed cost, 5 ms here); a full one, at a
+    ratio of 1, does not: 14 ms, not 5 + 11 = 16. The envelope takes that vertex, and the curve
+    still counts as convex (the full checkpoint is not part of the selective curve). Without a
+    full price (0: some op must be saved) the selective one stands."""
+    import dataclasses
+
+    s = dataclasses.replace(mod("M.b", size_mib=100, fixed_ms=5.0, curve=((0, 0.0), (50, 1.0), (100, 11.0))),
+                            full_recompute_ms=14.0)
+    assert module_recompute_ms(s, 60 * MiB) == 8.0
+    assert module_recompute_ms(s, 100 * MiB) == 14.0
+    segs, convex = cost_envelope(s)
+    assert convex and max(a + b for a, b in segs) == pytest.approx(14.0)
+    assert module_recompute_ms(dataclasses.replace(s, full_recompute_ms=20.0), 100 * MiB) == 16.0
+    assert module_recompute_ms(dataclasses.replace(s, full_recompute_ms=0.0), 100 * MiB) == 16.0
+
+
 def test_cost_envelope_of_a_concave_curve_is_its_chord() -> None:
     """(0,0) (50 MiB, 5 ms) (100 MiB, 6 ms) is concave: the MILP prices it on the chord 6 r."""
     s = mod("M.b", size_mib=100, curve=((0, 0.0), (50, 5.0), (100, 6.0)))

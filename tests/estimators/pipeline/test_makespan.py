@@ -42,3 +42,16 @@ def test_hops_between_ranks_and_deadlocks():
     assert makespan_ms(spans) == pytest.approx(4.5)  # F0 1, hop, F1 2.25, B1 3.25, hop, B0 4.5
     with pytest.raises(DeadlockError, match="wait on each other"):
         simulate({0: [(0, "B", 0), (0, "F", 0)], 1: [(1, "F", 0), (1, "B", 0)]}, {0: 0, 1: 1}, lambda _s, _k: 1.0)
+
+
+def test_a_long_pipeline_is_simulated_in_linear_time():
+    """A backward flows back one stage per pass over the ranks: visiting the ranks in turn took
+    a pass per stage (1,024 GPipe stages: 2 s, quadratic in the stages)."""
+    import time
+
+    n_stages, n = 1024, 4
+    acts = {r: [(r, "F", m) for m in range(n)] + [(r, "B", m) for m in range(n)] for r in range(n_stages)}
+    t = time.thread_time()
+    spans = simulate(acts, {s: s for s in range(n_stages)}, lambda s, k: 1.0)
+    assert time.thread_time() - t < 0.5
+    assert makespan_ms(spans) == 2 * (n_stages + n - 1)  # GPipe: fill, drain, then back

@@ -1,10 +1,38 @@
 """estimators/pipeline/schedule.py: each rank's compute actions as torch runs them."""
 
+import time
+
 import pytest
 from torch.distributed.pipelining import (
-    Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+    Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
 
-from estimators.pipeline.schedule import Runtime, ScheduleError, ScheduleLayout
+from estimators.pipeline.schedule import (
+    MAX_MICROBATCHES, MAX_STAGE_MICROBATCHES, Runtime, ScheduleError, ScheduleLayout, _StandIn, schedule_class)
+
+_RUNTIME = (ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble)
+
+
+def _torchs_lowered_order(layout: ScheduleLayout, rank: int) -> list:
+    """The rank's compute actions in torch's ``pipeline_order_with_comms`` (its full constructor,
+    quadratic in the micro-batches): what the layout must equal."""
+    stages = [_StandIn(s, layout.n_stages, layout.n_ranks, rank) for s in layout.stages_of(rank)]
+    sched = layout.schedule_cls(stages, layout.n_microbatches)
+    out = []
+    for a in sched.pipeline_order_with_comms[rank]:
+        for sub in a.sub_actions or (a,):
+            if sub.computation_type.value in ("F", "B", "I", "W"):
+                out.append((sub.stage_index, sub.computation_type.value, sub.microbatch_index))
+    return out
+
+
+def _torch_refuses(cls, n_ranks: int, virtual: int, n: int) -> bool:
+    try:
+        cls([_StandIn(s, n_ranks * virtual, n_ranks, 0) for s in range(0, n_ranks * virtual, n_ranks)], n)
+    except (ValueError, AssertionError):
+        return True
+    return False
 
 
 def test_gpipe_runs_every_forward_then_every_backward():
@@ -46,34 +74,59 @@ def test_refuses_what_it_does_not_model():
         ScheduleLayout.of(int, n_microbatches=4, n_stages=4)
 
 
-@pytest.mark.parametrize("cls", [ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble])
-def test_a_runtime_schedule_lays_out_every_rank_the_same_whichever_rank_builds_it(cls):
-    """The order is built once for all ranks (from rank 0's stand-ins): torch's constructor lays
-    out every rank from the group's size, not from the rank that builds it."""
-    from estimators.pipeline.schedule import _StandIn
+@pytest.mark.slow  # torch's own constructor, 250 times
+@pytest.mark.parametrize("cls", _RUNTIME)
+def test_runtime_orders_are_torchs_lowered_order_and_refused_where_torch_refuses(cls):
+    laid = refused = 0
+    for n_ranks in (1, 2, 3, 4):
+        for virtual in (1, 2):
+            for n in range(1, 11):
+                try:
+                    layout = ScheduleLayout.of(cls, n_microbatches=n, n_stages=n_ranks * virtual, virtual_stages=virtual)
+                except ScheduleError as e:
+                    assert "\n" not in str(e) and _torch_refuses(cls, n_ranks, virtual, n), (n_ranks, virtual, n, e)
+                    refused += 1
+                    continue
+                for rank in range(n_ranks):
+                    assert layout.actions(rank) == _torchs_lowered_order(layout, rank), (n_ranks, virtual, n, rank)
+                laid += 1
+    assert laid > 50 and (refused > 0) is (cls is not ScheduleLoopedBFS)
 
-    layout = ScheduleLayout.of(cls, n_microbatches=8, n_stages=8, virtual_stages=2)
 
-    def order(rank):
-        stages = [_StandIn(s, 8, 4, rank) for s in layout.stages_of(rank)]
-        return {r: [str(a) for a in acts] for r, acts in cls(stages, 8).pipeline_order_with_comms.items()}
-
-    assert order(0) == order(3)
-    by_rank = layout.actions_by_rank()
-    assert all(by_rank[r] == layout.actions(r) for r in range(4))
-    assert [a for a in by_rank[3] if a[1] == "F"][0] == (3, "F", 0)
+def test_a_micro_batch_count_torch_refuses_is_refused_in_one_line():
+    # 4 ranks, 9 micro-batches: 2 rounds, and 9 is not a multiple of 2
+    with pytest.raises(ScheduleError, match=r"ScheduleInterleaved1F1B with 9 micro-batches on 4 ranks: torch refuses it"):
+        ScheduleLayout.of(ScheduleInterleaved1F1B, n_microbatches=9, n_stages=8, virtual_stages=2)
 
 
-def test_a_runtime_schedule_is_built_once_for_every_rank():
-    class Counting(ScheduleInterleaved1F1B):
-        built = 0
+def test_only_the_schedules_it_lays_out_are_taken():
+    for cls in (PipelineScheduleMulti, _PipelineSchedule, type("MySchedule", (Schedule1F1B,), {})):
+        with pytest.raises(ScheduleError, match="schedule class or object, one of ScheduleGPipe"):
+            ScheduleLayout.of(cls, n_microbatches=4, n_stages=2)
+    for name in ("os.system", "ScheduleZBVZeroBubble", "torch", "", None):
+        with pytest.raises(ScheduleError, match="not one the planner lays out"):
+            schedule_class(name)
+    assert schedule_class("Schedule1F1B") is Schedule1F1B
 
-        def __init__(self, *args, **kwargs):
-            Counting.built += 1
-            super().__init__(*args, **kwargs)
 
-    layout = ScheduleLayout.of(Counting, n_microbatches=8, n_stages=8, virtual_stages=2)
-    for rank in range(4):
-        layout.actions(rank)
-    layout.actions_by_rank()
-    assert Counting.built == 1
+def test_counts_are_bounded():
+    with pytest.raises(ScheduleError, match=r"n_microbatches must be an int in \[1, 4,096\]"):
+        ScheduleLayout.of(ScheduleGPipe, n_microbatches=10**30, n_stages=2)
+    with pytest.raises(ScheduleError, match="stage micro-batches"):
+        ScheduleLayout.of(ScheduleGPipe, n_microbatches=MAX_MICROBATCHES, n_stages=MAX_STAGE_MICROBATCHES // 2048)
+    with pytest.raises(ScheduleError, match="n_stages"):
+        ScheduleLayout.of(ScheduleGPipe, n_microbatches=1, n_stages=True)
+
+
+@pytest.mark.parametrize("cls", _RUNTIME + (Schedule1F1B,))
+def test_the_layout_is_linear_in_the_micro_batches(cls):
+    """torch's lowering of a runtime schedule is quadratic (Interleaved1F1B, 8 stages on 4 ranks:
+    20 s at 1,000 micro-batches); the layout reads the order before it, once for every rank."""
+    virtual = 1 if cls is Schedule1F1B else 2
+    cpu = {}
+    for n in (128, 1024):
+        t = time.thread_time()
+        layout = ScheduleLayout.of(cls, n_microbatches=n, n_stages=8, virtual_stages=virtual)
+        assert sum(len(layout.actions(r)) for r in range(layout.n_ranks)) >= 16 * n
+        cpu[n] = time.thread_time() - t
+    assert cpu[1024] < 2.0, cpu  # 8x the micro-batches: about 8x the time (64x if quadratic)

@@ -94,14 +94,14 @@ def test_benchmark_views_cost_zero_without_running():
 
 def test_benchmark_falls_back_to_roofline_for_ops_that_cannot_run(caplog):
     bench = BenchmarkRuntime()
-    # multinomial needs non-negative probabilities; randn inputs make it fail standalone.
+    # More samples than categories without replacement: multinomial refuses to run.
     with FakeTensorMode():
         probs = torch.empty(8, 16)
-        args, out = (probs, 4), torch.empty(8, 4, dtype=torch.long)
+        args, out = (probs, 32), torch.empty(8, 32, dtype=torch.long)
         probs2 = torch.empty(4, 16)
     with caplog.at_level(logging.DEBUG, logger="estimators.runtime.kernel_bench"):
         ms = bench.op_runtime_ms(aten.multinomial.default, args, {}, out)
-        bench.op_runtime_ms(aten.multinomial.default, (probs2, 4), {}, out)
+        bench.op_runtime_ms(aten.multinomial.default, (probs2, 32), {}, out)
     expected = RooflineRuntime(get_device_spec("cpu")).op_runtime_ms(aten.multinomial.default, args, {}, out)
     assert ms == expected > 0
     assert bench.fallbacks == 2 and bench.misses == 2
@@ -115,7 +115,7 @@ def test_benchmark_cache_round_trips_through_json(tmp_path):
     ms = first.op_runtime_ms(counted_mm, (a, b), {}, None)
     first.save()
     data = json.loads(path.read_text())
-    assert data["version"] == 1 and data["device"] == first.device_label and len(data["entries"]) == 1
+    assert data["version"] == 2 and data["device"] == first.device_label and len(data["entries"]) == 1
 
     second = BenchmarkRuntime(cache_path=path)
     _counted_calls["n"] = 0
@@ -164,6 +164,47 @@ def test_benchmark_rejects_bad_options():
         BenchmarkRuntime(timed_runs=0)
     with pytest.raises(ValueError):
         BenchmarkRuntime(device="meta")
+    with pytest.raises(ValueError, match="clock"):
+        BenchmarkRuntime(clock="cycles")
+
+
+def test_synthetic_inputs_are_in_every_op_domain():
+    """Fake inputs are drawn in [0.5, 1): sqrt / log / pow make no NaN (a slow path on some
+    CPUs, never taken on training data such as AdamW's second moment) and probabilities are
+    valid, so multinomial runs standalone instead of falling back to the roofline."""
+    from estimators.runtime.op_signatures import synthetic_tensor
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        x = synthetic_tensor(4096, dtype, torch.device("cpu")).float()
+        assert 0.5 <= x.min() and x.max() <= 1  # bf16 rounds the top of [0.5, 1) to 1
+    bench = BenchmarkRuntime(timed_runs=1)
+    with FakeTensorMode():
+        probs = torch.empty(8, 16)
+        out = torch.multinomial(probs, 4)
+    assert bench.op_runtime_ms(aten.multinomial.default, (probs, 4), {}, out) > 0
+    assert bench.fallbacks == 0
+
+
+def test_thread_clock_times_this_thread_only(one_thread):
+    """clock='auto' on one intra-op thread is the calling thread's CPU time: a sleep inside the
+    op (time another process could take) is not counted, as the wall clock counts it; the
+    clock is part of the cache identity, and 'thread' is refused with several threads."""
+    import time as _time
+
+    @torch.library.custom_op("sac_planner_test::sleepy", mutates_args=())
+    def sleepy(a: torch.Tensor) -> torch.Tensor:
+        _time.sleep(0.02)
+        return a.clone()
+
+    op = torch.ops.sac_planner_test.sleepy.default
+    x = torch.ones(4)
+    thread, wall = BenchmarkRuntime(timed_runs=1, warmup_runs=1), BenchmarkRuntime(timed_runs=1, warmup_runs=1, clock="wall")
+    assert thread.clock == "thread" and wall.clock == "wall" and thread.device_label != wall.device_label
+    assert thread.op_runtime_ms(op, (x,), {}, None) < 5 < wall.op_runtime_ms(op, (x,), {}, None)
+    torch.set_num_threads(2)
+    with pytest.raises(ValueError, match="set_num_threads"):
+        BenchmarkRuntime(clock="thread")
+    assert BenchmarkRuntime().clock == "wall"
 
 
 # ----------------------------------------------------------------------------- factory
@@ -178,7 +219,7 @@ def test_recorded_signatures_fill_the_same_layers_as_calls(tmp_path, caplog):
     recorder = SignatureRecorder()
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     recorder.op_runtime_ms(aten.mm.default, (a, b), {}, a @ b)
-    recorder.op_runtime_ms(aten.multinomial.default, (torch.randn(4, 8), 2), {}, None)
+    recorder.op_runtime_ms(aten.multinomial.default, (torch.rand(4, 8), 16), {}, None)  # 16 > 8: refused
     mm_sig, bad_sig = sorted(recorder.signatures(), key=lambda s: s.func is aten.multinomial.default)
     bench = BenchmarkRuntime(cache_path=path, timed_runs=1, autosave_every=1)
     with caplog.at_level(logging.DEBUG, logger="estimators.runtime.kernel_bench"):

@@ -38,3 +38,35 @@ def test_first_stage_split_runs_its_whole_backward_in_the_weight_half():
                          on_mark=lambda name, t: names.append(name))
     assert names == ["backward", "output_grad", "weight"]
     assert all(p.grad is not None for p in s0.parameters())
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_the_steps_context_wraps_forward_loss_and_backward_not_the_optimizer(split):
+    """``TrainStep.context`` (loss_parallel under tensor parallelism) is entered as a loop enters
+    it around ``schedule.step()``: the forward, the loss and both backward halves run inside it,
+    the optimizer step outside."""
+    import contextlib
+
+    s1 = llama_stage(llama_pipeline_model(n_layers=2), 1, 2)
+    inside, seen = [False], []
+
+    @contextlib.contextmanager
+    def context():
+        inside[0] = True
+        yield
+        inside[0] = False
+
+    def loss_fn(out, target):
+        seen.append(("loss", inside[0]))
+        return stage_loss(out, target)
+
+    class Optimizer(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(("optimizer", inside[0]))
+            return super().step(closure)
+
+    s1.layers["1"].register_full_backward_hook(lambda *_: seen.append(("backward", inside[0])))
+    run_stage_microbatch(s1, torch.randn(2, 32, 64), loss_fn, torch.randint(0, 256, (2, 32)),
+                         Optimizer(s1.parameters(), lr=0.1),
+                         StageRole(is_first=False, is_last=True, split_backward=split), context=context)
+    assert seen == [("loss", True), ("backward", True), ("optimizer", False)]

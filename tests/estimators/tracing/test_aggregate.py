@@ -109,3 +109,36 @@ def test_peak_and_memory_points(est):
     assert totals == [224 + 48 + 96 + 96, 224 + 48 + 96 + 24 + 4, 224 + 48 + 96 + 4 + 4, 632]
     first = info.memory_points[0]
     assert (first.param_bytes, first.grad_bytes, first.activation_bytes) == (224, 0, 96)
+
+
+class Twice(nn.Module):
+    """One non-leaf block called twice per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.blk = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def forward(self, x):
+        return self.blk(self.blk(x.view(3, 4)))
+
+
+def test_recompute_is_priced_with_the_checkpoints_host_costs():
+    """A spec's checkpoint host costs, over a block's two calls: every re-run op (views too)
+    costs recompute_op_ms more, each call checkpoint_call_ms, and a selective policy
+    selective_op_ms for each op it sees (forward ops and ops replayed up to the last saved one),
+    which a full checkpoint does not pay."""
+    from estimators.runtime.device import get_device_spec
+    from estimators.tracing.sac import fixed_recompute_ms, last_saved, replay_ms
+
+    step = TrainStep(inputs=(torch.randn(3, 4),))
+    spec = get_device_spec("cpu").replace(checkpoint_call_ms=1.0, recompute_op_ms=0.5, selective_op_ms=0.25)
+    base = estimate(Twice(), step, device="cpu").module_info.stats("Twice.blk")
+    s = estimate(Twice(), step, device=spec).module_info.stats("Twice.blk")
+    assert s.n_calls == 2 and any(o.is_view for o in s.ops)
+    assert [o.runtime_ms for o in s.ops] == pytest.approx([o.runtime_ms + 2 * 0.5 for o in base.ops])
+    assert s.checkpoint_call_ms == 2 * 1.0
+    assert s.selective_policy_ms == 2 * 0.25 * (len(s.ops) + last_saved(s.ops) + 1)
+    assert s.recompute_fixed_ms == pytest.approx(fixed_recompute_ms(s.ops) + 2.0 + s.selective_policy_ms)
+    assert s.full_recompute_ms == pytest.approx(replay_ms(s.ops, lambda i, o: True) + 2.0)
+    assert (base.checkpoint_call_ms, base.selective_policy_ms) == (0.0, 0.0)
+    assert base.full_recompute_ms == pytest.approx(replay_ms(base.ops, lambda i, o: True))

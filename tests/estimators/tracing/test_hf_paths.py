@@ -84,3 +84,34 @@ def test_position_ids_inside_a_nested_batch_decide():
     packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
     assert not _packed_on_fake(({"input_ids": flat, "position_ids": flat}, 0))
     assert _packed_on_fake(({"input_ids": flat, "position_ids": packed}, 0))
+
+
+def test_two_threads_tracing_at_once_leave_transformers_as_they_found_it():
+    """The patches are the tracing thread's: another thread meanwhile runs transformers' own
+    functions, and two traces leaving in either order leave the originals (each put back what
+    it found: the second one's "original" was the first one's patch, left in place for good)."""
+    import threading
+
+    names = ("find_packed_sequence_indices", "_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+    originals = {n: getattr(mu, n) for n in names}
+    inputs = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "attention_mask": torch.ones(1, 8, dtype=torch.long)}
+    inside, leave, seen = threading.Barrier(3), [threading.Event(), threading.Event()], {}
+
+    def trace(i):
+        with hf_real_paths(inputs), FakeTensorMode():
+            seen[i] = mu.find_packed_sequence_indices(torch.arange(8).unsqueeze(0)) is None
+            inside.wait(30)
+            leave[i].wait(30)
+
+    threads = [threading.Thread(target=trace, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    inside.wait(30)
+    with FakeTensorMode():  # this thread is not tracing: transformers' own answer ("maybe packed")
+        assert mu.find_packed_sequence_indices(torch.arange(8).unsqueeze(0)) is not None
+    leave[0].set()  # the first one in leaves first
+    threads[0].join(30)
+    leave[1].set()
+    threads[1].join(30)
+    assert seen == {0: True, 1: True}
+    assert {n: getattr(mu, n) for n in names} == originals

@@ -72,3 +72,28 @@ def test_no_optimizer_state_for_parameters_that_get_no_gradient(micro_batches, a
     assert est.first_step_peak_bytes == measured[0]
     state = sum(s.nbytes for s in est.trace.storages if s.kind is StorageKind.OPTIMIZER and s.alloc_op < 0)
     assert state == 2 * (32 * 32 + 32) * 4 + 2 * 4  # the body's exp_avg, exp_avg_sq and step counters
+
+
+@pytest.mark.slow
+def test_kept_gradients_have_the_placement_the_backward_gives_them(one_intra_op_thread):
+    """torchtitan's vocabulary-sharded embedding (Shard(0) over tp=2) gets a replicated,
+    full-vocabulary gradient from its backward, and the loop's gradient is that one: a step that
+    keeps gradients (2 micro-batches) starts the trace with them as the backward made them, not
+    in the parameter's placement (which counted half the embedding's gradient)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from examples.llama import llama_tiny
+    from examples.tensor_parallel import parallelize_llama
+    from planner.distributed.fake_world import fake_process_group
+
+    with fake_process_group(world_size=2, rank=0):
+        model, (tokens,) = llama_tiny()
+        parallelize_llama(model, init_device_mesh("cpu", (2,)), sequence_parallel=True, loss_parallel=False)
+        model.loss_fn(model(tokens), (tokens,)).backward()  # real tensors: the gradients a loop keeps
+        kept = sum(p.grad.to_local().untyped_storage().nbytes() for p in model.parameters())
+        w = model.tok_embeddings.weight
+        assert w.grad.to_local().shape[0] == 2 * w.to_local().shape[0]  # the whole vocabulary
+        model.zero_grad(set_to_none=True)
+        est = estimate(model, TrainStep(inputs=(tokens,), loss_fn=model.loss_fn, micro_batches=2, optimizer="adamw"))
+    traced = sum(s.nbytes for s in est.trace.storages if s.kind is StorageKind.GRAD and s.alloc_op < 0)
+    assert traced == kept

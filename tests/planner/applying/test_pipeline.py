@@ -1,6 +1,7 @@
 """planner/applying/pipeline.py: a stage's plan goes on its own PipelineStage."""
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -73,3 +74,44 @@ def test_a_bare_module_of_the_same_stage_takes_a_full_backward_plan():
     with apply_plan(module, _plan(module, stage=1, split=False)):
         out = module(torch.randn(2, 8, requires_grad=True)).sum()
         out.backward()
+
+
+def test_a_plan_without_its_pipeline_record_is_refused_on_a_stage(fake_group):
+    # "pipeline": null in an edited file removed the stage check
+    from torch.distributed.pipelining import PipelineStage
+
+    module = _Stage()
+    stage = PipelineStage(module, 1, 2, torch.device("cpu"))
+    with pytest.raises(PlanMismatchError, match="made for one process's step, not for pipeline stage 1 of 2"):
+        apply_plan(stage, dataclasses.replace(_plan(module, stage=1, split=False), pipeline=None))
+    assert "forward" not in module.block.__dict__
+
+
+def _first_call_warnings(stage, x) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stage.forward_maybe_with_nosync(x).sum().backward()  # PipelineStage's own call of its module
+    return [str(w.message) for w in caught]
+
+
+def test_a_plan_on_a_bare_stage_module_is_checked_against_the_stage_that_runs_it(fake_group):
+    from torch.distributed.pipelining import PipelineStage
+
+    from planner.applying.planned_forward import StalePlanWarning
+
+    x = torch.randn(2, 8, requires_grad=True)
+    module = _Stage()
+    with apply_plan(module, _plan(module, stage=0, split=False)):  # torchtitan: AC on the bare module
+        stage = PipelineStage(module, 1, 2, torch.device("cpu"))
+        (message,) = _first_call_warnings(stage, x)
+        assert "for pipeline stage 0 of 2 (Schedule1F1B, 4 micro-batches), not stage 1 of 2" in message
+        assert _first_call_warnings(stage, x) == []  # once
+    with apply_plan(module, _plan(module, stage=1, split=False)):
+        assert _first_call_warnings(stage, x) == []  # its own stage
+    with apply_plan(module, dataclasses.replace(_plan(module, stage=1, split=False), pipeline=None)):
+        with pytest.warns(StalePlanWarning, match="made for one process's step, not for pipeline stage 1 of 2"):
+            stage.forward_maybe_with_nosync(x)
+    with apply_plan(module, dataclasses.replace(_plan(module, stage=1, split=False), pipeline=None)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            module(x).sum().backward()  # not run by a stage: nothing to check

@@ -89,6 +89,17 @@ def test_a_corrupt_layout_is_refused():
         LayoutRecord(meshes="tp=2")
     with pytest.raises(PlanFormatError, match="fsdp_world_size"):
         LayoutRecord(fsdp_world_size=0)
+    for fields, message in (({"fsdp_world_size": 10**30}, r"layout.fsdp_world_size must be in \[1, 1,048,576\]"),
+                            ({"placements": "x" * 5000}, "placements must be 16 hex digits or empty"),
+                            ({"meshes": ["tp=2"]}, "must be all set"),
+                            ({"meshes": ["tp=2"], "placements": "0" * 16}, "must be all set"),
+                            ({"fsdp_units": ["a"] * 200_000}, "more than the 100,000"),
+                            ({"fsdp_units": ["a", "a"]}, "lists an entry twice"),
+                            ({"fsdp_units": [""]}, "non-empty string"),
+                            ({"dtensor_parameters": -1}, "dtensor_parameters must be >= 0")):
+        with pytest.raises(PlanFormatError, match=message) as e:
+            LayoutRecord(**fields)
+        assert "\n" not in str(e.value) and len(str(e.value)) < 300
 
 
 def test_what_a_tp_model_cannot_plan_yet_is_refused_by_name(one_intra_op_thread):
@@ -102,11 +113,58 @@ def test_what_a_tp_model_cannot_plan_yet_is_refused_by_name(one_intra_op_thread)
             check_parallel_support(model, PlanOptions(trace=EstimateOptions(mode=TraceMode.REAL)),
                                    traced_on_one_rank=True)
         check_parallel_support(model, PlanOptions(trace=EstimateOptions(mode=TraceMode.REAL)))  # every rank traces
-        with pytest.raises(PlanningError, match="pipeline stage with DTensor parameters"):
-            check_parallel_support(model, PlanOptions(pipeline=Pipeline(Schedule1F1B, n_microbatches=2, n_stages=2)))
+        # a tensor-parallel pipeline stage is planned per rank (planner.distributed.pipeline)
+        check_parallel_support(model, PlanOptions(pipeline=Pipeline(Schedule1F1B, n_microbatches=2, n_stages=2)))
     check_parallel_support(_Net(), PlanOptions(offload=True))  # a plain model: nothing to refuse
 
 
 def test_fsdp_units_of_a_model_not_yet_sharded_are_the_options():
     assert fsdp_options(_Net(), None, 1) == (None, 1)
     assert fsdp_options(_Net(), ["_Net"], 8) == (("_Net",), 8)
+
+
+def _fsdp_plan(model: nn.Module, world_size: int) -> Plan:
+    from planner.plan import ModulePlan, model_fingerprint
+
+    units = ("_Net", "_Net.blocks.0", "_Net.blocks.1")
+    return Plan(modules=(ModulePlan(fqn="_Net.blocks.0", discard_ratio=1.0, full=True),), model_name="_Net",
+                model_fingerprint=model_fingerprint(model), device="cpu", world_size=world_size,
+                budget_bytes=1 << 20, reserve_bytes=0, predicted_peak_bytes=1, solver_peak_bytes=1,
+                baseline_peak_bytes=1, recompute_ms=0.0, baseline_step_ms=0.0,
+                layout=LayoutRecord(fsdp_world_size=world_size, fsdp_units=units))
+
+
+@pytest.mark.parametrize("planned_ranks", [8, 2])
+def test_a_plan_applied_before_fully_shard_is_checked_at_the_first_step(one_intra_op_thread, planned_ranks):
+    """torchtitan's order applies the plan, then shards: an FSDP plan made for 8 ranks, sharded
+    over 2, trained with no warning."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    from planner.applying.planned_forward import StalePlanWarning
+
+    torch.manual_seed(0)
+    model = _Net()
+    handle = apply_plan(model, _fsdp_plan(model, planned_ranks))
+    with fake_process_group(world_size=2, rank=0):
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                model(torch.randn(4, 16)).sum().backward()
+    messages = [str(w.message) for w in caught if issubclass(w.category, StalePlanWarning)]
+    if planned_ranks == 2:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and ("sharded with FSDP2 over 2 ranks (3 units), the plan was made for FSDP2 "
+                                       "over 8 ranks") in messages[0], messages
+    handle.remove()
+
+
+def test_a_layout_for_another_world_size_than_the_plans_is_refused():
+    plan = _fsdp_plan(_Net(), 8)
+    with pytest.raises(PlanFormatError, match=r"layout.fsdp_world_size \(8\) is not the plan's world_size \(2\)"):
+        Plan.from_dict({**json.loads(plan.to_json()), "world_size": 2})

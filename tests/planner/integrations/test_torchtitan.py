@@ -120,3 +120,19 @@ def test_the_config_is_checked_and_a_plan_for_another_model_refused(tmp_path):
     plan.save(str(tmp_path / "other.json"))
     with pytest.raises(PlanMismatchError):
         PlannedAC.Config(plan_path=str(tmp_path / "other.json")).build(dump_folder="").apply(_llama())
+
+
+def test_a_path_object_is_taken_and_a_fifo_or_directory_named_for_what_it_is(tmp_path):
+    # Before: Config(plan_path=Path) said "needs plan_path"; a FIFO or a directory "no plan file".
+    import os
+    from pathlib import Path
+
+    from planner.errors import PlanFormatError
+
+    assert PlannedAC.Config(plan_path=Path("plan.json")).plan_path == "plan.json"
+    with pytest.raises(TypeError, match="plan_path must be a path \\(str or pathlib.Path\\), got int"):
+        PlannedAC.Config(plan_path=3)
+    os.mkfifo(tmp_path / "fifo")
+    for path, what in ((tmp_path / "fifo", "is a FIFO"), (tmp_path, "is a directory")):
+        with pytest.raises(PlanFormatError, match=what):
+            PlannedAC.Config(plan_path=path).build(dump_folder="").apply(torch.nn.Linear(2, 2))

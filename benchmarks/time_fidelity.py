@@ -1,0 +1,324 @@
+"""Time fidelity on this CPU: each plan's recompute overhead, predicted beside measured.
+
+    python benchmarks/time_fidelity.py                          # 3 families, a few minutes idle
+    python benchmarks/time_fidelity.py --families gpt --rounds 11
+
+Run on an idle machine for figures to publish; it prints the load average beside every figure.
+
+For each family (a GPT decoder, a residual conv net, an HF Llama built from a config), on one
+intra-op thread:
+
+1. calibrate the ``cpu`` spec here (``planner.analysis.calibration.calibrate_device``: the
+   roofline's figures and the checkpoint's host costs), trace the step with every kernel timed
+   here (``RuntimeKind.BENCHMARK``, thread CPU time);
+2. plan it at 0.8x and 0.6x of the no-AC peak (where that is below the smallest reachable peak,
+   0.8 and 0.6 of the way from it to the no-AC peak) and at full AC's peak, and build full AC
+   (every block plainly checkpointed);
+3. train the unplanned model, the three plans and full AC, AdamW, round-robin: each round runs one
+   step of each, in a rotating order, after warm-up steps. Every step is timed by the wall clock
+   and by its thread's CPU time (``time.thread_time``). glibc's malloc is told to keep freed
+   memory (as CUDA's caching allocator does): otherwise a step re-faults pages the step before
+   handed back, by amounts that depend on which variant ran before it in the shared heap, and
+   the runtime model does not price page faults.
+
+Printed per variant: the measured step (median over rounds, and the spread min..max), the
+predicted step (no-AC step + the plan's recompute), the measured overhead (the median over rounds
+of the step less that round's unplanned step) beside the predicted one (``plan.recompute_ms``).
+
+PASS needs, per family: every plan's and full AC's overhead within 15 % of the prediction or 3 ms,
+and the plan at full AC's peak faster than full AC (or the same plan). The PASS line reads the CPU
+time: on a shared machine other processes stretch a step's wall time by whole time slices, which
+the thread's CPU time does not count; on an idle machine the two agree within a few per cent.
+Exit status 1 on FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks import gpu_validate as gv  # noqa: E402
+from estimators.runtime.kernel_bench import BenchmarkRuntime  # noqa: E402
+from estimators.runtime.models import RuntimeKind, benchmark_runtime_override  # noqa: E402
+from estimators.step.train_step import TrainStep, run_step  # noqa: E402
+from estimators.tracing.estimation import EstimateOptions, estimate  # noqa: E402
+from examples.convnet import ConvNetConfig, build_convnet  # noqa: E402
+from examples.gpt import GPTConfig, build_gpt  # noqa: E402
+from planner.analysis.calibration import calibrate_device  # noqa: E402
+from planner.applying.checkpointing import apply_plan, hf_cache_off  # noqa: E402
+from planner.options import PlanOptions  # noqa: E402
+from planner.plan import ModulePlan, Plan  # noqa: E402
+from planner.planning.baselines import find_blocks, full_ac  # noqa: E402
+from planner.planning.module_plans import recompute_ms_with_saved  # noqa: E402
+from planner.planning.solve import plan_estimate  # noqa: E402
+from solver import SACMilp  # noqa: E402
+
+GiB, MiB = 2**30, 2**20
+TOLERANCE, FLOOR_MS = 0.15, 3.0
+
+
+# ----------------------------------------------------------------------------- families
+
+
+def _gpt() -> tuple[torch.nn.Module, TrainStep]:
+    """The decoder of the issue: 4 layers, width 256, seq 256, batch 4, fp32, dropout 0.1."""
+    model, inputs = build_gpt(GPTConfig(vocab_size=512, seq_len=256, n_layer=4, n_head=4, dim=256), batch_size=4)
+    return model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw")
+
+
+def _convnet() -> tuple[torch.nn.Module, TrainStep]:
+    """A residual conv net (BatchNorm, in-place ReLU), widths 32-64-128 on 32x32 images, batch 32."""
+    model, inputs = build_convnet(ConvNetConfig(widths=(32, 64, 128)), batch_size=32)
+    return model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw")
+
+
+def _hf_llama() -> tuple[torch.nn.Module, TrainStep]:
+    """transformers' LlamaForCausalLM from a config: 4 layers, width 256, seq 256, batch 4."""
+    model, inputs, loss_fn = gv.MODELS["hf_llama"]("small")
+    return model, TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer="adamw")
+
+
+FAMILIES: dict[str, Callable[[], tuple[torch.nn.Module, TrainStep]]] = {
+    "gpt": _gpt, "convnet": _convnet, "hf_llama": _hf_llama,
+}
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+@dataclass(frozen=True, kw_only=True)
+class Variant:
+    """One way to run the step: unplanned, a plan, or full AC."""
+
+    name: str
+    plan: Plan | None
+    predicted_recompute_ms: float
+    predicted_step_ms: float
+    predicted_peak_bytes: int
+
+
+def full_ac_plan(like: Plan, info) -> Plan:
+    """Every block plainly checkpointed (``find_blocks``), priced by the planner's rule."""
+    mods = tuple(ModulePlan(fqn=b, discard_ratio=1.0, full=True,
+                            recompute_ms=recompute_ms_with_saved(info.stats(b), frozenset()))
+                 for b in find_blocks(info))
+    return dataclasses.replace(like, modules=mods, recompute_ms=sum(m.recompute_ms for m in mods),
+                               predicted_peak_bytes=full_ac(info).predicted_peak_bytes)
+
+
+def variants_of(model: torch.nn.Module, step: TrainStep, options: PlanOptions) -> tuple[list[Variant], Any]:
+    """The unplanned step, plans at 0.8x / 0.6x of the no-AC peak and at full AC's, and full AC."""
+    with hf_cache_off(model):
+        est = estimate(model, step, device=options.spec, options=options.trace)
+    info = est.module_info
+    no_ac, floor = info.peak_bytes, SACMilp(info).min_reachable_peak_bytes()
+    full_peak = full_ac(info).predicted_peak_bytes
+    # 0.8x and 0.6x of the no-AC peak; where that is below the smallest reachable peak, as far
+    # from it towards the no-AC peak instead.
+    budgets = [int(f * no_ac) if f * no_ac >= floor else int(floor + f * (no_ac - floor)) for f in (0.8, 0.6)]
+    budgets = [(f"plan {b / no_ac:.2f}x", b) for b in budgets] + [("plan @ full-AC peak", full_peak)]
+    base = est.module_info.step_runtime_ms
+    out = [Variant(name="no AC", plan=None, predicted_recompute_ms=0.0, predicted_step_ms=base,
+                   predicted_peak_bytes=no_ac)]
+    plan = None
+    for name, budget in budgets:
+        plan = plan_estimate(model, est, budget / GiB, options=options)
+        out.append(Variant(name=name, plan=plan, predicted_recompute_ms=plan.recompute_ms,
+                           predicted_step_ms=base + plan.recompute_ms, predicted_peak_bytes=plan.predicted_peak_bytes))
+    full = full_ac_plan(plan, info)
+    out.append(Variant(name="full AC", plan=full, predicted_recompute_ms=full.recompute_ms,
+                       predicted_step_ms=base + full.recompute_ms, predicted_peak_bytes=full.predicted_peak_bytes))
+    return out, est
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+@dataclass(frozen=True)
+class Sample:
+    wall_ms: float
+    cpu_ms: float
+
+
+def time_variants(model: torch.nn.Module, step: TrainStep, variants: list[Variant], rounds: int,
+                  warmup: int = 2) -> dict[str, list[Sample]]:
+    """Each variant's steps, ``rounds`` of them, round-robin in a rotating order (a model copy and
+    an AdamW each; ``warmup`` untimed steps first)."""
+    runs = []
+    for v in variants:
+        m = copy.deepcopy(model)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        if v.plan is not None:
+            apply_plan(m, v.plan)
+        runs.append((v.name, m, opt))
+
+    def one(m, opt) -> Sample:
+        m.zero_grad(set_to_none=True)
+        gc.collect()
+        w, c = time.perf_counter(), time.thread_time()
+        run_step(m, step.inputs, step.loss_fn, opt)
+        return Sample((time.perf_counter() - w) * 1e3, (time.thread_time() - c) * 1e3)
+
+    for _ in range(warmup):
+        for _, m, opt in runs:
+            one(m, opt)
+    samples: dict[str, list[Sample]] = {name: [] for name, _, _ in runs}
+    for r in range(rounds):
+        for k in range(len(runs)):
+            name, m, opt = runs[(r + k) % len(runs)]
+            samples[name].append(one(m, opt))
+    return samples
+
+
+# ----------------------------------------------------------------------------- report
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    variant: Variant
+    step_cpu_ms: float
+    step_cpu_spread: tuple[float, float]
+    step_wall_ms: float
+    step_wall_spread: tuple[float, float]
+    overhead_cpu_ms: float
+    overhead_cpu_spread: tuple[float, float]
+    overhead_wall_ms: float
+
+    @property
+    def within(self) -> bool:
+        pred = self.variant.predicted_recompute_ms
+        return abs(self.overhead_cpu_ms - pred) <= max(TOLERANCE * pred, FLOOR_MS)
+
+
+def _paired(a: list[Sample], b: list[Sample], field: str) -> list[float]:
+    return [getattr(x, field) - getattr(y, field) for x, y in zip(a, b)]
+
+
+def rows_of(variants: list[Variant], samples: dict[str, list[Sample]]) -> list[Row]:
+    base = samples[variants[0].name]
+    rows = []
+    for v in variants:
+        s = samples[v.name]
+        cpu, wall = [x.cpu_ms for x in s], [x.wall_ms for x in s]
+        d_cpu, d_wall = _paired(s, base, "cpu_ms"), _paired(s, base, "wall_ms")
+        rows.append(Row(variant=v, step_cpu_ms=statistics.median(cpu), step_cpu_spread=(min(cpu), max(cpu)),
+                        step_wall_ms=statistics.median(wall), step_wall_spread=(min(wall), max(wall)),
+                        overhead_cpu_ms=statistics.median(d_cpu), overhead_cpu_spread=(min(d_cpu), max(d_cpu)),
+                        overhead_wall_ms=statistics.median(d_wall)))
+    return rows
+
+
+def render(family: str, rows: list[Row], load: tuple[str, str]) -> str:
+    head = (f"{'variant':20} {'peak pred':>9} {'step cpu [min-max]':>23} {'step wall [min-max]':>24} "
+            f"{'step pred':>9} {'overhead cpu [min-max]':>26} {'wall':>7} {'pred':>7} {'err':>6}")
+    lines = [f"== {family}   load before {load[0]}, after {load[1]}", head, "-" * len(head)]
+    for r in rows:
+        v = r.variant
+        err = "" if v.plan is None else (
+            f"{(r.overhead_cpu_ms - v.predicted_recompute_ms) / v.predicted_recompute_ms:+.0%}"
+            if v.predicted_recompute_ms else "n/a")
+        mark = "" if v.plan is None else ("  ok" if r.within else "  OFF")
+        lines.append(
+            f"{v.name:20} {v.predicted_peak_bytes / MiB:8.1f}M "
+            f"{r.step_cpu_ms:8.1f} [{r.step_cpu_spread[0]:6.1f}-{r.step_cpu_spread[1]:6.1f}] "
+            f"{r.step_wall_ms:8.1f} [{r.step_wall_spread[0]:6.1f}-{r.step_wall_spread[1]:7.1f}] "
+            f"{v.predicted_step_ms:9.1f} "
+            f"{r.overhead_cpu_ms:+8.1f} [{r.overhead_cpu_spread[0]:+7.1f} {r.overhead_cpu_spread[1]:+7.1f}] "
+            f"{r.overhead_wall_ms:+7.1f} {v.predicted_recompute_ms:7.1f} {err:>6}{mark}")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[Row], samples: dict[str, list[Sample]]) -> tuple[bool, str]:
+    """(passed, one line): every plan's overhead within the tolerance, and the plan at full AC's
+    peak faster than full AC (median of paired CPU-time rounds) or the same plan."""
+    by = {r.variant.name: r for r in rows}
+    off = [r.variant.name for r in rows if r.variant.plan is not None and not r.within]
+    at, full = by["plan @ full-AC peak"], by["full AC"]
+    same = {m.fqn: (m.full, m.saved_ops) for m in at.variant.plan.modules} == \
+        {m.fqn: (m.full, m.saved_ops) for m in full.variant.plan.modules}
+    diff = statistics.median(_paired(samples[at.variant.name], samples[full.variant.name], "cpu_ms"))
+    faster = same or diff < 0
+    vs = "the same plan as full AC" if same else (
+        f"plan @ full-AC peak vs full AC: {diff:+.1f} ms measured, "
+        f"{at.variant.predicted_recompute_ms - full.variant.predicted_recompute_ms:+.1f} ms predicted")
+    ok = not off and faster
+    why = f"overhead off by more than {TOLERANCE:.0%} / {FLOOR_MS:g} ms: {', '.join(off)}; " if off else ""
+    return ok, f"{'PASS' if ok else 'FAIL'}: {why}{vs} (CPU time)"
+
+
+def keep_freed_memory() -> str:
+    """Make glibc's malloc keep freed memory in the process (no trimming, no mmap for large
+    blocks), as CUDA's caching allocator does: otherwise a step re-faults the pages the previous
+    one handed back, by amounts that depend on which variant ran before in this heap, a cost the
+    runtime model does not price. Returns what was done."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_trim_threshold, 2**30) and libc.mallopt(m_mmap_threshold, 2**25)
+    except (OSError, AttributeError, TypeError):
+        ok = False
+    return ("glibc malloc keeps freed memory (mallopt: no trim; mmap only over 32 MiB)" if ok
+            else "allocator left as it is (no glibc mallopt here): page faults may add to some steps")
+
+
+def _load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "n/a"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES),
+                   help="families to run (default all)")
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds of every variant (default 7)")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    t0 = time.perf_counter()
+    heap = keep_freed_memory()
+    cal = calibrate_device("cpu")
+    print(f"load {_load()}; one intra-op thread; {heap}; calibrated here:\n{cal.report()}\n")
+    options = PlanOptions(device=cal.spec, reserve_gib=0, trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
+    verdicts = []
+    for family in args.families:
+        if family.startswith("hf_"):
+            try:
+                import transformers  # noqa: F401
+            except ImportError:
+                print(f"skip {family}: transformers is not installed\n")
+                continue
+        model, step = FAMILIES[family]()
+        with benchmark_runtime_override(BenchmarkRuntime()):  # one timing per kernel, verification traces too
+            variants, est = variants_of(model, step, options)
+        before = _load()
+        samples = time_variants(model, step, variants, args.rounds)
+        rows = rows_of(variants, samples)
+        print(render(f"{family}: {FAMILIES[family].__doc__}", rows, (before, _load())))
+        ok, line = verdict(rows, samples)
+        verdicts.append(ok)
+        print(f"{family}: {line}\n")
+    print(f"overhead = step - the same round's unplanned step; pred = plan.recompute_ms; spread = min..max "
+          f"over {args.rounds} rounds; M = MiB. {time.perf_counter() - t0:.0f} s")
+    return 0 if all(verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Calibrate a DeviceSpec on the machine at hand: the roofline's figures, and the host cost of
+the checkpoints a plan applies.
+
+    from planner.analysis.calibration import calibrate_device
+    cal = calibrate_device("cpu")               # a few seconds on a CPU core
+    print(cal.report())                         # the spec, each kernel fitted, the host costs
+    plan = solve_sac(model, budget_gib, step, options=PlanOptions(device=cal.spec))
+
+The roofline's figures (launch time, compute and bandwidth efficiencies) are fitted by
+``estimators.runtime.calibrate.fit_device_spec``. The checkpoint's host costs are measured here,
+on the planner's own apply path (``apply_module_plans``), with B blocks of small
+transformer-like steps (layer norm, linear, GELU, views, dropout, a residual add, tanh: tiny
+tensors, so the host's costs dominate), n forward ops a block, the last saving its output:
+unplanned, fully and selectively (the first op cached) checkpointed. Per block, a full
+checkpoint adds ``call + n * (kernel + recompute_op)`` and a selective one
+``call + (n - 1) * (kernel + recompute_op) + 2 n * selective_op`` (its policy sees n forward
+ops and n replayed ones); blocks of two lengths give the three costs, the kernel time being the
+block's forward without grad. On a CUDA device they are left at 0: the host runs ahead of the
+kernels there and the model does not add them (``DeviceSpec.selective_op_ms``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from estimators.runtime.calibrate import DeviceFit, fit_device_spec
+from estimators.runtime.device import DeviceSpec
+from planner.applying.checkpointing import apply_module_plans
+from planner.plan import ModulePlan, op_key
+
+__all__ = ["CheckpointHostCosts", "Calibration", "calibrate_device", "measure_checkpoint_costs", "fit_checkpoint_costs"]
+
+_BLOCKS = 16
+"""Checkpointed blocks per model: per-block figures are the model's over this many."""
+_CHAINS = (1, 6)
+"""Steps of the short and the long block (15 and 90 forward ops): the difference gives the
+per-op costs, the short block the per-call one."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointHostCosts:
+    """The host costs of a checkpoint on this machine, as ``DeviceSpec`` holds them (ms)."""
+
+    checkpoint_call_ms: float
+    recompute_op_ms: float
+    selective_op_ms: float
+    clock: str
+    """"thread" (the calling thread's CPU time, one intra-op thread) or "wall"."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """A spec fitted on this machine and what it was fitted to."""
+
+    spec: DeviceSpec
+    """The fitted spec: pass it as ``PlanOptions(device=cal.spec)``."""
+    fit: DeviceFit
+    checkpoint: CheckpointHostCosts | None
+    """None on a CUDA device (not measured, not modelled)."""
+
+    def report(self) -> str:
+        lines = [f"spec: {self.spec.summary()}", f"kernels timed by the {self.fit.clock} clock:"]
+        lines += [f"  {p}" for p in self.fit.points]
+        c = self.checkpoint
+        if c is None:
+            lines.append("checkpoint host costs: not modelled on a CUDA device (hidden behind its kernels)")
+        else:
+            lines.append(f"checkpoint host costs ({c.clock} clock): {c.checkpoint_call_ms * 1e3:.1f} us per call, "
+                         f"{c.recompute_op_ms * 1e3:.1f} us per re-run op, {c.selective_op_ms * 1e3:.1f} us per "
+                         "op a selective policy sees")
+        return "\n".join(lines)
+
+
+class _Chain(nn.Module):
+    """``k`` small transformer-like steps, each ending in an op that saves its output (so a full
+    checkpoint re-runs every op): layer norm, linear (a view and addmm), GELU, views, dropout
+    (random draws, kept masks), a residual add, tanh. Tiny tensors: the host costs dominate."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k, self.w, self.b = k, nn.Parameter(torch.rand(8, 8)), nn.Parameter(torch.rand(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (4, 8)
+        for _ in range(self.k):
+            y = F.gelu(F.linear(F.layer_norm(x, (8,)), self.w, self.b))
+            y = F.dropout(y.view(32).view(4, 8), 0.1, training=True)
+            x = torch.tanh(x + y)
+        return x
+
+
+class _Blocks(nn.Module):
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Chain(k) for _ in range(_BLOCKS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(op_key(str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def _clock():
+    if torch.get_num_threads() == 1:
+        return "thread", time.thread_time_ns
+    return "wall", time.perf_counter_ns
+
+
+@dataclass(frozen=True)
+class _ChainCosts:
+    ops: int
+    """Forward ops of one block, as a trace counts them."""
+    full_ms: float
+    selective_ms: float
+    kernels_ms: float
+
+
+def _chain_costs(k: int, rounds: int, now) -> _ChainCosts:
+    """Per block, in ms: full - unplanned, selective (its first op cached) - unplanned, the
+    forward without grad (its kernels); medians over paired rounds."""
+    x = torch.rand(4, 8, requires_grad=True)
+    counter = _Count()
+    with counter:
+        _Chain(k)(x)
+    first = (counter.ops[0], 0)
+    names = [f"_Blocks.blocks.{i}" for i in range(_BLOCKS)]
+    plans = {"none": None, "full": [ModulePlan(fqn=n, discard_ratio=1.0, full=True) for n in names],
+             "selective": [ModulePlan(fqn=n, discard_ratio=0.5, full=False, saved_ops=(first,)) for n in names]}
+    models = {}
+    for kind, mods in plans.items():
+        models[kind] = m = _Blocks(k)
+        if mods:
+            apply_module_plans(m, mods)
+    times: dict[str, list[float]] = {kind: [] for kind in (*models, "no_grad")}
+    for r in range(rounds + 1):  # round 0 warms up
+        for kind, m in models.items():
+            t0 = now()
+            m(x).sum().backward()
+            if r:
+                times[kind].append((now() - t0) / 1e6)
+        with torch.no_grad():
+            t0 = now()
+            models["none"](x)
+            if r:
+                times["no_grad"].append((now() - t0) / 1e6)
+    full = statistics.median(f - n for f, n in zip(times["full"], times["none"])) / _BLOCKS
+    sel = statistics.median(s - n for s, n in zip(times["selective"], times["none"])) / _BLOCKS
+    return _ChainCosts(len(counter.ops), full, sel, statistics.median(times["no_grad"]) / _BLOCKS)
+
+
+def fit_checkpoint_costs(ops: tuple[int, int], full: tuple[float, float], selective: float,
+                         kernels: float) -> tuple[float, float, float]:
+    """(call, recompute_op, selective_op) ms from per-block figures of two chains of ``ops``
+    forward ops: ``full`` overheads of both, the ``selective`` overhead and the no-grad forward
+    ``kernels`` of the longer (the model of the module docstring, solved; each at least 0)."""
+    (n1, n2), (f1, f2) = ops, full
+    per_op = (f2 - f1) / (n2 - n1)  # kernel + recompute_op
+    call = f1 - n1 * per_op
+    recompute_op = per_op - kernels / n2
+    policy = (selective - f2 + per_op) / (2 * n2)
+    return max(0.0, call), max(0.0, recompute_op), max(0.0, policy)
+
+
+def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:
+    """The three host costs of a checkpoint on this CPU (see the module docstring). A few
+    seconds at ``rounds=15``."""
+    clock, now = _clock()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        short, long = (_chain_costs(k, rounds, now) for k in _CHAINS)
+    call, recompute_op, policy = fit_checkpoint_costs(
+        (short.ops, long.ops), (short.full_ms, long.full_ms), long.selective_ms, long.kernels_ms)
+    return CheckpointHostCosts(checkpoint_call_ms=call, recompute_op_ms=recompute_op, selective_op_ms=policy,
+                               clock=clock)
+
+
+def calibrate_device(base: DeviceSpec | str = "cpu", *, device: str | torch.device | None = None,
+                     rounds: int = 15) -> Calibration:
+    """``base`` fitted to this machine: its roofline figures and, on a CPU, the checkpoint's
+    host costs (see the module docstring). Use one intra-op thread for the figures a one-thread
+    step runs at (``torch.set_num_threads(1)``); the kernels are then timed in thread CPU time."""
+    fit = fit_device_spec(base, device=device)
+    if fit.spec.is_cuda or (device is not None and torch.device(device).type == "cuda"):
+        return Calibration(spec=fit.spec, fit=fit, checkpoint=None)
+    costs = measure_checkpoint_costs(rounds)
+    spec = fit.spec.replace(checkpoint_call_ms=costs.checkpoint_call_ms, recompute_op_ms=costs.recompute_op_ms,
+                            selective_op_ms=costs.selective_op_ms)
+    return Calibration(spec=spec, fit=fit, checkpoint=costs)

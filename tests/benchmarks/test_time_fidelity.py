@@ -1,0 +1,71 @@
+"""benchmarks/time_fidelity.py: what its PASS line reads, on made-up timings, and one real round."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import time_fidelity as tf
+from planner.plan import ModulePlan, Plan
+
+
+def _plan(*mods: ModulePlan) -> Plan:
+    return Plan(modules=mods, model_name="M", model_fingerprint="x", device="cpu", world_size=1, budget_bytes=10,
+                reserve_bytes=0, predicted_peak_bytes=1, solver_peak_bytes=1, baseline_peak_bytes=2,
+                recompute_ms=0.0, baseline_step_ms=0.0)
+
+
+FULL = _plan(ModulePlan(fqn="M.b0", discard_ratio=1.0, full=True), ModulePlan(fqn="M.b1", discard_ratio=1.0, full=True))
+SELECTIVE = _plan(ModulePlan(fqn="M.b0", discard_ratio=0.5, full=False, saved_ops=(("aten.mm.default", 0),)))
+
+
+def _variants(at: Plan, pred_at: float, pred_full: float) -> list[tf.Variant]:
+    v = lambda name, plan, ms: tf.Variant(name=name, plan=plan, predicted_recompute_ms=ms,  # noqa: E731
+                                          predicted_step_ms=100 + ms, predicted_peak_bytes=1)
+    return [v("no AC", None, 0.0), v("plan @ full-AC peak", at, pred_at), v("full AC", FULL, pred_full)]
+
+
+def _samples(*cpu_rounds: list[float]) -> dict[str, list[tf.Sample]]:
+    names = ["no AC", "plan @ full-AC peak", "full AC"]
+    return {n: [tf.Sample(wall_ms=2 * c, cpu_ms=c) for c in cpus] for n, cpus in zip(names, cpu_rounds)}
+
+
+def test_overhead_is_the_median_of_paired_rounds():
+    """Round r's overhead is that round's step less the same round's unplanned step: a slow
+    round (the machine busy) moves both."""
+    samples = _samples([100, 200, 100], [110, 212, 111], [120, 220, 121])
+    rows = tf.rows_of(_variants(SELECTIVE, 10.0, 20.0), samples)
+    assert [r.overhead_cpu_ms for r in rows] == [0, 11, 20]
+    assert rows[1].overhead_cpu_spread == (10, 12) and rows[1].step_cpu_ms == 111
+    assert all(r.within for r in rows[1:])
+
+
+def test_pass_needs_every_overhead_within_tolerance_and_the_plan_faster_than_full_ac():
+    ok, line = tf.verdict(*_rows_and(_samples([100] * 3, [110] * 3, [120] * 3), 10.0, 20.0))
+    assert ok and line.startswith("PASS") and "-10.0 ms measured" in line
+    ok, line = tf.verdict(*_rows_and(_samples([100] * 3, [125] * 3, [120] * 3), 25.0, 20.0))
+    assert not ok and "vs full AC: +5.0 ms measured" in line  # within tolerance, but slower
+    ok, line = tf.verdict(*_rows_and(_samples([100] * 3, [110] * 3, [150] * 3), 10.0, 20.0))
+    assert not ok and "off by more than 15%" in line and "full AC" in line  # 50 ms measured, 20 predicted
+    ok, line = tf.verdict(*_rows_and(_samples([100] * 3, [122] * 3, [120] * 3), 20.0, 20.0, at=FULL))
+    assert ok and "the same plan as full AC" in line  # the same plan cannot be faster than itself
+
+
+def _rows_and(samples, pred_at: float, pred_full: float, at: Plan = SELECTIVE):
+    return tf.rows_of(_variants(at, pred_at, pred_full), samples), samples
+
+
+@pytest.mark.slow
+def test_one_round_of_the_convnet_family_runs(one_intra_op_thread):
+    """The variants of a real family are planned, applied and timed (one round, no verdict:
+    one round on a shared machine says nothing)."""
+    from estimators.runtime.device import get_device_spec
+    from planner.options import PlanOptions
+
+    model, step = tf.FAMILIES["convnet"]()
+    variants, _ = tf.variants_of(model, step, PlanOptions(device=get_device_spec("cpu"), reserve_gib=0))
+    assert [v.name for v in variants][-2:] == ["plan @ full-AC peak", "full AC"] and len(variants) == 5
+    full = variants[-1]
+    assert all(m.full for m in full.plan.modules) and full.predicted_recompute_ms > 0
+    assert variants[3].predicted_recompute_ms <= full.predicted_recompute_ms  # the solver beats full AC's price
+    samples = tf.time_variants(model, step, variants, rounds=1, warmup=0)
+    assert all(len(s) == 1 and s[0].cpu_ms > 0 for s in samples.values())
