@@ -10,7 +10,8 @@ The search runs with ``verify_all`` (every planned layout traced with its plan),
 verified per-rank peak. Layouts: FSDP2 / HSDP (``fully_shard`` of every layer and the root over the
 shard mesh), TP (torchtitan's Llama plan, sequence parallel, loss_parallel), FSDP2 x TP, PP stages of
 ``torch.distributed.pipelining`` (with FSDP2 over the data-parallel ranks: parameters kept gathered
-after forward, as torchtitan runs PP), and PP x TP once the planner plans it. Targets: measured
+after forward, as torchtitan runs PP), and PP x TP (each stage parallelized over its TP group as
+torchtitan does, loss_parallel around the schedule's step). Targets: measured
 within 1 % of predicted on every rank, gradients bitwise.
 """
 
@@ -141,6 +142,15 @@ def _pipeline_run(t, mesh, plans):
     ranges = layer_ranges(CONFIG.n_layers, n)
     mods = [LlamaStage(full, ranges[s], first=s == 0, last=s == n - 1) for s in local]
     del full
+    ctx = _null
+    if t.tp > 1:  # torchtitan's order: split, then TP; loss_parallel around the schedule's step
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        from examples.tensor_parallel import parallelize_llama
+
+        for m in mods:
+            parallelize_llama(m, mesh["tp"], sequence_parallel=True, loss_parallel=True)
+        ctx = loss_parallel
     group = mesh["pp"].get_group()
     stages = [pipelining.PipelineStage(m, s, n, torch.device("cpu"), group=group) for m, s in zip(mods, local)]
     by_stage = {p.pipeline.stage_index: p for p in plans}
@@ -160,7 +170,8 @@ def _pipeline_run(t, mesh, plans):
     opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-3)
 
     def step():
-        sched.step(*((x,) if first else ()), **({"target": x} if last else {}), return_outputs=False)  # torchtitan
+        with ctx():
+            sched.step(*((x,) if first else ()), **({"target": x} if last else {}), return_outputs=False)  # torchtitan
         opt.step()
 
     def held():

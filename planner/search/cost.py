@@ -177,8 +177,8 @@ class PipelineBound:
     """Micro-batches that rank holds at its first backward."""
 
 
-def pipeline_bound(info, layout, ranges, state_bytes: Mapping[int, int], *, usable_bytes: int,
-                   actions: Mapping[int, list]) -> PipelineBound:
+def pipeline_bound(info, layout, ranges, state_bytes: Mapping[int, int], grad_bytes: Mapping[int, int], *,
+                   usable_bytes: int, actions: Mapping[int, list]) -> PipelineBound:
     """Lower bounds of a pipeline layout's step and peak before its stages are traced, from
     ``info``, the whole-model program of the same degrees and micro-batch (the same ops at the
     same shapes):
@@ -186,15 +186,17 @@ def pipeline_bound(info, layout, ranges, state_bytes: Mapping[int, int], *, usab
     * each stage as long as its layers' forward and backward there (the embedding on the first,
       the rest of the model on the last); the schedule's makespan with no communication;
     * (torchtitan's ``return_outputs=False``: the last stage keeps no output chunks)
-    * at the start of its first backward a rank's ``k`` micro-batches in flight hold at least
-      their saved activations (``act_fw_bytes``) beside its state: what the usable budget does not
+    * at the start of each backward a rank's ``k`` micro-batches in flight hold at least their
+      saved activations (``act_fw_bytes``) beside its state (its gradients once every local stage
+      has made them, not before: they are None at the step's start): what the usable budget does not
       hold must be discarded from every one of them, at no less than the layers' convex
       recompute-vs-memory curves cost, every micro-batch (twice under a split backward), on that
       rank's busy time. Its floor: every layer discarding all it can (each micro-batch in flight
       keeps the rest), or the stage checkpointed whole (its recompute brings one micro-batch's
       activations back at once), whichever is lower.
 
-    ``ranges``: each stage's layers; ``state_bytes``: each pipeline rank's state."""
+    ``ranges``: each stage's layers; ``state_bytes``: each pipeline rank's state, gradients
+    included; ``grad_bytes``: the gradients in it."""
     root = info.mod_stats[0].fqn
     n_layers = sum(len(r) for r in ranges)
     layer = [info.stats(f"{root}.layers.{i}") for i in range(n_layers)]
@@ -217,25 +219,34 @@ def pipeline_bound(info, layout, ranges, state_bytes: Mapping[int, int], *, usab
     curve = layer[0].tradeoff
     most = curve.total_bytes + layer[0].forced_discard_bytes  # a layer's largest discard
     floor, floor_rank, floor_k = 0, 0, 0
+    release = ("W",) if layout.split_backward else ("B",)  # a micro-batch's activations go, its gradients come
     for r, acts in actions.items():
-        held = k = 0
-        for _s, kind, _m in acts:  # micro-batches between their forward and their (last) backward
-            held += 1 if kind == "F" else -1 if kind in (("W",) if layout.split_backward else ("B",)) else 0
-            k = max(k, held)
         layers_r = [i for s in layout.stages_of(r) for i in ranges[s]]
         kept = sum(layer[i].act_fw_bytes for i in layers_r)
-        # Every layer checkpointed: each micro-batch in flight keeps what its layers cannot discard,
-        # and the first layer's recompute brings its discard back; the stage checkpointed whole
-        # instead: its recompute brings one micro-batch's activations back at once.
-        low = state_bytes[r] + min(kept, k * max(0, kept - most * len(layers_r)) + most) if k else state_bytes[r]
-        if low > floor:
-            floor, floor_rank, floor_k = low, r, k
-        excess = state_bytes[r] + k * kept - usable_bytes
         busy = sum(dur[s][kind] for s, kind, _m in acts)
-        if excess > 0 and k and layers_r:
-            per_layer = min(curve.total_bytes, excess / (k * len(layers_r)))
-            rec = layout.n_microbatches * halves * len(layers_r) * _curve_ms(curve, per_layer)
-            bound = max(bound, busy + rec + optim)
+        local, graded, held = set(layout.stages_of(r)), set(), 0
+        for s, kind, _m in acts:  # micro-batches between their forward and their (last) backward
+            held += kind == "F"
+            if kind not in release:
+                continue
+            # The gradients are None at the step's start (zero_grad(set_to_none=True)): counted
+            # once every local stage has run a backward that makes them.
+            state = state_bytes[r] - (0 if graded >= local else grad_bytes[r])
+            graded.add(s)
+            # Every layer checkpointed: each micro-batch in flight keeps what its layers cannot
+            # discard, and the first layer's recompute brings its discard back; the stage
+            # checkpointed whole instead: its recompute brings one micro-batch's activations back.
+            low = state + min(kept, held * max(0, kept - most * len(layers_r)) + most)
+            if low > floor:
+                floor, floor_rank, floor_k = low, r, held
+            excess = state + held * kept - usable_bytes
+            if excess > 0 and layers_r:
+                per_layer = min(curve.total_bytes, excess / (held * len(layers_r)))
+                rec = layout.n_microbatches * halves * len(layers_r) * _curve_ms(curve, per_layer)
+                bound = max(bound, busy + rec + optim)
+            held -= 1
+        if state_bytes[r] - grad_bytes[r] > floor:
+            floor, floor_rank, floor_k = state_bytes[r] - grad_bytes[r], r, 0
     return PipelineBound(step_ms=bound, floor_bytes=floor, floor_rank=floor_rank, in_flight=floor_k)
 
 

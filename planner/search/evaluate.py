@@ -111,17 +111,17 @@ class Evaluator:
         usable = self.cluster.usable_bytes
         if bound.floor_bytes > usable:
             return Evaluation(layout=t, status=Status.OVER, peak_bytes=bound.floor_bytes, binding=f"rank {bound.floor_rank}",
-                              bound_ms=bound.step_ms, why=(
+                              bound_ms=bound.step_ms, floor_bytes=bound.floor_bytes, why=(
                 f"rank {bound.floor_rank} holds at least {fmt_bytes(bound.floor_bytes)} with every layer checkpointed "
                 f"(its state and {bound.in_flight} micro-batches in flight, each keeping what its layers cannot "
                 f"discard), over the usable {fmt_bytes(usable)}; not traced"))
         best = min((e.step_ms for e in out.values() if e.runs), default=float("inf"))
         if self.bound and bound.step_ms >= best:
-            return Evaluation(layout=t, status=Status.BOUNDED, bound_ms=bound.step_ms, why=(
+            return Evaluation(layout=t, status=Status.BOUNDED, bound_ms=bound.step_ms, floor_bytes=bound.floor_bytes, why=(
                 f"a lower bound of its step (its schedule's compute and the recompute its micro-batches in flight "
                 f"force, no communication) is {bound.step_ms:,.4g} ms, over the fastest planned layout's "
                 f"{best:,.4g} ms; not traced"))
-        return replace(pipes.evaluate(t), bound_ms=bound.step_ms)
+        return replace(pipes.evaluate(t), bound_ms=bound.step_ms, floor_bytes=bound.floor_bytes)
 
     def _tick(self) -> None:
         self.done += 1
@@ -240,10 +240,16 @@ class Evaluator:
 
     def _verify_one(self, e: Evaluation) -> Evaluation:
         t0 = time.perf_counter()
-        with World(self.family, self.cluster, tp=e.layout.tp, cp=e.layout.cp, progress=self.progress) as world:
-            got = PipelineCases(self, world).verify(e) if e.layout.pp > 1 else self._verify_model(world, e)
-            self.traced += world.traced
-            self.trace_s += world.trace_s
+        if e.layout.pp > 1:  # fake_layout_rank makes each rank's fake process group
+            cases = PipelineCases(self, None)
+            got = cases.verify(e)
+            self.traced += cases.traced
+            self.trace_s += time.perf_counter() - t0
+        else:
+            with World(self.family, self.cluster, tp=e.layout.tp, cp=e.layout.cp, progress=self.progress) as world:
+                got = self._verify_model(world, e)
+                self.traced += world.traced
+                self.trace_s += world.trace_s
         if self.progress:
             print(f"[search] verified {e.layout.describe()}: {got.status.value} ({time.perf_counter() - t0:.1f} s)",
                   file=sys.stderr, flush=True)

@@ -115,6 +115,14 @@ class LlamaFamily:
 
         return LlamaStage(model, layer_ids, first=first, last=last)
 
+    def stage_builder(self, *, n_stages: int, micro_batch: int):
+        """``build(stage, mesh) -> (module, TrainStep)`` for ``planner.distributed.pipeline``'s
+        ``plan_layout_rank`` / ``fake_layout_rank``: stage ``stage`` of ``n_stages``, TP over the
+        mesh's ``tp`` dim with sequence parallelism (``examples.pipeline_stages.llama_stage_builder``)."""
+        from examples.pipeline_stages import llama_stage_builder
+
+        return llama_stage_builder(self.config, n_stages=n_stages, micro_batch=micro_batch, dtype=self.dtype)
+
     @property
     def stage_loss(self):
         from examples.pipeline_stages import stage_loss

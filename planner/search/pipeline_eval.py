@@ -39,9 +39,12 @@ def rank_actions(layout) -> dict[int, list]:
 class PipelineCases:
     """The pipeline candidates of one World: rank planners shared across FSDP degrees."""
 
-    def __init__(self, evaluator, world: World) -> None:
+    def __init__(self, evaluator, world: World | None) -> None:
         self.ev, self.world = evaluator, world
+        """None: verification only (``verify`` makes its own fake process groups)."""
         self.planners: dict[tuple, object] = {}
+        self.traced = 0
+        """Stage programs ``verify`` traced."""
 
     def _split(self, t) -> StageSet:
         return StageSet(pp=t.pp, virtual=t.virtual_stages, split=t.split_backward, micro_batch=t.micro_batch)
@@ -65,7 +68,9 @@ class PipelineCases:
         info = self.world.layer_times(t.micro_batch).module_info
         layout = self.options(t, 0).pipeline.layout
         state = {r: state_bound_bytes(t, fam, rank=r) for r in range(t.pp)}
-        return pipeline_bound(info, layout, fam.stage_layers(t.n_stages), state,
+        grads = {r: fam.param_bytes(tp=t.tp, layer_ids=ids, first=first, last=last)  # unsharded under PP
+                 for r, (ids, first, last) in enumerate(fam.rank_layer_sets(t.pp, t.virtual_stages))}
+        return pipeline_bound(info, layout, fam.stage_layers(t.n_stages), state, grads,
                               usable_bytes=self.ev.cluster.usable_bytes, actions=rank_actions(layout))
 
     def traces(self, t):
@@ -87,44 +92,59 @@ class PipelineCases:
         p, o, _ = stage_state
         return -(-p // w) - (o - -(-o // w)) if w > 1 else 0
 
-    def evaluate(self, t, *, verify: bool = False) -> Evaluation:
+    def evaluate(self, t) -> Evaluation:
+        """Every rank's MILP plan over its schedule from the world's shared stage traces (screening)."""
         traces = self.traces(t)
-        usable = self.ev.cluster.usable_bytes
-        w = t.fsdp_size
+
+        def with_rank(r, plan):
+            rp = self.planner(t, r)
+            return plan(rp, self._state_of(traces.estimates, rp.local))
+
+        program = (f"{t.n_stages} stages of {t.micro_batch} x {self.world.local_seq} tokens, "
+                   f"{traces.traced} stage programs traced")
+        return self._plan_ranks(t, with_rank, verify=False, program=program)
+
+    def _plan_ranks(self, t, with_rank, *, verify: bool, program: str) -> Evaluation:
+        """Plan every pipeline rank of ``t`` at the usable budget less FSDP2's shift;
+        ``with_rank(r, plan)`` calls ``plan(its RankPlanner, its state)`` where the planner lives."""
         plans, peaks, state, empty = {}, {}, {}, True
         for r in range(t.pp):
-            rp = self.planner(t, r, verify=verify)
-            state[r] = self._state_of(traces, rp.local)
-            shift = self._shift(state[r], w)
-            if usable - shift < 1:
-                return self._over(t, r, rp, shift, f"its state alone, {fmt_bytes(shift)}, is over the budget")
-            try:
-                got = rp.plan((usable - shift) / GiB)
-            except PlanningError as e:
-                return self._over(t, r, rp, shift, str(e))
+            out = with_rank(r, lambda rp, st, r=r: self._plan_rank(t, r, rp, st))
+            if isinstance(out, Evaluation):
+                return out
+            got, peaks[r], state[r] = out
             plans.update(got)
-            rank_plans = list(got.values())
-            if any(p.modules for p in rank_plans):
-                empty = False
-                peaks[r] = max(p.predicted_peak_bytes for p in rank_plans) + shift
-            else:
-                peaks[r] = rp.unplanned_peak_bytes + shift
+            empty = empty and not any(p.modules for p in got.values())
         binding = max(peaks, key=peaks.get)
         st = self._time(t, plans, state)
         status = Status.FITS if (verify or empty) else Status.PLANNED
         where = f"rank {binding} (stage{'s' if t.virtual_stages > 1 else ''} " \
                 f"{', '.join(map(str, self.options(t, 0).pipeline.layout.stages_of(binding)))})"
-        program = (f"{t.n_stages} stages of {t.micro_batch} x {self.world.local_seq} tokens, "
-                   f"{traces.traced} stage programs traced")
         return Evaluation(layout=t, status=status, peak_bytes=peaks[binding], binding=where,
                           rank_peaks=tuple(peaks[r] for r in range(t.pp)),
                           checkpointed=sum(len(p.modules) for p in plans.values()), time=st, program=program,
                           plans=tuple(plans[s] for s in sorted(plans)) if verify else ())
 
-    def _state_of(self, traces, stages) -> tuple[int, int, int]:
+    def _plan_rank(self, t, r: int, rp, state):
+        """(its stage plans, its peak, its state) of pipeline rank ``r``, or an OVER Evaluation."""
+        usable = self.ev.cluster.usable_bytes
+        shift = self._shift(state, t.fsdp_size)
+        if usable - shift < 1:
+            return self._over(t, r, rp, shift, f"its state alone, {fmt_bytes(shift)}, is over the budget")
+        try:
+            got = {s: replace(p, train_step=None) for s, p in rp.plan((usable - shift) / GiB).items()}
+        except PlanningError as e:
+            return self._over(t, r, rp, shift, str(e))
+        if any(p.modules for p in got.values()):
+            return got, max(p.predicted_peak_bytes for p in got.values()) + shift, state
+        return got, rp.unplanned_peak_bytes + shift, state
+
+    @staticmethod
+    def _state_of(estimates, stages) -> tuple[int, int, int]:
+        """(parameter, optimizer state, gradient) bytes of the rank's stages, as traced."""
         p = o = g = 0
         for s in stages:
-            est = traces.estimates[s]
+            est = estimates[s]
             row = est.timeline.live_by_kind[0]
             p, o = p + int(row[StorageKind.PARAM]), o + int(row[StorageKind.OPTIMIZER])
             g += est.module_info.mod_stats[0].grad_bytes
@@ -147,14 +167,32 @@ class PipelineCases:
         c = self.ev.cluster
         return pipeline_step_time(
             layout, records, recompute, traffic, actions=rank_actions(layout),
-            hop_bytes=self.ev.family.stage_boundary_bytes(t.micro_batch, self.world.boundary_seq),
+            hop_bytes=self.ev.family.stage_boundary_bytes(t.micro_batch, self.ev.family.seq_len // t.cp // t.tp),
             pp_link=c.link(2, t.dp * t.cp * t.tp), fsdp_size=t.fsdp_size, fsdp_link=c.link(t.fsdp_size, t.tp),
             replicas=t.dp_replicate, replica_link=c.link(t.dp_replicate, t.tp * t.cp * t.dp_shard))
 
     def verify(self, e: Evaluation) -> Evaluation:
-        """Every rank planned with its stages traced under the plan (``RankPlanner`` verifies)."""
+        """Every pipeline rank planned and verified by ``planner.distributed.pipeline``'s
+        ``fake_layout_rank`` (``plan_layout_rank``'s set-up): the rank's stages built by the
+        family's stage builder on a fake (pp, tp) mesh, traced, planned, and traced again with the
+        plan applied. Runs outside any World (one fake process group at a time)."""
+        from planner.distributed.pipeline import fake_layout_rank
+
+        t = e.layout
         t0 = time.perf_counter()
-        got = self.evaluate(e.layout, verify=True)
+        build = self.ev.family.stage_builder(n_stages=t.n_stages, micro_batch=t.micro_batch)
+        opts = self.options(t, 0, verify=True)
+
+        def with_rank(r, plan):
+            with fake_layout_rank(build, mesh_shape={"pp": t.pp, "tp": t.tp}, rank=r * t.tp,
+                                  schedule=opts.pipeline.schedule, n_microbatches=t.accumulation,
+                                  virtual_stages=t.virtual_stages, options=opts) as (rp, _coords):
+                self.traced += len(rp.local)
+                return plan(rp, self._state_of(rp.traced, rp.local))
+
+        self.traced = 0
+        got = self._plan_ranks(t, with_rank, verify=True, program=(
+            f"{t.n_stages} stages; every rank verified by fake_layout_rank (plan_layout_rank's set-up)"))
         if got.status is Status.FITS:
             return got
         return replace(got, why=f"verification ({time.perf_counter() - t0:.0f} s): {got.why}")

@@ -41,7 +41,8 @@ class _Units:
     def row(self, result, i, e: Evaluation) -> str:
         t = e.time
         peak = f"{e.peak_bytes / self.mem_div:9.2f}" if e.peak_bytes else f"{'-':>9}"
-        head = f"{i:>4} {e.layout.describe():<44} {_STATUS[e.status]:<7} {peak}"
+        mark = "+" if _fsdp_under_pp(e.layout) else ""
+        head = f"{i:>4} {e.layout.describe() + mark:<44} {_STATUS[e.status]:<7} {peak}"
         if t is None:
             return head
         return (f"{head} {e.checkpointed:>5} {self.time(t.recompute_ms):>9} {self.time(t.exposed_comm_ms):>8} "
@@ -89,7 +90,14 @@ def _legend(result, units: _Units) -> list[str]:
         + within,
         f"  {inter} between nodes; no GPU has run these layouts. MFU = torchtitan's FLOPs per token x tokens/s",
         "  / dense bf16 peak.",
-    ]
+    ] + ([
+        "+ FSDP2 under PP by a rule, not traced: each pipeline rank planned holding its stages whole, its peak",
+        "  shifted by + its parameter shard - the optimizer state other ranks hold (docs/search.md).",
+    ] if any(_fsdp_under_pp(e.layout) for e in result.evaluations) else [])
+
+
+def _fsdp_under_pp(layout) -> bool:
+    return layout.pp > 1 and layout.fsdp_size > 1
 
 
 def _left_out(result) -> list[str]:

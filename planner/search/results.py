@@ -43,7 +43,9 @@ class Evaluation:
     why: str = ""
     """Over budget or not evaluated: which rank, what fills it / what is missing."""
     bound_ms: float | None = None
-    """Pipeline layouts: the lower bound of the step computed before tracing (``cost.pipeline_bound_ms``)."""
+    """Pipeline layouts: the lower bound of the step computed before tracing (``cost.pipeline_bound``)."""
+    floor_bytes: int | None = None
+    """Pipeline layouts: the lower bound of the largest rank's peak computed before tracing."""
     program: str = ""
     plans: tuple = field(default=(), compare=False)
     """Verified plans of the layout's distinct ranks (``Plan``), for plan files."""

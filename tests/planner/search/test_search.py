@@ -48,6 +48,7 @@ def test_the_pipeline_bound_is_below_the_step_it_bounds(result):
     assert pipelined
     for e in pipelined:
         assert 0 < e.bound_ms <= e.step_ms
+        assert 0 < e.floor_bytes <= e.peak_bytes  # the floor that rules layouts out untraced is below
 
 
 def test_each_program_is_traced_once(result):
