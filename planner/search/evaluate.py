@@ -74,12 +74,18 @@ class Evaluator:
 
     # ------------------------------------------------------------------ screening
     def screen(self, layouts) -> list[Evaluation]:
-        """Every layout planned per rank (MILP) and timed; one World per (TP, CP)."""
+        """Every layout planned per rank (MILP) and timed; one World per (TP, CP) at a time.
+
+        First every whole-model layout, and each pipeline layout's bounds (``cost.pipeline_bound``,
+        from the whole-model program); then the pipeline layouts in the order of their step bound
+        over every (TP, CP), so that one is traced only while its bound is under the fastest
+        planned step found so far, whichever degrees that step has."""
         self.total = len(layouts)
         out: dict[Layout, Evaluation] = {}
         groups: dict[tuple[int, int], list[Layout]] = {}
         for t in layouts:
             groups.setdefault((t.tp, t.cp), []).append(t)
+        pending: dict[Layout, Any] = {}
         for (tp, cp), group in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
             if cp > 1:  # checked before a world is built: the stage step has no context
                 for t in (t for t in group if t.pp > 1):
@@ -95,19 +101,42 @@ class Evaluator:
                 for t in sorted((t for t in group if t.pp == 1), key=lambda t: (t.micro_batch, -t.dp_shard)):
                     out[t] = self._model_candidate(world, t)
                     self._tick()
-                pipelined = [t for t in group if t.pp > 1]
-                bounds = {t: pipes.bound(t) for t in pipelined} if not refusal else {}
-                for t in sorted(pipelined, key=lambda t: (bounds[t].step_ms if t in bounds else 0.0, t)):
-                    out[t] = self._pipeline_candidate(pipes, t, bounds.get(t), refusal, out)
-                    self._tick()
+                for t in (t for t in group if t.pp > 1):
+                    if refusal:
+                        out[t] = Evaluation(layout=t, status=Status.NOT_EVALUATED, why=refusal)
+                        self._tick()
+                    else:
+                        pending[t] = pipes.bound(t)
                 self.traced += world.traced
                 self.trace_s += world.trace_s
+        self._screen_pipelines(pending, out)
         return [out[t] for t in layouts]
 
-    def _pipeline_candidate(self, pipes, t: Layout, bound, refusal: str, out: dict) -> Evaluation:
-        """Not evaluated (``refusal``), over budget or slower by its bound (not traced), or planned."""
-        if refusal:
-            return Evaluation(layout=t, status=Status.NOT_EVALUATED, why=refusal)
+    def _screen_pipelines(self, pending: dict, out: dict) -> None:
+        """The pipeline layouts by their step bound, fastest first (see ``screen``)."""
+        world = pipes = None
+        try:
+            for t in sorted(pending, key=lambda t: (pending[t].step_ms, t)):
+                e = self._untraced(t, pending[t], out)
+                if e is None:
+                    if world is None or (world.tp, world.cp) != (t.tp, t.cp):
+                        self._close(world)
+                        world = World(self.family, self.cluster, tp=t.tp, cp=t.cp, progress=self.progress).__enter__()
+                        pipes = PipelineCases(self, world)
+                    e = replace(pipes.evaluate(t), bound_ms=pending[t].step_ms, floor_bytes=pending[t].floor_bytes)
+                out[t] = e
+                self._tick()
+        finally:
+            self._close(world)
+
+    def _close(self, world: World | None) -> None:
+        if world is not None:
+            world.__exit__(None, None, None)
+            self.traced += world.traced
+            self.trace_s += world.trace_s
+
+    def _untraced(self, t: Layout, bound, out: dict) -> Evaluation | None:
+        """Over budget or slower by its bound (not traced), or None: it must be planned."""
         usable = self.cluster.usable_bytes
         if bound.floor_bytes > usable:
             return Evaluation(layout=t, status=Status.OVER, peak_bytes=bound.floor_bytes, binding=f"rank {bound.floor_rank}",
@@ -121,7 +150,7 @@ class Evaluator:
                 f"a lower bound of its step (its schedule's compute and the recompute its micro-batches in flight "
                 f"force, no communication) is {bound.step_ms:,.4g} ms, over the fastest planned layout's "
                 f"{best:,.4g} ms; not traced"))
-        return replace(pipes.evaluate(t), bound_ms=bound.step_ms, floor_bytes=bound.floor_bytes)
+        return None
 
     def _tick(self) -> None:
         self.done += 1

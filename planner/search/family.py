@@ -155,7 +155,10 @@ def model_family(model_fn: Callable[..., Any], *, seq_len: int) -> LlamaFamily:
     if not isinstance(model, Llama):
         raise PlanningError(
             f"the launch advisor lays out Llama-style decoders (examples.llama.Llama: torchtitan's TP plan and "
-            f"stage split are known for them); {type(model).__name__} is not one")
+            f"stage split are known for them); {type(model).__name__} is not one. For a decoder of that shape (HF "
+            f"Llama, Mistral, Qwen2), search a factory returning examples.llama.build_llama(LlamaConfig(...)) of its "
+            f"sizes (what it adds, e.g. QKV biases, is then not counted); plan the model itself for one layout "
+            f"with solve_sac")
     dtype = next(model.parameters()).dtype
     name = getattr(model_fn, "__name__", type(model).__name__)
     return LlamaFamily(model_fn=model_fn, seq_len=seq_len, config=model.config, dtype=dtype, name=name, spare=[model])

@@ -155,9 +155,11 @@ class PipelineCases:
             floor = rp.min_peak_bytes() + shift
         except Exception:  # noqa: BLE001 - only an explanation
             floor = 0
+        why = " ".join(why.split())
+        if not why.startswith(f"rank {rank} "):  # the planner's own message names the rank already
+            why = f"rank {rank}: {why}"
         return Evaluation(layout=t, status=Status.OVER, peak_bytes=floor, binding=f"rank {rank}",
-                          why=f"rank {rank}: {' '.join(why.split())}"
-                              + (f" (FSDP2 under PP adds {fmt_bytes(shift)} per rank)" if shift > 0 else ""))
+                          why=why + (f" (FSDP2 under PP adds {fmt_bytes(shift)} per rank)" if shift > 0 else ""))
 
     def _time(self, t, plans, state):
         layout = self.options(t, 0).pipeline.layout

@@ -79,7 +79,7 @@ def _legend(result, units: _Units) -> list[str]:
     link = result.cluster.spec.collective_link
     inter = get_interconnect(result.cluster.inter_node_link).name
     within = f"ring collectives on {link.name} within a node and" if link else \
-        f"{result.cluster.spec.name} names no link: collectives between ranks on"
+        f"{result.cluster.spec.name} names no link: collectives on"
     return [
         "status: fits = the plan traced with it applied (or the unplanned step) is within the budget on every rank;",
         "        planned = the MILP's per-rank plan is within the budget, not traced (not called a fit).",
