@@ -56,7 +56,8 @@ def result_text(result, *, top: int = 20) -> str:
     ranked = result.ranked
     units = _Units(result)
     lines = [
-        f"{result.model}: global batch {result.global_batch} x {result.seq_len} tokens on {c.describe()} "
+        f"{result.model} ({result.param_dtype} parameters and AdamW state, traced in that dtype): global batch "
+        f"{result.global_batch} x {result.seq_len} tokens on {c.describe()} "
         f"(usable {fmt_bytes(c.usable_bytes)} per GPU after the reserve)",
         f"{result.enumerated.raw_count} layouts enumerated, {len(result.enumerated.rejected)} rejected before "
         f"planning, {len(result.evaluations)} evaluated ({len(ranked)} run under the budget, "

@@ -68,6 +68,9 @@ class SearchResult:
     model: str
     model_config: Any
     """The model's shape (``LlamaConfig``)."""
+    param_dtype: str = ""
+    """The parameters' dtype as built (the optimizer state and every traced op run in it: a
+    float32 model is priced at float32's roofline, not bf16's)."""
     cluster: Cluster
     global_batch: int
     seq_len: int
@@ -144,7 +147,8 @@ def search(model_fn: Callable[..., Any], cluster: Cluster | str, *, global_batch
                     Evaluation(layout=Layout(), status=Status.NOT_EVALUATED, why=p.note),
                     ev.full_ac_results.get(p.layout)) for p in pubs)
     return SearchResult(
-        model=family.name, model_config=family.config, cluster=cluster, global_batch=global_batch, seq_len=seq_len,
+        model=family.name, model_config=family.config, param_dtype=str(family.dtype).replace("torch.", ""),
+        cluster=cluster, global_batch=global_batch, seq_len=seq_len,
         evaluations=tuple(evaluations), enumerated=found, published=placed,
         flops_per_token=family.flops_per_token(), wall_s=time.perf_counter() - t0,
         cpu_s=time.process_time() - c0, programs_traced=ev.traced, trace_s=ev.trace_s,

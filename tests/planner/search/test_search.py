@@ -61,6 +61,7 @@ def test_what_is_left_out_says_why(result):
     text = result.table_text()
     assert "DDP: no layout runs" in text and "gradient buckets are not counted" in text
     assert "MODELLED, not measured" in text
+    assert "(float32 parameters and AdamW state" in text  # what the times are priced at
     for e in result.evaluations:
         if e.status in (Status.OVER, Status.NOT_EVALUATED, Status.BOUNDED):
             assert e.why
