@@ -85,3 +85,37 @@ def test_fsdp_collectives_on_a_slow_link_are_exposed_time(tiny_estimate):
     hsdp = model_step_time(est, info, {}, unit_comms(info, units, 4, SLOW, replicas=2, replica_link=SLOW),
                            accumulation=1)
     assert hsdp.exposed_comm_ms > slow.exposed_comm_ms
+
+
+
+def _layers_info(n_layers: int, act: int, discard: int):
+    """A ModuleInfo stand-in: ``n_layers`` layers of 1 ms forward / 2 ms backward, each saving
+    ``act`` bytes of which ``discard`` can be dropped (recomputed at 1 ms per byte-unit curve)."""
+    curve = types.SimpleNamespace(total_bytes=discard, discarded_bytes=[0, discard], recompute_ms=[0.0, 1.0])
+    layer = types.SimpleNamespace(fw_runtime_ms=1.0, bw_runtime_ms=2.0, act_fw_bytes=act, tradeoff=curve,
+                                  forced_discard_bytes=0)
+    embed = types.SimpleNamespace(fw_runtime_ms=0.0, bw_runtime_ms=0.0)
+    stats = {f"M.layers.{i}": layer for i in range(n_layers)} | {"M.tok_embeddings": embed}
+    return types.SimpleNamespace(mod_stats=[types.SimpleNamespace(fqn="M")], stats=stats.__getitem__,
+                                 fw_runtime_ms=1.0 * n_layers, bw_runtime_ms=2.0 * n_layers, optimizer_runtime_ms=0.0)
+
+
+def test_the_pipeline_floor_counts_gradients_only_once_a_backward_made_them():
+    """GPipe on 2 ranks, 4 micro-batches, 4 layers a stage each saving 100 bytes of which 90 can
+    go: at a rank's first backward all 4 micro-batches are in flight and no gradient exists yet
+    (zero_grad(set_to_none=True)); from its second on, 3 at most beside the gradients. Floor:
+    4 x 4 x 10 kept + 90 recomputed = 250 without gradients, 3 x 40 + 90 = 210 with them."""
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    from planner.search.cost import pipeline_bound
+
+    layout = ScheduleLayout.of(ScheduleGPipe, n_microbatches=4, n_stages=2)
+    actions = {r: layout.actions(r) for r in range(2)}
+    state, grads = 10_000, 1_000
+
+    def floor(g):
+        return pipeline_bound(_layers_info(8, 100, 90), layout, [range(0, 4), range(4, 8)], {0: state, 1: state},
+                              {0: g, 1: g}, usable_bytes=10**9, actions=actions).floor_bytes
+
+    assert floor(0) == state + 250
+    assert floor(grads) == max(state - grads + 250, state + 210)  # not state + 250: that is over the real floor
