@@ -41,6 +41,9 @@ class Published:
     """The recipe checkpoints every layer (torchtitan's ``FullAC``)."""
 
 
+LLAMA3_VOCAB = 128_256
+"""Llama 3's tokenizer: a model of a recipe's depth and width with another vocabulary is not it."""
+
 TORCHTITAN_RECIPES = {
     # (layers, dim) -> (recipe, TP, local batch, seq len, activation checkpointing, what else it sets)
     (32, 4096): ("llama3_8b", 1, 1, 8192, "SelectiveAC", ""),
@@ -52,7 +55,7 @@ TORCHTITAN_RECIPES = {
 
 def _torchtitan(config, cluster: Cluster, global_batch: int, seq_len: int) -> Published | None:
     recipe = TORCHTITAN_RECIPES.get((config.n_layers, config.dim))
-    if recipe is None:
+    if recipe is None or config.vocab_size != LLAMA3_VOCAB:  # e.g. Mistral-7B has Llama 3 8B's layers and width
         return None
     name, tp, local, seq, ac, extra = recipe
     what = (f"TP {tp}, FSDP over the rest, local batch {local}, seq {seq}, {ac} "
@@ -72,7 +75,7 @@ def _torchtitan(config, cluster: Cluster, global_batch: int, seq_len: int) -> Pu
 
 
 def _llama3_paper(config, cluster: Cluster, global_batch: int) -> Published | None:
-    if (config.n_layers, config.dim) != (126, 16384):
+    if (config.n_layers, config.dim, config.vocab_size) != (126, 16384, LLAMA3_VOCAB):
         return None
     what = "TP 8 x CP 1 x PP 16 x DP 128 on 16,384 H100, seq 8192, interleaved schedule (Llama 3 paper, sec. 3.3)"
     n = cluster.n_gpus

@@ -44,8 +44,8 @@ def test_the_recipes_are_torchtitans(shape):
 
 
 class _Family:
-    def __init__(self, **shape) -> None:
-        self.config = LlamaConfig(vocab_size=128_256, seq_len=8192, n_heads=128, n_kv_heads=8, ffn_dim=53_248,
+    def __init__(self, vocab_size=128_256, **shape) -> None:
+        self.config = LlamaConfig(vocab_size=vocab_size, seq_len=8192, n_heads=128, n_kv_heads=8, ffn_dim=53_248,
                                   **shape)
 
 
@@ -58,3 +58,6 @@ def test_published_layouts_are_scaled_to_the_cluster():
     assert small[1].layout is None and "128 GPUs" in small[1].note
     assert published_layouts(_Family(n_layers=7, dim=16_384), Cluster.parse("64xh100"), global_batch=64,
                              seq_len=8192) == []
+    # Mistral-7B's depth and width are Llama 3 8B's; its vocabulary is not: no recipe claimed
+    assert published_layouts(_Family(n_layers=32, dim=4096, vocab_size=32_000), Cluster.parse("8xh100"),
+                             global_batch=64, seq_len=4096) == []
