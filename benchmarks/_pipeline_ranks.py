@@ -81,7 +81,7 @@ def batch(n_microbatches: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 256, (n_microbatches * MB_SIZE, SEQ), generator=g)
 
 
-def _receive_buffers(stages) -> list[torch.Tensor]:
+def receive_buffers(stages) -> list[torch.Tensor]:
     out = []
     for st in stages:
         for table in (st.args_recv_info, st.grad_recv_info):
@@ -180,7 +180,7 @@ def run_config(rank: int, world: int, kind: str, cfg: RunConfig, n_steps: int = 
         torch.distributed.barrier()
         # held is built in the call: a list kept here would keep last step's output chunks alive
         peaks.append(measure_run(lambda: step(record=i == n_steps - 1), modules=mods, optimizer=opt,
-                                 held=[*([x] if first or last else []), *_receive_buffers(stages),
+                                 held=[*([x] if first or last else []), *receive_buffers(stages),
                                        *(c for st in stages for c in st.output_chunks)]).peak_bytes)
     times = []
     for _ in range(cfg.timed_steps):

@@ -287,10 +287,10 @@ def build_llama(
     return model, inputs
 
 
-def llama_tiny(*, device: torch.device | str | None = None) -> tuple[Llama, tuple[Tensor]]:
+def llama_tiny(*, device: torch.device | str | None = None, seq_len: int = 32) -> tuple[Llama, tuple[Tensor]]:
     """2 layers, dim 64, 4 query / 2 KV heads, FFN 128, vocab 256, seq 32, batch 2 (CPU-fast)."""
     config = LlamaConfig(
-        vocab_size=256, seq_len=32, n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128
+        vocab_size=256, seq_len=seq_len, n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128
     )
     return build_llama(config, batch_size=2, device=device)
 

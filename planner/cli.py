@@ -546,7 +546,13 @@ def _run(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command; returns the exit status (0 ok, 1 a check failed, 2 bad input)."""
+    """Run the command; returns the exit status (0 ok, 1 a check failed, 2 bad input).
+    ``sac-plan search ...`` is the launch advisor (``planner.search.cli``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["search"]:
+        from planner.search.cli import main as search_main
+
+        return search_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help (0) or a bad argument (2, its line already printed)

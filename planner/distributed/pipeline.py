@@ -160,8 +160,9 @@ def plan_layout_rank(build: StageBuilder, budget_gib: float | None, *, mesh_shap
     to the stage's reduce and its unsharded gradients until then; a stage built unsharded is
     refused (a replicated ``dp``, DDP, is a mesh without that dim). Schedules without a split
     backward (GPipe, 1F1B, Interleaved1F1B, LoopedBFS) with FSDP2. ``options``: device, reserve,
-    solver and trace settings (its ``pipeline`` and ``world_size`` are set here). ``budget_gib``
-    None: the figures without a plan. Each local stage is traced once; a plan's peak is its
+    solver and trace settings (its ``pipeline`` and ``world_size`` are set here, keeping a given
+    pipeline's ``return_outputs``: torchtitan steps with False). ``budget_gib`` None: the figures
+    without a plan. Each local stage is traced once; a plan's peak is its
     traced one, FSDP2's part included."""
     budget = None if budget_gib is None else int(check_budget_gib(budget_gib) * GiB)  # before any trace
     t0 = time.perf_counter()
@@ -200,8 +201,10 @@ def fake_layout_rank(build: StageBuilder, *, mesh_shape: Mapping[str, int], rank
     with fake_process_group(world_size=math.prod(shape.values()), rank=rank):
         mesh = init_device_mesh("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
         coordinates = dict(zip(shape, mesh.get_coordinate()))
+        given = options.pipeline if options is not None else None
         pipe = Pipeline(schedule, n_microbatches=n_microbatches, stage_index=coordinates["pp"],
-                        n_stages=shape["pp"] * virtual_stages, virtual_stages=virtual_stages)
+                        n_stages=shape["pp"] * virtual_stages, virtual_stages=virtual_stages,
+                        return_outputs=given.return_outputs if given is not None else True)
         options = dataclasses.replace(options or PlanOptions(), pipeline=pipe, world_size=shape.get("dp", 1))
         local = pipe.layout.stages_of(pipe.layout.rank_of(pipe.stage_index))
         yield RankPlanner({s: build(s, mesh) for s in local}, options=options, estimates=estimates), coordinates

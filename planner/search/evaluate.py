@@ -1,0 +1,333 @@
+"""Each candidate layout's per-rank plan at the device's budget and its modelled step time, one
+trace per distinct per-rank program (``planner.search.programs``).
+
+    evaluator = Evaluator(family, cluster, global_batch=512, options=options)
+    evaluations = evaluator.screen(layouts)        # every candidate: a MILP plan per rank, a step time
+    evaluations = evaluator.verify(evaluations)    # the best ones: plans traced and verified per rank
+
+**Screening** (every candidate): the program is traced once; the candidate's FSDP2 degree is
+applied by numbers (``planner.distributed.fsdp.fsdp_module_info``: the FSDP rules on the traced
+points) and its plan is the MILP's at the usable budget, the figure ``solve_sac`` reports per rank
+without tracing (``verify=False``); a step that fits without a plan needs none (its per-rank peak
+is the trace's). Pipeline ranks are planned over their schedule (``RankPlanner``).
+
+**Verification** (the ``verify_top`` best of screening, and every candidate the table would call
+"fits"): the plan is made as ``solve_sac`` makes it, traced with the plan applied, and its traced
+per-rank peak is what the table reports. Only a verified candidate is said to fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from estimators.tracing.steady_state import first_step_module_info
+from planner.distributed.fsdp import fsdp_module_info
+from planner.errors import PlanningError
+from planner.format import fmt_bytes
+from planner.planning.candidates import allowed_units
+from planner.search.cost import model_step_time, unit_comms
+from planner.search.layouts import Cluster, Layout
+from planner.search.pipeline_eval import PipelineCases
+from planner.search.programs import World
+from planner.search.results import Evaluation, Status
+from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes
+from solver.plan_cost import MemoryModel
+
+__all__ = ["Status", "Evaluation", "Evaluator"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _ModelCase:
+    """A whole-model program at one FSDP degree: its per-rank points and MILP (built once)."""
+
+    info: Any
+    first_info: Any
+    milp: SACMilp | None = None
+    outcome: tuple | None = None
+
+
+class Evaluator:
+    """Screens and verifies layouts of one model on one cluster (see the module docstring)."""
+
+    def __init__(self, family, cluster: Cluster, *, global_batch: int, verify_top: int = 1,
+                 verify_all: bool = False, bound: bool = True, ac_units=None,
+                 solver: SolverOptions | None = None, progress: bool = False, full_ac=frozenset()) -> None:
+        self.family, self.cluster, self.global_batch = family, cluster, global_batch
+        self.full_ac = frozenset(full_ac)
+        """Whole-model layouts also evaluated with every block fully checkpointed (a recipe's FullAC)."""
+        self.full_ac_results: dict[Layout, Evaluation] = {}
+        self.verify_top, self.verify_all, self.ac_units = verify_top, verify_all, ac_units
+        self.bound = bound
+        self.solver = solver or SolverOptions()
+        self.progress = progress
+        self.traced = 0
+        self.trace_s = 0.0
+        self.t0 = time.perf_counter()
+        self.done = 0
+        self.total = 0
+
+    # ------------------------------------------------------------------ screening
+    def screen(self, layouts) -> list[Evaluation]:
+        """Every layout planned per rank (MILP) and timed; one World per (TP, CP) at a time.
+
+        First every whole-model layout, and each pipeline layout's bounds (``cost.pipeline_bound``,
+        from the whole-model program); then the pipeline layouts in the order of their step bound
+        over every (TP, CP), so that one is traced only while its bound is under the fastest
+        planned step found so far, whichever degrees that step has."""
+        self.total = len(layouts)
+        out: dict[Layout, Evaluation] = {}
+        groups: dict[tuple[int, int], list[Layout]] = {}
+        for t in layouts:
+            groups.setdefault((t.tp, t.cp), []).append(t)
+        pending: dict[Layout, Any] = {}
+        for (tp, cp), group in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+            if cp > 1:  # checked before a world is built: the stage step has no context
+                for t in (t for t in group if t.pp > 1):
+                    out[t] = Evaluation(layout=t, status=Status.NOT_EVALUATED, why=(
+                        "PP x CP is not planned: a pipeline stage's step runs no context (context_parallel)"))
+                    self._tick()
+                group = [t for t in group if t.pp == 1]
+            if not group:
+                continue
+            with World(self.family, self.cluster, tp=tp, cp=cp, progress=self.progress) as world:
+                pipes = PipelineCases(self, world)
+                refusal = pp_tp_refusal(world) if tp > 1 and any(t.pp > 1 for t in group) else ""
+                for t in sorted((t for t in group if t.pp == 1), key=lambda t: (t.micro_batch, -t.dp_shard)):
+                    out[t] = self._model_candidate(world, t)
+                    self._tick()
+                for t in (t for t in group if t.pp > 1):
+                    if refusal:
+                        out[t] = Evaluation(layout=t, status=Status.NOT_EVALUATED, why=refusal)
+                        self._tick()
+                    else:
+                        pending[t] = pipes.bound(t)
+                self.traced += world.traced
+                self.trace_s += world.trace_s
+        self._screen_pipelines(pending, out)
+        return [out[t] for t in layouts]
+
+    def _screen_pipelines(self, pending: dict, out: dict) -> None:
+        """The pipeline layouts by their step bound, fastest first (see ``screen``)."""
+        world = pipes = None
+        try:
+            for t in sorted(pending, key=lambda t: (pending[t].step_ms, t)):
+                e = self._untraced(t, pending[t], out)
+                if e is None:
+                    if world is None or (world.tp, world.cp) != (t.tp, t.cp):
+                        self._close(world)
+                        world = World(self.family, self.cluster, tp=t.tp, cp=t.cp, progress=self.progress).__enter__()
+                        pipes = PipelineCases(self, world)
+                    e = replace(pipes.evaluate(t), bound_ms=pending[t].step_ms, floor_bytes=pending[t].floor_bytes)
+                out[t] = e
+                self._tick()
+        finally:
+            self._close(world)
+
+    def _close(self, world: World | None) -> None:
+        if world is not None:
+            world.__exit__(None, None, None)
+            self.traced += world.traced
+            self.trace_s += world.trace_s
+
+    def _untraced(self, t: Layout, bound, out: dict) -> Evaluation | None:
+        """Over budget or slower by its bound (not traced), or None: it must be planned."""
+        usable = self.cluster.usable_bytes
+        if bound.floor_bytes > usable:
+            return Evaluation(layout=t, status=Status.OVER, peak_bytes=bound.floor_bytes, binding=f"rank {bound.floor_rank}",
+                              bound_ms=bound.step_ms, floor_bytes=bound.floor_bytes, why=(
+                f"rank {bound.floor_rank} holds at least {fmt_bytes(bound.floor_bytes)} with every layer checkpointed "
+                f"(its state and {bound.in_flight} micro-batches in flight, each keeping what its layers cannot "
+                f"discard), over the usable {fmt_bytes(usable)}; not traced"))
+        best = min((e.step_ms for e in out.values() if e.runs), default=float("inf"))
+        if self.bound and bound.step_ms >= best:
+            return Evaluation(layout=t, status=Status.BOUNDED, bound_ms=bound.step_ms, floor_bytes=bound.floor_bytes, why=(
+                f"a lower bound of its step (its schedule's compute and the recompute its micro-batches in flight "
+                f"force, no communication) is {bound.step_ms:,.4g} ms, over the fastest planned layout's "
+                f"{best:,.4g} ms; not traced"))
+        return None
+
+    def _tick(self) -> None:
+        self.done += 1
+        if self.progress and (self.done % 10 == 0 or self.done == self.total):
+            print(f"[search] {self.done}/{self.total} candidates evaluated, {self.traced} programs traced "
+                  f"({time.perf_counter() - self.t0:.1f} s)", file=sys.stderr, flush=True)
+
+    def _case(self, world: World, est, w: int, cache: dict) -> _ModelCase:
+        key = (id(est), w)
+        if key not in cache:
+            info = fsdp_module_info(est.module_info, world.units, w) if w > 1 else est.module_info
+            cache[key] = _ModelCase(info=info, first_info=first_step_module_info(info))
+        return cache[key]
+
+    def _model_candidate(self, world: World, t: Layout) -> Evaluation:
+        est = world.trace_model(micro_batch=t.micro_batch, accumulation=t.accumulation)
+        w = t.fsdp_size
+        case = self._case(world, est, w, world.cache)
+        if case.outcome is None:
+            case.outcome = self._plan_points(case, world.units, w)
+        discards, peak, floor, why = case.outcome
+        program = f"TP {t.tp} x CP {t.cp}, micro-batch {t.micro_batch} ({len(est.trace.ops):,} ops traced)"
+        comm = self._comm(case, world, t)
+        if t in self.full_ac:
+            self.full_ac_results[t] = self._full_ac(est, case, comm, t, program)
+        if peak is None:
+            return Evaluation(layout=t, status=Status.OVER, peak_bytes=floor, binding="every rank",
+                              why=why, program=program)
+        st = model_step_time(est, case.info, discards, comm, accumulation=t.accumulation)
+        return Evaluation(layout=t, status=Status.FITS if not discards else Status.PLANNED, peak_bytes=peak,
+                          binding="every rank", checkpointed=len(discards), time=st, program=program)
+
+    def _comm(self, case: _ModelCase, world: World, t: Layout):
+        w = t.fsdp_size
+        return unit_comms(case.info, world.units, w, self.cluster.link(w, t.tp), replicas=t.dp_replicate,
+                          replica_link=self.cluster.link(t.dp_replicate, t.tp * t.cp * t.dp_shard))
+
+    def _full_ac(self, est, case: _ModelCase, comm, t: Layout, program: str) -> Evaluation:
+        """``t`` with every block fully checkpointed (torchtitan's FullAC), by the MILP's memory model."""
+        from planner.planning.baselines import find_blocks
+
+        discards = {b: case.info.stats(b).sac_memory_bytes for b in find_blocks(case.info)}
+        w = t.fsdp_size
+        peak = max(predict_peak_bytes(case.first_info, discards, world_size=w),
+                   predict_peak_bytes(case.info, discards, world_size=w))
+        st = model_step_time(est, case.info, discards, comm, accumulation=t.accumulation)
+        status = Status.PLANNED if peak <= self.cluster.usable_bytes else Status.OVER
+        return Evaluation(layout=t, status=status, peak_bytes=peak, binding="every rank",
+                          checkpointed=len(discards), time=st, program=program + ", every block checkpointed")
+
+    def _plan_points(self, case: _ModelCase, units, w: int):
+        """(discards, per-rank peak, floor, why) of the MILP's plan at the usable budget. A
+        step that fits unplanned needs no plan: its peak is the trace's, sharded by the FSDP rules."""
+        usable = self.cluster.usable_bytes
+
+        def peak_of(d):
+            return max(predict_peak_bytes(case.first_info, d, world_size=w), predict_peak_bytes(case.info, d, world_size=w))
+
+        unplanned = peak_of({})
+        if unplanned <= usable:
+            return {}, unplanned, None, ""
+        allowed, _ = allowed_units(case.info, self.ac_units)
+        case.milp = SACMilp(case.info, world_size=w, ac_units=allowed, fsdp_units=units, options=self.solver)
+        target = usable
+        for _ in range(3):
+            try:
+                res = case.milp.solve(target)
+            except InfeasibleBudgetError as e:
+                return None, None, e.min_reachable_peak_bytes, self._floor_text(case, w, e.min_reachable_peak_bytes)
+            peak = peak_of(res.discarded_bytes)
+            if peak <= usable:
+                return dict(res.discarded_bytes), peak, None, ""
+            target -= peak - usable  # the first step binds: ask the steady state for less
+        floor = case.milp.min_reachable_peak_bytes()
+        return None, None, floor, self._floor_text(case, w, floor)
+
+    def _floor_text(self, case: _ModelCase, w: int, floor: int) -> str:
+        """Which rank, what fills it at the smallest reachable peak (the MILP's min-peak plan)."""
+        try:
+            res = case.milp.solve(floor)
+            discards = res.discarded_bytes
+        except Exception:  # noqa: BLE001 - only an explanation
+            discards = {}
+        mm = MemoryModel(case.info, w)
+        pts = mm.point_bytes(discards)
+        i = max(range(len(pts)), key=pts.__getitem__)
+        p = case.info.memory_points[i]
+        state = -(-(p.param_bytes + p.grad_bytes + p.optimizer_bytes) // w)
+        acts = pts[i] - state - p.other_bytes
+        where = f"{p.phase.value} of {p.fqn or 'the loss'}"
+        return (f"every rank (alike) at least {fmt_bytes(floor)} with the most checkpointing, at the "
+                f"{where}: sharded state {fmt_bytes(state)}, activations kept {fmt_bytes(max(0, acts))}, "
+                f"FSDP2 buffers and temporaries {fmt_bytes(p.other_bytes)}; usable {fmt_bytes(self.cluster.usable_bytes)}")
+
+    # ------------------------------------------------------------------ verification
+    def verify(self, evaluations: list[Evaluation]) -> list[Evaluation]:
+        """Trace the planned candidates in rank order, as ``solve_sac`` plans them, until the
+        fastest is verified (FITS) or ``verify_top`` were traced; one that traces over the budget
+        becomes OVER and the next one is tried. ``verify_all``: every planned candidate."""
+        done: dict[Layout, Evaluation] = {}
+        if self.verify_all:
+            for e in evaluations:
+                if e.status is Status.PLANNED:
+                    done[e.layout] = self._verify_one(e)
+            return [done.get(e.layout, e) for e in evaluations]
+        tried = 0
+        while tried < self.verify_top:
+            ranked = sorted((done.get(e.layout, e) for e in evaluations if done.get(e.layout, e).runs),
+                            key=lambda e: (e.step_ms, e.layout))
+            if not ranked or ranked[0].status is Status.FITS:
+                break
+            e = ranked[0]
+            done[e.layout] = self._verify_one(e)
+            tried += 1
+        return [done.get(e.layout, e) for e in evaluations]
+
+    def _verify_one(self, e: Evaluation) -> Evaluation:
+        t0 = time.perf_counter()
+        if e.layout.pp > 1:  # fake_layout_rank makes each rank's fake process group
+            cases = PipelineCases(self, None)
+            got = cases.verify(e)
+            self.traced += cases.traced
+            self.trace_s += time.perf_counter() - t0
+        else:
+            with World(self.family, self.cluster, tp=e.layout.tp, cp=e.layout.cp, progress=self.progress) as world:
+                got = self._verify_model(world, e)
+                self.traced += world.traced
+                self.trace_s += world.trace_s
+        if self.progress:
+            print(f"[search] verified {e.layout.describe()}: {got.status.value} ({time.perf_counter() - t0:.1f} s)",
+                  file=sys.stderr, flush=True)
+        return got
+
+    def _verify_model(self, world: World, e: Evaluation) -> Evaluation:
+        from planner.distributed.layout import has_dtensors
+        from planner.planning import verification
+        from planner.planning.solve import plan_for_budget
+        from planner.planning.reserve import default_reserve_bytes
+
+        t = e.layout
+        est = world.trace_model(micro_batch=t.micro_batch, accumulation=t.accumulation)
+        w = t.fsdp_size
+        budget = self.cluster.budget_bytes
+        try:
+            plan = plan_for_budget(world.model, est, budget, world_size=w, fsdp_units=world.units if w > 1 else None,
+                                   reserve_bytes=default_reserve_bytes(est.spec, budget), ac_units=self.ac_units,
+                                   solver_options=self.solver, verify=True)
+        except PlanningError as err:
+            return replace(e, status=Status.OVER, why=f"verification: {err}")
+        if has_dtensors(world.model):  # solve_sac traced the planned step per rank already
+            traced = plan.predicted_peak_bytes
+        else:  # FSDP only: solve_sac states the MILP's per-rank figure; trace the plan here
+            planned = verification.traced_or_diverged(world.model, plan.modules, est)
+            traced = max(verification.per_rank_peaks(planned, world.units if w > 1 else None, w))
+        if traced > plan.usable_budget_bytes:
+            return replace(e, status=Status.OVER, peak_bytes=traced,
+                           why=f"the plan traced at {fmt_bytes(traced)} per rank, over the usable "
+                               f"{fmt_bytes(plan.usable_budget_bytes)}")
+        case = self._case(world, est, w, {})
+        discards = {m.fqn: m.discarded_bytes for m in plan.modules}
+        st = model_step_time(est, case.info, discards, self._comm(case, world, t), accumulation=t.accumulation)
+        return replace(e, status=Status.FITS, peak_bytes=traced, checkpointed=len(plan.modules), time=st,
+                       plans=(plan,))
+
+
+def pp_tp_refusal(world: World) -> str:
+    """Why a TP-parallel pipeline stage cannot be planned here, or "" once it can: the planner's
+    own check (``planner.distributed.layout.check_parallel_support``) on the world's parallelized
+    model as a stage, so the search turns PP x TP on when the planner does."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from planner.distributed.layout import check_parallel_support
+    from planner.options import Pipeline, PlanOptions
+
+    options = PlanOptions(pipeline=Pipeline(Schedule1F1B, n_microbatches=2, stage_index=0, n_stages=2))
+    try:
+        check_parallel_support(world.model, options)
+    except PlanningError as e:
+        return "PP x TP planning not built (" + str(e).split(":")[0] + ")"
+    return ""

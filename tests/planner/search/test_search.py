@@ -1,0 +1,81 @@
+"""The launch advisor end to end on a small Llama: what it calls a fit is verified per rank, each
+distinct program is traced once, the table says what it left out and why."""
+
+from __future__ import annotations
+
+import pytest
+
+from examples.llama import llama_tiny
+from planner.errors import PlanningError
+from planner.search import Cluster, SearchOptions, SearchSpace, search
+from planner.search.results import Status
+
+pytestmark = pytest.mark.slow
+
+BUDGET_GIB = 1.6 / 1024  # between the tiny Llama's floor and its no-AC peak on 2 ranks
+
+
+@pytest.fixture(scope="module")
+def result():
+    options = SearchOptions(space=SearchSpace(cp=(1,), micro_batches=(1, 2), schedules=("1F1B",)), verify_all=True,
+                            bound=False)
+    return search(llama_tiny, Cluster.parse("2xcpu", budget_gib=BUDGET_GIB), global_batch=4, seq_len=32,
+                  options=options)
+
+
+def test_every_fit_is_verified_and_under_the_budget(result):
+    fits = [e for e in result.evaluations if e.status is Status.FITS]
+    assert fits and result.winner is fits[0] or result.winner in fits
+    usable = result.cluster.usable_bytes
+    for e in fits:
+        assert 0 < e.peak_bytes <= usable
+        assert all(p.predicted_peak_bytes <= p.usable_budget_bytes for p in e.plans)
+    assert not any(e.status is Status.PLANNED for e in result.evaluations)  # verify_all: every one traced
+    assert any(e.checkpointed for e in fits)  # the budget makes some layouts checkpoint
+
+
+def test_the_ranking_is_by_modelled_step_time(result):
+    steps = [e.step_ms for e in result.ranked]
+    assert steps == sorted(steps)
+    for e in result.ranked:
+        t = e.time
+        assert t.compute_ms + t.recompute_ms + t.exposed_comm_ms + t.bubble_ms == pytest.approx(t.step_ms)
+        assert result.tokens_per_s(e) == pytest.approx(4 * 32 / (t.step_ms / 1e3))
+
+
+def test_the_pipeline_bound_is_below_the_step_it_bounds(result):
+    pipelined = [e for e in result.evaluations if e.layout.pp > 1 and e.time is not None]
+    assert pipelined
+    for e in pipelined:
+        assert 0 < e.bound_ms <= e.step_ms
+        assert 0 < e.floor_bytes <= e.peak_bytes  # the floor that rules layouts out untraced is below
+
+
+def test_each_program_is_traced_once(result):
+    # FSDP 2 and TP 2 at micro-batches 1 and 2, and one PP 2 stage split: far fewer than the layouts
+    evaluated = [e for e in result.evaluations if e.status is not Status.NOT_EVALUATED]
+    assert result.programs_traced < len(evaluated) + 4
+
+
+def test_what_is_left_out_says_why(result):
+    text = result.table_text()
+    assert "DDP: no layout runs" in text and "gradient buckets are not counted" in text
+    assert "MODELLED, not measured" in text
+    assert "(float32 parameters and AdamW state" in text  # what the times are priced at
+    for e in result.evaluations:
+        if e.status in (Status.OVER, Status.NOT_EVALUATED, Status.BOUNDED):
+            assert e.why
+
+
+def test_a_budget_below_every_floor_leaves_no_winner():
+    r = search(llama_tiny, Cluster.parse("2xcpu", budget_gib=0.2 / 1024), global_batch=4, seq_len=32,
+               options=SearchOptions(space=SearchSpace(cp=(1,), pp=(1,), micro_batches=(1,))))
+    assert r.winner is None and not r.ranked
+    assert "state bound" in r.table_text() or "at least" in r.table_text()
+
+
+def test_bad_requests_are_refused_in_one_line():
+    with pytest.raises(PlanningError, match="global_batch"):
+        search(llama_tiny, "2xcpu", global_batch=0, seq_len=32)
+    with pytest.raises(PlanningError, match="COUNTxDEVICE"):
+        search(llama_tiny, "two cpus", global_batch=4, seq_len=32)
