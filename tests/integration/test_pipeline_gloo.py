@@ -1,6 +1,8 @@
 """A pipeline planned per stage and run for real: 2 gloo ranks, Schedule1F1B, 4 micro-batches,
 3 AdamW steps, MemTracker on each rank; PP 2 x TP 2 and PP 2 x FSDP 2 on 4 ranks, PP 2 x FSDP 2 x
-TP 2 on 8 (the acceptance tables are benchmarks/pipeline_e2e.py's, with and without --tp and --dp)."""
+TP 2 on 8 with SAC_EIGHT_RANKS=1 (the acceptance tables are benchmarks/pipeline_e2e.py's, with and without --tp and --dp)."""
+
+import os
 
 import pytest
 
@@ -97,6 +99,7 @@ def test_pp_x_fsdp_each_ranks_measured_peak_is_its_prediction_and_gradient_shard
                 assert with_plan["live_plan_hashes"] == {s: plan_hash(p) for s, p in plans.items()}, where
 
 
+@pytest.mark.skipif(not os.environ.get("SAC_EIGHT_RANKS"), reason="set SAC_EIGHT_RANKS=1 (8 gloo ranks, minutes)")
 def test_pp_x_fsdp_x_tp_each_ranks_measured_peak_is_its_prediction():
     """PP 2 x FSDP 2 x TP 2 on 8 gloo ranks, 1F1B, sequence parallel: stage 0's embedding
     gradient comes out of the backward replicated over TP and FSDP2 keeps it so to its reduce.
