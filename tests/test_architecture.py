@@ -119,6 +119,7 @@ def test_the_checker_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
+@pytest.mark.slow
 def test_no_module_imports_another_module_s_private_names():
     modules = _modules()
     offenders = []

@@ -415,6 +415,7 @@ def test_a_model_module_in_the_current_directory_imports_as_with_python_m(tmp_pa
     assert load_callable("mymodels_here:make", "--model", "examples:gpt_demo")() == 42
 
 
+@pytest.mark.slow
 def test_several_ranks_plan_per_rank_with_fsdp_units_and_precision(capsys):
     # With --world-size 8 the default budget was halfway to the one-process peak (1.28 MiB for a
     # per-rank no-AC peak of 974.72 KiB): nothing to plan. FSDP2's units and mixed precision had no flag.

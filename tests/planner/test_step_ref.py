@@ -37,6 +37,7 @@ def _plan(step, model):
     return solve_sac(model, 1, step)
 
 
+@pytest.mark.slow
 def test_a_plan_keeps_no_tensor_of_its_step_alive():
     model, inputs = _model()
     held = torch.zeros(1000)
@@ -61,6 +62,7 @@ def test_the_step_is_rebuilt_from_the_tensors_the_caller_still_holds():
     assert check_gradients(model, plan).equal
 
 
+@pytest.mark.slow
 def test_a_step_of_the_models_example_inputs_is_made_again():
     model, _ = _model()
     plan = solve_sac(model, 1)  # model.example_inputs(): made by the planner, not kept

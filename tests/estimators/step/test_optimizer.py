@@ -35,6 +35,7 @@ def test_an_instance_is_rebuilt_with_its_groups_and_hyper_parameters_and_left_un
     assert not user.state  # the user's instance was never stepped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [TraceMode.FAKE, TraceMode.REAL])
 def test_optimizer_over_another_models_parameters_is_refused(mode):
     model, inputs = EXAMPLES["gpt_tiny"]()
@@ -52,6 +53,7 @@ def test_unknown_optimizer_name():
         estimate(torch.nn.Linear(4, 4), TrainStep(inputs=(torch.randn(2, 4),), optimizer="adamx"))
 
 
+@pytest.mark.slow
 def test_optimizers_that_make_state_in_their_constructor_trace_in_fake_mode():
     # Adagrad makes its step counts in __init__; built outside the fake mode they were real, and
     # its step's .item() on them raised torch's bare DataDependentOutputException.

@@ -96,6 +96,7 @@ PROMOTE_CASES = {  # CUDA's promote list: mixed arguments cast to the widest (fl
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("low", LOW, ids=str)
 @pytest.mark.parametrize("name", sorted(FP32_CASES))
 def test_float32_list(name, low):
@@ -109,6 +110,7 @@ def test_float32_list(name, low):
     assert _traced(fn, inputs, low, "cpu")[:2] == _cpu_autocast(fn, inputs, low)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("low", LOW, ids=str)
 @pytest.mark.parametrize("name", sorted(PROMOTE_CASES))
 def test_promote_list(name, low):
@@ -134,6 +136,7 @@ def _cpu_autocast_or_error(fn, inputs, low):
         return e
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("low", LOW, ids=str)
 def test_softmax_sets_float32_dtype_and_fp16_runs_the_fused_kernel(low):
     assert cuda_policy()["aten::softmax.int"] is CastPolicy.FP32_SET_OPT_DTYPE
@@ -146,6 +149,7 @@ def test_softmax_sets_float32_dtype_and_fp16_runs_the_fused_kernel(low):
     assert _traced(fn, inputs, low, "cpu")[:2] == _cpu_autocast(fn, inputs, low)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("low", LOW, ids=str)
 def test_norm_appends_float32_dtype(low):
     assert cuda_policy()["aten::norm.ScalarOpt_dim"] is CastPolicy.FP32_APPEND_DTYPE
@@ -155,6 +159,7 @@ def test_norm_appends_float32_dtype(low):
     assert _traced(fn, inputs, low, "cpu")[:2] == _cpu_autocast(fn, inputs, low)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("low", LOW, ids=str)
 def test_lower_precision_only_on_cuda(low):
     """einsum and mv are on CUDA's lower-precision list only."""
@@ -166,6 +171,7 @@ def test_lower_precision_only_on_cuda(low):
         assert _traced(fn, inputs, low, "cpu")[:2] == _cpu_autocast_or_error(fn, inputs, low)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("low", LOW, ids=str)
 def test_cat_is_left_alone_on_cuda(low):
     """cat is on the CPU's promote list only: on CUDA its kernel promotes, nothing is copied."""
@@ -177,6 +183,7 @@ def test_cat_is_left_alone_on_cuda(low):
     assert _traced(fn, inputs, low, "cpu")[2] == 1  # CPU autocast copies the low-precision one
 
 
+@pytest.mark.slow
 def test_binary_cross_entropy_is_refused_for_cuda():
     fn = lambda x, y: F.binary_cross_entropy(torch.sigmoid(x), y)  # noqa: E731
     inputs = (torch.randn(16), torch.rand(16))
@@ -204,6 +211,7 @@ def test_a_real_trace_keeps_cpu_autocast():
     assert model.seen.dtypes == [torch.bfloat16]  # CPU autocast lets exp follow its input
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("low", LOW, ids=str)
 def test_cross_entropy_decomposes_and_its_parts_meet_the_policy(low):
     """cross_entropy_loss is on the CPU's float32 list only. CUDA decomposes it: log_softmax keeps
@@ -284,6 +292,7 @@ def _param_casts(est) -> dict[int, list]:
     return casts
 
 
+@pytest.mark.slow
 def test_cuda_keeps_one_copy_of_a_parameter_per_autocast_region():
     x = torch.randn(8, 64)
     step = TrainStep(inputs=(x,), autocast_dtype=torch.bfloat16)

@@ -215,6 +215,7 @@ def test_flash_pads_head_dim_to_a_multiple_of_8_as_attention_cpp_does():
     assert s.act_fw_bytes == act + 3 * padded + padded + B * H * L * 4 + RNG
 
 
+@pytest.mark.slow
 def test_efficient_for_float32_keeps_output_and_logsumexp():
     x = torch.randn(B, H, L, D)
     act = B * H * L * D * 4

@@ -130,6 +130,7 @@ def test_a_step_hook_leaves_the_state_to_the_step():
     assert make_first_step_state(opt, stepped)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [
     dict(optimizer="adamw"),
     dict(optimizer="sgd"),

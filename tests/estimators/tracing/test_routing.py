@@ -97,11 +97,13 @@ def test_the_counts_exchanged_in_place_are_the_stated_ones(exchange):
     assert seen["received"] == exchange_.received_rows == round(1.5 * ROWS)
 
 
+@pytest.mark.slow
 def test_the_peak_grows_with_the_rows_received():
     peaks = [_trace(ExpertLoad(capacity_factor=f))[0].module_info.peak_bytes for f in (0.0, 1.0, 2.0)]
     assert peaks[0] < peaks[1] < peaks[2]
 
 
+@pytest.mark.slow
 def test_worst_case_every_token_that_can_reach_the_rank_does():
     _, (exchange,), seen = _trace(ExpertLoad.worst_case())
     most = EP * TOKENS * min(TOP_K, EXPERTS // EP)  # each token to min(k, e) of this rank's experts
@@ -116,6 +118,7 @@ def test_a_load_the_routing_cannot_produce_is_refused():
         _trace(ExpertLoad(capacity_factor=2.5))
 
 
+@pytest.mark.slow
 def test_one_factor_per_rank_of_the_group():
     load = ExpertLoad(capacity_factor=(1.5, 0.5))
     assert [_trace(load, rank=r)[2]["received"] for r in (0, 1)] == [round(1.5 * ROWS), round(0.5 * ROWS)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -140,6 +141,7 @@ def _real_frees(model, x, loss_fn):
     return set(alive), loss
 
 
+@pytest.mark.slow
 def test_the_trace_frees_an_unread_output_when_the_real_run_does():
     # The pack hook returned the tensor itself: for an op that saves its own output (tanh) that
     # is output -> grad_fn -> saved output, a cycle only the garbage collector frees, so the
@@ -228,6 +230,7 @@ def test_the_trace_frees_the_storages_the_real_run_frees():
     assert made and alive_trace == real
 
 
+@pytest.mark.slow
 def test_a_loss_closing_over_the_batch_it_is_given_counts_it_once():
     # An autoencoder's target is its input: `lambda out, batch: F.l1_loss(out, x)` with
     # inputs=(x,). The fake trace counted the real x read by the loss as a second tensor:

@@ -430,6 +430,7 @@ def test_compiled_model_order_plan_apply_compile():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_solve_sac_on_compiled_model_plans_orig_mod_and_leaves_compile_on():
     graphs = []
 

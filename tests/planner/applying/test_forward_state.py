@@ -189,6 +189,7 @@ class _TakesItsShape(nn.Module):
         return self.down(h).reshape(shape) + extra[0]
 
 
+@pytest.mark.slow
 def test_sizes_and_tuples_of_values_reach_the_recompute_unchanged():
     # The container copies turned a torch.Size into a plain tuple: .numel() failed in every
     # recompute, and solve_sac crashed at every budget that planned such a block.
@@ -248,6 +249,7 @@ class _OwnNoise(nn.Module):
         return x + self.fc2(h * keep)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["torch", "random", "numpy"])
 def test_a_generator_the_module_owns_is_replayed_in_the_recompute(kind):
     # A block's own torch.Generator: the recompute drew another mask, 5 of 16 gradients off (up

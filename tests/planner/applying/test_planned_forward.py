@@ -188,6 +188,7 @@ def test_a_module_whose_child_ran_before_it_is_planned_and_trains_unchanged():
     assert measured[1].peak_bytes == plan.predicted_peak_bytes
 
 
+@pytest.mark.slow
 def test_a_model_changed_after_apply_says_its_plan_no_longer_holds():
     # .to(torch.bfloat16) after apply measured 1,349,884 B against the fp32 plan's 2,123,932 B,
     # and HF gradient checkpointing enabled after apply nested a second checkpoint: no word.
@@ -337,6 +338,7 @@ class _UpdatesItsCentre(nn.Module):
         return x
 
 
+@pytest.mark.slow
 def test_a_buffer_the_caller_updates_after_the_call_keeps_the_reader_unplanned():
     # The recompute read the updated centre: gradients 84.7 off, no warning (buffers were exempt).
     torch.manual_seed(0)

@@ -81,6 +81,7 @@ def test_stated_smallest_budget_verifies(name):
     assert int(e.value.min_budget_gib * GiB) - e.value.min_budget_bytes < 2**10  # rounded up, by < 1 KiB
 
 
+@pytest.mark.slow
 def test_stated_smallest_budget_verifies_with_the_default_cuda_reserve():
     # The default reserve grows with the budget (1 GiB + 5 %): stating "floor + the reserve of
     # the budget asked" was refused again, by a larger figure, every time it was asked for.

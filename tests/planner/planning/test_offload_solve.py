@@ -65,6 +65,7 @@ def test_offload_never_slower_than_recompute_only_and_host_budget_holds():
     assert capped.step_ms >= three.step_ms - 1e-9
 
 
+@pytest.mark.slow
 def test_plan_file_round_trip_and_old_files_load():
     est, _, peak, low = planning("gpt_demo", "adamw")
     model, _ = _gpt()

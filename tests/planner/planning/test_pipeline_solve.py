@@ -52,6 +52,7 @@ def test_1f1b_stages_get_their_own_plans_for_their_in_flight_counts(four_stages)
     assert "pipeline         stage 0 of 4 (Schedule1F1B, 8 micro-batches)" in plans[0].summary()
 
 
+@pytest.mark.slow
 def test_solve_sac_plans_a_stage_and_says_what_it_needs(four_stages):
     stage, step = four_stages[3]
     plan = solve_sac(stage, 1.0, step, options=_options(3))

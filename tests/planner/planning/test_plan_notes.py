@@ -14,6 +14,7 @@ from planner import PlanningError, solve_sac
 from planner.options import PlanOptions
 
 
+@pytest.mark.slow
 def test_bytes_given_as_gib_are_refused_and_a_roomy_budget_says_so():
     model, inputs = EXAMPLES["gpt_tiny"]()
     with pytest.raises(PlanningError, match=r"budget_gib is in GiB.*pass budget_gib=0\.008382"):
@@ -55,6 +56,7 @@ def test_a_real_mode_plan_says_what_its_figures_stand_for(caplog):
     assert not any("real mode" in n for n in fake.notes)
 
 
+@pytest.mark.slow
 def test_a_plan_without_an_optimizer_says_its_state_is_not_in_the_figures():
     # solve_sac's default is no optimizer: a plan made that way, trained with AdamW, measured
     # 5,246,584 B against a 4,294,967 B budget, and only "optimizer None" said why.

@@ -179,6 +179,7 @@ def test_one_default_target_everywhere():
     assert target_device(build_parser().parse_args([]), None) == DEFAULT_DEVICE  # no --plan-in
 
 
+@pytest.mark.slow
 def test_a_plan_says_which_step_binds():
     model, inputs = EXAMPLES["gpt_tiny"]()
     step = TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw")
@@ -214,6 +215,7 @@ def _reads_values():
     return _ReadsValues(), (torch.randn(1024, 32),)
 
 
+@pytest.mark.slow
 def test_real_mode_is_real_throughout_verification_included():
     model, inputs = _reads_values()
     with pytest.raises(TraceError, match="trace in real mode"):
@@ -380,6 +382,7 @@ def test_a_divergence_first_met_in_the_min_peak_plan_is_a_planning_error():
     assert not {"Sequential.1", "Sequential.3"} & {m.fqn for m in plan.modules}
 
 
+@pytest.mark.slow
 def test_every_candidate_left_out_for_divergence_is_a_planning_error():
     # ac_units naming only modules whose recompute diverges, selectively checkpointed: once they
     # were left out no attempt had traced a plan, and solve_sac raised UnboundLocalError
@@ -631,6 +634,7 @@ def test_real_mode_planning_of_an_eval_model_puts_every_flag_back():
     assert est.module_info.peak_bytes == fake.module_info.peak_bytes
 
 
+@pytest.mark.slow
 def test_a_plan_records_its_train_mode_and_the_check_runs_it():
     from planner.analysis.gradcheck import check_gradients
     from planner.plan import Plan

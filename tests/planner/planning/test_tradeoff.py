@@ -370,6 +370,7 @@ def test_a_step_no_plan_can_lower_says_why():
     assert "optimizer state" in note and "at its peak" in note
 
 
+@pytest.mark.slow
 def test_the_sweep_plans_per_rank_with_the_options_fsdp_units_and_precision():
     """As solve_sac does: FSDP2's gathered parameters and buffers in the policy's dtypes, per rank
     (the sweep ignored fsdp_units: its no-AC peak and floor were those of ZeRO-style sharding)."""

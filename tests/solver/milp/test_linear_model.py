@@ -80,7 +80,6 @@ def test_smallest_peak_plans_of_stacks_that_misled_highs(case) -> None:
         assert res.recompute_ms == pytest.approx(expected_ms, rel=1e-9)
 
 
-@pytest.mark.multiproc  # CBC runs as a subprocess
 def test_where_highs_finds_no_plan_at_the_smallest_peak_cbc_plans_it() -> None:
     """A stack of four blocks at its smallest reachable peak, whose recompute growth varies with
     the ratio (the program's two runs do not settle it): HiGHS finds no plan, and the least-peak
