@@ -42,6 +42,10 @@ _INT_TOL = 1e-8
 default is 1e-6, see ``LinearModel._solve_highs``); tighter, HiGHS fails with solve errors on
 some graphs."""
 _DEFAULT_TOL = 1e-6
+_REFEREE_TOL = 1e-7
+"""The referee's last try where every 1e-8 solve ended in HiGHS' "Solve error" (no verdict): a
+model 10x looser than 1e-8 that still holds a module's discarded share to 1e-7 of itself, so its
+plans meet 1e-8 where 1e-6's slack would decide the optimum (see ``LinearModel._solve_highs``)."""
 CROSS_CHECK_COLS = 600
 """Models up to this many columns (about 200 checkpointable modules) are solved at both
 tolerances (see ``LinearModel._solve_highs``); the second solve costs about what the first did,
@@ -192,7 +196,8 @@ class LinearModel:
         rows is a plan of the 1e-8 model, and if it beats the 1e-8 solve's lower bound, that
         "optimal" was wrong. A contradiction (that, a 1e-8 "infeasible" beside any 1e-6 plan,
         or a 1e-8 solve that neither proves nor refutes) gets a third solve at 1e-8 with the
-        light presolve (without presolve if that gives no verdict). The lowest plan of the
+        light presolve (without presolve, then at ``_REFEREE_TOL`` if neither gives a verdict:
+        HiGHS ends some 1e-8 solves in "Solve error" whatever the presolve). The lowest plan of the
         1e-8 model found wins; it counts as proven if it is, or if it equals the third
         solve's proven value. A contradiction the third solve cannot decide (out of time, no
         plan) leaves the 1e-8 answer as it was. Models over ``CROSS_CHECK_COLS`` columns keep
@@ -218,13 +223,10 @@ class LinearModel:
                                 cutoff=bound, write=False)
         l_out = loose.outcome
         seconds += l_out.seconds
-        if l_out.has_solution and self.exact_enough(loose.values, _INT_TOL, _INT_TOL):
-            found.append(loose)
-        elif l_out.has_solution:  # its integers may still be a plan of the 1e-8 model
-            fixed = self._with_integers_of(loose, options_until(options, deadline), rel_gap)
-            seconds += fixed.outcome.seconds
-            if fixed.outcome.has_solution:
-                found.append(fixed)
+        as_tight = self._as_tight_plan(loose, options_until(options, deadline), rel_gap)
+        seconds += as_tight.outcome.seconds if as_tight is not loose else 0.0
+        if as_tight.outcome.has_solution:
+            found.append(as_tight)
         if t_out.proven:  # any 1e-6 plan under the bound is a contradiction (its slack or not)
             settled = not l_out.has_solution or loose.objective >= bound
         else:  # "infeasible" stands where the 1e-6 solve, with its slack, finds no plan either
@@ -232,15 +234,22 @@ class LinearModel:
             settled = t_out.infeasible and not l_out.has_solution and not feasible
         referee = None
         if not settled and (small or feasible):
-            for presolve in ("light", "off"):
-                referee = self._run_highs(options_until(options, deadline), rel_gap, _INT_TOL,
+            for presolve, tol in (("light", _INT_TOL), ("off", _INT_TOL), ("full", _REFEREE_TOL)):
+                referee = self._run_highs(options_until(options, deadline), rel_gap, tol,
                                           presolve=presolve, write=False)
                 seconds += referee.outcome.seconds
+                if tol != _INT_TOL:  # a looser model: its plan counts where it is one at 1e-8
+                    plan = self._as_tight_plan(referee, options_until(options, deadline), rel_gap)
+                    seconds += plan.outcome.seconds if plan is not referee else 0.0
+                    referee = plan if plan.outcome.has_solution else dataclasses.replace(
+                        plan, outcome=dataclasses.replace(
+                            plan.outcome, infeasible=referee.outcome.infeasible,
+                            stopped=referee.outcome.stopped))
                 r_out = referee.outcome
                 if r_out.has_solution or (r_out.infeasible and not feasible) or r_out.stopped:
                     break
-            logger.debug("HiGHS: %s at %g, %s at %g; %s presolve: %s", tight.objective, _INT_TOL,
-                         loose.objective, _DEFAULT_TOL, presolve, referee.objective)
+            logger.debug("HiGHS: %s at %g, %s at %g; %s presolve at %g: %s", tight.objective,
+                         _INT_TOL, loose.objective, _DEFAULT_TOL, presolve, tol, referee.objective)
             if referee.outcome.has_solution:
                 found.append(referee)
         if found:
@@ -263,6 +272,13 @@ class LinearModel:
         else:
             best = tight
         return dataclasses.replace(best, outcome=dataclasses.replace(best.outcome, seconds=seconds))
+
+    def _as_tight_plan(self, sol: LpSolution, options: SolverOptions, rel_gap: float) -> LpSolution:
+        """``sol`` (a solve of a looser model) as a plan of the 1e-8 model: itself where its
+        integers and rows meet 1e-8, else the best plan with its integer columns (or no plan)."""
+        if not sol.outcome.has_solution or self.exact_enough(sol.values, _INT_TOL, _INT_TOL):
+            return sol
+        return self._with_integers_of(sol, options, rel_gap)
 
     def _with_integers_of(self, loose: LpSolution, options: SolverOptions, rel_gap: float) -> LpSolution:
         """The best plan of the 1e-8 model with ``loose``'s integer columns (a 1e-6 plan that

@@ -92,6 +92,19 @@ def test_where_highs_finds_no_plan_at_the_smallest_peak_cbc_plans_it() -> None:
         assert res.recompute_ms == pytest.approx(case["cbc_recompute_ms"], rel=1e-9)
 
 
+def test_where_every_tight_solve_is_a_solve_error_a_looser_referee_proves_the_optimum() -> None:
+    """A stack of two blocks at its smallest reachable peak (drawn by CI's property run): HiGHS
+    at 1e-8 ends in "Solve error" with every presolve, and the 1e-6 plan's integers cost 9.06 ms
+    at 1e-8 against an optimum of 0.0625 ms. The referee's 1e-7 solve proves the optimum:
+    CBC's (HiGHS at 1e-9 agrees to 2e-9)."""
+    case = json.loads((DATA / "highs_solve_error_stack.json").read_text())
+    info = ModuleInfo.from_dict(case["info"])
+    m = SACMilp(info, options=HIGHS)
+    assert m.min_reachable_peak_bytes() == case["budget"]
+    assert _milp_ms(m, case["budget"]) == pytest.approx(case["cbc_milp_ms"], rel=1e-6)
+    _plans_fit(info, 0.0)
+
+
 @pytest.mark.multiproc
 def test_the_first_highs_of_a_process_prints_nothing_on_stdout() -> None:
     """HiGHS prints its banner on stdout whatever its options: it would land in the user's own
