@@ -333,6 +333,11 @@ class MemoryPoint:
     """Set on a point where module ``recompute_in_window`` recomputes while its discard still
     holds (a pipeline's split backward: the input half recomputes and frees again; the window
     ends at the weight half): the memory change there is the recompute's growth alone."""
+    grad_written_bytes: int | None = None
+    """Parameter-gradient bytes the traced backward has written before this instant, for a loop
+    whose gradients are None as each backward starts (FSDP2's unsharded parameters): a gradient
+    counts from the op after the one that frees its ``dw``, which the trace counts until then
+    (``estimators.tracing.memory.gradient_writes``). None: not recorded."""
     in_flight: tuple[tuple[str, int], ...] = ()
     """Pipeline schedules: ``(module, n)`` pairs: n more micro-batches of the stage whose root is
     ``module`` are in flight at this instant (forward done, backward not), each holding its

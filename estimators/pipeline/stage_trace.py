@@ -17,6 +17,7 @@ import numpy as np
 from estimators.contract.module_info import MemoryPoint, ModuleInfo, Phase
 from estimators.pipeline.profile import StageProfile
 from estimators.tracing.aggregate import memory_points
+from estimators.tracing.memory import gradient_writes
 from estimators.tracing.records import StepTrace, StorageKind as K
 
 __all__ = ["stage_profile", "stage_module_info", "resident_bytes_at", "renamed", "MarksMissingError"]
@@ -60,32 +61,9 @@ def _across(trace: StepTrace, boundary: int, kinds, skip=frozenset()) -> int:
 
 def _grad_pending(trace: StepTrace, lo: int, hi: int) -> np.ndarray:
     """At each op of [lo, hi): gradient bytes that do not exist yet there in the stage's first
-    backward of a step, where the gradients are None (the loop zeroes them with ``set_to_none``).
-
-    The trace accumulates (``grad += dw``, in place) into gradients that exist; the first backward
-    instead makes ``dw`` the gradient (the split weight half assigns ``weight.grad = dw``, torch's
-    AccumulateGrad steals it): the gradient is ``dw``'s storage, counted once, from ``dw``'s
-    allocation on. The trace counts ``dw`` among the micro-batch's own bytes until it frees it,
-    which can be long after the accumulation (the weight half keeps a parameter group's ``dw``
-    tuple while the next group's gradients are computed, and a checkpointed module recomputed
-    there), so a gradient is pending until ``dw`` is freed and adds its bytes only after. A
-    gradient written from a storage of another size (a view of a larger one) is taken as
-    written at the accumulating op."""
-    storages = {s.sid: s for s in trace.storages}
-    grads = {s.sid: s.nbytes for s in trace.storages if s.kind is K.GRAD}
-    writes = np.zeros(max(hi - lo, 0), dtype=np.int64)
-    for op in trace.ops[lo:hi]:
-        for sid in op.mutated_sids:
-            if sid not in grads:
-                continue
-            nbytes = grads.pop(sid)
-            at = op.index
-            for src in (storages.get(a) for a in op.arg_sids if a != sid):
-                if src is not None and src.kind in _OWN and src.alloc_op >= 0 and src.nbytes == nbytes:
-                    at = max(at, hi - 1 if src.free_op is None else min(src.free_op, hi - 1))
-                    break
-            writes[at - lo] += nbytes
-    return np.cumsum(writes[::-1])[::-1]
+    backward of a step, where the gradients are None (the loop zeroes them with ``set_to_none``);
+    see ``estimators.tracing.memory.gradient_writes``."""
+    return np.cumsum(gradient_writes(trace, lo, hi)[::-1])[::-1]
 
 
 def stage_profile(est, *, stage_index: int) -> StageProfile:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from estimators.tracing.memory import MemoryTimeline
+from estimators.tracing.memory import MemoryTimeline, gradient_writes
 from estimators.contract.module_info import MemoryPoint, ModOrder, ModStats, ModuleInfo, Phase
 from estimators.runtime.device import DeviceSpec
 from estimators.tracing.sac import (
@@ -23,7 +23,7 @@ from estimators.tracing.sac import (
 from estimators.contract.sac_groups import cached_if_saved, sac_groups, unsafe_reads
 from estimators.tracing.trace import ModuleCall, StepTrace, StorageKind
 
-__all__ = ["build_module_info", "memory_points"]
+__all__ = ["build_module_info", "memory_points", "points_at"]
 
 
 
@@ -284,7 +284,8 @@ def _retained_inputs(trace: StepTrace, calls: list[ModuleCall]) -> int:
     return _sum_bytes(trace, held)
 
 
-def _point(trace: StepTrace, tl: MemoryTimeline, k: int, recompute_of: str | None) -> MemoryPoint:
+def _point(trace: StepTrace, tl: MemoryTimeline, k: int, recompute_of: str | None,
+           written: np.ndarray) -> MemoryPoint:
     row = tl.live_by_kind[k]
     op = trace.ops[k] if k < len(trace.ops) else None
     fqn = trace.calls[op.call].fqn if op is not None and op.call >= 0 else ""
@@ -298,12 +299,21 @@ def _point(trace: StepTrace, tl: MemoryTimeline, k: int, recompute_of: str | Non
         activation_bytes=int(row[StorageKind.ACTIVATION]),
         other_bytes=int(row[StorageKind.TEMP] + row[StorageKind.INPUT] + row[StorageKind.BUFFER]),
         recompute_of=recompute_of,
+        grad_written_bytes=int(written[min(k, len(written) - 1)]),
     )
+
+
+def points_at(trace: StepTrace, tl: MemoryTimeline, op_indices) -> list[MemoryPoint]:
+    """The memory point at each of ``op_indices`` (``memory_points`` keeps only some)."""
+    written = np.concatenate([[0], np.cumsum(gradient_writes(trace, 0, len(trace.ops)))])
+    return [_point(trace, tl, int(k), None, written) for k in op_indices]
 
 
 def memory_points(trace: StepTrace, tl: MemoryTimeline, stats: list[ModStats]) -> list[MemoryPoint]:
     """One point per interval in which the set of discarded modules is constant (its highest
-    live-bytes op), plus one recompute point at the start of each candidate's backward."""
+    live-bytes op), plus one recompute point at the start of each candidate's backward. Where
+    the gradients exist before the step (accumulation), backward intervals also end at every
+    gradient write, so a point's ``grad_written_bytes`` holds over its whole interval."""
     n = len(tl.total)
     if n == 0:
         return []
@@ -315,16 +325,22 @@ def memory_points(trace: StepTrace, tl: MemoryTimeline, stats: list[ModStats]) -
             bounds.add(s.bw_pre_op)
             if s.checkpoint_retain_bytes and 0 <= s.bw_post_op < n - 1:
                 bounds.add(s.bw_post_op + 1)  # a checkpoint's held inputs die here (solver)
+    writes = gradient_writes(trace, 0, len(trace.ops))
+    if any(s.kind is StorageKind.GRAD and s.alloc_op < 0 for s in trace.storages):
+        # Gradients kept across backwards (accumulation): where each backward's gradients are
+        # extra until reduced (FSDP2), the instants between two writes are apart.
+        bounds.update(int(k) + 1 for k in np.flatnonzero(writes) if k + 1 < n)
     starts = np.array(sorted(bounds), dtype=np.int64)
+    written = np.concatenate([[0], np.cumsum(writes)])
     maxes = np.maximum.reduceat(tl.total, starts)
     points = []
     ends = list(starts[1:]) + [n]
     for a, b, m in zip(starts, ends, maxes):
         k = int(a + np.argmax(tl.total[a:b] == m))
-        points.append(_point(trace, tl, k, None))
+        points.append(_point(trace, tl, k, None, written))
     for s in cands:
         if s.bw_pre_op >= 0:
-            points.append(_point(trace, tl, s.bw_pre_op, s.fqn))
+            points.append(_point(trace, tl, s.bw_pre_op, s.fqn, written))
     points.sort(key=lambda p: (p.op_index, p.recompute_of or ""))
     return points
 

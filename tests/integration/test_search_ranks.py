@@ -3,8 +3,7 @@ fit runs 3 AdamW steps on 4 gloo ranks; each rank's steady peak is the search's 
 1 %, and the gradients are bitwise those of the same layout unplanned (benchmarks/search_ranks.py).
 
 ``SAC_SEARCH_RANKS=1`` runs it: 11 layouts x 4 ranks, longer than the rest of the suite. It does
-not pass yet: FSDP2 with gradient accumulation is over-predicted (R7a, an upper bound; -4.0 to
--6.3 %) and one InterleavedZeroBubble rank by 3.2 % (docs/search.md)."""
+not pass yet: one InterleavedZeroBubble rank is over-predicted by 3.2 % (docs/search.md)."""
 
 from __future__ import annotations
 

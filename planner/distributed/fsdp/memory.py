@@ -43,9 +43,12 @@ R7  unsharded gradients: a unit's gradients are full-size until its reduce-scatt
 R7a gradients kept across steps (the traced step starts with every gradient allocated: gradient
     accumulation, ``ZeroGrad.ZERO``): the kept gradients are the sharded ones (the solver counts
     ``1 / W`` of the traced ``grad_bytes``); this backward's new gradients are extra and
-    unsharded until their unit's reduce-scatter adds them in: add the own gradient bytes of every
-    non-root unit whose backward runs at the point, and the root's from its backward's start to
-    the end of backward (whole units: an upper bound while a unit's backward is part-way). This
+    unsharded until their unit's reduce-scatter adds them in: add the gradient bytes the
+    backward has written by the point (``MemoryPoint.grad_written_bytes``; the points split
+    backward at every write, so this holds over each point's interval) less the own gradient
+    bytes of the non-root units whose backward ended. A ModuleInfo without them (imported)
+    gets every running unit's whole own gradient bytes and the root's from its backward's
+    start (an upper bound while a unit's backward is part-way). This
     is FSDP2's default, a reduce-scatter after every micro-batch; with
     ``set_requires_gradient_sync(False)`` on all but the last micro-batch the gradients stay
     unsharded instead, which is not modelled.
@@ -173,7 +176,10 @@ def _unsharded_grad_bytes(p: MemoryPoint, order_bw_end: list[Unit], world_size: 
     gathered parameters' dtype (``scale``: its size over the traced one, R8)."""
     if p.phase is not Phase.BW:
         return 0
-    if kept:
+    if kept and p.grad_written_bytes is not None:  # written so far, less the units reduced
+        reduced = sum(u.own_grad_bytes for u in order_bw_end if u.stats.bw_post_op < p.op_index)
+        return int(scale * max(0, p.grad_written_bytes - reduced))
+    if kept:  # not recorded: every unit whose backward runs, whole (an upper bound)
         running = [u for u in units.values() if not u.is_root and u.stats.bw_pre_op <= p.op_index <= u.stats.bw_post_op]
         root_new = root.own_grad_bytes if 0 <= root.stats.bw_pre_op <= p.op_index else 0
         return int(scale * (sum(u.own_grad_bytes for u in running) + root_new))

@@ -150,6 +150,45 @@ def test_r7a_kept_gradients_are_sharded_and_the_new_ones_are_extra():
     assert ex[19].unsharded_grad_bytes == 0
 
 
+def test_r7a_counts_the_gradients_written_so_far_less_the_units_reduced():
+    """With the trace's written gradients recorded, R7a is exact: a unit's new gradients are
+    extra once written, until its reduce-scatter; the root's until the end of backward."""
+    info = _info()
+    kept = dataclasses.replace(info, memory_points=tuple(
+        dataclasses.replace(p, grad_bytes=1000, grad_written_bytes=g)
+        for p, (_, _, _, g) in zip(info.memory_points, _POINTS)))
+    ex = {p.op_index: e for p, e in zip(kept.memory_points, fsdp_extra_bytes(kept, UNITS, 2))}
+    assert ex[2].unsharded_grad_bytes == 0
+    assert ex[11].unsharded_grad_bytes == 400  # M.head's (the root's) written, the embedding's not yet
+    assert ex[13].unsharded_grad_bytes == 500  # and 100 of M.b's so far
+    assert ex[16].unsharded_grad_bytes == 700 - 200  # M.b reduced at op 14
+    assert ex[18].unsharded_grad_bytes == 1000 - 200 - 300  # the root's own 500
+    assert ex[19].unsharded_grad_bytes == 0
+
+
+@pytest.mark.slow
+def test_with_accumulation_the_chosen_points_hold_the_per_rank_peak_of_every_op():
+    """A traced Llama with gradient accumulation, FSDP2 over every layer and the root on 4 ranks:
+    the per-rank peak at the ModuleInfo's points equals the peak over every op of the trace
+    (a unit's gradients grow op by op in its backward, so the points split there)."""
+    from examples.llama import LlamaConfig, build_llama
+    from estimators.tracing.aggregate import points_at
+    from estimators.tracing.estimation import estimate
+
+    model, _ = build_llama(LlamaConfig(vocab_size=256, seq_len=32, n_layers=3, dim=64, n_heads=8,
+                                       n_kv_heads=4, ffn_dim=128), batch_size=1, device="meta")
+    x = torch.zeros(1, 32, dtype=torch.long, device="meta")
+    est = estimate(model, TrainStep(inputs=(x,), loss_fn=model.loss_fn, optimizer="adamw", micro_batches=2),
+                   device="cpu")
+    units = ["Llama", *(f"Llama.layers.{i}" for i in range(3))]
+    every = dataclasses.replace(est.module_info, memory_points=tuple(
+        points_at(est.trace, est.timeline, range(len(est.trace.ops)))))
+    chosen, full = (predict_peak_bytes(fsdp_module_info(i, units, 4), {}, world_size=4)
+                    for i in (est.module_info, every))
+    assert chosen == full
+    assert any(p.grad_written_bytes for p in est.module_info.memory_points)
+
+
 def test_r8_mixed_precision_gathers_in_param_dtype_and_reduces_in_reduce_dtype():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
