@@ -20,9 +20,11 @@ M4  each micro-batch between its forward and its backward keeps ``kept_after_fw`
     input and weight halves ``kept_after_i``.
 M5  what the schedule's bookkeeping keeps:
     - the last stage: each micro-batch's loss until the schedule's loop (``_step_microbatches``)
-      returns, its output chunk until the next ``step()`` clears it (``return_outputs=True``,
-      torch's default), and after the loop the merged output (``torch.cat`` of the chunks) while
-      the chunks are still held (the loop's holds are gone by then);
+      returns; its output, the micro-batch's own bytes until its backward (or input half)
+      ends, from then on as the output chunk until the next ``step()`` clears it
+      (``return_outputs=True``, torch's default; with False nothing holds it); and after the
+      loop the merged output (``torch.cat`` of the chunks) while the chunks are still held (the
+      loop's holds are gone by then);
     - a sent tensor lives as long as its send's Work object (gloo keeps the tensor after
       ``wait()``): GPipe and the runtime schedules keep every Work to the end of the loop, so
       every micro-batch's output (non-last stage) and input gradient (non-first) live to then;
@@ -179,6 +181,8 @@ def rank_memory(actions, profiles: dict[int, StageProfile], n_microbatches: int,
             if p.is_last and p.loss_bytes:
                 held[("loss", s, mb)] = (p.loss_bytes, _STEP)
             continue
+        if p.is_last and return_outputs and kind in ("B", "I"):  # after the backward pops it
+            held[("chunk", s, mb)] = (p.output_bytes, _NEXT_STEP)
         if kind == "I":
             state[(s, mb)] = "I"
             if not p.is_first:
@@ -190,8 +194,6 @@ def rank_memory(actions, profiles: dict[int, StageProfile], n_microbatches: int,
         if runtime is Runtime.ONE_F_ONE_B and kind == "B":
             for k in [k for k, (_, end) in held.items() if end == ("next B", s)]:
                 del held[k]
-        if p.is_last and return_outputs:
-            held[("chunk", s, mb)] = (p.output_bytes, _NEXT_STEP)
         if not p.is_last and runtime is not Runtime.ONE_F_ONE_B:
             held[("sent output", s, mb)] = (p.output_bytes, _STEP)
         if not p.is_first and kind == "B":

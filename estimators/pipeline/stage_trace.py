@@ -66,12 +66,31 @@ def _grad_pending(trace: StepTrace, lo: int, hi: int) -> np.ndarray:
     return np.cumsum(gradient_writes(trace, lo, hi)[::-1])[::-1]
 
 
+def _schedule_held(trace: StepTrace) -> frozenset[int]:
+    """Storages the schedule keeps or receives (loss, gradients sent and received): counted by its
+    rules, not as the micro-batch's own bytes."""
+    return frozenset(s for name in ("loss", "input_grad", "output_grad") for s in trace.marked_sids.get(name, ()))
+
+
+def _dropped_after_input_half(trace: StepTrace, role) -> frozenset[int]:
+    """The last stage's output storages that autograd did not save: the schedule's ``fwd_cache``
+    holds them from the forward until the micro-batch's backward pops them, into a local of
+    ``backward_one_chunk`` that lives until the backward (or its input half) returns; the
+    weight half runs from the loss alone. The trace's frame holds them to its end. After the
+    input half they are the output chunk's (``return_outputs``) or nobody's."""
+    if not role.is_last:
+        return frozenset()
+    root = next(c for c in trace.calls if c.parent < 0)
+    return frozenset(s for s in root.output_sids if not trace.storages[s].saved)
+
+
 def stage_profile(est, *, stage_index: int) -> StageProfile:
     """The ``StageProfile`` of ``est``, a trace of one pipeline micro-batch (see module doc)."""
     trace, tl = est.trace, est.timeline
     role = est.step.stage
     bw, w, opt, n = _marks(trace)
-    kept = frozenset(s for name in ("loss", "input_grad", "output_grad") for s in trace.marked_sids.get(name, ()))
+    kept = _schedule_held(trace)
+    after = kept | _dropped_after_input_half(trace, role)  # from the weight half on
     row0 = tl.live_by_kind[0]
     split = role.split_backward
     root = next(c for c in trace.calls if c.parent < 0)
@@ -87,11 +106,11 @@ def stage_profile(est, *, stage_index: int) -> StageProfile:
         # The forward's own bytes count its loss; after it, the schedule's hold does.
         fw=tuple(map(int, _live(trace, 0, bw, _OWN, kept - set(trace.marked_sids.get("loss", ()))))),
         bw=tuple(map(int, _live(trace, bw, w if split else opt, _OWN, kept))),
-        w=tuple(map(int, _live(trace, w, opt, _OWN, kept))) if split else (),
+        w=tuple(map(int, _live(trace, w, opt, _OWN, after))) if split else (),
         grad_pending=tuple(map(int, _grad_pending(trace, w if split else bw, opt))),
         kept_after_fw=_across(trace, bw, _OWN, kept),
-        kept_after_i=_across(trace, w, _OWN, kept) if split else 0,
-        optim=tuple(map(int, _live(trace, opt, n, (*_OWN, K.OPTIMIZER), kept))),
+        kept_after_i=_across(trace, w, _OWN, after) if split else 0,
+        optim=tuple(map(int, _live(trace, opt, n, (*_OWN, K.OPTIMIZER), after))),
         fw_ms=ms(0, bw), bw_ms=ms(bw, w if split else opt), w_ms=ms(w, opt) if split else 0.0,
         optim_ms=ms(opt, n), marks=(bw, w if split else opt, opt, n),
     )
@@ -100,10 +119,14 @@ def stage_profile(est, *, stage_index: int) -> StageProfile:
 def resident_bytes_at(est) -> np.ndarray:
     """At each op, the traced step's bytes that are not the micro-batch's own as the profile's
     curves count them: parameters, buffers, gradients, inputs, the optimizer state that existed
-    before the step, and what the schedule keeps or receives (loss, gradients sent and received)."""
+    before the step, and what the schedule keeps or receives (loss, gradients sent and received;
+    the last stage's output after the input half, ``_dropped_after_input_half``)."""
     trace = est.trace
-    kept = frozenset(s for name in ("loss", "input_grad", "output_grad") for s in trace.marked_sids.get(name, ()))
-    own = _live(trace, 0, len(trace.ops), (*_OWN, K.OPTIMIZER), kept)
+    kept = _schedule_held(trace)
+    w, n = _marks(trace)[1], len(trace.ops)
+    kinds = (*_OWN, K.OPTIMIZER)
+    own = np.concatenate([_live(trace, 0, w, kinds, kept),
+                          _live(trace, w, n, kinds, kept | _dropped_after_input_half(trace, est.step.stage))])
     return est.timeline.total - own
 
 

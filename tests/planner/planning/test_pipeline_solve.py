@@ -237,3 +237,28 @@ def test_stages_of_the_wrong_shape_are_refused_in_one_line():
         assert "\n" not in str(e.value) and len(str(e.value)) < 200
     with pytest.raises(PlanningError, match="needs options=PlanOptions"):
         solve_pipeline_rank({0: (module, step)}, 1.0, options=None)
+
+
+def test_the_last_stage_output_is_let_go_after_the_input_half_without_return_outputs():
+    """PP 4 InterleavedZeroBubble, 8 micro-batches of 1 x 32 tokens, rank 3 (stages 3 and 7 of a
+    one-layer-per-stage Llama, vocabulary 256): measured on 4 gloo ranks with
+    ``step(return_outputs=False)`` as torchtitan steps (benchmarks/search_ranks.py), MemTracker's
+    steady peak is 3,623,544 B. The schedule's ``fwd_cache`` lets go of the last stage's logits
+    when the input half returns; holding them to the weight half, as the traced frame does, put
+    each micro-batch waiting for its weight half 32,768 B too high (3,721,848 B)."""
+    from benchmarks.search_ranks import small_llama
+    from examples.pipeline_stages import LlamaStage, layer_ranges
+
+    full, _ = small_llama(device="cpu")
+    ranges, tokens = layer_ranges(8, 8), torch.zeros(1, 32, dtype=torch.long)
+    stages = {s: (LlamaStage(full, ranges[s], first=False, last=s == 7),
+                  TrainStep(inputs=torch.zeros(1, 32, 64), loss_fn=stage_loss if s == 7 else None,
+                            optimizer="adamw", target=tokens if s == 7 else None)) for s in (3, 7)}
+    peaks = {}
+    for keep in (False, True):
+        options = PlanOptions(device="cpu", pipeline=Pipeline(
+            ScheduleInterleavedZeroBubble, n_microbatches=8, stage_index=3, n_stages=8, virtual_stages=2,
+            return_outputs=keep))
+        peaks[keep] = RankPlanner(stages, options=options).unplanned_peak_bytes
+    assert peaks[False] == 3_623_544
+    assert peaks[True] > peaks[False]  # the chunks, held to the next step
