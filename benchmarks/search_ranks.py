@@ -65,10 +65,11 @@ def search_cases(budget_mib: float, *, schedules=("1F1B", "InterleavedZeroBubble
 
 
 # ----------------------------------------------------------------------------- the rank side
-def _batches(t, dp_index: int) -> list[torch.Tensor]:
+def _micro_batches(t, dp_index: int):
+    """This data-parallel rank's micro-batches of one step, made one at a time."""
     g = torch.Generator().manual_seed(100 + dp_index)
-    return [torch.randint(0, CONFIG.vocab_size, (t.micro_batch, CONFIG.seq_len), generator=g)
-            for _ in range(t.accumulation)]
+    for _ in range(t.accumulation):
+        yield torch.randint(0, CONFIG.vocab_size, (t.micro_batch, CONFIG.seq_len), generator=g)
 
 
 def _local_grads(modules) -> list[torch.Tensor]:
@@ -102,18 +103,17 @@ def _model_run(t, mesh, plan):
             fully_shard(layer, mesh=dp)
         fully_shard(model, mesh=dp)
     dp_index = mesh.get_local_rank("dp_replicate") * t.dp_shard + mesh.get_local_rank("dp_shard")
-    xs = _batches(t, dp_index)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ctx = loss_parallel if t.tp > 1 else None
 
-    def step():
-        for x in xs:
+    def step():  # one micro-batch fetched at a time, as torchtitan's loop does (the search's step)
+        for x in _micro_batches(t, dp_index):
             with ctx() if ctx else _null():
-                loss = model.loss_fn(model(x), (x,)) / len(xs)
+                loss = model.loss_fn(model(x), (x,)) / t.accumulation
                 loss.backward()
         opt.step()
 
-    return [model], opt, step, xs
+    return [model], opt, step, []
 
 
 class _null:
@@ -165,7 +165,7 @@ def _pipeline_run(t, mesh, plans):
             fully_shard(m, mesh=dp, reshard_after_forward=False)
     sched = getattr(pipelining, cls_name)(stages[0] if virtual == 1 else stages, t.accumulation, loss_fn=stage_loss)
     dp_index = mesh.get_local_rank("dp_replicate") * t.dp_shard + mesh.get_local_rank("dp_shard")
-    x = torch.cat(_batches(t, dp_index))
+    x = torch.cat(list(_micro_batches(t, dp_index)))
     first, last = 0 in local, n - 1 in local
     opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-3)
 
@@ -200,7 +200,7 @@ def run_case(rank: int, world: int, case: dict) -> dict:
             mods, opt, step, held = _pipeline_run(t, mesh, plans if planned else [])
         else:
             mods, opt, step, xs = _model_run(t, mesh, plans[0] if planned and plans else None)
-            held = lambda xs=xs: list(xs)  # noqa: E731
+            held = lambda xs=xs: list(xs)  # noqa: E731  (none: the step makes its micro-batches)
         peaks = []
         for i in range(3):
             opt.zero_grad(set_to_none=True)
