@@ -65,8 +65,8 @@ from planner.analysis.report import gradient_check_text, steps_vs_prediction
 from planner.format import fmt_bytes
 from planner.errors import PlanningError
 from planner.format import check_budget_gib
-from planner.planning.solve import (check_budget_on_device, default_reserve_bytes, plan_for_budget,
-                                    unplanned_peak_bytes)
+from planner.planning.reserve import check_budget_on_device
+from planner.planning.solve import default_reserve_bytes, plan_for_budget, unplanned_peak_bytes
 from solver import SACMilp, SolverOptions
 from solver.errors import SolverError
 

@@ -55,6 +55,7 @@ from planner.options import Pipeline, PlanOptions
 from planner.plan import Plan
 from planner.plan_pipeline import PipelineRecord
 from planner.planning.pipeline_solve import RankPlanner, solve_pipeline_rank
+from planner.planning.reserve import check_budget_on_device
 
 __all__ = ["Pipeline", "solve_pipeline_rank", "RankPlanner", "PipelineStep", "pipeline_step", "plan_layout_rank",
            "fake_layout_rank", "LayoutRankPlan"]
@@ -165,6 +166,8 @@ def plan_layout_rank(build: StageBuilder, budget_gib: float | None, *, mesh_shap
     without a plan. Each local stage is traced once; a plan's peak is its
     traced one, FSDP2's part included."""
     budget = None if budget_gib is None else int(check_budget_gib(budget_gib) * GiB)  # before any trace
+    if budget is not None:
+        check_budget_on_device(budget, (options or PlanOptions()).spec)
     t0 = time.perf_counter()
     with fake_layout_rank(build, mesh_shape=mesh_shape, rank=rank, schedule=schedule, n_microbatches=n_microbatches,
                           virtual_stages=virtual_stages, options=options) as (rp, coordinates):

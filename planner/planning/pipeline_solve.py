@@ -42,7 +42,7 @@ from planner.plan import Plan, StepRecord, model_fingerprint, model_shape
 from planner.plan_pipeline import PipelineRecord
 from planner.planning.module_plans import module_plan
 from planner.planning.op_steps import settle
-from planner.planning.reserve import default_reserve_bytes
+from planner.planning.reserve import check_budget_on_device, default_reserve_bytes
 from planner.planning.verification import traced_or_diverged
 from planner.step_ref import StepRef
 from solver import InfeasibleBudgetError, SACMilp
@@ -128,6 +128,8 @@ def solve_pipeline_rank(stages: Mapping[int, tuple[torch.nn.Module, TrainStep]],
     that rank (one, or ``virtual_stages``). A step's ``inputs`` are what the stage's forward
     gets (the batch on stage 0, an activation of the right shape elsewhere: fake or meta tensors
     do), its ``loss_fn(output, target)`` and ``target`` the schedule's (last stage only)."""
+    if isinstance(options, PlanOptions):  # before any trace (RankPlanner refuses other options)
+        check_budget_on_device(int(check_budget_gib(budget_gib) * GiB), options.spec)
     return RankPlanner(stages, options=options).plan(budget_gib)
 
 
@@ -235,6 +237,7 @@ class RankPlanner:
         t0 = time.perf_counter()
         budget = int(check_budget_gib(budget_gib) * GiB)
         options = self.options
+        check_budget_on_device(budget, options.spec)
         reserve = (int(options.reserve_gib * GiB) if options.reserve_gib is not None
                    else _default_reserve(options, budget))
         usable = budget - reserve

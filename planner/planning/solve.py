@@ -43,7 +43,7 @@ from planner.planning.verification import RecomputeDivergedError
 from planner.planning.candidates import allowed_units, shared_full_plan, shared_modules
 from planner.errors import PlanningError
 from planner.planning.module_plans import module_plan
-from planner.planning.reserve import default_reserve_bytes
+from planner.planning.reserve import check_budget_on_device, default_reserve_bytes
 from planner.planning.step_timeline import plan_timeline, step_layout_of, timeline_fields
 from planner.step_ref import StepRef
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes
@@ -267,16 +267,6 @@ def _solve_stage(model: torch.nn.Module, budget_gib: float, step: TrainStep, opt
             "plan them together with planner.distributed.pipeline.solve_pipeline_rank({stage: (module, step), ...}, "
             "budget_gib, options=options)")
     return solve_pipeline_rank({pipe.stage_index: (model, step)}, budget_gib, options=options)[pipe.stage_index]
-
-
-def check_budget_on_device(budget_bytes: int, spec: DeviceSpec, flag: str = "budget_gib") -> None:
-    """A budget above a GPU target's memory plans for memory it does not have (``--budget-gib
-    120`` for an 80 GiB H100 passed): refused. CPU targets have no fixed size: not checked."""
-    if spec.is_cuda and budget_bytes > spec.memory_bytes:
-        raise PlanningError(
-            f"{flag} {budget_bytes / GiB:g} GiB is more than the {spec.name}'s {spec.memory_bytes / GiB:g} GiB: "
-            f"the budget is one GPU's memory; pass at most {spec.memory_bytes / GiB:g}, or plan for a device "
-            "with more (PlanOptions(device=...), --device)")
 
 
 def _check_budget(budget_gib: Any, options: PlanOptions) -> tuple[int, int | None]:

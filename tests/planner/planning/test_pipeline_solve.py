@@ -262,3 +262,20 @@ def test_the_last_stage_output_is_let_go_after_the_input_half_without_return_out
         peaks[keep] = RankPlanner(stages, options=options).unplanned_peak_bytes
     assert peaks[False] == 3_623_544
     assert peaks[True] > peaks[False]  # the chunks, held to the next step
+
+
+def test_a_budget_above_the_gpus_memory_is_refused_before_any_trace():
+    """``budget_gib=120`` for an 80 GiB H100 plans for memory the device does not have: refused
+    in one line by ``solve_pipeline_rank`` and ``plan_layout_rank`` as by ``solve_sac``."""
+    from planner.distributed.pipeline import plan_layout_rank, solve_pipeline_rank
+
+    def untraceable(*_):
+        raise AssertionError("traced before the budget was checked")
+
+    options = PlanOptions(device="h100", pipeline=Pipeline(Schedule1F1B, n_microbatches=4, stage_index=0, n_stages=2))
+    stages = {0: (torch.nn.Linear(2, 2), TrainStep(inputs=torch.zeros(1, 2)))}
+    with pytest.raises(PlanningError, match=r"budget_gib 120 GiB is more than the h100's 80 GiB"):
+        solve_pipeline_rank(stages, 120, options=options)
+    with pytest.raises(PlanningError, match=r"budget_gib 120 GiB is more than the h100's 80 GiB"):
+        plan_layout_rank(untraceable, 120, mesh_shape={"pp": 2}, rank=0, schedule=Schedule1F1B,
+                         n_microbatches=4, options=PlanOptions(device="h100"))
