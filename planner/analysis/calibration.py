@@ -15,8 +15,11 @@ unplanned, fully and selectively (the first op cached) checkpointed. Per block, 
 checkpoint adds ``call + n * (kernel + recompute_op)`` and a selective one
 ``call + (n - 1) * (kernel + recompute_op) + 2 n * selective_op`` (its policy sees n forward
 ops and n replayed ones); blocks of two lengths give the three costs, the kernel time being the
-block's forward without grad. On a CUDA device they are left at 0: the host runs ahead of the
-kernels there and the model does not add them (``DeviceSpec.selective_op_ms``).
+block's forward without grad. A third model, the short blocks each with S nested modules that
+run no op, gives the cost per submodule a call (its full checkpoint less the short one's, over
+S): the wrapper walks the checkpointed module's tree on every call. On a CUDA device they are
+left at 0: the host runs ahead of the kernels there and the model does not add them
+(``DeviceSpec.selective_op_ms``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ __all__ = ["CheckpointHostCosts", "Calibration", "calibrate_device", "measure_ch
 
 _BLOCKS = 16
 """Checkpointed blocks per model: per-block figures are the model's over this many."""
+_SUBMODULES = 24
+"""Modules nested in each block of a third model (the short chain's ops, plus that many
+``nn.Identity``, which run no op): its full checkpoint less the short chain's, over this many,
+is the per-submodule cost (``DeviceSpec.checkpoint_submodule_ms``)."""
 _CHAINS = (1, 6)
 """Steps of the short and the long block (15 and 90 forward ops): the difference gives the
 per-op costs, the short block the per-call one."""
@@ -50,6 +57,7 @@ class CheckpointHostCosts:
     """The host costs of a checkpoint on this machine, as ``DeviceSpec`` holds them (ms)."""
 
     checkpoint_call_ms: float
+    checkpoint_submodule_ms: float
     recompute_op_ms: float
     selective_op_ms: float
     clock: str
@@ -74,7 +82,7 @@ class Calibration:
             lines.append("checkpoint host costs: not modelled on a CUDA device (hidden behind its kernels)")
         else:
             lines.append(f"checkpoint host costs ({c.clock} clock): {c.checkpoint_call_ms * 1e3:.1f} us per call, "
-                         f"{c.recompute_op_ms * 1e3:.1f} us per re-run op, {c.selective_op_ms * 1e3:.1f} us per "
+                         f"{c.checkpoint_submodule_ms * 1e3:.1f} us per submodule a call, {c.recompute_op_ms * 1e3:.1f} us per re-run op, {c.selective_op_ms * 1e3:.1f} us per "
                          "op a selective policy sees")
         return "\n".join(lines)
 
@@ -84,11 +92,14 @@ class _Chain(nn.Module):
     checkpoint re-runs every op): layer norm, linear (a view and addmm), GELU, views, dropout
     (random draws, kept masks), a residual add, tanh. Tiny tensors: the host costs dominate."""
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, submodules: int = 0) -> None:
         super().__init__()
         self.k, self.w, self.b = k, nn.Parameter(torch.rand(8, 8)), nn.Parameter(torch.rand(8))
+        self.subs = nn.ModuleList(nn.Identity() for _ in range(submodules))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (4, 8)
+        for sub in self.subs:  # modules that run no op: what the wrapper walks on every call
+            x = sub(x)
         for _ in range(self.k):
             y = F.gelu(F.linear(F.layer_norm(x, (8,)), self.w, self.b))
             y = F.dropout(y.view(32).view(4, 8), 0.1, training=True)
@@ -97,9 +108,9 @@ class _Chain(nn.Module):
 
 
 class _Blocks(nn.Module):
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, submodules: int = 0) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Chain(k) for _ in range(_BLOCKS))
+        self.blocks = nn.ModuleList(_Chain(k, submodules) for _ in range(_BLOCKS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
@@ -132,7 +143,7 @@ class _ChainCosts:
     kernels_ms: float
 
 
-def _chain_costs(k: int, rounds: int, now) -> _ChainCosts:
+def _chain_costs(k: int, rounds: int, now, submodules: int = 0) -> _ChainCosts:
     """Per block, in ms: full - unplanned, selective (its first op cached) - unplanned, the
     forward without grad (its kernels); medians over paired rounds."""
     x = torch.rand(4, 8, requires_grad=True)
@@ -145,7 +156,7 @@ def _chain_costs(k: int, rounds: int, now) -> _ChainCosts:
              "selective": [ModulePlan(fqn=n, discard_ratio=0.5, full=False, saved_ops=(first,)) for n in names]}
     models = {}
     for kind, mods in plans.items():
-        models[kind] = m = _Blocks(k)
+        models[kind] = m = _Blocks(k, submodules)
         if mods:
             apply_module_plans(m, mods)
     times: dict[str, list[float]] = {kind: [] for kind in (*models, "no_grad")}
@@ -184,10 +195,12 @@ def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:
     clock, now = _clock()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        short, long = (_chain_costs(k, rounds, now) for k in _CHAINS)
+        short, long, nested = (_chain_costs(k, rounds, now, subs) for k, subs in ((_CHAINS[0], 0), (_CHAINS[1], 0),
+                                                                                   (_CHAINS[0], _SUBMODULES)))
     call, recompute_op, policy = fit_checkpoint_costs(
         (short.ops, long.ops), (short.full_ms, long.full_ms), long.selective_ms, long.kernels_ms)
     return CheckpointHostCosts(checkpoint_call_ms=call, recompute_op_ms=recompute_op, selective_op_ms=policy,
+                               checkpoint_submodule_ms=max(0.0, (nested.full_ms - short.full_ms) / _SUBMODULES),
                                clock=clock)
 
 
@@ -200,6 +213,7 @@ def calibrate_device(base: DeviceSpec | str = "cpu", *, device: str | torch.devi
     if fit.spec.is_cuda or (device is not None and torch.device(device).type == "cuda"):
         return Calibration(spec=fit.spec, fit=fit, checkpoint=None)
     costs = measure_checkpoint_costs(rounds)
-    spec = fit.spec.replace(checkpoint_call_ms=costs.checkpoint_call_ms, recompute_op_ms=costs.recompute_op_ms,
-                            selective_op_ms=costs.selective_op_ms)
+    spec = fit.spec.replace(checkpoint_call_ms=costs.checkpoint_call_ms,
+                            checkpoint_submodule_ms=costs.checkpoint_submodule_ms,
+                            recompute_op_ms=costs.recompute_op_ms, selective_op_ms=costs.selective_op_ms)
     return Calibration(spec=spec, fit=fit, checkpoint=costs)
