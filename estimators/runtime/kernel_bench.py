@@ -169,9 +169,11 @@ class BenchmarkRuntime:
         timed on the first call by this runtime's clock (or as given)."""
         if self._stream_bytes_per_ms is None:
             numel = _STREAM_MIB[self.device.type] * 2**20 // 4
-            src = torch.rand(numel, device=self.device)
-            dst = torch.empty_like(src)
-            ms = self._time(lambda: dst.copy_(src))
+            # Real tensors, whatever mode the caller is in (first asked inside a fake trace).
+            with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+                src = torch.rand(numel, device=self.device)
+                dst = torch.empty_like(src)
+                ms = self._time(lambda: dst.copy_(src))
             self._stream_bytes_per_ms = 2 * 4 * numel / max(ms, 1e-9)
             logger.info("benchmark on %s: no kernel priced below its bytes at %.3g GB/s (a %d MiB copy)",
                         self.device_label, self._stream_bytes_per_ms / 1e6, 4 * numel // 2**20)
