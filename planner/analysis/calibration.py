@@ -2,7 +2,7 @@
 the checkpoints a plan applies.
 
     from planner.analysis.calibration import calibrate_device
-    cal = calibrate_device("cpu")               # a few seconds on a CPU core
+    cal = calibrate_device("cpu")               # 10-30 s on a CPU core
     print(cal.report())                         # the spec, each kernel fitted, the host costs
     plan = solve_sac(model, budget_gib, step, options=PlanOptions(device=cal.spec))
 
@@ -11,7 +11,10 @@ The roofline's figures (launch time, compute and bandwidth efficiencies) are fit
 on the planner's own apply path (``apply_module_plans``), with B blocks of small
 transformer-like steps (layer norm, linear, GELU, views, dropout, a residual add, tanh: tiny
 tensors, so the host's costs dominate), n forward ops a block, the last saving its output:
-unplanned, fully and selectively (the first op cached) checkpointed. Per block, a full
+unplanned, fully and selectively (the first op cached) checkpointed. Every block is entered
+after a copy of a few MiB, in the forward and in the backward, as a step's kernels evict the
+host's working set between a checkpoint's calls (measured hot, the per-call cost was a third of
+the step's). Per block, a full
 checkpoint adds ``call + n * (kernel + recompute_op)`` and a selective one
 ``call + (n - 1) * (kernel + recompute_op) + 2 n * selective_op`` (its policy sees n forward
 ops and n replayed ones); blocks of two lengths give the three costs, the kernel time being the
@@ -47,6 +50,11 @@ _SUBMODULES = 24
 """Modules nested in each block of a third model (the short chain's ops, plus that many
 ``nn.Identity``, which run no op): its full checkpoint less the short chain's, over this many,
 is the per-submodule cost (``DeviceSpec.checkpoint_submodule_ms``)."""
+_EVICT_MIB = 8
+"""Copied between blocks, forward and backward (past a CPU core's L2, a quarter of this machine's
+L3; a 32 MiB copy gave the same per-call cost): a step's kernels stream megabytes between a checkpoint's calls and evict the host's working
+set (the interpreter's objects, the checkpoint's state), and its host costs are paid that way.
+Measured hot, one call cost 0.4-0.5 ms; after an 8 MiB copy, about 1.5 ms, as in the step."""
 _CHAINS = (1, 6)
 """Steps of the short and the long block (15 and 90 forward ops): the difference gives the
 per-op costs, the short block the per-call one."""
@@ -107,13 +115,35 @@ class _Chain(nn.Module):
         return x
 
 
+class _Evict(torch.autograd.Function):
+    """Passes ``x`` through; copies ``src`` into ``dst`` in its forward and again in its backward."""
+
+    @staticmethod
+    def forward(ctx, x, src, dst):
+        dst.copy_(src)
+        ctx.buffers = (src, dst)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        src, dst = ctx.buffers
+        dst.copy_(src)
+        return grad, None, None
+
+
 class _Blocks(nn.Module):
+    """The blocks in a row, each entered (forward and backward) after an ``_EVICT_MIB`` copy."""
+
     def __init__(self, k: int, submodules: int = 0) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(_Chain(k, submodules) for _ in range(_BLOCKS))
+        n = _EVICT_MIB * 2**20 // 4
+        self.src, self.dst, self.evict = torch.rand(n), torch.empty(n), True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
+            if self.evict:
+                x = _Evict.apply(x, self.src, self.dst)
             x = b(x)
         return x
 
@@ -143,9 +173,10 @@ class _ChainCosts:
     kernels_ms: float
 
 
-def _chain_costs(k: int, rounds: int, now, submodules: int = 0) -> _ChainCosts:
+def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bool = False) -> _ChainCosts:
     """Per block, in ms: full - unplanned, selective (its first op cached) - unplanned, the
-    forward without grad (its kernels); medians over paired rounds."""
+    forward without grad (its kernels); medians over paired rounds. ``full_only``: the first
+    alone (the others 0)."""
     x = torch.rand(4, 8, requires_grad=True)
     counter = _Count()
     with counter:
@@ -154,24 +185,32 @@ def _chain_costs(k: int, rounds: int, now, submodules: int = 0) -> _ChainCosts:
     names = [f"_Blocks.blocks.{i}" for i in range(_BLOCKS)]
     plans = {"none": None, "full": [ModulePlan(fqn=n, discard_ratio=1.0, full=True) for n in names],
              "selective": [ModulePlan(fqn=n, discard_ratio=0.5, full=False, saved_ops=(first,)) for n in names]}
+    if full_only:
+        del plans["selective"]
     models = {}
     for kind, mods in plans.items():
         models[kind] = m = _Blocks(k, submodules)
         if mods:
             apply_module_plans(m, mods)
-    times: dict[str, list[float]] = {kind: [] for kind in (*models, "no_grad")}
+    times: dict[str, list[float]] = {kind: [] for kind in (*models, "no_grad", "selective")}
     for r in range(rounds + 1):  # round 0 warms up
         for kind, m in models.items():
             t0 = now()
             m(x).sum().backward()
             if r:
                 times[kind].append((now() - t0) / 1e6)
+        if full_only:
+            continue
         with torch.no_grad():
+            models["none"].evict = False  # the kernels alone
             t0 = now()
             models["none"](x)
             if r:
                 times["no_grad"].append((now() - t0) / 1e6)
+            models["none"].evict = True
     full = statistics.median(f - n for f, n in zip(times["full"], times["none"])) / _BLOCKS
+    if full_only:
+        return _ChainCosts(len(counter.ops), full, 0.0, 0.0)
     sel = statistics.median(s - n for s, n in zip(times["selective"], times["none"])) / _BLOCKS
     return _ChainCosts(len(counter.ops), full, sel, statistics.median(times["no_grad"]) / _BLOCKS)
 
@@ -190,13 +229,14 @@ def fit_checkpoint_costs(ops: tuple[int, int], full: tuple[float, float], select
 
 
 def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:
-    """The three host costs of a checkpoint on this CPU (see the module docstring). A few
-    seconds at ``rounds=15``."""
+    """The four host costs of a checkpoint on this CPU (see the module docstring). 10-30 s at
+    ``rounds=15`` (the copies between blocks take most of it)."""
     clock, now = _clock()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        short, long, nested = (_chain_costs(k, rounds, now, subs) for k, subs in ((_CHAINS[0], 0), (_CHAINS[1], 0),
-                                                                                   (_CHAINS[0], _SUBMODULES)))
+        short = _chain_costs(_CHAINS[0], rounds, now, full_only=True)
+        long = _chain_costs(_CHAINS[1], rounds, now)
+        nested = _chain_costs(_CHAINS[0], rounds, now, _SUBMODULES, full_only=True)
     call, recompute_op, policy = fit_checkpoint_costs(
         (short.ops, long.ops), (short.full_ms, long.full_ms), long.selective_ms, long.kernels_ms)
     return CheckpointHostCosts(checkpoint_call_ms=call, recompute_op_ms=recompute_op, selective_op_ms=policy,
