@@ -298,7 +298,8 @@ class DeviceSpec:
             f"{self.compute_efficiency:.3g} eff, bf16 {self.flops_per_s(torch.bfloat16) / _TF:.3g} TFLOP/s, "
             f"{self.memory_bandwidth_bytes_per_s / _GB:,.0f} GB/s x {self.bandwidth_efficiency:.3g} eff, "
             f"launch {self.kernel_launch_ms * 1e3:.3g} us; checkpoint {self.checkpoint_call_ms * 1e3:.3g} us "
-            f"per call + {self.checkpoint_submodule_ms * 1e3:.3g} us per submodule + {self.recompute_op_ms * 1e3:.3g} us per re-run op + {self.selective_op_ms * 1e3:.3g} us "
+            f"per call + {self.checkpoint_submodule_ms * 1e3:.3g} us per submodule + "
+            f"{self.recompute_op_ms * 1e3:.3g} us per re-run op + {self.selective_op_ms * 1e3:.3g} us "
             "per selective-policy op"
         )
 
