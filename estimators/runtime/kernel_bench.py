@@ -58,9 +58,9 @@ class BenchmarkRuntime:
     With ``stream_floor`` (the default) no kernel is priced below the time to stream the bytes it
     reads and writes at this device's memory bandwidth, measured once per runtime by a copy
     larger than the caches (:attr:`stream_bytes_per_ms`). The benchmark re-runs a kernel on the
-    same operands, so a memory-bound one reads them from the cache (a 1 MiB operand here sits in
-    the L2); in a step the working set evicts them between uses, and such kernels ran 1.5-2.8x
-    their warm benchmark (docs/accuracy.md#runtimes). Compute-bound kernels are above the floor
+    same operands, so a memory-bound one reads them from the cache; in a step the working set
+    evicts them between uses, and such kernels ran well above their warm benchmark
+    (docs/accuracy.md#runtimes). Compute-bound kernels are above the floor
     and keep their timing. The cache file holds the raw timings; the floor is applied when an
     op is priced.
 
@@ -176,8 +176,7 @@ class BenchmarkRuntime:
             with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
                 src = torch.rand(numel, device=self.device)
                 dst = torch.empty_like(src)
-                # The fastest of the runs: another process's traffic only slows a copy (under a
-                # load average of 10 the median of one runtime read 11 GB/s, another's 17.7).
+                # The fastest of the runs: another process's traffic only slows a copy.
                 ms = min(self._time(lambda: dst.copy_(src)) for _ in range(_STREAM_RUNS))
             self._stream_bytes_per_ms = 2 * 4 * numel / max(ms, 1e-9)
             logger.info("benchmark on %s: no kernel priced below its bytes at %.3g GB/s (a %d MiB copy)",

@@ -13,8 +13,7 @@ transformer-like steps (layer norm, linear, GELU, views, dropout, a residual add
 tensors, so the host's costs dominate), n forward ops a block, the last saving its output:
 unplanned, fully and selectively (the first op cached) checkpointed. Every block is entered
 after a copy of a few MiB, in the forward and in the backward, as a step's kernels evict the
-host's working set between a checkpoint's calls (measured hot, the per-call cost was a third of
-the step's). Per block, a full
+host's working set between a checkpoint's calls. Per block, a full
 checkpoint adds ``call + n * (kernel + recompute_op)`` and a selective one
 ``call + (n - 1) * (kernel + recompute_op) + 2 n * selective_op`` (its policy sees n forward
 ops and n replayed ones); blocks of two lengths give the three costs, the kernel time being the
@@ -51,10 +50,10 @@ _SUBMODULES = 24
 ``nn.Identity``, which run no op): its full checkpoint less the short chain's, over this many,
 is the per-submodule cost (``DeviceSpec.checkpoint_submodule_ms``)."""
 _EVICT_MIB = 8
-"""Copied between blocks, forward and backward (past a CPU core's L2, a quarter of this machine's
-L3; a 32 MiB copy gave the same per-call cost): a step's kernels stream megabytes between a checkpoint's calls and evict the host's working
-set (the interpreter's objects, the checkpoint's state), and its host costs are paid that way.
-Measured hot, one call cost 0.4-0.5 ms; after an 8 MiB copy, about 1.5 ms, as in the step."""
+"""Copied between blocks, forward and backward (past a CPU core's L2; larger copies gave the same
+per-call cost): a step's kernels stream megabytes between a checkpoint's calls and evict the
+host's working set (the interpreter's objects, the checkpoint's state), and its host costs are
+paid that way; measured hot they come out well below the step's (docs/accuracy.md#runtimes)."""
 _CHAINS = (1, 6)
 """Steps of the short and the long block (15 and 90 forward ops): the difference gives the
 per-op costs, the short block the per-call one."""
