@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     options = PlanOptions(device=cal.spec, reserve_gib=0, trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
     for family in args.families:
         model, step = tf.FAMILIES[family]()
-        with benchmark_runtime_override(BenchmarkRuntime()):
+        with benchmark_runtime_override(BenchmarkRuntime(stream_floor=True)):
             variants, est = tf.variants_of(model, step, options)
         info = est.module_info
         runs = []

@@ -308,7 +308,7 @@ def main(argv=None) -> int:
                 print(f"skip {family}: transformers is not installed\n")
                 continue
         model, step = FAMILIES[family]()
-        bench = BenchmarkRuntime()
+        bench = BenchmarkRuntime(stream_floor=True)
         with benchmark_runtime_override(bench):  # one timing per kernel, verification traces too
             variants, est = variants_of(model, step, options)
         print(f"{family}: kernels floored at {bench.stream_bytes_per_ms / 1e6:.3g} GB/s (streaming copy, "

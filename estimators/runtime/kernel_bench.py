@@ -55,14 +55,15 @@ class BenchmarkRuntime:
     time, or the calling thread's CPU time). An op that cannot run standalone gets the roofline
     time of ``fallback_spec`` and is counted in :attr:`fallbacks`.
 
-    With ``stream_floor`` (the default) no kernel is priced below the time to stream the bytes it
+    With ``stream_floor`` no kernel is priced below the time to stream the bytes it
     reads and writes at this device's memory bandwidth, measured once per runtime by a copy
     larger than the caches (:attr:`stream_bytes_per_ms`). The benchmark re-runs a kernel on the
     same operands, so a memory-bound one reads them from the cache; in a step the working set
     evicts them between uses, and such kernels ran well above their warm benchmark
     (docs/accuracy.md#runtimes). Compute-bound kernels are above the floor
     and keep their timing. The cache file holds the raw timings; the floor is applied when an
-    op is priced.
+    op is priced. Off by default: each runtime measures its own bandwidth, and ranks planning
+    from shared timings (``planner.distributed.ranks.SharedBenchmark``) must price alike.
 
     Example::
 
@@ -82,7 +83,7 @@ class BenchmarkRuntime:
         cache_path: str | os.PathLike[str] | None = None,
         autosave_every: int = 64,
         clock: str = "auto",
-        stream_floor: bool = True,
+        stream_floor: bool = False,
         stream_bytes_per_ms: float | None = None,
     ) -> None:
         """
@@ -102,7 +103,7 @@ class BenchmarkRuntime:
                 ``"auto"``: ``"thread"`` on a CPU with one intra-op thread, else ``"wall"``.
                 CUDA kernels are timed by CUDA events whatever the clock.
             stream_floor: price no kernel below its bytes at the device's streaming bandwidth
-                (see above); False: the warm timings as measured.
+                (see above); False (default): the warm timings as measured.
             stream_bytes_per_ms: that bandwidth (bytes read and written per ms), where known;
                 None: timed on first use.
         """

@@ -173,3 +173,8 @@ def test_each_call_is_priced_per_module_nested_in_it(model, fqn, calls, nested):
     assert s.recompute_fixed_ms == pytest.approx(base.recompute_fixed_ms + extra)
     assert s.full_recompute_ms == pytest.approx(base.full_recompute_ms + extra)
     assert [o.runtime_ms for o in s.ops] == [o.runtime_ms for o in base.ops]
+    # What the solver prices a checkpoint of it at, whatever it discards.
+    from solver.plan_cost import module_recompute_ms
+
+    for discarded in (0, s.sac_memory_bytes // 2, s.sac_memory_bytes):
+        assert module_recompute_ms(s, discarded) == pytest.approx(module_recompute_ms(base, discarded) + extra)
