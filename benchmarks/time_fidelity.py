@@ -9,8 +9,10 @@ For each family (a GPT decoder, a residual conv net, an HF Llama built from a co
 intra-op thread:
 
 1. calibrate the ``cpu`` spec here (``planner.analysis.calibration.calibrate_device``: the
-   roofline's figures and the checkpoint's host costs), trace the step with every kernel timed
-   here (``RuntimeKind.BENCHMARK``, thread CPU time);
+   roofline's figures and the checkpoint's host costs: per call, per submodule a call, per
+   re-run op, per op a selective policy sees), trace the step with every kernel timed here
+   (``RuntimeKind.BENCHMARK``, thread CPU time; no kernel priced below its bytes at the
+   streaming bandwidth the runtime measures, which is printed);
 2. plan it at 0.8x and 0.6x of the no-AC peak (where that is below the smallest reachable peak,
    0.8 and 0.6 of the way from it to the no-AC peak) and at full AC's peak, and build full AC
    (every block plainly checkpointed);
@@ -286,7 +288,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES),
                    help="families to run (default all)")
-    p.add_argument("--rounds", type=int, default=7, help="timed rounds of every variant (default 7)")
+    p.add_argument("--rounds", type=int, default=11, help="timed rounds of every variant (default 11)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
@@ -306,8 +308,11 @@ def main(argv=None) -> int:
                 print(f"skip {family}: transformers is not installed\n")
                 continue
         model, step = FAMILIES[family]()
-        with benchmark_runtime_override(BenchmarkRuntime()):  # one timing per kernel, verification traces too
+        bench = BenchmarkRuntime(stream_floor=True)
+        with benchmark_runtime_override(bench):  # one timing per kernel, verification traces too
             variants, est = variants_of(model, step, options)
+        print(f"{family}: kernels floored at {bench.stream_bytes_per_ms / 1e6:.3g} GB/s (streaming copy, "
+              f"load {_load()})")
         before = _load()
         samples = time_variants(model, step, variants, args.rounds)
         rows = rows_of(variants, samples)

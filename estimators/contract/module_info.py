@@ -260,7 +260,8 @@ class ModStats:
     does; plus ``checkpoint_call_ms`` and ``selective_policy_ms``."""
     checkpoint_call_ms: float = 0.0
     """Host time of the checkpoint itself over the module's calls, beside the ops it re-runs
-    (``DeviceSpec.checkpoint_call_ms`` per call): paid by every checkpoint of the module."""
+    (``DeviceSpec.checkpoint_call_ms`` per call, and ``checkpoint_submodule_ms`` per module
+    nested in it): paid by every checkpoint of the module."""
     selective_policy_ms: float = 0.0
     """Host time of a selective policy over the module's calls: ``DeviceSpec.selective_op_ms``
     for every forward op and every op the recompute replays up to the last saved one. Paid by

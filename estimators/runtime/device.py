@@ -176,6 +176,11 @@ class DeviceSpec:
     """Host time one call of a checkpointed module adds beside the ops it re-runs: the
     checkpoint's forward wrapper (saved-tensor hooks, RNG state) and its recompute's setup in
     backward. Paid by every checkpoint, full or selective."""
+    checkpoint_submodule_ms: float = 0.0
+    """Host time one call of a checkpointed module adds per module nested in it (its submodules
+    that ran, at any depth), beside ``checkpoint_call_ms``: the wrapper walks the module's tree on
+    every call (its buffers, batch norms, generators held as attributes, parameter dtypes), so
+    a checkpoint of a whole block costs more per call than one of a leaf-like module."""
     recompute_op_ms: float = 0.0
     """Host time per op a recompute re-runs, beside the op's kernel time: autograd records the
     op again and the checkpoint's hooks hand its saved tensors over. Counted per re-run op,
@@ -185,7 +190,7 @@ class DeviceSpec:
     op its recompute replays up to the last saved one, cached or re-run. A plain (full)
     checkpoint runs no policy and does not pay it.
 
-    The three host costs add to the step on a CPU, where the host runs the kernels. On a GPU
+    The four host costs add to the step on a CPU, where the host runs the kernels. On a GPU
     the host runs ahead of the device's queue and they are hidden where kernels are longer, so
     the CUDA specs leave them at 0 (not modelled). They are the host's, not the chip's: every
     built-in spec has 0 (not priced); ``planner.analysis.calibration.calibrate_device`` measures
@@ -225,7 +230,7 @@ class DeviceSpec:
             raise ValueError("DeviceSpec efficiencies must be in (0, 1]")
         if self.allocator_block_bytes < 1:
             raise ValueError("DeviceSpec.allocator_block_bytes must be >= 1")
-        for name in ("checkpoint_call_ms", "recompute_op_ms", "selective_op_ms"):
+        for name in ("checkpoint_call_ms", "checkpoint_submodule_ms", "recompute_op_ms", "selective_op_ms"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"DeviceSpec.{name} must be finite and >= 0, got {v}")
@@ -293,7 +298,8 @@ class DeviceSpec:
             f"{self.compute_efficiency:.3g} eff, bf16 {self.flops_per_s(torch.bfloat16) / _TF:.3g} TFLOP/s, "
             f"{self.memory_bandwidth_bytes_per_s / _GB:,.0f} GB/s x {self.bandwidth_efficiency:.3g} eff, "
             f"launch {self.kernel_launch_ms * 1e3:.3g} us; checkpoint {self.checkpoint_call_ms * 1e3:.3g} us "
-            f"per call + {self.recompute_op_ms * 1e3:.3g} us per re-run op + {self.selective_op_ms * 1e3:.3g} us "
+            f"per call + {self.checkpoint_submodule_ms * 1e3:.3g} us per submodule + "
+            f"{self.recompute_op_ms * 1e3:.3g} us per re-run op + {self.selective_op_ms * 1e3:.3g} us "
             "per selective-policy op"
         )
 

@@ -23,7 +23,7 @@ from torch._ops import OpOverload
 
 from estimators.runtime.device import DeviceSpec, get_device_spec
 from estimators.runtime.json_cache import BenchmarkCacheError, JsonTimingCache, is_time
-from estimators.runtime.op_facts import hint, timed_key
+from estimators.runtime.op_facts import hint, op_facts, read_tensors, tensor_bytes, timed_key, written_tensors
 from estimators.runtime.op_signatures import OpSignature, TensorSpec, storage_extent, synthetic_tensor
 from estimators.runtime.roofline import RooflineRuntime
 
@@ -36,6 +36,11 @@ Kwargs = Mapping[str, Any]
 
 _CACHE_FORMAT = "sac-planner/benchmark-cache"
 _CACHE_VERSION = 2  # 2: floating inputs uniform in [0.5, 1), not randn
+_STREAM_RUNS = 3
+"""Timings (each a median of ``timed_runs``) the streaming bandwidth is the best of."""
+_STREAM_MIB = {"cpu": 64, "cuda": 1024}
+"""Size of the copy that measures the streaming bandwidth: twice a CPU's last-level cache (32 MiB
+on this project's machine), many times a GPU's L2."""
 
 
 class BenchmarkRuntime:
@@ -49,6 +54,16 @@ class BenchmarkRuntime:
     ``timed_runs`` runs after ``warmup_runs``: CUDA events on a GPU; on CPU the ``clock`` (wall
     time, or the calling thread's CPU time). An op that cannot run standalone gets the roofline
     time of ``fallback_spec`` and is counted in :attr:`fallbacks`.
+
+    With ``stream_floor`` no kernel is priced below the time to stream the bytes it
+    reads and writes at this device's memory bandwidth, measured once per runtime by a copy
+    larger than the caches (:attr:`stream_bytes_per_ms`). The benchmark re-runs a kernel on the
+    same operands, so a memory-bound one reads them from the cache; in a step the working set
+    evicts them between uses, and such kernels ran well above their warm benchmark
+    (docs/accuracy.md#runtimes). Compute-bound kernels are above the floor
+    and keep their timing. The cache file holds the raw timings; the floor is applied when an
+    op is priced. Off by default: each runtime measures its own bandwidth, and ranks planning
+    from shared timings (``planner.distributed.ranks.SharedBenchmark``) must price alike.
 
     Example::
 
@@ -68,6 +83,8 @@ class BenchmarkRuntime:
         cache_path: str | os.PathLike[str] | None = None,
         autosave_every: int = 64,
         clock: str = "auto",
+        stream_floor: bool = False,
+        stream_bytes_per_ms: float | None = None,
     ) -> None:
         """
         Args:
@@ -85,6 +102,10 @@ class BenchmarkRuntime:
                 ``torch.get_num_threads() == 1``: other threads' work is not counted).
                 ``"auto"``: ``"thread"`` on a CPU with one intra-op thread, else ``"wall"``.
                 CUDA kernels are timed by CUDA events whatever the clock.
+            stream_floor: price no kernel below its bytes at the device's streaming bandwidth
+                (see above); False (default): the warm timings as measured.
+            stream_bytes_per_ms: that bandwidth (bytes read and written per ms), where known;
+                None: timed on first use.
         """
         self.device = _check_device(torch.device(device))
         self.clock = _check_clock(clock, self.device)
@@ -101,6 +122,11 @@ class BenchmarkRuntime:
         """Calls answered from the cache (memory or file), without running the op."""
         self.misses = 0
         """Calls that had to time (or fall back for) a new op signature."""
+        self.stream_floor = stream_floor
+        if stream_bytes_per_ms is not None and not (is_time(stream_bytes_per_ms) and stream_bytes_per_ms > 0):
+            raise ValueError(f"stream_bytes_per_ms must be a finite number > 0, got {stream_bytes_per_ms!r}")
+        self._stream_bytes_per_ms = stream_bytes_per_ms
+        self._floors: dict[tuple, float] = {}
         self.fallbacks = 0
         """Misses priced by the fallback roofline because the op could not run standalone."""
         self.measurements = 0
@@ -130,9 +156,43 @@ class BenchmarkRuntime:
         ms = self._lookup(key, key_repr)
         if ms is not None:
             self.hits += 1
+        else:
+            self.misses += 1
+            ms = self._fill(func, key, key_repr, args, kwargs, out)
+        if not self.stream_floor:
             return ms
-        self.misses += 1
-        return self._fill(func, key, key_repr, args, kwargs, out)
+        floor = self._floors.get(key)
+        if floor is None:
+            floor = self._floors[key] = self.stream_ms(func, args, kwargs, out)
+        return max(ms, floor)
+
+    @property
+    def stream_bytes_per_ms(self) -> float:
+        """Bytes a copy larger than the caches moves per ms on this device (read and written),
+        timed on the first call by this runtime's clock, the best of a few timings (or as
+        given)."""
+        if self._stream_bytes_per_ms is None:
+            numel = _STREAM_MIB[self.device.type] * 2**20 // 4
+            # Real tensors, whatever mode the caller is in (first asked inside a fake trace).
+            with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+                src = torch.rand(numel, device=self.device)
+                dst = torch.empty_like(src)
+                # The fastest of the runs: another process's traffic only slows a copy.
+                ms = min(self._time(lambda: dst.copy_(src)) for _ in range(_STREAM_RUNS))
+            self._stream_bytes_per_ms = 2 * 4 * numel / max(ms, 1e-9)
+            logger.info("benchmark on %s: no kernel priced below its bytes at %.3g GB/s (a %d MiB copy)",
+                        self.device_label, self._stream_bytes_per_ms / 1e6, 4 * numel // 2**20)
+        return self._stream_bytes_per_ms
+
+    def stream_ms(self, func: Any, args: Args, kwargs: Kwargs, out: Any) -> float:
+        """The floor of ``func``'s time: the bytes it reads and writes over
+        :attr:`stream_bytes_per_ms` (0 for an op that moves no data: views, metadata)."""
+        facts = op_facts(func)
+        if facts.free:
+            return 0.0
+        moved = sum(map(tensor_bytes, read_tensors(facts, args, kwargs)))
+        moved += sum(map(tensor_bytes, written_tensors(facts, args, kwargs, out)))
+        return moved / self.stream_bytes_per_ms if moved else 0.0
 
     def benchmark_signature(self, sig: OpSignature) -> float:
         """Time one recorded op signature (see :class:`SignatureRecorder`), in ms, and cache it.

@@ -77,6 +77,17 @@ def _sum_bytes(trace: StepTrace, sids) -> int:
     return sum(trace.storages[s].nbytes for s in set(sids))
 
 
+def _submodules(trace: StepTrace, call: ModuleCall) -> int:
+    """Modules that ran nested in ``call`` (at any depth, each counted once): what the checkpoint
+    wrapper walks on every call of a checkpointed module (``DeviceSpec.checkpoint_submodule_ms``)."""
+    return len({trace.calls[c].fqn for c in subtree(trace, call)} - {call.fqn})
+
+
+def _call_host_ms(host: DeviceSpec, submodules: int) -> float:
+    """Host time of one call of a checkpointed module with ``submodules`` nested modules."""
+    return host.checkpoint_call_ms + host.checkpoint_submodule_ms * submodules
+
+
 def _local_stats(
     trace: StepTrace, fqn: str, calls: list[ModuleCall], saved: dict[int, set[int]],
     last_fw_write: dict[int, tuple[int, Any]], host: DeviceSpec | None,
@@ -87,7 +98,7 @@ def _local_stats(
     is_leaf = fqn in trace.leaf_fqns
     first = calls[0]
     n = len(calls)
-    call_ms = host.checkpoint_call_ms * n if host is not None else 0.0
+    call_ms = n * _call_host_ms(host, _submodules(trace, first)) if host is not None else 0.0
     ops = () if is_leaf else module_ops(trace, calls, host.recompute_op_ms if host is not None else 0.0)
     groups = sac_groups(ops) if ops else ()
     units = greedy_units(ops, groups) if ops else []

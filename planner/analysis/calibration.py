@@ -2,7 +2,7 @@
 the checkpoints a plan applies.
 
     from planner.analysis.calibration import calibrate_device
-    cal = calibrate_device("cpu")               # a few seconds on a CPU core
+    cal = calibrate_device("cpu")               # 10-30 s on a CPU core
     print(cal.report())                         # the spec, each kernel fitted, the host costs
     plan = solve_sac(model, budget_gib, step, options=PlanOptions(device=cal.spec))
 
@@ -11,12 +11,17 @@ The roofline's figures (launch time, compute and bandwidth efficiencies) are fit
 on the planner's own apply path (``apply_module_plans``), with B blocks of small
 transformer-like steps (layer norm, linear, GELU, views, dropout, a residual add, tanh: tiny
 tensors, so the host's costs dominate), n forward ops a block, the last saving its output:
-unplanned, fully and selectively (the first op cached) checkpointed. Per block, a full
+unplanned, fully and selectively (the first op cached) checkpointed. Every block is entered
+after a copy of a few MiB, in the forward and in the backward, as a step's kernels evict the
+host's working set between a checkpoint's calls. Per block, a full
 checkpoint adds ``call + n * (kernel + recompute_op)`` and a selective one
 ``call + (n - 1) * (kernel + recompute_op) + 2 n * selective_op`` (its policy sees n forward
 ops and n replayed ones); blocks of two lengths give the three costs, the kernel time being the
-block's forward without grad. On a CUDA device they are left at 0: the host runs ahead of the
-kernels there and the model does not add them (``DeviceSpec.selective_op_ms``).
+block's forward without grad. A third model, the short blocks each with S nested modules that
+run no op, gives the cost per submodule a call (its full checkpoint less the short one's, over
+S): the wrapper walks the checkpointed module's tree on every call. On a CUDA device they are
+left at 0: the host runs ahead of the kernels there and the model does not add them
+(``DeviceSpec.selective_op_ms``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,15 @@ __all__ = ["CheckpointHostCosts", "Calibration", "calibrate_device", "measure_ch
 
 _BLOCKS = 16
 """Checkpointed blocks per model: per-block figures are the model's over this many."""
+_SUBMODULES = 24
+"""Modules nested in each block of a third model (the short chain's ops, plus that many
+``nn.Identity``, which run no op): its full checkpoint less the short chain's, over this many,
+is the per-submodule cost (``DeviceSpec.checkpoint_submodule_ms``)."""
+_EVICT_MIB = 8
+"""Copied between blocks, forward and backward (past a CPU core's L2; larger copies gave the same
+per-call cost): a step's kernels stream megabytes between a checkpoint's calls and evict the
+host's working set (the interpreter's objects, the checkpoint's state), and its host costs are
+paid that way; measured hot they come out well below the step's (docs/accuracy.md#runtimes)."""
 _CHAINS = (1, 6)
 """Steps of the short and the long block (15 and 90 forward ops): the difference gives the
 per-op costs, the short block the per-call one."""
@@ -50,6 +64,7 @@ class CheckpointHostCosts:
     """The host costs of a checkpoint on this machine, as ``DeviceSpec`` holds them (ms)."""
 
     checkpoint_call_ms: float
+    checkpoint_submodule_ms: float
     recompute_op_ms: float
     selective_op_ms: float
     clock: str
@@ -74,7 +89,7 @@ class Calibration:
             lines.append("checkpoint host costs: not modelled on a CUDA device (hidden behind its kernels)")
         else:
             lines.append(f"checkpoint host costs ({c.clock} clock): {c.checkpoint_call_ms * 1e3:.1f} us per call, "
-                         f"{c.recompute_op_ms * 1e3:.1f} us per re-run op, {c.selective_op_ms * 1e3:.1f} us per "
+                         f"{c.checkpoint_submodule_ms * 1e3:.1f} us per submodule a call, {c.recompute_op_ms * 1e3:.1f} us per re-run op, {c.selective_op_ms * 1e3:.1f} us per "
                          "op a selective policy sees")
         return "\n".join(lines)
 
@@ -84,11 +99,14 @@ class _Chain(nn.Module):
     checkpoint re-runs every op): layer norm, linear (a view and addmm), GELU, views, dropout
     (random draws, kept masks), a residual add, tanh. Tiny tensors: the host costs dominate."""
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, submodules: int = 0) -> None:
         super().__init__()
         self.k, self.w, self.b = k, nn.Parameter(torch.rand(8, 8)), nn.Parameter(torch.rand(8))
+        self.subs = nn.ModuleList(nn.Identity() for _ in range(submodules))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (4, 8)
+        for sub in self.subs:  # modules that run no op: what the wrapper walks on every call
+            x = sub(x)
         for _ in range(self.k):
             y = F.gelu(F.linear(F.layer_norm(x, (8,)), self.w, self.b))
             y = F.dropout(y.view(32).view(4, 8), 0.1, training=True)
@@ -96,13 +114,35 @@ class _Chain(nn.Module):
         return x
 
 
+class _Evict(torch.autograd.Function):
+    """Passes ``x`` through; copies ``src`` into ``dst`` in its forward and again in its backward."""
+
+    @staticmethod
+    def forward(ctx, x, src, dst):
+        dst.copy_(src)
+        ctx.buffers = (src, dst)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        src, dst = ctx.buffers
+        dst.copy_(src)
+        return grad, None, None
+
+
 class _Blocks(nn.Module):
-    def __init__(self, k: int) -> None:
+    """The blocks in a row, each entered (forward and backward) after an ``_EVICT_MIB`` copy."""
+
+    def __init__(self, k: int, submodules: int = 0) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Chain(k) for _ in range(_BLOCKS))
+        self.blocks = nn.ModuleList(_Chain(k, submodules) for _ in range(_BLOCKS))
+        n = _EVICT_MIB * 2**20 // 4
+        self.src, self.dst, self.evict = torch.rand(n), torch.empty(n), True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
+            if self.evict:
+                x = _Evict.apply(x, self.src, self.dst)
             x = b(x)
         return x
 
@@ -132,9 +172,10 @@ class _ChainCosts:
     kernels_ms: float
 
 
-def _chain_costs(k: int, rounds: int, now) -> _ChainCosts:
+def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bool = False) -> _ChainCosts:
     """Per block, in ms: full - unplanned, selective (its first op cached) - unplanned, the
-    forward without grad (its kernels); medians over paired rounds."""
+    forward without grad (its kernels); medians over paired rounds. ``full_only``: the first
+    alone (the others 0)."""
     x = torch.rand(4, 8, requires_grad=True)
     counter = _Count()
     with counter:
@@ -143,24 +184,32 @@ def _chain_costs(k: int, rounds: int, now) -> _ChainCosts:
     names = [f"_Blocks.blocks.{i}" for i in range(_BLOCKS)]
     plans = {"none": None, "full": [ModulePlan(fqn=n, discard_ratio=1.0, full=True) for n in names],
              "selective": [ModulePlan(fqn=n, discard_ratio=0.5, full=False, saved_ops=(first,)) for n in names]}
+    if full_only:
+        del plans["selective"]
     models = {}
     for kind, mods in plans.items():
-        models[kind] = m = _Blocks(k)
+        models[kind] = m = _Blocks(k, submodules)
         if mods:
             apply_module_plans(m, mods)
-    times: dict[str, list[float]] = {kind: [] for kind in (*models, "no_grad")}
+    times: dict[str, list[float]] = {kind: [] for kind in (*models, "no_grad", "selective")}
     for r in range(rounds + 1):  # round 0 warms up
         for kind, m in models.items():
             t0 = now()
             m(x).sum().backward()
             if r:
                 times[kind].append((now() - t0) / 1e6)
+        if full_only:
+            continue
         with torch.no_grad():
+            models["none"].evict = False  # the kernels alone
             t0 = now()
             models["none"](x)
             if r:
                 times["no_grad"].append((now() - t0) / 1e6)
+            models["none"].evict = True
     full = statistics.median(f - n for f, n in zip(times["full"], times["none"])) / _BLOCKS
+    if full_only:
+        return _ChainCosts(len(counter.ops), full, 0.0, 0.0)
     sel = statistics.median(s - n for s, n in zip(times["selective"], times["none"])) / _BLOCKS
     return _ChainCosts(len(counter.ops), full, sel, statistics.median(times["no_grad"]) / _BLOCKS)
 
@@ -179,15 +228,18 @@ def fit_checkpoint_costs(ops: tuple[int, int], full: tuple[float, float], select
 
 
 def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:
-    """The three host costs of a checkpoint on this CPU (see the module docstring). A few
-    seconds at ``rounds=15``."""
+    """The four host costs of a checkpoint on this CPU (see the module docstring). 10-30 s at
+    ``rounds=15`` (the copies between blocks take most of it)."""
     clock, now = _clock()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        short, long = (_chain_costs(k, rounds, now) for k in _CHAINS)
+        short = _chain_costs(_CHAINS[0], rounds, now, full_only=True)
+        long = _chain_costs(_CHAINS[1], rounds, now)
+        nested = _chain_costs(_CHAINS[0], rounds, now, _SUBMODULES, full_only=True)
     call, recompute_op, policy = fit_checkpoint_costs(
         (short.ops, long.ops), (short.full_ms, long.full_ms), long.selective_ms, long.kernels_ms)
     return CheckpointHostCosts(checkpoint_call_ms=call, recompute_op_ms=recompute_op, selective_op_ms=policy,
+                               checkpoint_submodule_ms=max(0.0, (nested.full_ms - short.full_ms) / _SUBMODULES),
                                clock=clock)
 
 
@@ -200,6 +252,7 @@ def calibrate_device(base: DeviceSpec | str = "cpu", *, device: str | torch.devi
     if fit.spec.is_cuda or (device is not None and torch.device(device).type == "cuda"):
         return Calibration(spec=fit.spec, fit=fit, checkpoint=None)
     costs = measure_checkpoint_costs(rounds)
-    spec = fit.spec.replace(checkpoint_call_ms=costs.checkpoint_call_ms, recompute_op_ms=costs.recompute_op_ms,
-                            selective_op_ms=costs.selective_op_ms)
+    spec = fit.spec.replace(checkpoint_call_ms=costs.checkpoint_call_ms,
+                            checkpoint_submodule_ms=costs.checkpoint_submodule_ms,
+                            recompute_op_ms=costs.recompute_op_ms, selective_op_ms=costs.selective_op_ms)
     return Calibration(spec=spec, fit=fit, checkpoint=costs)

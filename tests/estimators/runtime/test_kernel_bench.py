@@ -231,3 +231,47 @@ def test_recorded_signatures_fill_the_same_layers_as_calls(tmp_path, caplog):
     _counted_calls["n"] = 0
     assert bench.op_runtime_ms(aten.mm.default, (a, b), {}, a @ b) == ms  # a hit, not re-run
     assert (bench.hits, bench.misses, bench.measurements) == (1, 0, 1)
+
+
+def test_stream_floor_prices_a_kernel_no_faster_than_its_bytes_at_the_streaming_bandwidth(tmp_path):
+    """An add of two 256 KiB float tensors moves 768 KiB (two read, one written): at 1 KiB per ms
+    it is priced 768 ms whatever its warm timing; at an unreachable bandwidth, at its timing; a
+    view moves nothing and stays 0. The cache file keeps the warm timing, not the floor; without
+    ``stream_floor`` (the default) the warm timing is the price."""
+    x, y = torch.rand(256, 256), torch.rand(256, 256)
+    slow = BenchmarkRuntime(stream_floor=True, stream_bytes_per_ms=1024.0, cache_path=tmp_path / "t.json")
+    assert price(slow, torch.ops.aten.add.Tensor, x, y) == pytest.approx(768.0)
+    assert all(ms < 100 for ms in slow.export_cache().values())
+    assert price(slow, torch.ops.aten.view.default, x, [65536]) == 0.0
+    slow.stream_floor = False
+    raw = price(slow, torch.ops.aten.add.Tensor, x, y)
+    assert 0 < raw < 100 and slow.hits == 1
+    fast = BenchmarkRuntime(stream_floor=True, stream_bytes_per_ms=1e15)
+    fast.import_cache(slow.export_cache())
+    assert price(fast, torch.ops.aten.add.Tensor, x, y) == raw
+    plain = BenchmarkRuntime(stream_bytes_per_ms=1024.0)
+    plain.import_cache(slow.export_cache())
+    assert price(plain, torch.ops.aten.add.Tensor, x, y) == raw
+
+
+def test_the_streaming_bandwidth_is_measured_once_and_checked():
+    """Timed on first use (a copy past the caches: some GB/s on any CPU), then kept; a given
+    figure must be a finite number > 0."""
+    bench = BenchmarkRuntime()
+    first = bench.stream_bytes_per_ms
+    assert 1e5 < first < 1e9 and bench.stream_bytes_per_ms == first
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="stream_bytes_per_ms"):
+            BenchmarkRuntime(stream_bytes_per_ms=bad)
+
+
+def test_the_streaming_bandwidth_is_timed_on_real_tensors_inside_a_fake_trace():
+    """First asked while a trace's FakeTensorMode is active (the first op it prices), the copy
+    still runs on real memory: the same order of bandwidth as outside (a fake copy is free, and
+    gave 1.3 TB/s here)."""
+    outside = BenchmarkRuntime().stream_bytes_per_ms
+    bench = BenchmarkRuntime(stream_floor=True)
+    with FakeTensorMode():
+        x = torch.empty(64, 64)
+        price(bench, torch.ops.aten.add.Tensor, x, x)
+    assert bench.stream_bytes_per_ms < 5 * outside

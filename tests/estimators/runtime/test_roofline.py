@@ -212,3 +212,18 @@ def test_symbolic_shapes_are_priced_by_their_hints(h100):
 def test_roofline_is_a_runtime_model(h100):
     assert isinstance(h100, RuntimeModel)
     assert h100.name == "roofline:h100"
+
+
+def test_the_roofline_says_which_spec_and_efficiencies_it_prices_with(caplog):
+    """Once per spec, at INFO: the spec's one-line summary (name, peaks, efficiencies, launch
+    time, checkpoint host costs), so a calibrated spec's figures are on record where it is used."""
+    import logging
+
+    spec = get_device_spec("cpu").replace(name="cpu-announced-test", compute_efficiency=0.31,
+                                          bandwidth_efficiency=0.62)
+    with caplog.at_level(logging.INFO, logger="estimators.runtime.roofline"):
+        RooflineRuntime(spec)
+        RooflineRuntime(spec)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("roofline on")]
+    assert said == [f"roofline on {spec.summary()}"]
+    assert "cpu-announced-test" in said[0] and "x 0.31 eff" in said[0] and "x 0.62 eff" in said[0]

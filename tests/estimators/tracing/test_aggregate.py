@@ -142,3 +142,39 @@ def test_recompute_is_priced_with_the_checkpoints_host_costs():
     assert s.full_recompute_ms == pytest.approx(replay_ms(s.ops, lambda i, o: True) + 2.0)
     assert (base.checkpoint_call_ms, base.selective_policy_ms) == (0.0, 0.0)
     assert base.full_recompute_ms == pytest.approx(replay_ms(base.ops, lambda i, o: True))
+
+
+class Nested(nn.Module):
+    """A block with four modules nested in it, two levels deep, called once."""
+
+    def __init__(self):
+        super().__init__()
+        self.blk = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Tanh(), nn.Linear(4, 4)))
+
+    def forward(self, x):
+        return self.blk(x)
+
+
+@pytest.mark.parametrize("model, fqn, calls, nested", [(Twice, "Twice.blk", 2, 2), (Nested, "Nested.blk", 1, 4)])
+def test_each_call_is_priced_per_module_nested_in_it(model, fqn, calls, nested):
+    """checkpoint_submodule_ms is paid per call and per module that ran nested in the checkpointed
+    one, at any depth, each once (Twice.blk: Linear and Tanh, run twice a call; Nested.blk: two
+    Linears, a Tanh and the inner Sequential): checkpoint_call_ms, the fixed recompute and the
+    full recompute each rise by calls * nested * that cost, and nothing else moves."""
+    from estimators.runtime.device import get_device_spec
+
+    step = TrainStep(inputs=(torch.randn(3, 4),))
+    plain = get_device_spec("cpu").replace(checkpoint_call_ms=1.0)
+    base = estimate(model(), step, device=plain).module_info.stats(fqn)
+    s = estimate(model(), step, device=plain.replace(checkpoint_submodule_ms=0.125)).module_info.stats(fqn)
+    extra = calls * nested * 0.125
+    assert base.checkpoint_call_ms == calls * 1.0
+    assert s.checkpoint_call_ms == pytest.approx(base.checkpoint_call_ms + extra)
+    assert s.recompute_fixed_ms == pytest.approx(base.recompute_fixed_ms + extra)
+    assert s.full_recompute_ms == pytest.approx(base.full_recompute_ms + extra)
+    assert [o.runtime_ms for o in s.ops] == [o.runtime_ms for o in base.ops]
+    # What the solver prices a checkpoint of it at, whatever it discards.
+    from solver.plan_cost import module_recompute_ms
+
+    for discarded in (0, s.sac_memory_bytes // 2, s.sac_memory_bytes):
+        assert module_recompute_ms(s, discarded) == pytest.approx(module_recompute_ms(base, discarded) + extra)

@@ -34,9 +34,10 @@ def test_a_calibrated_spec_plans_and_reports_what_it_measured(one_intra_op_threa
     spec = cal.spec
     assert spec.name == "cpu-calibrated" and 0 < spec.compute_efficiency <= 1 and spec.kernel_launch_ms > 0
     assert cal.checkpoint is not None and cal.checkpoint.clock == "thread"
-    assert (spec.checkpoint_call_ms, spec.recompute_op_ms, spec.selective_op_ms) == (
-        cal.checkpoint.checkpoint_call_ms, cal.checkpoint.recompute_op_ms, cal.checkpoint.selective_op_ms)
+    assert (spec.checkpoint_call_ms, spec.checkpoint_submodule_ms, spec.recompute_op_ms, spec.selective_op_ms) == (
+        cal.checkpoint.checkpoint_call_ms, cal.checkpoint.checkpoint_submodule_ms, cal.checkpoint.recompute_op_ms,
+        cal.checkpoint.selective_op_ms)
     report = cal.report()
-    assert spec.summary() in report and "mm 512x512x512" in report and "per call" in report
+    assert spec.summary() in report and "mm 512x512x512" in report and "per call" in report and "per submodule" in report
     assert PlanOptions(device=spec).spec is spec
     assert torch.get_num_threads() == 1
