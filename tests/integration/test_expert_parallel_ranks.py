@@ -7,11 +7,12 @@ peak ``plan_expert_parallel`` predicts for the load that rank was given (the acc
 gradient shards are bitwise those of the unplanned EP run; every rank holds the same plan.
 EP 2 x FSDP2 on 4 ranks: within 1 % of MemTracker (it measures 82 B more), gradients bitwise.
 HF's Qwen2-MoE under transformers' own EP (its ``apply_expert_parallelism``): the same three
-routings and checks. The workers are in tests/integration/ep_ranks.py; each group of cases runs
-on one spawn of the ranks."""
+routings and checks. The workers are in tests/integration/ep_ranks.py; the cases of one world size
+run on one spawn of the ranks."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -24,26 +25,45 @@ from tests.planner.spawned import run_ranks  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 
+_GROUPS = {"test_every_ep_rank_measures_the_peak_of_its_load": (2, list(ep_ranks.CASES)),
+           "test_hf_qwen2_moe_under_transformers_ep_measures_the_peak_of_its_load":
+           (2, [f"hf_{n}" for n in ep_ranks.CASES]),
+           "test_ep_x_fsdp2_on_four_ranks": (4, ["fsdp"])}
+"""Test -> (world, the worker's case names it reads): torchtitan's at EP = world, HF's
+Qwen2-MoE under its own EP, EP 2 x FSDP2."""
+
+
+def _hf_ep_available() -> bool:
+    try:
+        return importlib.util.find_spec("transformers.distributed.expert_parallel") is not None
+    except ModuleNotFoundError:
+        return False
+
+
 @pytest.fixture(scope="module")
-def ranks_of(tmp_path_factory):
-    """(world, group) -> per rank {case: result}: each group's cases on one spawn of ranks
-    ("ep": torchtitan's at EP = world, "fsdp": EP 2 x FSDP2, "hf": HF's Qwen2-MoE)."""
+def ranks_of(request, tmp_path_factory):
+    """world -> per rank {case: result}: the cases of every test selected in this run that runs
+    on ``world`` ranks, on ONE spawn of them (torchtitan's and HF's world-2 cases share it: a
+    spawn's imports cost as much as a case), the first time a test asks for that world."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    if not _hf_ep_available():  # that test skips
+        selected.discard("test_hf_qwen2_moe_under_transformers_ep_measures_the_peak_of_its_load")
     done = {}
 
-    def run(world: int, group: str) -> list[dict]:
-        if (world, group) not in done:
-            names = {"ep": list(ep_ranks.CASES), "fsdp": ["fsdp"], "hf": [f"hf_{n}" for n in ep_ranks.CASES]}[group]
-            tmp = tmp_path_factory.mktemp(f"{group}{world}")
+    def run(world: int) -> list[dict]:
+        if world not in done:
+            names = [n for test, (w, cases) in _GROUPS.items() if w == world and test in selected for n in cases]
+            tmp = tmp_path_factory.mktemp(f"world{world}")
             run_ranks(ep_ranks.worker, world, (world, str(tmp), names), timeout_s=1800)
-            done[world, group] = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
-        return done[world, group]
+            done[world] = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+        return done[world]
 
     return run
 
 
 @pytest.mark.parametrize("case", list(ep_ranks.CASES))
 def test_every_ep_rank_measures_the_peak_of_its_load(ranks_of, case):
-    _check_cases(case, [r[case] for r in ranks_of(2, "ep")])
+    _check_cases(case, [r[case] for r in ranks_of(2)])
 
 
 @pytest.mark.hf
@@ -52,7 +72,7 @@ def test_hf_qwen2_moe_under_transformers_ep_measures_the_peak_of_its_load(ranks_
     """HF's own EP (``apply_expert_parallelism``): its dispatcher closes over an object holding the
     experts' bound forward, and exchanges the counts with ``dist.all_to_all_single`` in place."""
     pytest.importorskip("transformers.distributed.expert_parallel", reason="transformers without its EP")
-    _check_cases(case, [r[f"hf_{case}"] for r in ranks_of(2, "hf")])
+    _check_cases(case, [r[f"hf_{case}"] for r in ranks_of(2)])
 
 
 def _check_cases(case: str, results: list[dict]) -> None:
@@ -72,7 +92,7 @@ def _check_cases(case: str, results: list[dict]) -> None:
 
 
 def test_ep_x_fsdp2_on_four_ranks(ranks_of):
-    results = [r["fsdp"] for r in ranks_of(4, "fsdp")]
+    results = [r["fsdp"] for r in ranks_of(4)]
     for rank, r in enumerate(results):
         print(f"EP 2 x FSDP2 2, rank {rank}: no-AC predicted {r['no_ac_predicted']:,} measured "
               f"{r['no_ac_measured']:,}; budget {r['budget']:,} predicted {r['predicted']:,} measured "

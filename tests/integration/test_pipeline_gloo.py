@@ -1,6 +1,7 @@
 """A pipeline planned per stage and run for real: 2 gloo ranks, Schedule1F1B, 4 micro-batches,
 3 AdamW steps, MemTracker on each rank; PP 2 x TP 2 and PP 2 x FSDP 2 on 4 ranks, PP 2 x FSDP 2 x
-TP 2 on 8 with SAC_EIGHT_RANKS=1 (the acceptance tables are benchmarks/pipeline_e2e.py's, with and without --tp and --dp)."""
+TP 2 on 8 with SAC_EIGHT_RANKS=1 (the acceptance tables are benchmarks/pipeline_e2e.py's, with and without --tp and --dp).
+The two 4-rank layouts share one spawn of ranks (``four_ranks``); each test asserts its own."""
 
 import os
 
@@ -28,15 +29,10 @@ def test_each_ranks_measured_peak_is_its_prediction_and_gradients_stay_bitwise()
         assert rank_plans[rank].modules  # the budget needed a plan
 
 
-def test_pp_x_tp_each_ranks_measured_peak_is_its_prediction_and_gradient_shards_stay_bitwise():
-    """PP 2 x TP 2 on 4 gloo ranks (each stage parallelized as torchtitan does, loss_parallel):
-    every rank planned on the fake process group at its local shapes; 1F1B with sequence
-    parallelism, GPipe without; unplanned and at a middle budget, predicted = measured to
-    the byte on every rank, gradient shards bitwise, the plan within its budget, the same on
-    both ranks of a stage's TP group and the same when each rank plans on the live gloo group."""
-    from benchmarks._pipeline_ranks import RunConfig, rank_worker, run_ranks
+def _pp_x_tp_cases():
+    """PP 2 x TP 2: (configs, expected) of 1F1B with sequence parallelism and GPipe without."""
+    from benchmarks._pipeline_ranks import RunConfig
     from benchmarks.pipeline_e2e import plan_tp_ranks
-    from planner.distributed.ranks import plan_hash
 
     layouts = {True: [("1F1B", 4)], False: [("GPipe", 4)]}
     configs, expected = [], []
@@ -49,7 +45,59 @@ def test_pp_x_tp_each_ranks_measured_peak_is_its_prediction_and_gradient_shards_
             configs += [RunConfig(*case, None, tp=2, sequence_parallel=sp),
                         RunConfig(*case, plans, tp=2, sequence_parallel=sp, plan_here_gib=live)]
             expected.append((sp, case, by_rank))
-    results = run_ranks(rank_worker, 4, "llama", configs, timeout_s=1500)
+    return configs, expected
+
+
+def _pp_x_fsdp_cases():
+    """PP 2 x FSDP 2: (configs, expected) of 1F1B and Interleaved1F1B."""
+    from benchmarks._pipeline_ranks import RunConfig
+    from benchmarks.pipeline_e2e import plan_tp_ranks
+
+    cases = [("1F1B", 4), ("Interleaved1F1B", 4)]
+    planned = plan_tp_ranks(2, 1, True, cases, fractions=(0.5,), dp=2)
+    configs, expected = [], []
+    for case in cases:
+        by_rank = planned[case]
+        plans = {r: by_rank[r][2][0][1] for r in by_rank}
+        live = {r: by_rank[r][2][0][0] / 2**30 for r in by_rank} if case == ("1F1B", 4) else None
+        configs += [RunConfig(*case, None, dp=2), RunConfig(*case, plans, dp=2, plan_here_gib=live)]
+        expected.append((case, by_rank))
+    return configs, expected
+
+
+_FOUR_RANK_LAYOUTS = {"test_pp_x_tp_each_ranks_measured_peak_is_its_prediction_and_gradient_shards_stay_bitwise":
+                      ("tp", _pp_x_tp_cases),
+                      "test_pp_x_fsdp_each_ranks_measured_peak_is_its_prediction_and_gradient_shards_stay_bitwise":
+                      ("fsdp", _pp_x_fsdp_cases)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(request):
+    """{"tp" | "fsdp": (expected, per-rank results of its configs)}: the 4-rank layouts of the
+    tests selected in this run planned here, then run on ONE spawn of 4 gloo ranks (a spawn's
+    imports and model builds cost as much as a layout), each test asserting its own."""
+    from benchmarks._pipeline_ranks import rank_worker, run_ranks
+
+    names = {item.originalname for item in request.session.items if item.module is request.module}
+    groups = [group for name, group in _FOUR_RANK_LAYOUTS.items() if name in names]
+    configs, spans = [], {}
+    for key, cases in groups:
+        group_configs, expected = cases()
+        spans[key] = (expected, len(configs), len(group_configs))
+        configs += group_configs
+    results = run_ranks(rank_worker, 4, "llama", configs, timeout_s=2400)
+    return {key: (expected, [per_rank[at:at + n] for per_rank in results]) for key, (expected, at, n) in spans.items()}
+
+
+def test_pp_x_tp_each_ranks_measured_peak_is_its_prediction_and_gradient_shards_stay_bitwise(four_ranks):
+    """PP 2 x TP 2 on 4 gloo ranks (each stage parallelized as torchtitan does, loss_parallel):
+    every rank planned on the fake process group at its local shapes; 1F1B with sequence
+    parallelism, GPipe without; unplanned and at a middle budget, predicted = measured to
+    the byte on every rank, gradient shards bitwise, the plan within its budget, the same on
+    both ranks of a stage's TP group and the same when each rank plans on the live gloo group."""
+    from planner.distributed.ranks import plan_hash
+
+    expected, results = four_ranks["tp"]
     for i, (sp, case, by_rank) in enumerate(expected):
         for rank in range(4):
             unplanned, _, [(budget, plans)] = by_rank[rank]
@@ -64,28 +112,17 @@ def test_pp_x_tp_each_ranks_measured_peak_is_its_prediction_and_gradient_shards_
                 assert with_plan["live_plan_hashes"] == {s: plan_hash(p) for s, p in plans.items()}, where
 
 
-def test_pp_x_fsdp_each_ranks_measured_peak_is_its_prediction_and_gradient_shards_stay_bitwise():
+def test_pp_x_fsdp_each_ranks_measured_peak_is_its_prediction_and_gradient_shards_stay_bitwise(four_ranks):
     """PP 2 x FSDP 2 on 4 gloo ranks (each stage sharded by FSDP2 as torchtitan does under PP:
     units kept gathered through the step, the reduce after the stage's last backward), 1F1B and
     Interleaved1F1B (a stage reduced mid-step), each dp replica on its own batch: unplanned and
     at a middle budget, predicted = measured to the byte on every rank, gradient shards bitwise,
     the plan within its budget, and under 1F1B the same plan when each rank plans on the live
     gloo group."""
-    from benchmarks._pipeline_ranks import RunConfig, rank_worker, run_ranks
-    from benchmarks.pipeline_e2e import plan_tp_ranks
     from planner.distributed.ranks import plan_hash
 
-    cases = [("1F1B", 4), ("Interleaved1F1B", 4)]
-    planned = plan_tp_ranks(2, 1, True, cases, fractions=(0.5,), dp=2)
-    configs = []
-    for case in cases:
-        by_rank = planned[case]
-        plans = {r: by_rank[r][2][0][1] for r in by_rank}
-        live = {r: by_rank[r][2][0][0] / 2**30 for r in by_rank} if case == ("1F1B", 4) else None
-        configs += [RunConfig(*case, None, dp=2), RunConfig(*case, plans, dp=2, plan_here_gib=live)]
-    results = run_ranks(rank_worker, 4, "llama", configs, timeout_s=1500)
-    for i, case in enumerate(cases):
-        by_rank = planned[case]
+    expected, results = four_ranks["fsdp"]
+    for i, (case, by_rank) in enumerate(expected):
         for rank in range(4):
             unplanned, _, [(budget, plans)] = by_rank[rank]
             plain, with_plan = results[rank][2 * i], results[rank][2 * i + 1]
