@@ -264,9 +264,9 @@ def estimate(
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
     t0 = time.perf_counter()
-    # A model fully_shard sharded is copied unit by unit (estimators.tracing.sharded_model), and a
-    # pipeline stage's trace carries marks (op positions) that laying blocks in would move: traced whole.
-    stacks = (find_stacks(model) if fake and options.replicate_blocks and prepare is None and step.stage is None
+    # A model fully_shard sharded is copied unit by unit (estimators.tracing.sharded_model): traced
+    # whole. A pipeline stage's marks (op positions) move with the blocks laid in (replicate).
+    stacks = (find_stacks(model) if fake and options.replicate_blocks and prepare is None
               and not fsdp_units_of(model) else [])
     trace, without_grad, stacks, placed = _trace(model, step, spec, options, prepare, cuda_rules, frozenset(), stacks)
     if (without_grad and (step.optimizer is not None or step.grads_alive_at_start)) or placed:

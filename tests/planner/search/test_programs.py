@@ -60,3 +60,44 @@ def test_a_stage_program_is_traced_once_and_equals_its_own_trace(tp):
                 (m.fqn, m.sac_memory_bytes) for m in own.module_info.mod_stats]
             assert est.module_info.peak_bytes == own.module_info.peak_bytes
         assert cases.planner(two_by_two, 0) is not None
+
+
+def llama_32_layers(*, seq_len: int = 32):
+    return build_llama(LlamaConfig(vocab_size=256, seq_len=seq_len, n_layers=32, dim=64, n_heads=4, n_kv_heads=2,
+                                   ffn_dim=128), batch_size=1)
+
+
+def _stage_figures(est):
+    """What the pipeline planner reads off a stage's trace: its marks, the marked storages' bytes."""
+    t = est.trace
+    return (t.marks, {k: sum(t.storages[s].nbytes for s in set(v)) for k, v in t.marked_sids.items()})
+
+
+@pytest.mark.parametrize("tp,schedule,stage", [(1, "1F1B", 1), (1, "1F1B", 0), (1, "1F1B", 3),
+                                               (2, "1F1B", 1), (2, "1F1B", 3), (1, "InterleavedZeroBubble", 1)])
+def test_a_stage_laid_in_from_four_blocks_is_its_full_trace(tp, schedule, stage):
+    """A stage of 8 (or 4 x 2: 4) decoder layers traced with its repeated blocks laid in equals
+    its trace block by block: every record, the memory timeline, the module stats, the marks."""
+    import dataclasses
+
+    from estimators.tracing.estimation import EstimateOptions
+    from tests.estimators.tracing.trace_equivalence import estimate_difference
+
+    family = model_family(llama_32_layers, seq_len=32)
+    cluster = Cluster.parse("8xh100")
+    t = Layout(tp=tp, pp=2 if schedule == "InterleavedZeroBubble" else 4, micro_batch=1, accumulation=8,
+               schedule=schedule)
+    n = t.n_stages
+    with World(family, cluster, tp=tp, cp=1) as world:
+        cases = PipelineCases(_Evaluator(cluster), world)
+        ranges = family.stage_layers(n)
+        module = world.stage_module(ranges[stage], first=stage == 0, last=stage == n - 1)
+        role = StageRole(is_first=stage == 0, is_last=stage == n - 1, split_backward=t.split_backward)
+        opts = cases.options(t, stage)
+        laid = trace_stage(module, world.stage_step(stage, n, 1), role, opts)
+        full = trace_stage(module, world.stage_step(stage, n, 1), role,
+                           dataclasses.replace(opts, trace=EstimateOptions(replicate_blocks=False)))
+    # A zero-bubble stage's weight half runs the blocks' backward again: traced whole (said at DEBUG).
+    assert bool(laid.trace.twin_of) is not t.split_backward
+    assert estimate_difference(full, laid) == ""
+    assert _stage_figures(laid) == _stage_figures(full)
