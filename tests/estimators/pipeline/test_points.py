@@ -9,25 +9,14 @@ import random
 import pytest
 
 import estimators.pipeline.points as points_module
-from examples.llama import LlamaConfig, build_llama
 from planner.search import Cluster
 from planner.search.family import model_family
 from planner.search.layouts import Layout
 from planner.search.pipeline_eval import PipelineCases
 from planner.search.programs import World
-from solver import SolverOptions
+from tests.planner.search.test_programs import _Evaluator, llama_8_layers
 
 pytestmark = pytest.mark.slow
-
-
-def llama_8_layers(*, seq_len: int = 32):
-    return build_llama(LlamaConfig(vocab_size=256, seq_len=seq_len, n_layers=8, dim=64, n_heads=4, n_kv_heads=2,
-                                   ffn_dim=128), batch_size=1)
-
-
-class _Evaluator:
-    def __init__(self, cluster):
-        self.cluster, self.solver = cluster, SolverOptions()
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "InterleavedZeroBubble"])
