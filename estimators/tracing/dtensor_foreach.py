@@ -83,7 +83,7 @@ def _local_call(fallback, op, args: tuple, kwargs: dict) -> Any:
 
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-    out = op(*[local(a) for a in args])
+    out = op(*[local(a) for a in args], **kwargs)  # kwargs hold no DTensor list (checked above)
     if in_place or not out:  # the DTensors' local tensors were updated
         return out
     return [_wrap(t, like) for t, like in zip(out, lists[0])]

@@ -80,6 +80,7 @@ def test_every_kind_of_call_gives_what_dtensor_gives():
         with local_foreach() if fast else contextlib.nullcontext():
             out = [*torch._foreach_sqrt([a, b])]          # out of place, one list
             torch._foreach_mul_([a, b], 2.0)              # in place, a scalar
+            torch._foreach_add_([c], [b], alpha=3.0)      # a keyword scalar
             torch._foreach_lerp_([b], [p], 0.5)           # in place, a Partial operand: resharded to self's
             torch._foreach_addcmul_([c], [p], [p], 0.5)   # twice
             out += torch._foreach_mul([p], [p])           # a Partial self: DTensor's own path
