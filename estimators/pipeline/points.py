@@ -112,8 +112,24 @@ def rank_module_info(stages: dict[int, StageView], actions, n_microbatches: int,
         points.append(MemoryPoint(op_index=off, phase=Phase.OPTIM, other_bytes=base,
                                   in_flight=tuple((stage_root(t), n) for t, n in sorted(flight.items()) if n)))
     order = ModOrder(**{k: tuple(v) for k, v in orders.items()})
-    info = ModuleInfo(mod_order=order, mod_stats=tuple(stats), memory_points=tuple(points), peak_bytes=rm.peak_bytes,
+    info = ModuleInfo(mod_order=order, mod_stats=tuple(stats), memory_points=_dominant(points), peak_bytes=rm.peak_bytes,
                       fw_runtime_ms=sum(v.profile.fw_ms for v in stages.values()),
                       bw_runtime_ms=sum(v.profile.bw_ms + v.profile.w_ms for v in stages.values()),
                       optimizer_runtime_ms=sum(v.profile.optim_ms for v in stages.values()))
     return info, names
+
+
+def _dominant(points: list[MemoryPoint]) -> tuple[MemoryPoint, ...]:
+    """``points`` less those another point dominates. A point's memory under any plan is its
+    ``other_bytes`` plus a function of its instant, module, recompute marks and micro-batches in
+    flight (``solver.plan_cost.MemoryModel``): of the points alike in all of those, the one with
+    the most ``other_bytes`` is the highest under every plan. A schedule's steady micro-batches
+    repeat one action's points each time: kept once, the rank's MILP has one row per distinct
+    point instead of one per micro-batch, and the same peak under every plan."""
+    best: dict[tuple, int] = {}
+    for i, p in enumerate(points):
+        key = (p.op_index, p.phase, p.fqn, p.recompute_of, p.recompute_in_window, p.in_flight)
+        j = best.get(key)
+        if j is None or p.other_bytes > points[j].other_bytes:
+            best[key] = i
+    return tuple(points[i] for i in sorted(best.values()))

@@ -229,23 +229,27 @@ class BlockLayout:
                 return j
         return None
 
+    # A reference from block j to a block that is not next to it (the last traced block's output
+    # freed in the first one's backward: a pipeline stage's output, kept to its backward's end) is
+    # to that traced block itself, not to the block at that distance once the others are laid in.
+
     def rel_op(self, j: int | None, i: int | None) -> Any:
         if i is None or i < 0:
             return i
         s = self.where(i)
-        if s is None or j is None:
+        if s is None or j is None or abs(s.block - j) > 1:
             return ("g", i)
         return ("o", s.block - j, s.kind, i - s.anchor)
 
     def rel_sid(self, j: int | None, sid: int) -> Ref:
         o = self.owner.get(sid)
-        if o is None or j is None:
+        if o is None or j is None or abs(o - j) > 1:
             return ("g", sid)
         return ("s", o - j, self.key_of[sid])
 
     def rel_call(self, j: int | None, cid: int) -> Ref:
         o = self.subtree_of(cid) if cid >= 0 else None
-        if o is None or j is None:
+        if o is None or j is None or abs(o - j) > 1:
             return ("g", cid)
         return ("c", o - j, cid - self.cids[o])
 

@@ -75,6 +75,7 @@ from estimators.step.optimizer import check_optimizer_params, param_groups, reso
 from estimators.tracing.steady_state import first_step_module_info, first_step_peak, grad_placement_hooks, steady_state
 from estimators.tracing.trace import InplaceModifiedError, StepTrace, StepTracer
 from estimators.tracing.model_calls import refuse_calls_of
+from estimators.tracing.dtensor_foreach import local_foreach
 from estimators.tracing.replicate import NotReplicable, expand_stacks
 from estimators.tracing.routing import ExpertLoad, stated_routing
 from estimators.tracing.stacks import Stack, find_stacks
@@ -135,6 +136,10 @@ class EstimateOptions:
     others in as copies of one (``estimators.tracing.replicate``): the trace the full step gives,
     in the time of four blocks. Where the traced blocks differ, the full model is traced (said at
     DEBUG on ``estimators.tracing.replicate``'s logger). False: always trace every block."""
+    local_foreach: bool = True
+    """Run DTensor's elementwise ``_foreach_`` ops (an optimizer's foreach step) on the local shards
+    where DTensor's dispatch runs that same op there (``estimators.tracing.dtensor_foreach``): the
+    same trace without DTensor's per-element sharding propagation. False: DTensor's dispatch."""
     expert_load: ExpertLoad | None = None
     """The tokens each rank's experts receive, for the routing's value reads (``estimators.tracing.routing``)."""
 
@@ -259,9 +264,9 @@ def estimate(
     fake = options.mode is TraceMode.FAKE
     cuda_rules = options.cuda_semantics if options.cuda_semantics is not None else (spec.is_cuda and fake)
     t0 = time.perf_counter()
-    # A model fully_shard sharded is copied unit by unit (estimators.tracing.sharded_model), and a
-    # pipeline stage's trace carries marks (op positions) that laying blocks in would move: traced whole.
-    stacks = (find_stacks(model) if fake and options.replicate_blocks and prepare is None and step.stage is None
+    # A model fully_shard sharded is copied unit by unit (estimators.tracing.sharded_model): traced
+    # whole. A pipeline stage's marks (op positions) move with the blocks laid in (replicate).
+    stacks = (find_stacks(model) if fake and options.replicate_blocks and prepare is None
               and not fsdp_units_of(model) else [])
     trace, without_grad, stacks, placed = _trace(model, step, spec, options, prepare, cuda_rules, frozenset(), stacks)
     if (without_grad and (step.optimizer is not None or step.grads_alive_at_start)) or placed:
@@ -415,6 +420,8 @@ def _trace_step(
                     tracer.run_op = modes.enter_context(kernels.inline())
                 tracer.run_op = stated_routing(options.expert_load, fake_mode, tracer.run_op)
                 modes.enter_context(tracer)
+                if options.local_foreach:
+                    modes.enter_context(local_foreach())
                 if cuda_rules:
                     modes.enter_context(CudaSemanticsMode())
                 amp = options.cuda_autocast if options.cuda_autocast is not None else (cuda_rules and fake)

@@ -199,7 +199,8 @@ class _Builder:
         return StepTrace(
             ops=ops, storages=storages, calls=calls, leaf_fqns=leaves, param_bytes_by_module=params,
             grad_bytes_by_module=grads, device=trace.device, previous_output_sids=trace.previous_output_sids,
-            twin_of=twin_of,
+            twin_of=twin_of, marked_sids=dict(trace.marked_sids),  # storages keep their ids
+            marks={name: self.new_of[i] if i < len(self.new_of) else len(ops) for name, i in trace.marks.items()},
         )
 
     def _from_template(self, n: int, p: int, t: TemplateOp) -> OpRecord:

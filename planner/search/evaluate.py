@@ -68,6 +68,8 @@ class Evaluator:
         self.progress = progress
         self.traced = 0
         self.trace_s = 0.0
+        self.stage_cache: dict = {}
+        """Stage traces and rank planners, kept across the search's Worlds (``World.trace_stages``)."""
         self.t0 = time.perf_counter()
         self.done = 0
         self.total = 0
@@ -95,7 +97,8 @@ class Evaluator:
                 group = [t for t in group if t.pp == 1]
             if not group:
                 continue
-            with World(self.family, self.cluster, tp=tp, cp=cp, progress=self.progress) as world:
+            with World(self.family, self.cluster, tp=tp, cp=cp, progress=self.progress,
+                       stage_cache=self.stage_cache) as world:
                 pipes = PipelineCases(self, world)
                 refusal = pp_tp_refusal(world) if tp > 1 and any(t.pp > 1 for t in group) else ""
                 for t in sorted((t for t in group if t.pp == 1), key=lambda t: (t.micro_batch, -t.dp_shard)):
@@ -121,7 +124,8 @@ class Evaluator:
                 if e is None:
                     if world is None or (world.tp, world.cp) != (t.tp, t.cp):
                         self._close(world)
-                        world = World(self.family, self.cluster, tp=t.tp, cp=t.cp, progress=self.progress).__enter__()
+                        world = World(self.family, self.cluster, tp=t.tp, cp=t.cp, progress=self.progress,
+                                  stage_cache=self.stage_cache).__enter__()
                         pipes = PipelineCases(self, world)
                     e = replace(pipes.evaluate(t), bound_ms=pending[t].step_ms, floor_bytes=pending[t].floor_bytes)
                 out[t] = e

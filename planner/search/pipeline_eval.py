@@ -42,7 +42,9 @@ class PipelineCases:
     def __init__(self, evaluator, world: World | None) -> None:
         self.ev, self.world = evaluator, world
         """None: verification only (``verify`` makes its own fake process groups)."""
-        self.planners: dict[tuple, object] = {}
+        cache = getattr(evaluator, "stage_cache", None) if world is not None else None
+        self.planners: dict[tuple, object] = {} if cache is None else cache.setdefault(("planners", world.tp, world.cp), {})
+        """Rank planners by (split, schedule, micro-batches, rank, verify): kept across this (TP, CP)'s Worlds."""
         self.traced = 0
         """Stage programs ``verify`` traced."""
 

@@ -59,11 +59,17 @@ class StageTraces:
 class World:
     """A fake process group of ``tp x cp`` ranks with the model built and parallelized in it."""
 
-    def __init__(self, family, cluster, *, tp: int, cp: int, progress: bool = False) -> None:
+    def __init__(self, family, cluster, *, tp: int, cp: int, progress: bool = False,
+                 stage_cache: dict | None = None) -> None:
+        """``stage_cache``: the stage traces of earlier Worlds of the search (kept across a
+        (TP, CP) world closed and opened again, and across splits: see ``trace_stages``)."""
         self.family, self.cluster, self.tp, self.cp = family, cluster, tp, cp
         self.progress = progress
         self._models: dict[Any, Estimate] = {}
-        self._stages: dict[Any, StageTraces] = {}
+        cache = stage_cache if stage_cache is not None else {}
+        self._stages: dict[Any, StageTraces] = cache.setdefault(("splits", tp, cp), {})
+        self._programs: dict[tuple, tuple[Estimate, int]] = cache.setdefault(("programs", tp, cp), {})
+        """(micro-batch, split backward, first, last, layers) -> (the stage's trace, its first layer)."""
         self.cache: dict[Any, Any] = {}
         """What an evaluator derives from this world's traces (per-rank points, MILPs)."""
         self.traced = 0
@@ -161,9 +167,12 @@ class World:
         return module
 
     def trace_stages(self, split: StageSet, *, options_for) -> StageTraces:
-        """Every stage of ``split``, the middle ones from one trace per layer count (cached).
-        ``options_for(stage)``: the PlanOptions a RankPlanner of that stage uses (the trace must
-        be the one it would make)."""
+        """Every stage of ``split``, each distinct stage program traced once (cached across
+        splits and across this (TP, CP)'s Worlds). A stage's program is fixed by its role (first,
+        last, split backward), its layer count and the micro-batch: a stage of the same program
+        under other layer names (a middle stage of 10 layers at layers 10-19 or 40-49, in a split
+        of 8 stages or of 4 ranks x 2) is the traced one renamed. ``options_for(stage)``: the
+        PlanOptions a RankPlanner of that stage uses (the trace must be the one it would make)."""
         if split in self._stages:
             return self._stages[split]
         from estimators.pipeline.stage_trace import renamed
@@ -174,23 +183,21 @@ class World:
         modules = {s: self.stage_module(ranges[s], first=s == 0, last=s == n - 1) for s in range(n)}
         steps = {s: self.stage_step(s, n, split.micro_batch) for s in range(n)}
         estimates: dict[int, Estimate] = {}
-        middle: dict[int, int] = {}  # layer count -> the middle stage traced for it
         traced = 0
         for s in range(n):
-            kind = len(ranges[s]) if 0 < s < n - 1 else None
-            if kind is not None and kind in middle:
-                base = middle[kind]
-                shift = ranges[s].start - ranges[base].start
-                estimates[s] = renamed(estimates[base], lambda f, k=shift: _shift_layers(f, k))
+            key = (split.micro_batch, split.split, s == 0, s == n - 1, len(ranges[s]))
+            if key in self._programs:
+                est, start = self._programs[key]
+                shift = ranges[s].start - start
+                estimates[s] = renamed(est, lambda f, k=shift: _shift_layers(f, k)) if shift else est
                 continue
             t0 = time.perf_counter()
             role = StageRole(is_first=s == 0, is_last=s == n - 1, split_backward=split.split)
             estimates[s] = trace_stage(modules[s], steps[s], role, options_for(s))
+            self._programs[key] = (estimates[s], ranges[s].start)
             traced += 1
             self._note(t0, f"TP {self.tp} CP {self.cp} mb {split.micro_batch}: stage {s} of {n} "
                            f"({len(ranges[s])} layers{', split backward' if split.split else ''})")
-            if kind is not None:
-                middle[kind] = s
         self._stages[split] = StageTraces(modules, steps, estimates, traced)
         return self._stages[split]
 
