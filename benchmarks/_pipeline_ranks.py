@@ -252,7 +252,7 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 1800.0) -> list:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks; its results by rank, or RuntimeError."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("forkserver")  # fresh interpreters; under pytest with torch preloaded (tests/conftest.py)
+    ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, q, timeout_s)) for r in range(world)]

@@ -27,7 +27,6 @@ import ast  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
 import importlib.abc  # noqa: E402
-import multiprocessing  # noqa: E402
 import multiprocessing.process  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -36,14 +35,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
-# Gloo ranks start from the fork server (``start_method="forkserver"``: tests/planner/spawned.py,
-# benchmarks/_pipeline_ranks.py), which imports torch once per test process, here with the
-# environment above: each rank is a fork of it, a fresh interpreter as a spawned one is but for
-# torch already imported (a spawned rank spent about 4 s of CPU importing it, and a run of the
-# suite starts dozens). The server starts no thread and makes no process group.
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor",
-                                        "torch.distributed.pipelining"])
 
 WHOLE_MODEL_TESTS = Path(__file__).parent / "integration"
 """Whole-model tests (HF families, trainers' loops, the notebook, parallel layouts): ``slow``."""

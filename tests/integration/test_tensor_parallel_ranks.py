@@ -93,8 +93,7 @@ def ranks_of(tmp_path_factory):
             names = list(_LAYOUTS[world])
             cases, hashes = zip(*(_LAYOUTS[world][n]() for n in names))
             tmp = tmp_path_factory.mktemp(f"world{world}")
-            mp.start_processes(tp_ranks.layouts_worker, args=(world, str(tmp), list(cases)), nprocs=world,
-                               start_method="forkserver")
+            mp.spawn(tp_ranks.layouts_worker, args=(world, str(tmp), list(cases)), nprocs=world)
             per_rank = _read(tmp, world)
             done[world] = {n: ([r[i] for r in per_rank], hashes[i]) for i, n in enumerate(names)}
         return done[world]

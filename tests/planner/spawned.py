@@ -27,15 +27,14 @@ def leave_rank() -> None:
 
 
 def run_ranks(worker, world_size: int, args: tuple = (), *, timeout_s: float = 120.0) -> None:
-    """Start ``worker(rank, *args)`` on ``world_size`` processes (forks of the fork server: fresh
-    interpreters with torch imported, tests/conftest.py) and wait at most ``timeout_s``:
+    """Spawn ``worker(rank, *args)`` on ``world_size`` processes and wait at most ``timeout_s``:
     a rank still running then is killed (SIGKILL, by the pid this call started) and the test
     fails, so no test waits for a hung collective."""
     import time
 
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(worker, args=args, nprocs=world_size, join=False, start_method="forkserver")
+    context = mp.start_processes(worker, args=args, nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):

@@ -133,7 +133,7 @@ def ranks(tmp_path_factory):
     """(tmp folder, per-rank results, budget GiB, reference loss, no-AC peak): one spawn of both ranks."""
     tmp = tmp_path_factory.mktemp("ranks")
     budget_gib, ref_loss, no_ac_peak = _budget_and_reference()
-    mp.start_processes(_worker, args=(str(tmp), budget_gib), nprocs=WORLD_SIZE, start_method="forkserver")
+    mp.spawn(_worker, args=(str(tmp), budget_gib), nprocs=WORLD_SIZE)
     return tmp, _read(tmp), budget_gib, ref_loss, no_ac_peak
 
 

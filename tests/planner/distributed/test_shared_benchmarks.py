@@ -104,11 +104,10 @@ def _budget_gib() -> float:
 
 @pytest.mark.multiproc
 def test_benchmarks_are_split_merged_and_rank0_plans_from_them(tmp_path):
-    # Not fork: the workers run real kernels, and a child forked after the parent used its
-    # OpenMP pool can deadlock in its first parallel op (seen in a full-suite run). The fork
-    # server (tests/conftest.py) has imported torch and run no op: it has no pool to inherit.
+    # spawn, not fork: the workers run real kernels, and a child forked after the parent used
+    # its OpenMP pool can deadlock in its first parallel op (seen in a full-suite run).
     mp.start_processes(_worker, args=(str(tmp_path), _budget_gib()), nprocs=WORLD_SIZE,
-                       start_method="forkserver")
+                       start_method="spawn")
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE))
     total = r0["signature_count"]
     assert total > 20 and r1["signature_count"] == total

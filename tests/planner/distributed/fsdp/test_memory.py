@@ -270,7 +270,7 @@ def test_solve_sac_counts_fsdp_like_solve_sac_distributed(tmp_path):
     est = estimate(model, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"))
     milp = SACMilp(fsdp_module_info(est.module_info, _SPAWN_UNITS, 2), world_size=2, fsdp_units=_SPAWN_UNITS)
     budget_gib = (milp.min_reachable_peak_bytes() + milp.no_ac_peak_bytes) / 2 / GiB
-    mp.start_processes(_planning_worker, args=(str(tmp_path), budget_gib), nprocs=2, start_method="forkserver")
+    mp.spawn(_planning_worker, args=(str(tmp_path), budget_gib), nprocs=2)
     distributed = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     local = solve_sac(model, budget_gib, TrainStep(inputs=inputs, loss_fn=model.loss_fn, optimizer="adamw"), options=PlanOptions(world_size=2, fsdp_units=_SPAWN_UNITS))
     assert local.modules, "the budget must bind"
