@@ -84,7 +84,7 @@ def _local_grads(modules) -> list[torch.Tensor]:
 
 
 def _model_run(t, mesh, plan):
-    """A whole-model layout: (modules, optimizer, one step, what the step holds beside them)."""
+    """A whole-model layout: (modules, optimizer, one step)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -113,7 +113,7 @@ def _model_run(t, mesh, plan):
                 loss.backward()
         opt.step()
 
-    return [model], opt, step, []
+    return [model], opt, step
 
 
 class _null:
@@ -199,8 +199,8 @@ def run_case(rank: int, world: int, case: dict) -> dict:
         if t.pp > 1:
             mods, opt, step, held = _pipeline_run(t, mesh, plans if planned else [])
         else:
-            mods, opt, step, xs = _model_run(t, mesh, plans[0] if planned and plans else None)
-            held = lambda xs=xs: list(xs)  # noqa: E731  (none: the step makes its micro-batches)
+            mods, opt, step = _model_run(t, mesh, plans[0] if planned and plans else None)
+            held = list  # nothing: the step makes its micro-batches
         peaks = []
         for i in range(3):
             opt.zero_grad(set_to_none=True)

@@ -314,9 +314,14 @@ def _point(trace: StepTrace, tl: MemoryTimeline, k: int, recompute_of: str | Non
     )
 
 
+def _written_before(writes: np.ndarray) -> np.ndarray:
+    """Entry k: the gradient bytes ``writes`` (``gradient_writes`` of the whole step) made before op k."""
+    return np.concatenate([[0], np.cumsum(writes)])
+
+
 def points_at(trace: StepTrace, tl: MemoryTimeline, op_indices) -> list[MemoryPoint]:
     """The memory point at each of ``op_indices`` (``memory_points`` keeps only some)."""
-    written = np.concatenate([[0], np.cumsum(gradient_writes(trace, 0, len(trace.ops)))])
+    written = _written_before(gradient_writes(trace, 0, len(trace.ops)))
     return [_point(trace, tl, int(k), None, written) for k in op_indices]
 
 
@@ -342,7 +347,7 @@ def memory_points(trace: StepTrace, tl: MemoryTimeline, stats: list[ModStats]) -
         # extra until reduced (FSDP2), the instants between two writes are apart.
         bounds.update(int(k) + 1 for k in np.flatnonzero(writes) if k + 1 < n)
     starts = np.array(sorted(bounds), dtype=np.int64)
-    written = np.concatenate([[0], np.cumsum(writes)])
+    written = _written_before(writes)
     maxes = np.maximum.reduceat(tl.total, starts)
     points = []
     ends = list(starts[1:]) + [n]

@@ -241,10 +241,7 @@ class LinearModel:
                 if tol != _INT_TOL:  # a looser model: its plan counts where it is one at 1e-8
                     plan = self._as_tight_plan(referee, options_until(options, deadline), rel_gap)
                     seconds += plan.outcome.seconds if plan is not referee else 0.0
-                    referee = plan if plan.outcome.has_solution else dataclasses.replace(
-                        plan, outcome=dataclasses.replace(
-                            plan.outcome, infeasible=referee.outcome.infeasible,
-                            stopped=referee.outcome.stopped))
+                    referee = plan
                 r_out = referee.outcome
                 if r_out.has_solution or (r_out.infeasible and not feasible) or r_out.stopped:
                     break
@@ -275,10 +272,15 @@ class LinearModel:
 
     def _as_tight_plan(self, sol: LpSolution, options: SolverOptions, rel_gap: float) -> LpSolution:
         """``sol`` (a solve of a looser model) as a plan of the 1e-8 model: itself where its
-        integers and rows meet 1e-8, else the best plan with its integer columns (or no plan)."""
+        integers and rows meet 1e-8, else the best plan with its integer columns, else no plan
+        with ``sol``'s verdict ("infeasible", out of time) kept."""
         if not sol.outcome.has_solution or self.exact_enough(sol.values, _INT_TOL, _INT_TOL):
             return sol
-        return self._with_integers_of(sol, options, rel_gap)
+        fixed = self._with_integers_of(sol, options, rel_gap)
+        if fixed.outcome.has_solution:
+            return fixed
+        return dataclasses.replace(fixed, outcome=dataclasses.replace(
+            fixed.outcome, infeasible=sol.outcome.infeasible, stopped=sol.outcome.stopped))
 
     def _with_integers_of(self, loose: LpSolution, options: SolverOptions, rel_gap: float) -> LpSolution:
         """The best plan of the 1e-8 model with ``loose``'s integer columns (a 1e-6 plan that
