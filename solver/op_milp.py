@@ -21,6 +21,7 @@ below 2**20 (``OpPlan.exact``); see ``_row_unit`` for the rare case they do not.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import math
 import numbers
@@ -97,7 +98,7 @@ def solve_op_milp(
     bytes)``; a module-level discard ratio r corresponds to ``keep_ratio = 1 - r``."""
     if any(op.memory_bytes < 0 or not (math.isfinite(op.runtime_ms) and op.runtime_ms >= 0) for op in ops):
         raise ValueError("ops need memory_bytes >= 0 and finite runtime_ms >= 0")
-    groups = sac_groups(ops)
+    groups = _groups(tuple(ops))
     save = {i: _fixed_decision(g) for i, g in enumerate(groups)}
     open_ = [i for i, d in save.items() if d is None]
     optional = sum(g.memory_bytes for g in groups if not g.must_save)
@@ -109,6 +110,13 @@ def solve_op_milp(
         chosen, status, unit, exact = _knapsack([groups[i] for i in open_], keep, len(ops), options)
         save.update({i: c for i, c in zip(open_, chosen)})
     return _plan(ops, groups, save, keep, status, unit, exact)
+
+
+@functools.lru_cache(maxsize=256)
+def _groups(ops: tuple[SACOp, ...]) -> tuple[SACGroup, ...]:
+    """``sac_groups`` once per op table: a search prices every step of a table (one knapsack
+    each), and grouping the table again for each was a tenth of its time."""
+    return sac_groups(ops)
 
 
 def _fixed_decision(g: SACGroup) -> bool | None:

@@ -315,15 +315,21 @@ def _trace(
     where that trace cannot stand for the full one, of the full model (and no stacks)."""
     fake = options.mode is TraceMode.FAKE
     if stacks:
-        try:
-            with _trace_mode(fake) as box:
-                trace, got_no_grad, placed = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad,
-                                                         box.mode, stacks, grad_placements)
+        why = ""
+        with _trace_mode(fake) as box:
+            # The fallback is caught inside the mode: its traceback (the truncated trace's frames)
+            # is dropped before the mode ends, so the mode dies with it and its end needs no heap
+            # scan for caches holding its tensors (one per zero-bubble stage cost seconds).
+            try:
+                trace, got_no_grad, placed = _trace_step(model, step, spec, options, prepare, cuda_rules,
+                                                         without_grad, box.mode, stacks, grad_placements)
+            except (NotReplicable, TraceError) as e:
+                if not isinstance(e, NotReplicable) and not may_index_blocks(e):
+                    raise  # the model's own error: the full model raises it too
+                why = f"{type(e).__name__}: {e}"
+        if not why:
             return trace, got_no_grad, stacks, placed
-        except (NotReplicable, TraceError) as e:
-            if not isinstance(e, NotReplicable) and not may_index_blocks(e):
-                raise  # the model's own error: the full model raises it too
-            logger.debug("%s: every block traced (%s: %s)", type(model).__name__, type(e).__name__, e)
+        logger.debug("%s: every block traced (%s)", type(model).__name__, why)
     with _trace_mode(fake) as box:
         trace, got_no_grad, placed = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad,
                                                  box.mode, (), grad_placements)

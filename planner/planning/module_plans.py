@@ -53,10 +53,12 @@ def module_plan(stats: ModStats, discarded_bytes: int, options: SolverOptions | 
     )
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=4096)
 def _op_plan(ops: tuple[SACOp, ...], keep_bytes: int, options: SolverOptions | None):
     """``solve_op_milp``, once per distinct op table and budget: the blocks of a stack share
-    one table (``StepTrace.twin_of``), and their plans at one ratio are one op plan."""
+    one table (``StepTrace.twin_of``), and their plans at one ratio are one op plan. Sized for a
+    pipeline search, whose op-step settling prices every step of each table on every rank (a
+    few thousand keys for a 70B model; a smaller cache solved most of them two or three times)."""
     return solve_op_milp(ops, keep_bytes=keep_bytes, options=options)
 
 

@@ -111,6 +111,22 @@ def test_blocks_that_trace_differently_fall_back_to_the_full_trace_and_say_so(ca
     assert estimate_difference(full, rep) == ""
 
 
+def test_the_fallback_leaves_nothing_for_the_leak_scan(monkeypatch):
+    """The truncated trace's NotReplicable is handled inside its fake mode: its traceback goes
+    before the mode ends, so the mode dies with it and no heap scan for caches runs (with the
+    traceback alive at the mode's end, every such trace scanned the heap: seconds per
+    zero-bubble stage in a search that keeps many traces)."""
+    from estimators.tracing import fake_leaks
+
+    scans = []
+    real = fake_leaks._clear
+    monkeypatch.setattr(fake_leaks, "_clear", lambda mode, report: scans.append(report) or real(mode, report=report))
+    model = _Stack(_Block(i) for i in range(8))  # odd blocks run one op more: NotReplicable
+    est = estimate(model, step=TrainStep(inputs=(torch.randn(4, 16),), optimizer="adamw"), device="h100")
+    assert not est.trace.twin_of  # the full trace was taken
+    assert scans == []
+
+
 class _Indexes(_Stack):
     def forward(self, x):
         for i in range(len(self.blocks)):
