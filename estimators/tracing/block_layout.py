@@ -8,7 +8,14 @@ truncated positions ``j = 0, 1, 2, 3``. Each block owns *segments* of the op lis
   between two blocks go with the block before them), anchored at its first op;
 * ``"b"``: its backward, after the next block's backward up to its call's last backward op (the
   backward of those parent ops comes first), anchored at that last op;
-* ``("r", n)``: the n-th run of optimizer ops that touch its tensors alone (a per-parameter loop).
+* ``"w"``: under a split backward (a zero-bubble pipeline stage, ``estimators.step.stage_step``),
+  ``"b"`` is the input-gradient half, run over the blocks in reverse order before the trace's
+  ``"weight"`` mark, and ``"w"`` the weight-gradient half after it, run over the blocks in forward
+  order: from the previous block's ``"w"`` to its call's last backward op, anchored at its first op;
+* ``("r", n)``: the n-th run of ops outside its segments that touch its tensors alone: of optimizer
+  ops (a per-parameter loop), or of a split backward's list over every parameter (torch's
+  ``stage_backward_input`` and ``stage_backward_weight`` each start with a ``view_as`` of every
+  parameter, in the parameters' order, under whichever module call is current).
 
 A block owns the storages allocated in its segments, the state it holds before the step (its
 parameters, their gradients and optimizer state, its buffers), and the outputs of ``_foreach``
@@ -25,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 from estimators.contract.module_info import Phase
-from estimators.tracing.records import StepTrace
+from estimators.tracing.records import StepTrace, StorageKind
 
 __all__ = ["NotReplicable", "BlockLayout", "Ref"]
 
@@ -42,7 +49,7 @@ class _Seg:
     start: int
     stop: int  # exclusive
     block: int
-    kind: Hashable  # "f", "b" or ("r", n)
+    kind: Hashable  # "f", "b", "w" or ("r", n)
     anchor: int
 
 
@@ -120,20 +127,23 @@ class BlockLayout:
         for j in range(4):
             self.segs.append(_Seg(f[j], ends[j], j, "f", f[j]))
         e = [calls[c].bw_last_op for c in self.cids]
+        lists: list[tuple[int, int]] = []
         if all(x < 0 for x in e):
             pass  # no backward through the blocks (frozen, inputs without grad)
-        elif any(x < 0 for x in e) or not e[3] < e[2] < e[1] < e[0]:
+        elif any(x < 0 for x in e):
+            raise NotReplicable("some of the blocks run no backward")
+        elif (w := self._weight_half()) is not None:
+            lists = self._split_backward_segments(w)
+        elif not e[3] < e[2] < e[1] < e[0]:
             raise NotReplicable("the blocks' backwards do not run in reverse order")
         else:
-            starts = [e[1] + 1, e[2] + 1, e[3] + 1, calls[self.cids[3]].bw_first_op]
-            if e[1] - e[2] != e[2] - e[3]:
-                raise NotReplicable("blocks 1 and 2 run different numbers of backward ops")
-            for j in range(4):
-                self.segs.append(_Seg(starts[j], e[j] + 1, j, "b", e[j]))
+            self._input_half_segments(e)
         for s in self.segs:
             want = Phase.FW if s.kind == "f" else Phase.BW
             if any(op.phase is not want for op in ops[s.start:s.stop]):
                 raise NotReplicable(f"block {s.block}'s {s.kind} segment mixes phases")
+        for a, b in lists:
+            self._list_runs(a, b)
         self.segs.sort(key=lambda s: s.start)
         for a, b in zip(self.segs, self.segs[1:]):
             if a.stop > b.start:
@@ -141,6 +151,109 @@ class BlockLayout:
         self.optim_start = next((op.index for op in ops if op.phase is Phase.OPTIM), len(ops))
         if any(op.phase is not Phase.OPTIM for op in ops[self.optim_start:]):
             raise NotReplicable("ops of other phases run after the optimizer step starts")
+
+    def _input_half_segments(self, e: list[int]) -> None:
+        """The ``"b"`` segments, ``e[j]`` the last op of block ``j``'s backward (or input half)."""
+        if not e[3] < e[2] < e[1] < e[0]:
+            raise NotReplicable("the blocks' backwards do not run in reverse order")
+        if e[1] - e[2] != e[2] - e[3]:
+            raise NotReplicable("blocks 1 and 2 run different numbers of backward ops")
+        starts = [e[1] + 1, e[2] + 1, e[3] + 1, self.trace.calls[self.cids[3]].bw_first_op]
+        for j in range(4):
+            self.segs.append(_Seg(starts[j], e[j] + 1, j, "b", e[j]))
+
+    def _weight_half(self) -> int | None:
+        """Where a split backward's weight half begins (the ``"weight"`` mark) if the blocks run
+        backward ops on both sides of it, else None (one backward: the mark, if any, is before it,
+        as on torch's first stage, whose input half computes nothing)."""
+        w = self.trace.marks.get("weight")
+        if w is None:
+            return None
+        calls = [self.trace.calls[c] for c in self.cids]
+        both = [c.bw_first_op < w <= c.bw_last_op for c in calls]
+        if not any(both):
+            return None
+        if not all(both):
+            raise NotReplicable("some of the blocks run no backward op in one half of the split backward")
+        return w
+
+    def _split_backward_segments(self, w: int) -> list[tuple[int, int]]:
+        """The ``"b"`` (input half, reverse order) and ``"w"`` (weight half, forward order)
+        segments of a split backward whose weight half starts at op ``w``; returns the ranges
+        of the two parameter lists, laid out as runs once every segment is known."""
+        calls, ops = self.trace.calls, self.trace.ops
+        first_bw = min(calls[c].bw_first_op for c in self.cids)
+        ei = [-1, -1, -1, -1]
+        for i in range(first_bw, w):
+            j = self.subtree_of(ops[i].call) if ops[i].call >= 0 else None
+            if j is not None:
+                ei[j] = i
+        if not ei[3] < ei[2] < ei[1] < ei[0]:
+            raise NotReplicable("the blocks' input-gradient halves do not run in reverse order")
+        self._input_half_segments(ei)
+        ew = [calls[c].bw_last_op for c in self.cids]
+        if not ew[0] < ew[1] < ew[2] < ew[3]:
+            raise NotReplicable("the blocks' weight-gradient halves do not run in order")
+        input_list = self._param_list(self.trace.marks.get("backward", first_bw), calls[self.cids[3]].bw_first_op)
+        weight_list = self._param_list(w, ew[0] + 1)
+        if weight_list is not None:
+            start = weight_list[1]
+        else:
+            start = next(i for i in range(w, ew[0] + 1) if ops[i].call >= 0 and self.subtree_of(ops[i].call) == 0)
+        starts = [start, ew[0] + 1, ew[1] + 1, ew[2] + 1]
+        for j in range(4):
+            self.segs.append(_Seg(starts[j], ew[j] + 1, j, "w", starts[j]))
+        return [r for r in (input_list, weight_list) if r is not None]
+
+    def _param_list(self, a: int, b: int) -> tuple[int, int] | None:
+        """The first run in ops ``[a, b)`` of ops that each only read one parameter, every one
+        another, over the parameters of two blocks at least (torch's ``view_as`` of each
+        parameter): its range, or None."""
+        ops, storages = self.trace.ops, self.trace.storages
+
+        def single_param(i: int) -> int | None:
+            op = ops[i]
+            if op.new_sids or op.mutated_sids or len(op.arg_sids) != 1:
+                return None
+            sid = op.arg_sids[0]
+            return sid if storages[sid].kind is StorageKind.PARAM else None
+
+        i = a
+        while i < b:
+            if single_param(i) is None:
+                i += 1
+                continue
+            seen: set[int] = set()
+            k = i
+            while k < b and (sid := single_param(k)) is not None and sid not in seen:
+                seen.add(sid)
+                k += 1
+            if len({self.pre_owner.get(sid) for sid in seen} - {None}) >= 2:
+                return i, k
+            i = k
+        return None
+
+    def _list_runs(self, a: int, b: int) -> None:
+        """The runs of each block in the parameter list at ops ``[a, b)``; the blocks' parameters
+        must come in the blocks' order, each block's together, outside every segment."""
+        if any(s.start < b and a < s.stop for s in self.segs):
+            raise NotReplicable("a list over every parameter runs inside a block's segment")
+        ops = self.trace.ops
+        order: list[int] = []
+        current: _Seg | None = None
+        for i in range(a, b):
+            j = self.pre_owner.get(ops[i].arg_sids[0])
+            if j is None:
+                current = None
+                continue
+            if current is None or current.block != j or current.stop != i:
+                if order and j <= order[-1]:
+                    raise NotReplicable("a list over every parameter does not take the blocks in order")
+                order.append(j)
+                current = _Seg(i, i, j, ("r", len(self.runs[j])), i)
+                self.runs[j].append(current)
+                self.segs.append(current)
+            current.stop = i + 1
 
     # ------------------------------------------------------------------ owners and keys
     def _own(self, sid: int, j: int, key: Hashable) -> None:
@@ -252,6 +365,28 @@ class BlockLayout:
         if o is None or j is None or abs(o - j) > 1:
             return ("g", cid)
         return ("c", o - j, cid - self.cids[o])
+
+    def rel_op_call(self, j: int | None, i: int) -> Ref:
+        """The call op ``i`` runs under, relative to block ``j``; global for an op of a run (a
+        list over every parameter runs under whichever call is current, the same for each
+        block's part)."""
+        s = self.where(i)
+        cid = self.trace.ops[i].call
+        return self.rel_call(None if s is not None and isinstance(s.kind, tuple) else j, cid)
+
+    def absolute(self, j: int, ref: Ref) -> Any:
+        """What a reference made from block ``j`` names in this trace: an op index, a storage id
+        or a call id."""
+        if not isinstance(ref, tuple):
+            return ref
+        if ref[0] == "g":
+            return ref[1]
+        d = ref[1]
+        if ref[0] == "o":
+            return next(s.anchor for s in self.segs if s.block == j + d and s.kind == ref[2]) + ref[3]
+        if ref[0] == "s":
+            return self.by_key[j + d][ref[2]]
+        return self.cids[j + d] + ref[2]
 
     def context_of_op(self, i: int) -> int | None:
         s = self.where(i)

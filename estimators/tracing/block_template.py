@@ -9,7 +9,10 @@ off block 1, whose next block (2) is a middle one. Blocks 1 and 2 must agree on 
 written relative to themselves (``estimators.tracing.block_layout``): functions, runtimes, flags,
 bytes, kinds, phases, the storages and calls they reference. The first and last blocks may differ
 (a gradient summed over the layers starts in the last one's backward). Every reference between
-blocks must reach the next or the previous block only, and nothing outside the blocks but the
+blocks must reach the next or the previous block only (a record of the first or last block that
+the block not next to it names globally, and the one next to it names too, is that same record
+for every block: where a split backward's weight half frees every block's saved tensors), and
+nothing outside the blocks but the
 optimizer's ``_foreach`` lists and the outputs of module calls may touch blocks 1 and 2
 (:func:`check_outside`). A failed check raises ``NotReplicable`` with the reason.
 """
@@ -28,12 +31,22 @@ def _delta(ref: Any) -> int | None:
     return ref[1] if isinstance(ref, tuple) and ref[0] in ("s", "o", "c") else None
 
 
-def _pick(r1: Any, r2: Any, what: str) -> Any:
+def _is_global(ref: Any) -> bool:
+    return isinstance(ref, tuple) and ref[0] == "g"
+
+
+def _pick(L: BlockLayout, r1: Any, r2: Any, what: str) -> Any:
     """Block 2's view of a reference, with facts about the next block taken from block 1's."""
     d1, d2 = _delta(r1), _delta(r2)
     for d in (d1, d2):
         if d is not None and abs(d) > 1:
             raise NotReplicable(f"{what} reaches a block that is not next to it")
+    if (d1 == -1 and _is_global(r2)) or (_is_global(r1) and d2 == 1):
+        # A reference to an end block's record that the other block, not next to that one,
+        # makes globally, to the same record (the last op of a split backward's weight half,
+        # where every block's saved tensors go): the same record for every block.
+        if L.absolute(1, r1) == L.absolute(2, r2):
+            return r1 if _is_global(r1) else r2
     if d1 == 1 or d2 == 1:
         if d1 != 1 or d2 not in (1, None):
             raise NotReplicable(f"{what}: {r1} in block 1, {r2} in block 2")
@@ -47,10 +60,10 @@ def _pick(r1: Any, r2: Any, what: str) -> Any:
     return r2
 
 
-def _picks(a: tuple, b: tuple, what: str) -> tuple:
+def _picks(L: BlockLayout, a: tuple, b: tuple, what: str) -> tuple:
     if len(a) != len(b):
         raise NotReplicable(f"{what}: {len(a)} in block 1, {len(b)} in block 2")
-    return tuple(_pick(x, y, what) for x, y in zip(a, b))
+    return tuple(_pick(L, x, y, what) for x, y in zip(a, b))
 
 
 def _pick_set(a, b, what: str) -> frozenset:
@@ -97,10 +110,10 @@ class BlockTemplate:
                         b.func, b.phase, b.runtime_ms, b.is_view, b.is_random):
                     raise NotReplicable(f"{what}: block 1 runs {a.func} ({a.runtime_ms} ms)")
                 self.ops.append(TemplateOp(
-                    i2, s2.kind, _pick(L.rel_call(1, a.call), L.rel_call(2, b.call), what),
-                    _compiled(_picks(_rels(L, 1, a.new_sids), _rels(L, 2, b.new_sids), what)),
-                    _compiled(_picks(_rels(L, 1, a.arg_sids), _rels(L, 2, b.arg_sids), what)),
-                    _compiled(_picks(_rels(L, 1, a.mutated_sids), _rels(L, 2, b.mutated_sids), what))))
+                    i2, s2.kind, _pick(L, L.rel_op_call(1, i1), L.rel_op_call(2, i2), what),
+                    _compiled(_picks(L, _rels(L, 1, a.new_sids), _rels(L, 2, b.new_sids), what)),
+                    _compiled(_picks(L, _rels(L, 1, a.arg_sids), _rels(L, 2, b.arg_sids), what)),
+                    _compiled(_picks(L, _rels(L, 1, a.mutated_sids), _rels(L, 2, b.mutated_sids), what))))
         if L.by_key[1].keys() != L.by_key[2].keys():
             diff = set(L.by_key[1]) ^ set(L.by_key[2])
             raise NotReplicable(f"blocks 1 and 2 own different storages ({sorted(map(str, diff))[:3]})")
@@ -111,9 +124,9 @@ class BlockTemplate:
             if (a.nbytes, a.kind, a.phase, a.saved) != (b.nbytes, b.kind, b.phase, b.saved):
                 raise NotReplicable(f"{what}: {a.nbytes} B {a.kind.name} in block 1, {b.nbytes} B {b.kind.name} in 2")
             self.storages[key] = (
-                _pick(L.rel_op(1, a.alloc_op), L.rel_op(2, b.alloc_op), what),
-                _pick(L.rel_op(1, a.free_op), L.rel_op(2, b.free_op), what),
-                _pick(L.rel_call(1, a.owner_call), L.rel_call(2, b.owner_call), what),
+                _pick(L, L.rel_op(1, a.alloc_op), L.rel_op(2, b.alloc_op), what),
+                _pick(L, L.rel_op(1, a.free_op), L.rel_op(2, b.free_op), what),
+                _pick(L, L.rel_call(1, a.owner_call), L.rel_call(2, b.owner_call), what),
                 _pick_set({L.rel_call(1, c) for c in a.saved_by_calls}, {L.rel_call(2, c) for c in b.saved_by_calls}, what))
         self.calls: list[tuple] = []
         for c1, c2 in zip(trace.calls[L.cids[1]:L.cids[1] + L.n_sub], trace.calls[L.cids[2]:L.cids[2] + L.n_sub]):
@@ -122,11 +135,11 @@ class BlockTemplate:
                     c2.fqn[len(L.prefix + L.keys[2]):], c2.depth, c2.input_numel):
                 raise NotReplicable(f"{what} differs from {c1.fqn}")
             self.calls.append((
-                _pick(L.rel_call(1, c1.parent), L.rel_call(2, c2.parent), what),
-                *(_pick(L.rel_op(1, getattr(c1, f)), L.rel_op(2, getattr(c2, f)), what)
+                _pick(L, L.rel_call(1, c1.parent), L.rel_call(2, c2.parent), what),
+                *(_pick(L, L.rel_op(1, getattr(c1, f)), L.rel_op(2, getattr(c2, f)), what)
                   for f in ("fw_first_op", "fw_last_op", "bw_first_op", "bw_last_op")),
-                _picks(_rels(L, 1, c1.input_sids), _rels(L, 2, c2.input_sids), what),
-                _picks(_rels(L, 1, c1.output_sids), _rels(L, 2, c2.output_sids), what)))
+                _picks(L, _rels(L, 1, c1.input_sids), _rels(L, 2, c2.input_sids), what),
+                _picks(L, _rels(L, 1, c1.output_sids), _rels(L, 2, c2.output_sids), what)))
         self._check_ranks(L)
         self._check_globals(L)
 

@@ -9,8 +9,10 @@ is built from (``estimators.tracing.block_template``: what a block does alone an
 before it is read off block 2, what it does with the block after it off block 1).
 
 The copies go in at their places: their forward after block 2's, their backward (in reverse
-order) before block 2's, their optimizer runs after block 2's runs, their tensors after block 2's
-in every ``_foreach`` list (whose runtime the trace priced over the full lists:
+order) before block 2's, under a split backward (``estimators.tracing.block_layout``) their input
+halves so and their weight halves (in order) after block 2's, their runs (optimizer loops, a split
+backward's lists over every parameter) after block 2's runs, their tensors after block 2's in every
+``_foreach`` list (whose runtime the trace priced over the full lists:
 ``estimators.tracing.truncation.FullListsRuntime``). Block 2 itself is rebuilt from the template
 too (its next block is now block 3), and the last block's references to its previous block go to
 block ``N - 2``.
@@ -100,25 +102,19 @@ class _Builder:
     def _lay_out_ops(self) -> None:
         """The new op sequence: ("orig", i) or ("copy", k, i), and the anchors of every segment."""
         L, ops = self.L, self.trace.ops
-        seg = {(s.block, s.kind): s for s in L.segs}
-        f2, f3 = seg[(2, "f")], seg[(3, "f")]
-        b2 = seg.get((2, "b"))
-        end_bw3 = seg[(3, "b")].stop if b2 is not None else f3.stop
-        order: list[tuple] = [("orig", i) for i in range(f3.start)]
-        for k in range(3, self.N - 1):
-            order += [("copy", k, i) for i in range(f2.start, f2.stop)]
-        order += [("orig", i) for i in range(f3.start, end_bw3)]
-        if b2 is not None:
-            for k in range(self.N - 2, 2, -1):
-                order += [("copy", k, i) for i in range(b2.start, b2.stop)]
-        order += [("orig", i) for i in range(end_bw3, L.optim_start)]
-        run_end = {r.stop - 1: r for r in L.runs[2]}
-        for i in range(L.optim_start, len(ops)):
+        forward, backward = range(3, self.N - 1), range(self.N - 2, 2, -1)
+        after: dict[int, list[tuple]] = {}  # the copies laid in right after an original op
+        for s in L.segs:
+            if s.block != 2:
+                continue
+            # Forwards, weight halves and runs in the blocks' order, after block 2's; backwards
+            # (input halves) in reverse order, before block 2's (after the last block's).
+            at, ks = (s.start - 1, backward) if s.kind == "b" else (s.stop - 1, forward)
+            after.setdefault(at, []).extend(("copy", k, i) for k in ks for i in range(s.start, s.stop))
+        order: list[tuple] = []
+        for i in range(len(ops)):
             order.append(("orig", i))
-            r = run_end.get(i)
-            if r is not None:
-                for k in range(3, self.N - 1):
-                    order += [("copy", k, x) for x in range(r.start, r.stop)]
+            order += after.get(i, ())
         self.order = order
         self.new_of = [0] * len(ops)
         self.anchor: dict[tuple[int, Any], int] = {}
@@ -226,7 +222,7 @@ class _Builder:
             return _op_record(op, n, call, op.new_sids, op.arg_sids, op.mutated_sids)
         p = self.pos[j]
         rel = L.rel_sid
-        return _op_record(op, n, self.call_at(p, L.rel_call(j, op.call)),
+        return _op_record(op, n, self.call_at(p, L.rel_op_call(j, op.index)),
                           tuple(self.sid_at(p, rel(j, s)) for s in op.new_sids),
                           tuple(self.sid_at(p, rel(j, s)) for s in op.arg_sids),
                           tuple(self.sid_at(p, rel(j, s)) for s in op.mutated_sids))

@@ -200,3 +200,26 @@ def test_blocks_of_a_module_dict_stack():
     assert stack.container == "layers" and stack.keys == tuple(str(i) for i in range(6))
     full, rep = _both(model, TrainStep(inputs=(torch.randn(4, 16),), optimizer="adamw"), "h100")
     assert rep.trace.twin_of and estimate_difference(full, rep) == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,group", [(1, True), (2, True), (1, False)])  # middle, last; W grouped or not
+def test_a_split_backward_stage_is_laid_in_exactly(stage, group):
+    """A zero-bubble stage runs its input half over the blocks in reverse order, then its weight
+    half in order, each after torch's list over every parameter: laid in, each half and each
+    list takes the copies at their places (stage 0 of such a schedule runs one backward)."""
+    from estimators.step.stage_step import StageRole
+    from examples.pipeline_stages import llama_pipeline_model, llama_stage, stage_loss
+
+    module = llama_stage(llama_pipeline_model(18), stage, 3)  # 6 layers a stage
+    last = stage == 2
+    tokens = torch.zeros(2, 32, dtype=torch.long)
+    step = TrainStep(inputs=torch.randn(2, 32, 64), loss_fn=stage_loss, optimizer="adamw",
+                     target=tokens if last else None, micro_batches=2,
+                     stage=StageRole(is_first=False, is_last=last, split_backward=True, group_weight_backward=group))
+    full, rep = _both(module, step, "h100")
+    assert len(rep.trace.twin_of) == 2 * 13  # layers 3 and 4 of the stage's 6
+    m = rep.trace.marks
+    assert m["backward"] < m["weight"] < m["optimizer"]
+    assert estimate_difference(full, rep) == ""
+    assert rep.module_info == full.module_info and rep.trace.marks == full.trace.marks

@@ -74,10 +74,14 @@ def _stage_figures(est):
 
 
 @pytest.mark.parametrize("tp,schedule,stage", [(1, "1F1B", 1), (1, "1F1B", 0), (1, "1F1B", 3),
-                                               (2, "1F1B", 1), (2, "1F1B", 3), (1, "InterleavedZeroBubble", 1)])
+                                               (2, "1F1B", 1), (2, "1F1B", 3), (1, "InterleavedZeroBubble", 1),
+                                               (1, "InterleavedZeroBubble", 3), (1, "InterleavedZeroBubble", 0),
+                                               (2, "InterleavedZeroBubble", 2), (2, "InterleavedZeroBubble", 3)])
 def test_a_stage_laid_in_from_four_blocks_is_its_full_trace(tp, schedule, stage):
     """A stage of 8 (or 4 x 2: 4) decoder layers traced with its repeated blocks laid in equals
-    its trace block by block: every record, the memory timeline, the module stats, the marks."""
+    its trace block by block: every record, the memory timeline, the module stats, the marks.
+    A zero-bubble stage's split backward too: its input half over the blocks in reverse order,
+    then its weight half in order, each after a list over every parameter (stage 0: one backward)."""
     import dataclasses
 
     from estimators.tracing.estimation import EstimateOptions
@@ -97,7 +101,11 @@ def test_a_stage_laid_in_from_four_blocks_is_its_full_trace(tp, schedule, stage)
         laid = trace_stage(module, world.stage_step(stage, n, 1), role, opts)
         full = trace_stage(module, world.stage_step(stage, n, 1), role,
                            dataclasses.replace(opts, trace=EstimateOptions(replicate_blocks=False)))
-    # A zero-bubble stage's weight half runs the blocks' backward again: traced whole (said at DEBUG).
-    assert bool(laid.trace.twin_of) is not t.split_backward
+    assert len(laid.trace.twin_of) == 4 * 13  # layers 4 .. 7 of 8: 13 module calls each
+    if t.split_backward and stage > 0:
+        assert laid.trace.marks["backward"] < laid.trace.marks["weight"] < laid.trace.marks["optimizer"]
     assert estimate_difference(full, laid) == ""
     assert _stage_figures(laid) == _stage_figures(full)
+    assert laid.module_info == full.module_info
+    assert (laid.module_info.peak_bytes, laid.first_step_peak_bytes) == (full.module_info.peak_bytes,
+                                                                          full.first_step_peak_bytes)
