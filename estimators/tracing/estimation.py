@@ -131,8 +131,9 @@ class EstimateOptions:
     progress: bool = False
     """Log progress (INFO on this module's logger) after each top-level module and phase."""
     replicate_blocks: bool = True
-    """In a fake trace without ``prepare``, run four blocks of each stack of identical blocks (a
-    ``ModuleList`` of at least five transformer layers: ``estimators.tracing.stacks``) and lay the
+    """In a fake trace (without ``prepare``, or with one ``estimate``'s ``prepare_on_stacks``
+    allows), run four blocks of each stack of identical blocks (a ``ModuleList`` of at least
+    five transformer layers: ``estimators.tracing.stacks``) and lay the
     others in as copies of one (``estimators.tracing.replicate``): the trace the full step gives,
     in the time of four blocks. Where the traced blocks differ, the full model is traced (said at
     DEBUG on ``estimators.tracing.replicate``'s logger). False: always trace every block."""
@@ -234,6 +235,7 @@ def estimate(
     device: str | DeviceSpec = DEFAULT_DEVICE,
     options: EstimateOptions = EstimateOptions(),
     prepare: Callable[[torch.nn.Module], Any] | None = None,
+    prepare_on_stacks: Callable[[list[Stack]], bool] | None = None,
 ) -> Estimate:
     """Trace the steady-state training step of ``model``; estimate memory, runtime and SAC trade-offs.
 
@@ -246,6 +248,11 @@ def estimate(
             :data:`DEFAULT_DEVICE`.
         prepare: called with the module that is traced (the fake copy in fake mode) before the
             step, e.g. to apply a checkpointing plan to it.
+        prepare_on_stacks: with ``prepare``, whether the repeated-block trace may run
+            (``EstimateOptions.replicate_blocks``): called with the model's stacks, True where
+            ``prepare`` does the same to blocks 1 to N-2 of each and nothing to a module holding a
+            stack, and applies to the blocks the traced copy has (it then runs blocks 0, 1, 2 and
+            the last; the others are laid in as copies of block 2). None: every block is traced.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -266,8 +273,10 @@ def estimate(
     t0 = time.perf_counter()
     # A model fully_shard sharded is copied unit by unit (estimators.tracing.sharded_model): traced
     # whole. A pipeline stage's marks (op positions) move with the blocks laid in (replicate).
-    stacks = (find_stacks(model) if fake and options.replicate_blocks and prepare is None
-              and not fsdp_units_of(model) else [])
+    stacks = (find_stacks(model) if fake and options.replicate_blocks and not fsdp_units_of(model)
+              and (prepare is None or prepare_on_stacks is not None) else [])
+    if stacks and prepare is not None and not prepare_on_stacks(stacks):
+        stacks = []
     trace, without_grad, stacks, placed = _trace(model, step, spec, options, prepare, cuda_rules, frozenset(), stacks)
     if (without_grad and (step.optimizer is not None or step.grads_alive_at_start)) or placed:
         # torch's optimizers create no state for (and do not step) a parameter whose .grad is

@@ -20,6 +20,8 @@ import torch
 import torch.utils.checkpoint
 
 from estimators.tracing.estimation import Estimate, estimate
+from estimators.tracing.stacks import find_stacks
+from estimators.tracing.sharded_model import original_class_name
 from estimators.tracing.steady_state import first_step_module_info
 from planner.distributed.fsdp import per_rank_info
 from solver import predict_peak_bytes
@@ -109,13 +111,68 @@ def full_checkpoints_that_diverge(model, modules, est: Estimate) -> list[str]:
 
 
 def traced_estimate(model, modules, est: Estimate) -> Estimate:
-    """The estimate of the model with ``modules`` applied (``est`` itself when empty)."""
+    """The estimate of the model with ``modules`` applied (``est`` itself when empty). Where the
+    plan treats the middle blocks of each stack alike (``plan_on_stacks``), the trace runs four
+    blocks of each and lays the others in, as the unplanned trace does."""
     if not modules:
         return est
     from planner.applying.checkpointing import apply_module_plans
 
     opts = dataclasses.replace(est.options, progress=False)
-    return estimate(model, est.step, device=est.spec, options=opts, prepare=lambda m: apply_module_plans(m, modules))
+    root = original_class_name(model)
+    skipped = [st.block_name(k) for st in find_stacks(model) for k in st.skipped_keys]
+    return estimate(model, est.step, device=est.spec, options=opts,
+                    prepare=lambda m: apply_module_plans(m, _present(m, modules, root, skipped)),
+                    prepare_on_stacks=lambda stacks: plan_on_stacks(modules, stacks, root))
+
+
+def plan_on_stacks(modules, stacks, root: str) -> bool:
+    """Whether the module plans do the same to blocks 1 to N-2 of every stack (blocks 0 and N-1
+    are traced as they are) and checkpoint no module holding a stack: then a trace of blocks 0, 1,
+    2 and N-1 with the plan, the others laid in as copies of block 2, is the planned full trace."""
+    for st in stacks:
+        prefix = f"{st.container}." if st.container else ""
+        middle = {k: set() for k in st.keys[1:-1]}
+        for mp in modules:
+            rel = _relative(mp.fqn, root)
+            if rel is None or rel == "" or st.container == rel or st.container.startswith(rel + "."):
+                return False  # the root, or a module holding the stack: its checkpoint spans the blocks
+            if mp.offloaded_ops:
+                return False  # host copies are not laid in (not checked against the full trace)
+            if rel.startswith(prefix):
+                key, _, sub = rel[len(prefix):].partition(".")
+                if key in middle:
+                    middle[key].add((sub, *(getattr(mp, f.name) for f in dataclasses.fields(mp) if f.name != "fqn")))
+        if len({frozenset(v) for v in middle.values()}) > 1:
+            return False
+    return True
+
+
+def _present(model, modules, root: str, skipped: list[str]) -> list:
+    """The module plans whose module the traced copy has: all of them, but those in the blocks
+    a truncated copy leaves out (``skipped``: their names; laid in from block 2's trace)."""
+    out = []
+    for mp in modules:
+        rel = _relative(mp.fqn, root) or ""
+        block = next((b for b in skipped if rel == b or rel.startswith(b + ".")), None)
+        if block is not None and not _has_module(model, block):
+            continue
+        out.append(mp)  # a plan of another model still fails in apply_module_plans, by name
+    return out
+
+
+def _has_module(model, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _relative(fqn: str, root: str) -> str | None:
+    if fqn == root:
+        return ""
+    return fqn[len(root) + 1:] if fqn.startswith(root + ".") else None
 
 
 def per_rank_peaks(planned: Estimate, fsdp_units, world_size: int, mp_policy: Any = None) -> tuple[int, int]:

@@ -53,3 +53,44 @@ def test_a_full_checkpoint_torch_refuses_is_named_by_replaying_it():
         traced_or_diverged(model, plans, est)
     assert info.value.fqns == ["Sequential.1"]
     assert isinstance(info.value.__cause__, torch.utils.checkpoint.CheckpointError)
+
+
+def _llama_step(n_layers: int = 8):
+    from examples.llama import LlamaConfig, build_llama, llama_loss
+
+    cfg = LlamaConfig(vocab_size=256, seq_len=32, n_layers=n_layers, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    model, inputs = build_llama(cfg, 2, device="meta")
+    return model, TrainStep(inputs=inputs, loss_fn=llama_loss, optimizer="adamw")
+
+
+@pytest.mark.parametrize("kind", ["every block full", "every attention half", "one middle block differs",
+                                  "the root"])
+def test_a_plan_alike_on_the_middle_blocks_is_traced_on_four_and_gives_the_full_trace(kind):
+    """The verification trace of a plan that treats blocks 1..N-2 alike runs four blocks and
+    lays in the rest (``plan_on_stacks``); it equals the trace of every block, record by record.
+    A plan that differs on a middle block, or checkpoints what holds the stack, is traced whole."""
+    from estimators.tracing.estimation import EstimateOptions
+    from tests.estimators.tracing.trace_equivalence import estimate_difference
+
+    model, step = _llama_step()
+    est = estimate(model, step, device="h100")
+
+    def at(fqn, share):
+        stats = est.module_info.stats(fqn)
+        return module_plan(stats, int(stats.sac_memory_bytes * share))
+
+    if kind == "every block full":
+        plans = [at(f"Llama.layers.{i}", 1.0) for i in range(8)]
+    elif kind == "every attention half":
+        plans = [at(f"Llama.layers.{i}.attention", 0.5) for i in range(8)]
+    elif kind == "one middle block differs":
+        plans = [at(f"Llama.layers.{i}", 1.0 if i != 5 else 0.5) for i in range(8)]
+    else:
+        plans = [at("Llama", 1.0)]
+    planned = traced_or_diverged(model, plans, est)
+    full = traced_or_diverged(model, plans, dataclasses.replace(est, options=EstimateOptions(replicate_blocks=False)))
+    assert not full.trace.twin_of
+    laid_in = bool(planned.trace.twin_of)
+    assert laid_in == (kind in ("every block full", "every attention half"))
+    assert estimate_difference(full, planned) == ""
+    assert (planned.steady_peak_bytes, planned.first_step_peak_bytes) == (full.steady_peak_bytes, full.first_step_peak_bytes)
