@@ -364,6 +364,11 @@ class SACMilp:
         backend's tolerance, about 1e-6 of the peak."""
         return self._solve_min_peak()[0]
 
+    def min_peak_plan(self) -> dict[str, int]:
+        """A plan that reaches ``min_reachable_peak_bytes`` ({fqn: discarded bytes}): the one
+        found while computing it, not the least-recompute one there (``solve`` at that budget)."""
+        return dict(self._solve_min_peak()[1])
+
     def _solve_min_peak(self) -> tuple[int, dict[str, int]]:
         if self._min_peak is None:
             if not self.candidates:

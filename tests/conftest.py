@@ -22,6 +22,9 @@ import os
 # Every comparison a test makes (planned against unplanned, predicted against measured) runs in
 # one process, under one setting. An OMP_NUM_THREADS already set (CI, a developer) wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The search screens in one process (SearchOptions.workers): the suite's own workers fill the
+# cores; the test of the workers asks for them by name.
+os.environ.setdefault("SAC_SEARCH_WORKERS", "1")
 
 import ast  # noqa: E402
 import functools  # noqa: E402

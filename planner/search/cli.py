@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trace at most this many of the fastest planned layouts with their plans (default 3)")
     p.add_argument("--top", type=int, default=20, help="rows of the ranked table (default 20)")
     p.add_argument("--out", help="write search.txt, search.png, torchtitan_job.py and plans/ here")
+    p.add_argument("--workers", type=int, help="processes screening side by side (default: one per core, at most 4)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one error line")
     return p
@@ -85,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 budget_gib=args.budget_gib)
         space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, schedules=tuple(args.schedules.split(",")),
                             micro_batches=args.micro_batches, hsdp=not args.no_hsdp)
-        options = SearchOptions(space=space, verify_top=args.verify_top, progress=not args.quiet)
+        options = SearchOptions(space=space, verify_top=args.verify_top, progress=not args.quiet,
+                                workers=args.workers)
         result = search(_factory(args.model), cluster, global_batch=args.global_batch, seq_len=args.seq_len,
                         options=options)
     except (PlanningError, ValueError) as e:

@@ -34,6 +34,7 @@ from planner.search.layouts import Cluster, Layout
 from planner.search.pipeline_eval import PipelineCases
 from planner.search.programs import World
 from planner.search.results import Evaluation, Status
+from planner.search.workers import Forked, balanced_shards, default_workers
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes
 from solver.plan_cost import MemoryModel
 
@@ -57,8 +58,11 @@ class Evaluator:
 
     def __init__(self, family, cluster: Cluster, *, global_batch: int, verify_top: int = 1,
                  verify_all: bool = False, bound: bool = True, ac_units=None,
-                 solver: SolverOptions | None = None, progress: bool = False, full_ac=frozenset()) -> None:
+                 solver: SolverOptions | None = None, progress: bool = False, full_ac=frozenset(),
+                 workers: int | None = None) -> None:
         self.family, self.cluster, self.global_batch = family, cluster, global_batch
+        self.workers = default_workers() if workers is None else workers
+        """Processes that screen the whole-model worlds (1: this one alone)."""
         self.full_ac = frozenset(full_ac)
         """Whole-model layouts also evaluated with every block fully checkpointed (a recipe's FullAC)."""
         self.full_ac_results: dict[Layout, Evaluation] = {}
@@ -66,6 +70,7 @@ class Evaluator:
         self.bound = bound
         self.solver = solver or SolverOptions()
         self.progress = progress
+        self.progress_ticks = True
         self.traced = 0
         self.trace_s = 0.0
         self.stage_cache: dict = {}
@@ -81,14 +86,51 @@ class Evaluator:
         First every whole-model layout, and each pipeline layout's bounds (``cost.pipeline_bound``,
         from the whole-model program); then the pipeline layouts in the order of their step bound
         over every (TP, CP), so that one is traced only while its bound is under the fastest
-        planned step found so far, whichever degrees that step has."""
+        planned step found so far, whichever degrees that step has. The first part runs its
+        (TP, CP) worlds in ``workers`` processes (``planner.search.workers``): they share nothing."""
         self.total = len(layouts)
-        out: dict[Layout, Evaluation] = {}
         groups: dict[tuple[int, int], list[Layout]] = {}
         for t in layouts:
             groups.setdefault((t.tp, t.cp), []).append(t)
+        items = sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1]))
+        shards = balanced_shards(items, _world_cost, self.workers)
+        children = [Forked(self._screen_in_child, shard) for shard in shards[1:]]
+        out: dict[Layout, Evaluation] = {}
         pending: dict[Layout, Any] = {}
-        for (tp, cp), group in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        try:
+            got = [self._screen_worlds(shards[0]) if shards else None]
+            for child, shard in zip(children, shards[1:]):
+                res = child.result()
+                if res is None:
+                    logger.warning("a screening worker failed; its worlds are screened here:\n%s", child.error)
+                    res = self._screen_worlds(shard)
+                got.append(res)
+        finally:
+            for child in children:
+                child.close()
+        for res in filter(None, got):
+            part_out, part_pending, full_ac, traced, trace_s, done = res
+            out.update(part_out)
+            pending.update(part_pending)
+            self.full_ac_results.update(full_ac)
+            if res is not got[0]:  # the parent's own counts are in self already
+                self.traced += traced
+                self.trace_s += trace_s
+                self.done += done
+        self._screen_pipelines(pending, out)
+        return [out[t] for t in layouts]
+
+    def _screen_in_child(self, items) -> tuple:
+        self.progress_ticks = False  # the parent counts the layouts evaluated
+        return self._screen_worlds(items)
+
+    def _screen_worlds(self, items) -> tuple:
+        """The whole-model layouts and pipeline bounds of these (TP, CP) worlds: (evaluations,
+        pipeline bounds, FullAC evaluations, programs traced, trace seconds, layouts done)."""
+        out: dict[Layout, Evaluation] = {}
+        pending: dict[Layout, Any] = {}
+        traced, trace_s, done = self.traced, self.trace_s, self.done
+        for (tp, cp), group in items:
             if cp > 1:  # checked before a world is built: the stage step has no context
                 for t in (t for t in group if t.pp > 1):
                     out[t] = Evaluation(layout=t, status=Status.NOT_EVALUATED, why=(
@@ -112,8 +154,8 @@ class Evaluator:
                         pending[t] = pipes.bound(t)
                 self.traced += world.traced
                 self.trace_s += world.trace_s
-        self._screen_pipelines(pending, out)
-        return [out[t] for t in layouts]
+        full_ac = {t: e for t, e in self.full_ac_results.items() if t in out}
+        return (out, pending, full_ac, self.traced - traced, self.trace_s - trace_s, self.done - done)
 
     def _screen_pipelines(self, pending: dict, out: dict) -> None:
         """The pipeline layouts by their step bound, fastest first (see ``screen``)."""
@@ -158,7 +200,7 @@ class Evaluator:
 
     def _tick(self) -> None:
         self.done += 1
-        if self.progress and (self.done % 10 == 0 or self.done == self.total):
+        if self.progress and self.progress_ticks and (self.done % 10 == 0 or self.done == self.total):
             print(f"[search] {self.done}/{self.total} candidates evaluated, {self.traced} programs traced "
                   f"({time.perf_counter() - self.t0:.1f} s)", file=sys.stderr, flush=True)
 
@@ -233,11 +275,7 @@ class Evaluator:
 
     def _floor_text(self, case: _ModelCase, w: int, floor: int) -> str:
         """Which rank, what fills it at the smallest reachable peak (the MILP's min-peak plan)."""
-        try:
-            res = case.milp.solve(floor)
-            discards = res.discarded_bytes
-        except Exception:  # noqa: BLE001 - only an explanation
-            discards = {}
+        discards = case.milp.min_peak_plan()  # found with the floor: no solve more
         mm = MemoryModel(case.info, w)
         pts = mm.point_bytes(discards)
         i = max(range(len(pts)), key=pts.__getitem__)
@@ -335,3 +373,10 @@ def pp_tp_refusal(world: World) -> str:
     except PlanningError as e:
         return "PP x TP planning not built (" + str(e).split(":")[0] + ")"
     return ""
+
+
+def _world_cost(item) -> float:
+    """A (TP, CP) world's screening work, roughly: a trace per micro-batch, a plan per whole-model
+    layout, a bound per pipeline layout."""
+    (_tp, _cp), group = item
+    return 4.0 * len({t.micro_batch for t in group}) + sum(1.0 if t.pp == 1 else 0.2 for t in group)

@@ -26,6 +26,7 @@ from typing import Any, Callable
 from planner.errors import PlanningError
 from planner.search.evaluate import Evaluator
 from planner.search.results import Evaluation, Status
+from planner.search.workers import cpu_s
 from planner.search.family import model_family
 from planner.search.layouts import Cluster, Enumerated, Layout, SearchSpace, enumerate_layouts
 from planner.search.published import Published, published_layouts
@@ -53,10 +54,16 @@ class SearchOptions:
     solver: SolverOptions = field(default_factory=SolverOptions)
     progress: bool = False
     """Progress lines on stderr (candidates evaluated / total, programs traced)."""
+    workers: int | None = None
+    """Processes that screen the whole-model layouts of different (TP, CP) side by side (forked;
+    the result does not depend on it). None: one per core, at most 4; 1: this process alone."""
 
     def __post_init__(self) -> None:
         if isinstance(self.verify_top, bool) or not isinstance(self.verify_top, int) or self.verify_top < 0:
             raise PlanningError(f"verify_top must be an int >= 0, got {self.verify_top!r}")
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                         or self.workers < 1):
+            raise PlanningError(f"workers must be an int >= 1 or None, got {self.workers!r}")
         if not isinstance(self.space, SearchSpace):
             raise TypeError(f"space must be a SearchSpace, got {type(self.space).__name__}")
 
@@ -126,7 +133,7 @@ def search(model_fn: Callable[..., Any], cluster: Cluster | str, *, global_batch
            options: SearchOptions | None = None) -> SearchResult:
     """The ranked layouts of ``model_fn(seq_len=seq_len)`` on ``cluster`` (``"64xh100"`` or a
     ``Cluster``) for ``global_batch`` sequences per step (see the module docstring)."""
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0 = time.perf_counter(), cpu_s()
     options = options or SearchOptions()
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
@@ -140,7 +147,8 @@ def search(model_fn: Callable[..., Any], cluster: Cluster | str, *, global_batch
     ev = Evaluator(family, cluster, global_batch=global_batch, verify_top=options.verify_top,
                    verify_all=options.verify_all, bound=options.bound,
                    solver=options.solver, progress=options.progress,
-                   full_ac={p.layout for p in pubs if p.full_ac and p.layout is not None})
+                   full_ac={p.layout for p in pubs if p.full_ac and p.layout is not None},
+                   workers=options.workers)
     evaluations = ev.verify(ev.screen(candidates))
     by_layout = {e.layout: e for e in evaluations}
     placed = tuple((p, by_layout[p.layout] if p.layout is not None else
@@ -151,6 +159,6 @@ def search(model_fn: Callable[..., Any], cluster: Cluster | str, *, global_batch
         cluster=cluster, global_batch=global_batch, seq_len=seq_len,
         evaluations=tuple(evaluations), enumerated=found, published=placed,
         flops_per_token=family.flops_per_token(), wall_s=time.perf_counter() - t0,
-        cpu_s=time.process_time() - c0, programs_traced=ev.traced, trace_s=ev.trace_s,
+        cpu_s=cpu_s() - c0, programs_traced=ev.traced, trace_s=ev.trace_s,
         max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         load_average=os.getloadavg())

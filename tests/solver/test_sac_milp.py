@@ -212,6 +212,7 @@ def test_model_built_once_resolves_any_budget() -> None:
         assert res.decisions == pytest.approx(again.decisions)
         assert res.predicted_peak_bytes <= mib * MiB
     assert milp.min_reachable_peak_bytes() == 250 * MiB
+    assert milp.memory.peak(milp.min_peak_plan()) == 250 * MiB  # the plan that reaches it
     assert milp.n_variables > 0 and milp.n_constraints > 0
 
 

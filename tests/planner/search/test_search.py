@@ -79,3 +79,46 @@ def test_bad_requests_are_refused_in_one_line():
         search(llama_tiny, "2xcpu", global_batch=0, seq_len=32)
     with pytest.raises(PlanningError, match="COUNTxDEVICE"):
         search(llama_tiny, "two cpus", global_batch=4, seq_len=32)
+
+
+def _rows(r):
+    return [(e.layout, e.status, e.peak_bytes, e.step_ms, e.why, e.rank_peaks) for e in r.evaluations]
+
+
+@pytest.mark.multiproc
+def test_screening_workers_give_the_result_of_one_process(caplog):
+    """The whole-model worlds screened in forked workers give what one process gives, row for
+    row; a worker that fails has its worlds screened by the parent (and says so)."""
+    from planner.search.evaluate import Evaluator
+
+    space = SearchSpace(cp=(1, 2), micro_batches=(1, 2), schedules=("1F1B",))
+    cluster = Cluster.parse("4xcpu", budget_gib=1.6 / 1024)
+
+    def run(workers):
+        return search(llama_tiny, cluster, global_batch=8, seq_len=32,
+                      options=SearchOptions(space=space, workers=workers, bound=False))
+
+    one, two = run(1), run(2)
+    assert _rows(one) == _rows(two) and one.programs_traced == two.programs_traced
+    assert one.table_text().split("\n")[2:] == two.table_text().split("\n")[2:]  # past the timing line
+
+    def broken(self, items):
+        raise RuntimeError("worker broke")
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Evaluator, "_screen_in_child", broken)
+    try:
+        again = run(2)
+    finally:
+        mp.undo()
+    assert _rows(again) == _rows(one)
+    assert "a screening worker failed" in caplog.text and "worker broke" in caplog.text
+
+
+def test_balanced_shards_keep_order_and_split_the_work():
+    from planner.search.workers import balanced_shards
+
+    shards = balanced_shards(list(range(6)), cost=lambda i: [5, 1, 1, 1, 1, 1][i], n=2)
+    assert shards == [[0], [1, 2, 3, 4, 5]]
+    assert balanced_shards([1, 2], cost=float, n=8) == [[2], [1]] or balanced_shards([1, 2], cost=float, n=8) == [[1], [2]]
+    assert balanced_shards([], cost=float, n=2) == []
