@@ -232,12 +232,18 @@ class RankPlanner:
         """The smallest peak the MILP reaches over the schedule (the smallest budget it takes)."""
         return self.milp.min_reachable_peak_bytes()
 
-    def plan(self, budget_gib: float) -> dict[int, Plan]:
-        """One plan per local stage for ``budget_gib`` (see ``solve_pipeline_rank``)."""
+    def plan(self, budget_gib: float, *, on_device: bool = True) -> dict[int, Plan]:
+        """One plan per local stage for ``budget_gib`` (see ``solve_pipeline_rank``).
+
+        ``on_device=False``: the budget is a stand-in's, not one GPU's, and may exceed its memory
+        (the search plans an FSDP2 pipeline rank as one process holding its stages whole, for the
+        usable budget less its shift: a rank that holds 1/W of the optimizer state is planned
+        for more than the GPU has)."""
         t0 = time.perf_counter()
         budget = int(check_budget_gib(budget_gib) * GiB)
         options = self.options
-        check_budget_on_device(budget, options.spec)
+        if on_device:
+            check_budget_on_device(budget, options.spec)
         reserve = (int(options.reserve_gib * GiB) if options.reserve_gib is not None
                    else _default_reserve(options, budget))
         usable = budget - reserve

@@ -134,7 +134,8 @@ class PipelineCases:
         if usable - shift < 1:
             return self._over(t, r, rp, shift, f"its state alone, {fmt_bytes(shift)}, is over the budget")
         try:
-            got = {s: replace(p, step_ref=None) for s, p in rp.plan((usable - shift) / GiB).items()}
+            # Planned as one process holding its stages whole: its budget is not one GPU's.
+            got = {s: replace(p, step_ref=None) for s, p in rp.plan((usable - shift) / GiB, on_device=False).items()}
         except PlanningError as e:
             return self._over(t, r, rp, shift, str(e))
         if any(p.modules for p in got.values()):

@@ -4,6 +4,7 @@ distinct program is traced once, the table says what it left out and why."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from examples.llama import llama_tiny
 from planner.errors import PlanningError
@@ -122,3 +123,33 @@ def test_balanced_shards_keep_order_and_split_the_work():
     assert shards == [[0], [1, 2, 3, 4, 5]]
     assert balanced_shards([1, 2], cost=float, n=8) == [[2], [1]] or balanced_shards([1, 2], cost=float, n=8) == [[1], [2]]
     assert balanced_shards([], cost=float, n=2) == []
+
+
+def _llama_16_layers(*, seq_len: int):
+    from examples.llama import LlamaConfig, build_llama
+
+    cfg = LlamaConfig(vocab_size=128_256, seq_len=seq_len, n_layers=16, dim=4096, n_heads=32, n_kv_heads=8,
+                      ffn_dim=14_336)
+    return build_llama(cfg, batch_size=1, device="meta", dtype=torch.bfloat16)
+
+
+def test_an_fsdp_pipeline_rank_planned_for_more_than_the_gpu_holds_is_planned():
+    """An FSDP2 pipeline rank is planned as one process holding its stages whole, for the usable
+    budget less its shift: holding 1/8 of its optimizer state, that budget exceeds the GPU's
+    80 GiB. It is a stand-in's budget, not one GPU's: the layout is planned, not refused (it was
+    refused as "more than the h100's 80 GiB", and every FSDP2 x PP layout dropped out)."""
+    from planner.search.layouts import Layout
+
+    r = search(_llama_16_layers, "16xh100", global_batch=16, seq_len=256,
+               options=SearchOptions(space=SearchSpace(tp=(1,), cp=(1,), pp=(2,), micro_batches=(1,),
+                                                       schedules=("1F1B",), hsdp=False), verify_top=0, bound=False))
+    pp = [e for e in r.evaluations if e.layout.pp == 2 and e.layout.dp_shard == 8]
+    assert pp, [e.layout.describe() for e in r.evaluations]
+    e = pp[0]
+    assert e.status in (Status.PLANNED, Status.FITS), e.why
+    n = sum(p.numel() for p in _llama_16_layers(seq_len=256)[0].parameters())
+    # Rank 0 holds about half the model: AdamW's two bf16 moments (4 B a parameter), of which it
+    # keeps 1/8, and a 1/8 shard of its bf16 parameters. What it frees is more than the h100's
+    # 5 GiB reserve, so its stand-in is planned for more than 80 GiB.
+    assert (4 * n / 2) * 7 / 8 - (2 * n / 2) / 8 > 5 * 2**30
+    assert all(p <= r.cluster.usable_bytes for p in e.rank_peaks)
