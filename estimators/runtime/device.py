@@ -194,7 +194,10 @@ class DeviceSpec:
     the host runs ahead of the device's queue and they are hidden where kernels are longer, so
     the CUDA specs leave them at 0 (not modelled). They are the host's, not the chip's: every
     built-in spec has 0 (not priced); ``planner.analysis.calibration.calibrate_device`` measures
-    them on the machine at hand (this project's CPU: docs/accuracy.md#runtimes)."""
+    them on the machine at hand (this project's CPU: docs/accuracy.md#runtimes), cold, as a step
+    runs them: its kernels stream megabytes between two ops and evict the host's caches (a
+    layer norm or linear call cost 36-63 us so on this CPU, 8-13 us hot), and the benchmark
+    runtime times each op hot, so what a re-run op costs beyond that is in ``recompute_op_ms``."""
 
     @property
     def host_copy_bytes_per_s(self) -> float:

@@ -2,7 +2,7 @@
 the checkpoints a plan applies.
 
     from planner.analysis.calibration import calibrate_device
-    cal = calibrate_device("cpu")               # 10-30 s on a CPU core
+    cal = calibrate_device("cpu")               # 20-40 s on a CPU core
     print(cal.report())                         # the spec, each kernel fitted, the host costs
     plan = solve_sac(model, budget_gib, step, options=PlanOptions(device=cal.spec))
 
@@ -13,7 +13,12 @@ transformer-like steps (layer norm, linear, GELU, views, dropout, a residual add
 tensors, so the host's costs dominate), n forward ops a block, the last saving its output:
 unplanned, fully and selectively (the first op cached) checkpointed. Every block is entered
 after a copy of a few MiB, in the forward and in the backward, as a step's kernels evict the
-host's working set between a checkpoint's calls. Per block, a full
+host's working set between a checkpoint's calls; and every call of its forward that dispatches
+runs after one too (numpy's, untimed), in the forward and in the recompute: a step's kernels
+stream megabytes between two ops of a module, so its host runs each op, hook and policy look-up
+cold (3-8x its time hot here), and so does a recompute. The kernels (the forward without grad)
+are timed hot, as the benchmark runtime times them: what a re-run op costs beyond that is its
+recompute cost. Per block, a full
 checkpoint adds ``call + n * (kernel + recompute_op)`` and a selective one
 ``call + (n - 1) * (kernel + recompute_op) + 2 n * selective_op`` (its policy sees n forward
 ops and n replayed ones); blocks of two lengths give the three costs, the kernel time being the
@@ -31,6 +36,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,7 +49,7 @@ from planner.plan import ModulePlan, op_key
 
 __all__ = ["CheckpointHostCosts", "Calibration", "calibrate_device", "measure_checkpoint_costs", "fit_checkpoint_costs"]
 
-_BLOCKS = 16
+_BLOCKS = 8
 """Checkpointed blocks per model: per-block figures are the model's over this many."""
 _SUBMODULES = 24
 """Modules nested in each block of a third model (the short chain's ops, plus that many
@@ -54,6 +60,11 @@ _EVICT_MIB = 8
 per-call cost): a step's kernels stream megabytes between a checkpoint's calls and evict the
 host's working set (the interpreter's objects, the checkpoint's state), and its host costs are
 paid that way; measured hot they come out well below the step's (docs/accuracy.md#runtimes)."""
+_OP_EVICT_MIB = 4
+"""Copied (numpy, no torch op) before every call of a block's forward that dispatches, in the
+forward and in the recompute: twice a core's L2 here (2 MiB); 8 MiB gave the same host costs,
+2 MiB lower ones. A step's kernels stream that much between two ops of a module, so the host runs
+every op cold: on this CPU a layer norm, linear or batch norm call cost 36-63 us so, 8-13 us hot."""
 _CHAINS = (1, 6)
 """Steps of the short and the long block (15 and 90 forward ops): the difference gives the
 per-op costs, the short block the per-call one."""
@@ -97,21 +108,63 @@ class Calibration:
 class _Chain(nn.Module):
     """``k`` small transformer-like steps, each ending in an op that saves its output (so a full
     checkpoint re-runs every op): layer norm, linear (a view and addmm), GELU, views, dropout
-    (random draws, kept masks), a residual add, tanh. Tiny tensors: the host costs dominate."""
+    (random draws, kept masks), a residual add, tanh. Tiny tensors: the host costs dominate.
+    ``evict`` (an :class:`_Evictor`) runs before every call that dispatches, in the forward and
+    in the recompute, as a step's kernels run between them."""
 
-    def __init__(self, k: int, submodules: int = 0) -> None:
+    def __init__(self, k: int, submodules: int = 0, evict: "_Evictor | None" = None) -> None:
         super().__init__()
         self.k, self.w, self.b = k, nn.Parameter(torch.rand(8, 8)), nn.Parameter(torch.rand(8))
         self.subs = nn.ModuleList(nn.Identity() for _ in range(submodules))
+        self.evict = evict if evict is not None else _no_evict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (4, 8)
+        e = self.evict
         for sub in self.subs:  # modules that run no op: what the wrapper walks on every call
+            e()
             x = sub(x)
         for _ in range(self.k):
-            y = F.gelu(F.linear(F.layer_norm(x, (8,)), self.w, self.b))
-            y = F.dropout(y.view(32).view(4, 8), 0.1, training=True)
-            x = torch.tanh(x + y)
+            e()
+            y = F.layer_norm(x, (8,))
+            e()
+            y = F.linear(y, self.w, self.b)
+            e()
+            y = F.gelu(y)
+            e()
+            y = y.view(32)
+            e()
+            y = F.dropout(y.view(4, 8), 0.1, training=True)
+            e()
+            y = x + y
+            e()
+            x = torch.tanh(y)
         return x
+
+
+def _no_evict() -> None:
+    pass
+
+
+class _Evictor:
+    """Called before every call of a block's forward that dispatches (:class:`_Chain`): copies
+    ``_OP_EVICT_MIB`` with numpy (no torch op: no dispatch mode, hook or policy sees it) and adds
+    the time that took, by the calibration's clock, to :attr:`spent`, which the measurements
+    leave out. ``on`` False: does nothing (the kernels timed hot)."""
+
+    def __init__(self, now) -> None:
+        n = _OP_EVICT_MIB * 2**20 // 8
+        self.src, self.dst = np.random.default_rng(0).random(n), np.empty(n)
+        self.now, self.spent, self.on, self.calls = now, 0, True, 0
+
+    def __call__(self) -> None:
+        if self.on:
+            t0 = self.now()
+            self._evict()
+            self.spent += self.now() - t0
+            self.calls += 1
+
+    def _evict(self) -> None:
+        np.copyto(self.dst, self.src)
 
 
 class _Evict(torch.autograd.Function):
@@ -133,9 +186,9 @@ class _Evict(torch.autograd.Function):
 class _Blocks(nn.Module):
     """The blocks in a row, each entered (forward and backward) after an ``_EVICT_MIB`` copy."""
 
-    def __init__(self, k: int, submodules: int = 0) -> None:
+    def __init__(self, k: int, submodules: int = 0, evict: _Evictor | None = None) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Chain(k, submodules) for _ in range(_BLOCKS))
+        self.blocks = nn.ModuleList(_Chain(k, submodules, evict) for _ in range(_BLOCKS))
         n = _EVICT_MIB * 2**20 // 4
         self.src, self.dst, self.evict = torch.rand(n), torch.empty(n), True
 
@@ -186,27 +239,30 @@ def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bo
              "selective": [ModulePlan(fqn=n, discard_ratio=0.5, full=False, saved_ops=(first,)) for n in names]}
     if full_only:
         del plans["selective"]
+    evict = _Evictor(now)
     models = {}
     for kind, mods in plans.items():
-        models[kind] = m = _Blocks(k, submodules)
+        models[kind] = m = _Blocks(k, submodules, evict)
         if mods:
             apply_module_plans(m, mods)
     times: dict[str, list[float]] = {kind: [] for kind in (*models, "no_grad", "selective")}
     for r in range(rounds + 1):  # round 0 warms up
         for kind, m in models.items():
-            t0 = now()
+            t0, spent = now(), evict.spent
             m(x).sum().backward()
-            if r:
-                times[kind].append((now() - t0) / 1e6)
+            if r:  # the evictions' own time left out
+                times[kind].append((now() - t0 - (evict.spent - spent)) / 1e6)
         if full_only:
             continue
         with torch.no_grad():
-            models["none"].evict = False  # the kernels alone
+            # The kernels alone, hot, as the benchmark times them: what the recompute pays
+            # beyond that (cold) is the per-op cost.
+            models["none"].evict, evict.on = False, False
             t0 = now()
             models["none"](x)
             if r:
                 times["no_grad"].append((now() - t0) / 1e6)
-            models["none"].evict = True
+            models["none"].evict, evict.on = True, True
     full = statistics.median(f - n for f, n in zip(times["full"], times["none"])) / _BLOCKS
     if full_only:
         return _ChainCosts(len(counter.ops), full, 0.0, 0.0)
