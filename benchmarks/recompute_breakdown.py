@@ -16,7 +16,8 @@ one intra-op thread, by the thread's CPU time:
   backward and recompute ops: what is left of each phase is host time;
 * in the first round, every op the recompute dispatches timed one by one (a dispatch mode pushed
   inside the recompute, under the plan's replay mode: a cached op is timed as its look-up),
-  summed per op over full AC's recompute beside the kernel time the trace priced it at.
+  summed per op over each plan's recompute beside the kernel time the trace priced it at
+  (cached ops left out).
 
 Printed per plan: measured forward / backward / step overhead; the recompute's in-step time and
 its op kernels' in-step time beside the predicted kernels, host per-op, per-call and policy terms.
@@ -183,6 +184,39 @@ def predicted_terms(info, plan, spec) -> dict[str, float]:
     return dict(out)
 
 
+def rerun_ops_table(plan, dispatched: list, info, spec) -> list[tuple[str, int, float, float]]:
+    """(op, times re-run, in-step ms, priced ms) per op key the plan's recompute re-runs, most
+    time first: the in-step figure sums the op's dispatches in the first timed round (a cached
+    op's look-up is left out: it is not re-run), the priced one the trace's kernel time."""
+    rerun_keys = set()
+    priced: dict[str, float] = defaultdict(float)
+    for mp in plan.modules:
+        s = info.stats(mp.fqn)
+        saved = set(mp.saved_ops)
+        for o in s.ops[: last_saved(s.ops) + 1]:
+            if (op_key(o.func), o.occurrence) not in saved:
+                rerun_keys.add(op_key(o.func))
+                priced[op_key(o.func)] += o.runtime_ms - spec.recompute_op_ms * s.n_calls
+    cached = {k for mp in plan.modules for k, _ in mp.saved_ops} - rerun_keys
+    measured: dict[str, list[float]] = defaultdict(list)
+    for k, t in dispatched:
+        if k not in cached:
+            measured[k].append(t)
+    rows = [(k, len(measured[k]), sum(measured[k]), priced.get(k, 0.0)) for k in measured]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def print_ops(v, dispatched: list, info, spec, top: int = 12) -> None:
+    rows = rerun_ops_table(v.plan, dispatched, info, spec)
+    print(f"{'op (' + v.name + ' recompute)':40} {'n':>4} {'in-step ms':>10} {'priced ms':>10}")
+    for k, n, ms, pr in rows[:top]:
+        print(f"{k:40} {n:4d} {ms:10.2f} {pr:10.2f}")
+    rest = rows[top:]
+    if rest:
+        print(f"{'(' + str(len(rest)) + ' more)':40} {sum(r[1] for r in rest):4d} {sum(r[2] for r in rest):10.2f} "
+              f"{sum(r[3] for r in rest):10.2f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", default=["gpt"], choices=list(tf.FAMILIES))
@@ -255,19 +289,9 @@ def main(argv=None) -> int:
         for v, _, _ in runs:
             med = {k: statistics.median(d.get(k, 0.0) for d in split[v.name]) for k in keys}
             print(f"{v.name:20} " + " ".join(f"{med[k]:9.1f}" for k in keys))
-        # per op kernel: in-step time vs the trace's (full AC's recompute: every op re-run)
-        full = runs[-1]
-        measured = defaultdict(list)
-        for k, t in ops[full[0].name]:
-            measured[k].append(t)
-        priced = defaultdict(list)
-        for mp in full[0].plan.modules:
-            s = info.stats(mp.fqn)
-            for o in s.ops[: last_saved(s.ops) + 1]:
-                priced[op_key(o.func)].append(o.runtime_ms - options.spec.recompute_op_ms)
-        print(f"{'op (full AC recompute)':32} {'n':>4} {'in-step ms':>10} {'priced ms':>10}")
-        for k in sorted(measured, key=lambda k: -sum(measured[k])):
-            print(f"{k:32} {len(measured[k]):4d} {sum(measured[k]):10.2f} {sum(priced.get(k, [])):10.2f}")
+        # per op kernel: in-step time vs the trace's, for every plan (what its recompute re-ran)
+        for v, _, _ in runs[1:]:
+            print_ops(v, ops[v.name], info, options.spec)
         print()
     return 0
 
