@@ -99,7 +99,7 @@ def _local_stats(
     first = calls[0]
     n = len(calls)
     call_ms = n * _call_host_ms(host, _submodules(trace, first)) if host is not None else 0.0
-    ops = () if is_leaf else module_ops(trace, calls, host.recompute_op_ms if host is not None else 0.0)
+    ops = () if is_leaf else module_ops(trace, calls, host.recompute_op_host_ms if host is not None else 0.0)
     groups = sac_groups(ops) if ops else ()
     units = greedy_units(ops, groups) if ops else []
     curve = cumulative_curve(units)

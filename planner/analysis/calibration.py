@@ -2,7 +2,7 @@
 the checkpoints a plan applies.
 
     from planner.analysis.calibration import calibrate_device
-    cal = calibrate_device("cpu")               # 20-40 s on a CPU core
+    cal = calibrate_device("cpu")               # 40-60 s on a CPU core
     print(cal.report())                         # the spec, each kernel fitted, the host costs
     plan = solve_sac(model, budget_gib, step, options=PlanOptions(device=cal.spec))
 
@@ -12,13 +12,14 @@ on the planner's own apply path (``apply_module_plans``), with B blocks of small
 transformer-like steps (layer norm, linear, GELU, views, dropout, a residual add, tanh: tiny
 tensors, so the host's costs dominate), n forward ops a block, the last saving its output:
 unplanned, fully and selectively (the first op cached) checkpointed. Every block is entered
-after a copy of a few MiB, in the forward and in the backward, as a step's kernels evict the
+after a copy of 32 MiB, in the forward and in the backward, as a step's kernels evict the
 host's working set between a checkpoint's calls; and every call of its forward that dispatches
-runs after one too (numpy's, untimed), in the forward and in the recompute: a step's kernels
-stream megabytes between two ops of a module, so its host runs each op, hook and policy look-up
-cold (3-8x its time hot here), and so does a recompute. The kernels (the forward without grad)
-are timed hot, as the benchmark runtime times them: what a re-run op costs beyond that is its
-recompute cost. Per block, a full
+runs after one of 4 MiB (numpy's, untimed), in the forward and in the recompute: a step's
+kernels stream megabytes between two ops of a module, so its host runs each op, hook and policy
+look-up cold (3-8x its time hot here), and so does a recompute. The kernels (the forward without
+grad) are timed hot, as the benchmark runtime times them: what a re-run op costs beyond that is
+its recompute cost. The same two chains without the copies between ops give the warm cost of a
+re-run op (``DeviceSpec.recompute_op_warm_ms``: after an op that streams little). Per block, a full
 checkpoint adds ``call + n * (kernel + recompute_op)`` and a selective one
 ``call + (n - 1) * (kernel + recompute_op) + 2 n * selective_op`` (its policy sees n forward
 ops and n replayed ones); blocks of two lengths give the three costs, the kernel time being the
@@ -55,16 +56,23 @@ _SUBMODULES = 24
 """Modules nested in each block of a third model (the short chain's ops, plus that many
 ``nn.Identity``, which run no op): its full checkpoint less the short chain's, over this many,
 is the per-submodule cost (``DeviceSpec.checkpoint_submodule_ms``)."""
-_EVICT_MIB = 8
-"""Copied between blocks, forward and backward (past a CPU core's L2; larger copies gave the same
-per-call cost): a step's kernels stream megabytes between a checkpoint's calls and evict the
-host's working set (the interpreter's objects, the checkpoint's state), and its host costs are
-paid that way; measured hot they come out well below the step's (docs/accuracy.md#runtimes)."""
+_EVICT_MIB = 32
+"""Copied between blocks, forward and backward: a step's kernels stream tens of MiB between a
+checkpoint's calls (a decoder block's forward, a conv stage's) and evict the host's working set
+(the interpreter's objects, the checkpoint's state, its RNG and state bookkeeping), and its host
+costs are paid that way. 8 MiB (past a core's L2) left the per-call cost at 0.67-0.74 ms here,
+32 and 64 MiB put it at 1.3-2.3 ms, what a checkpointed call cost in the conv net's step
+(docs/accuracy.md#runtimes); measured hot it is lower still."""
 _OP_EVICT_MIB = 4
 """Copied (numpy, no torch op) before every call of a block's forward that dispatches, in the
 forward and in the recompute: twice a core's L2 here (2 MiB); 8 MiB gave the same host costs,
 2 MiB lower ones. A step's kernels stream that much between two ops of a module, so the host runs
 every op cold: on this CPU a layer norm, linear or batch norm call cost 36-63 us so, 8-13 us hot."""
+_HOST_CACHE_BYTES = 2 * _OP_EVICT_MIB * 2**20
+"""What the copy before each op reads and writes: an op moving this much before another leaves
+that op's host work cold, one moving nothing (a view) warm; in between in proportion (a batch
+norm call after a copy moving 2 / 4 / 8 / 16 MiB: 22.5 / 45.1 / 62.4 / 63.4 us, 12.9 after
+none) (``DeviceSpec.host_cache_bytes``)."""
 _CHAINS = (1, 6)
 """Steps of the short and the long block (15 and 90 forward ops): the difference gives the
 per-op costs, the short block the per-call one."""
@@ -78,6 +86,9 @@ class CheckpointHostCosts:
     checkpoint_submodule_ms: float
     recompute_op_ms: float
     selective_op_ms: float
+    recompute_op_warm_ms: float
+    """``recompute_op_ms`` measured with the host's caches warm (no copy between ops); the spec
+    prices a re-run op between the two (``DeviceSpec.recompute_op_host_ms``)."""
     clock: str
     """"thread" (the calling thread's CPU time, one intra-op thread) or "wall"."""
 
@@ -100,7 +111,8 @@ class Calibration:
             lines.append("checkpoint host costs: not modelled on a CUDA device (hidden behind its kernels)")
         else:
             lines.append(f"checkpoint host costs ({c.clock} clock): {c.checkpoint_call_ms * 1e3:.1f} us per call, "
-                         f"{c.checkpoint_submodule_ms * 1e3:.1f} us per submodule a call, {c.recompute_op_ms * 1e3:.1f} us per re-run op, {c.selective_op_ms * 1e3:.1f} us per "
+                         f"{c.checkpoint_submodule_ms * 1e3:.1f} us per submodule a call, {c.recompute_op_ms * 1e3:.1f} us per re-run op "
+                         f"({c.recompute_op_warm_ms * 1e3:.1f} us warm), {c.selective_op_ms * 1e3:.1f} us per "
                          "op a selective policy sees")
         return "\n".join(lines)
 
@@ -225,10 +237,11 @@ class _ChainCosts:
     kernels_ms: float
 
 
-def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bool = False) -> _ChainCosts:
+def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bool = False,
+                 cold: bool = True) -> _ChainCosts:
     """Per block, in ms: full - unplanned, selective (its first op cached) - unplanned, the
     forward without grad (its kernels); medians over paired rounds. ``full_only``: the first
-    alone (the others 0)."""
+    alone (the others 0). ``cold`` False: no copy before each op (the host's caches warm)."""
     x = torch.rand(4, 8, requires_grad=True)
     counter = _Count()
     with counter:
@@ -240,6 +253,7 @@ def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bo
     if full_only:
         del plans["selective"]
     evict = _Evictor(now)
+    evict.on = cold
     models = {}
     for kind, mods in plans.items():
         models[kind] = m = _Blocks(k, submodules, evict)
@@ -262,7 +276,7 @@ def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bo
             models["none"](x)
             if r:
                 times["no_grad"].append((now() - t0) / 1e6)
-            models["none"].evict, evict.on = True, True
+            models["none"].evict, evict.on = True, cold
     full = statistics.median(f - n for f, n in zip(times["full"], times["none"])) / _BLOCKS
     if full_only:
         return _ChainCosts(len(counter.ops), full, 0.0, 0.0)
@@ -284,19 +298,23 @@ def fit_checkpoint_costs(ops: tuple[int, int], full: tuple[float, float], select
 
 
 def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:
-    """The four host costs of a checkpoint on this CPU (see the module docstring). 10-30 s at
-    ``rounds=15`` (the copies between blocks take most of it)."""
+    """The host costs of a checkpoint on this CPU (see the module docstring). 30-60 s at
+    ``rounds=15`` (the copies take most of it)."""
     clock, now = _clock()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         short = _chain_costs(_CHAINS[0], rounds, now, full_only=True)
         long = _chain_costs(_CHAINS[1], rounds, now)
         nested = _chain_costs(_CHAINS[0], rounds, now, _SUBMODULES, full_only=True)
+        short_warm = _chain_costs(_CHAINS[0], rounds, now, full_only=True, cold=False)
+        long_warm = _chain_costs(_CHAINS[1], rounds, now, cold=False)
     call, recompute_op, policy = fit_checkpoint_costs(
         (short.ops, long.ops), (short.full_ms, long.full_ms), long.selective_ms, long.kernels_ms)
+    warm = fit_checkpoint_costs((short.ops, long.ops), (short_warm.full_ms, long_warm.full_ms),
+                                long_warm.selective_ms, long_warm.kernels_ms)[1]
     return CheckpointHostCosts(checkpoint_call_ms=call, recompute_op_ms=recompute_op, selective_op_ms=policy,
                                checkpoint_submodule_ms=max(0.0, (nested.full_ms - short.full_ms) / _SUBMODULES),
-                               clock=clock)
+                               recompute_op_warm_ms=min(warm, recompute_op), clock=clock)
 
 
 def calibrate_device(base: DeviceSpec | str = "cpu", *, device: str | torch.device | None = None,
@@ -310,5 +328,6 @@ def calibrate_device(base: DeviceSpec | str = "cpu", *, device: str | torch.devi
     costs = measure_checkpoint_costs(rounds)
     spec = fit.spec.replace(checkpoint_call_ms=costs.checkpoint_call_ms,
                             checkpoint_submodule_ms=costs.checkpoint_submodule_ms,
-                            recompute_op_ms=costs.recompute_op_ms, selective_op_ms=costs.selective_op_ms)
+                            recompute_op_ms=costs.recompute_op_ms, selective_op_ms=costs.selective_op_ms,
+                            recompute_op_warm_ms=costs.recompute_op_warm_ms, host_cache_bytes=_HOST_CACHE_BYTES)
     return Calibration(spec=spec, fit=fit, checkpoint=costs)

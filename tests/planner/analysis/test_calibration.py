@@ -37,6 +37,8 @@ def test_a_calibrated_spec_plans_and_reports_what_it_measured(one_intra_op_threa
     assert (spec.checkpoint_call_ms, spec.checkpoint_submodule_ms, spec.recompute_op_ms, spec.selective_op_ms) == (
         cal.checkpoint.checkpoint_call_ms, cal.checkpoint.checkpoint_submodule_ms, cal.checkpoint.recompute_op_ms,
         cal.checkpoint.selective_op_ms)
+    assert spec.recompute_op_warm_ms == cal.checkpoint.recompute_op_warm_ms <= spec.recompute_op_ms
+    assert spec.host_cache_bytes > 0 and "warm" in cal.report()
     report = cal.report()
     assert spec.summary() in report and "mm 512x512x512" in report and "per call" in report and "per submodule" in report
     assert PlanOptions(device=spec).spec is spec
