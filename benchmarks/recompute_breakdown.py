@@ -16,7 +16,8 @@ one intra-op thread, by the thread's CPU time:
   backward and recompute ops: what is left of each phase is host time;
 * in the first round, every op the recompute dispatches timed one by one (a dispatch mode pushed
   inside the recompute, under the plan's replay mode: a cached op is timed as its look-up),
-  summed per op over full AC's recompute beside the kernel time the trace priced it at.
+  summed per op over each plan's recompute beside the kernel time the trace priced it at
+  (cached ops left out).
 
 Printed per plan: measured forward / backward / step overhead; the recompute's in-step time and
 its op kernels' in-step time beside the predicted kernels, host per-op, per-call and policy terms.
@@ -45,7 +46,7 @@ from estimators.runtime.kernel_bench import BenchmarkRuntime  # noqa: E402
 from estimators.runtime.models import RuntimeKind, benchmark_runtime_override  # noqa: E402
 from estimators.step.train_step import split_inputs  # noqa: E402
 from estimators.tracing.estimation import EstimateOptions  # noqa: E402
-from estimators.tracing.sac import last_saved  # noqa: E402
+from estimators.tracing.sac import last_saved, module_ops  # noqa: E402
 from planner.analysis.calibration import calibrate_device  # noqa: E402
 from planner.applying import forward_state  # noqa: E402
 from planner.applying.checkpointing import apply_plan  # noqa: E402
@@ -163,7 +164,20 @@ def _kernel_split(model, step, opt) -> dict[str, float]:
     return dict(out)
 
 
-def predicted_terms(info, plan, spec) -> dict[str, float]:
+def op_host_ms(info, fqn: str, spec, trace=None) -> list[float]:
+    """The host's re-run cost the model adds to each op of ``fqn``'s table, over its calls:
+    ``DeviceSpec.recompute_op_host_ms`` by what the op before it moved, worked out again from
+    ``trace`` where given (and its calls give the same table), else ``recompute_op_ms`` each."""
+    s = info.stats(fqn)
+    if trace is not None:
+        calls = [c for c in trace.calls if c.fqn == fqn]
+        bare = module_ops(trace, calls, 0.0)
+        if len(bare) == len(s.ops):
+            return [a.runtime_ms - b.runtime_ms for a, b in zip(module_ops(trace, calls, spec.recompute_op_host_ms), bare)]
+    return [spec.recompute_op_ms * s.n_calls] * len(s.ops)
+
+
+def predicted_terms(info, plan, spec, trace=None) -> dict[str, float]:
     """The model's terms of ``plan.recompute_ms``: re-run kernels, host per re-run op, calls,
     policy (forward + replay), each summed over the plan's modules."""
     out = defaultdict(float)
@@ -171,16 +185,49 @@ def predicted_terms(info, plan, spec) -> dict[str, float]:
         s = info.stats(m.fqn)
         saved = frozenset(m.saved_ops)
         stop = last_saved(s.ops)
-        for o in s.ops[: stop + 1]:
+        hosts = op_host_ms(info, m.fqn, spec, trace)
+        for o, host in zip(s.ops[: stop + 1], hosts):
             if (op_key(o.func), o.occurrence) in saved:
                 continue
-            host = spec.recompute_op_ms * s.n_calls  # runtime_ms sums the module's calls
             out["kernels"] += o.runtime_ms - host
             out["host/op"] += host
             out["n_rerun"] += 1
         out["calls"] += s.checkpoint_call_ms
         out["policy"] += s.selective_policy_ms if saved else 0.0
     return dict(out)
+
+
+def rerun_ops_table(plan, dispatched: list, info, spec, trace=None) -> list[tuple[str, int, float, float]]:
+    """(op, times re-run, in-step ms, priced ms) per op key the plan's recompute re-runs, most
+    time first: the in-step figure sums the op's dispatches in the first timed round (a cached
+    op's look-up is left out: it is not re-run), the priced one the trace's kernel time."""
+    rerun_keys = set()
+    priced: dict[str, float] = defaultdict(float)
+    for mp in plan.modules:
+        s = info.stats(mp.fqn)
+        saved = set(mp.saved_ops)
+        for o, host in zip(s.ops[: last_saved(s.ops) + 1], op_host_ms(info, mp.fqn, spec, trace)):
+            if (op_key(o.func), o.occurrence) not in saved:
+                rerun_keys.add(op_key(o.func))
+                priced[op_key(o.func)] += o.runtime_ms - host
+    cached = {k for mp in plan.modules for k, _ in mp.saved_ops} - rerun_keys
+    measured: dict[str, list[float]] = defaultdict(list)
+    for k, t in dispatched:
+        if k not in cached:
+            measured[k].append(t)
+    rows = [(k, len(measured[k]), sum(measured[k]), priced.get(k, 0.0)) for k in measured]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def print_ops(v, dispatched: list, info, spec, trace=None, top: int = 12) -> None:
+    rows = rerun_ops_table(v.plan, dispatched, info, spec, trace)
+    print(f"{'op (' + v.name + ' recompute)':40} {'n':>4} {'in-step ms':>10} {'priced ms':>10}")
+    for k, n, ms, pr in rows[:top]:
+        print(f"{k:40} {n:4d} {ms:10.2f} {pr:10.2f}")
+    rest = rows[top:]
+    if rest:
+        print(f"{'(' + str(len(rest)) + ' more)':40} {sum(r[1] for r in rest):4d} {sum(r[2] for r in rest):10.2f} "
+              f"{sum(r[3] for r in rest):10.2f}")
 
 
 def main(argv=None) -> int:
@@ -241,7 +288,7 @@ def main(argv=None) -> int:
             d_bw = statistics.median(a - b for a, b in zip(bw[v.name], bw[base]))
             rec = statistics.median(whole[v.name])
             op_ms = sum(t for _, t in ops[v.name])
-            terms = predicted_terms(info, v.plan, options.spec)
+            terms = predicted_terms(info, v.plan, options.spec, est.trace)
             n_mod = len(v.plan.modules)
             n_sel = sum(1 for mp in v.plan.modules if mp.saved_ops)
             print(f"{v.name:20} {n_mod} modules ({n_sel} selective); pred {v.predicted_recompute_ms:7.1f} = "
@@ -255,19 +302,9 @@ def main(argv=None) -> int:
         for v, _, _ in runs:
             med = {k: statistics.median(d.get(k, 0.0) for d in split[v.name]) for k in keys}
             print(f"{v.name:20} " + " ".join(f"{med[k]:9.1f}" for k in keys))
-        # per op kernel: in-step time vs the trace's (full AC's recompute: every op re-run)
-        full = runs[-1]
-        measured = defaultdict(list)
-        for k, t in ops[full[0].name]:
-            measured[k].append(t)
-        priced = defaultdict(list)
-        for mp in full[0].plan.modules:
-            s = info.stats(mp.fqn)
-            for o in s.ops[: last_saved(s.ops) + 1]:
-                priced[op_key(o.func)].append(o.runtime_ms - options.spec.recompute_op_ms)
-        print(f"{'op (full AC recompute)':32} {'n':>4} {'in-step ms':>10} {'priced ms':>10}")
-        for k in sorted(measured, key=lambda k: -sum(measured[k])):
-            print(f"{k:32} {len(measured[k]):4d} {sum(measured[k]):10.2f} {sum(priced.get(k, [])):10.2f}")
+        # per op kernel: in-step time vs the trace's, for every plan (what its recompute re-ran)
+        for v, _, _ in runs[1:]:
+            print_ops(v, ops[v.name], info, options.spec, est.trace)
         print()
     return 0
 

@@ -184,7 +184,17 @@ class DeviceSpec:
     recompute_op_ms: float = 0.0
     """Host time per op a recompute re-runs, beside the op's kernel time: autograd records the
     op again and the checkpoint's hooks hand its saved tensors over. Counted per re-run op,
-    views included (they launch no kernel but are dispatched and recorded)."""
+    views included (they launch no kernel but are dispatched and recorded). With the host's
+    caches evicted (cold); see ``recompute_op_warm_ms``."""
+    recompute_op_warm_ms: float | None = None
+    """The same with the host's caches warm: after an op that moved no data (a view). A re-run
+    op's host cost is between the two by the bytes the op before it in the module's forward
+    read and wrote, over ``host_cache_bytes`` (``recompute_op_host_ms``): a step's kernels that
+    stream megabytes evict the host's working set, small ones leave it. None: always
+    ``recompute_op_ms``."""
+    host_cache_bytes: int = 0
+    """Bytes a kernel reads and writes from which the next op's host work runs fully cold (0:
+    every re-run op at ``recompute_op_ms``)."""
     selective_op_ms: float = 0.0
     """Host time a selective policy adds per op it sees: each forward op of the module and each
     op its recompute replays up to the last saved one, cached or re-run. A plain (full)
@@ -194,7 +204,24 @@ class DeviceSpec:
     the host runs ahead of the device's queue and they are hidden where kernels are longer, so
     the CUDA specs leave them at 0 (not modelled). They are the host's, not the chip's: every
     built-in spec has 0 (not priced); ``planner.analysis.calibration.calibrate_device`` measures
-    them on the machine at hand (this project's CPU: docs/accuracy.md#runtimes)."""
+    them on the machine at hand (this project's CPU: docs/accuracy.md#runtimes), cold, as a step
+    runs them: its kernels stream megabytes between two ops and evict the host's caches (a
+    layer norm or linear call cost 36-63 us so on this CPU, 8-13 us hot), and the benchmark
+    runtime times each op hot, so what a re-run op costs beyond that is in ``recompute_op_ms``."""
+
+    def recompute_op_host_ms(self, moved_before: int | None) -> float:
+        """Host time of re-running an op after one that read and wrote ``moved_before`` bytes
+        (None: unknown, the module's first op: cold): ``recompute_op_warm_ms`` plus the cold
+        cost's excess in proportion to ``moved_before / host_cache_bytes``, at most all of it.
+
+        >>> s = get_device_spec("cpu").replace(recompute_op_ms=0.06, recompute_op_warm_ms=0.01, host_cache_bytes=8)
+        >>> [round(s.recompute_op_host_ms(b), 3) for b in (0, 2, 8, 80, None)]
+        [0.01, 0.022, 0.06, 0.06, 0.06]
+        """
+        warm, cold = self.recompute_op_warm_ms, self.recompute_op_ms
+        if warm is None or self.host_cache_bytes <= 0 or moved_before is None:
+            return cold
+        return warm + (cold - warm) * min(1.0, moved_before / self.host_cache_bytes)
 
     @property
     def host_copy_bytes_per_s(self) -> float:
@@ -234,6 +261,11 @@ class DeviceSpec:
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"DeviceSpec.{name} must be finite and >= 0, got {v}")
+        w = self.recompute_op_warm_ms
+        if w is not None and not (math.isfinite(w) and 0 <= w):
+            raise ValueError(f"DeviceSpec.recompute_op_warm_ms must be None or finite and >= 0, got {w}")
+        if self.host_cache_bytes < 0:
+            raise ValueError(f"DeviceSpec.host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if self.kernel_launch_ms < 0 or self.interconnect_bytes_per_s < 0:
             raise ValueError("DeviceSpec.kernel_launch_ms and interconnect_bytes_per_s must be >= 0")
         if self.interconnect is not None and not isinstance(self.interconnect, Interconnect):
@@ -299,8 +331,10 @@ class DeviceSpec:
             f"{self.memory_bandwidth_bytes_per_s / _GB:,.0f} GB/s x {self.bandwidth_efficiency:.3g} eff, "
             f"launch {self.kernel_launch_ms * 1e3:.3g} us; checkpoint {self.checkpoint_call_ms * 1e3:.3g} us "
             f"per call + {self.checkpoint_submodule_ms * 1e3:.3g} us per submodule + "
-            f"{self.recompute_op_ms * 1e3:.3g} us per re-run op + {self.selective_op_ms * 1e3:.3g} us "
-            "per selective-policy op"
+            f"{self.recompute_op_ms * 1e3:.3g} us per re-run op"
+            + (f" ({self.recompute_op_warm_ms * 1e3:.3g} us warm, cold after {self.host_cache_bytes / 2**20:.3g} MiB)"
+               if self.recompute_op_warm_ms is not None and self.host_cache_bytes else "")
+            + f" + {self.selective_op_ms * 1e3:.3g} us per selective-policy op"
         )
 
 

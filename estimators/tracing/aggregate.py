@@ -83,6 +83,17 @@ def _submodules(trace: StepTrace, call: ModuleCall) -> int:
     return len({trace.calls[c].fqn for c in subtree(trace, call)} - {call.fqn})
 
 
+def _rerun_host(host: DeviceSpec | None):
+    """The host's cost of re-running an op, as ``module_ops`` takes it: by the bytes the op
+    before it moved where the spec has a warm cost (``DeviceSpec.recompute_op_host_ms``), else
+    a constant (no bytes worked out)."""
+    if host is None:
+        return 0.0
+    if host.recompute_op_warm_ms is None or host.host_cache_bytes <= 0:
+        return host.recompute_op_ms
+    return host.recompute_op_host_ms
+
+
 def _call_host_ms(host: DeviceSpec, submodules: int) -> float:
     """Host time of one call of a checkpointed module with ``submodules`` nested modules."""
     return host.checkpoint_call_ms + host.checkpoint_submodule_ms * submodules
@@ -99,7 +110,7 @@ def _local_stats(
     first = calls[0]
     n = len(calls)
     call_ms = n * _call_host_ms(host, _submodules(trace, first)) if host is not None else 0.0
-    ops = () if is_leaf else module_ops(trace, calls, host.recompute_op_ms if host is not None else 0.0)
+    ops = () if is_leaf else module_ops(trace, calls, _rerun_host(host))
     groups = sac_groups(ops) if ops else ()
     units = greedy_units(ops, groups) if ops else []
     curve = cumulative_curve(units)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -54,13 +54,27 @@ def subtree(trace: StepTrace, call: ModuleCall) -> set[int]:
     return ids
 
 
-def _call_ops(trace: StepTrace, call: ModuleCall, host_op_ms: float) -> list[SACOp]:
+def _moved_bytes(trace: StepTrace, rec) -> int:
+    """Bytes an op reads and writes, as the storages it touches hold them (a view: none)."""
+    if rec.is_view:
+        return 0
+    return sum(trace.storages[s].nbytes for s in {*rec.arg_sids, *rec.new_sids})
+
+
+HostOpMs = Union[float, Callable[[Optional[int]], float]]
+"""The host's cost of re-running an op: a constant, or a function of the bytes the op before
+it read and wrote (None: the module's first op) (``DeviceSpec.recompute_op_host_ms``)."""
+
+
+def _call_ops(trace: StepTrace, call: ModuleCall, host_op_ms: HostOpMs) -> list[SACOp]:
     inside = subtree(trace, call)
     ops: list[SACOp] = []
     seen: dict[str, int] = {}
     creator: dict[int, int] = {}  # sid -> index in `ops`
     recs = [r for r in trace.ops[call.fw_first_op : call.fw_last_op + 1] if r.phase is Phase.FW]
     last_write = {sid: i for i, r in enumerate(recs) for sid in r.mutated_sids}
+    host = host_op_ms if callable(host_op_ms) else (lambda _, ms=host_op_ms: ms)
+    moved_before: int | None = None
     for rec in recs:
         name = _name(rec.func)
         occ = seen.get(name, 0)
@@ -93,7 +107,7 @@ def _call_ops(trace: StepTrace, call: ModuleCall, host_op_ms: float) -> list[SAC
             SACOp(
                 func=name,
                 occurrence=occ,
-                runtime_ms=rec.runtime_ms + host_op_ms,
+                runtime_ms=rec.runtime_ms + host(moved_before),
                 memory_bytes=memory,
                 is_view=rec.is_view,
                 inplace_parent=parent,
@@ -103,13 +117,16 @@ def _call_ops(trace: StepTrace, call: ModuleCall, host_op_ms: float) -> list[SAC
                 cache_cost_bytes=unsaved if saved else 0,
             )
         )
+        if callable(host_op_ms):
+            moved_before = _moved_bytes(trace, rec)
     return ops
 
 
-def module_ops(trace: StepTrace, calls: list[ModuleCall], host_op_ms: float = 0.0) -> tuple[SACOp, ...]:
+def module_ops(trace: StepTrace, calls: list[ModuleCall], host_op_ms: HostOpMs = 0.0) -> tuple[SACOp, ...]:
     """Op table of a module, summed over its calls (matched by (func, occurrence)). Each op's
     ``runtime_ms`` is its traced time plus ``host_op_ms``, the host's cost of re-running it in a
-    recompute (``DeviceSpec.recompute_op_ms``)."""
+    recompute (``DeviceSpec.recompute_op_host_ms``: by the bytes the op before it in the
+    module's forward moved; the module's first op as after an unknown one, cold)."""
     if not calls:
         return ()
     first = _call_ops(trace, calls[0], host_op_ms)

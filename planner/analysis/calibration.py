@@ -2,7 +2,7 @@
 the checkpoints a plan applies.
 
     from planner.analysis.calibration import calibrate_device
-    cal = calibrate_device("cpu")               # 10-30 s on a CPU core
+    cal = calibrate_device("cpu")               # 40-60 s on a CPU core
     print(cal.report())                         # the spec, each kernel fitted, the host costs
     plan = solve_sac(model, budget_gib, step, options=PlanOptions(device=cal.spec))
 
@@ -12,8 +12,14 @@ on the planner's own apply path (``apply_module_plans``), with B blocks of small
 transformer-like steps (layer norm, linear, GELU, views, dropout, a residual add, tanh: tiny
 tensors, so the host's costs dominate), n forward ops a block, the last saving its output:
 unplanned, fully and selectively (the first op cached) checkpointed. Every block is entered
-after a copy of a few MiB, in the forward and in the backward, as a step's kernels evict the
-host's working set between a checkpoint's calls. Per block, a full
+after a copy of 32 MiB, in the forward and in the backward, as a step's kernels evict the
+host's working set between a checkpoint's calls; and every call of its forward that dispatches
+runs after one of 4 MiB (numpy's, untimed), in the forward and in the recompute: a step's
+kernels stream megabytes between two ops of a module, so its host runs each op, hook and policy
+look-up cold (3-8x its time hot here), and so does a recompute. The kernels (the forward without
+grad) are timed hot, as the benchmark runtime times them: what a re-run op costs beyond that is
+its recompute cost. The same two chains without the copies between ops give the warm cost of a
+re-run op (``DeviceSpec.recompute_op_warm_ms``: after an op that streams little). Per block, a full
 checkpoint adds ``call + n * (kernel + recompute_op)`` and a selective one
 ``call + (n - 1) * (kernel + recompute_op) + 2 n * selective_op`` (its policy sees n forward
 ops and n replayed ones); blocks of two lengths give the three costs, the kernel time being the
@@ -31,6 +37,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,17 +50,29 @@ from planner.plan import ModulePlan, op_key
 
 __all__ = ["CheckpointHostCosts", "Calibration", "calibrate_device", "measure_checkpoint_costs", "fit_checkpoint_costs"]
 
-_BLOCKS = 16
+_BLOCKS = 8
 """Checkpointed blocks per model: per-block figures are the model's over this many."""
 _SUBMODULES = 24
 """Modules nested in each block of a third model (the short chain's ops, plus that many
 ``nn.Identity``, which run no op): its full checkpoint less the short chain's, over this many,
 is the per-submodule cost (``DeviceSpec.checkpoint_submodule_ms``)."""
-_EVICT_MIB = 8
-"""Copied between blocks, forward and backward (past a CPU core's L2; larger copies gave the same
-per-call cost): a step's kernels stream megabytes between a checkpoint's calls and evict the
-host's working set (the interpreter's objects, the checkpoint's state), and its host costs are
-paid that way; measured hot they come out well below the step's (docs/accuracy.md#runtimes)."""
+_EVICT_MIB = 32
+"""Copied between blocks, forward and backward: a step's kernels stream tens of MiB between a
+checkpoint's calls (a decoder block's forward, a conv stage's) and evict the host's working set
+(the interpreter's objects, the checkpoint's state, its RNG and state bookkeeping), and its host
+costs are paid that way. 8 MiB (past a core's L2) left the per-call cost at 0.67-0.74 ms here,
+32 and 64 MiB put it at 1.3-2.3 ms, what a checkpointed call cost in the conv net's step
+(docs/accuracy.md#runtimes); measured hot it is lower still."""
+_OP_EVICT_MIB = 4
+"""Copied (numpy, no torch op) before every call of a block's forward that dispatches, in the
+forward and in the recompute: twice a core's L2 here (2 MiB); 8 MiB gave the same host costs,
+2 MiB lower ones. A step's kernels stream that much between two ops of a module, so the host runs
+every op cold: on this CPU a layer norm, linear or batch norm call cost 36-63 us so, 8-13 us hot."""
+_HOST_CACHE_BYTES = 2 * _OP_EVICT_MIB * 2**20
+"""What the copy before each op reads and writes: an op moving this much before another leaves
+that op's host work cold, one moving nothing (a view) warm; in between in proportion (a batch
+norm call after a copy moving 2 / 4 / 8 / 16 MiB: 22.5 / 45.1 / 62.4 / 63.4 us, 12.9 after
+none) (``DeviceSpec.host_cache_bytes``)."""
 _CHAINS = (1, 6)
 """Steps of the short and the long block (15 and 90 forward ops): the difference gives the
 per-op costs, the short block the per-call one."""
@@ -67,6 +86,9 @@ class CheckpointHostCosts:
     checkpoint_submodule_ms: float
     recompute_op_ms: float
     selective_op_ms: float
+    recompute_op_warm_ms: float
+    """``recompute_op_ms`` measured with the host's caches warm (no copy between ops); the spec
+    prices a re-run op between the two (``DeviceSpec.recompute_op_host_ms``)."""
     clock: str
     """"thread" (the calling thread's CPU time, one intra-op thread) or "wall"."""
 
@@ -89,7 +111,8 @@ class Calibration:
             lines.append("checkpoint host costs: not modelled on a CUDA device (hidden behind its kernels)")
         else:
             lines.append(f"checkpoint host costs ({c.clock} clock): {c.checkpoint_call_ms * 1e3:.1f} us per call, "
-                         f"{c.checkpoint_submodule_ms * 1e3:.1f} us per submodule a call, {c.recompute_op_ms * 1e3:.1f} us per re-run op, {c.selective_op_ms * 1e3:.1f} us per "
+                         f"{c.checkpoint_submodule_ms * 1e3:.1f} us per submodule a call, {c.recompute_op_ms * 1e3:.1f} us per re-run op "
+                         f"({c.recompute_op_warm_ms * 1e3:.1f} us warm), {c.selective_op_ms * 1e3:.1f} us per "
                          "op a selective policy sees")
         return "\n".join(lines)
 
@@ -97,21 +120,63 @@ class Calibration:
 class _Chain(nn.Module):
     """``k`` small transformer-like steps, each ending in an op that saves its output (so a full
     checkpoint re-runs every op): layer norm, linear (a view and addmm), GELU, views, dropout
-    (random draws, kept masks), a residual add, tanh. Tiny tensors: the host costs dominate."""
+    (random draws, kept masks), a residual add, tanh. Tiny tensors: the host costs dominate.
+    ``evict`` (an :class:`_Evictor`) runs before every call that dispatches, in the forward and
+    in the recompute, as a step's kernels run between them."""
 
-    def __init__(self, k: int, submodules: int = 0) -> None:
+    def __init__(self, k: int, submodules: int = 0, evict: "_Evictor | None" = None) -> None:
         super().__init__()
         self.k, self.w, self.b = k, nn.Parameter(torch.rand(8, 8)), nn.Parameter(torch.rand(8))
         self.subs = nn.ModuleList(nn.Identity() for _ in range(submodules))
+        self.evict = evict if evict is not None else _no_evict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (4, 8)
+        e = self.evict
         for sub in self.subs:  # modules that run no op: what the wrapper walks on every call
+            e()
             x = sub(x)
         for _ in range(self.k):
-            y = F.gelu(F.linear(F.layer_norm(x, (8,)), self.w, self.b))
-            y = F.dropout(y.view(32).view(4, 8), 0.1, training=True)
-            x = torch.tanh(x + y)
+            e()
+            y = F.layer_norm(x, (8,))
+            e()
+            y = F.linear(y, self.w, self.b)
+            e()
+            y = F.gelu(y)
+            e()
+            y = y.view(32)
+            e()
+            y = F.dropout(y.view(4, 8), 0.1, training=True)
+            e()
+            y = x + y
+            e()
+            x = torch.tanh(y)
         return x
+
+
+def _no_evict() -> None:
+    pass
+
+
+class _Evictor:
+    """Called before every call of a block's forward that dispatches (:class:`_Chain`): copies
+    ``_OP_EVICT_MIB`` with numpy (no torch op: no dispatch mode, hook or policy sees it) and adds
+    the time that took, by the calibration's clock, to :attr:`spent`, which the measurements
+    leave out. ``on`` False: does nothing (the kernels timed hot)."""
+
+    def __init__(self, now) -> None:
+        n = _OP_EVICT_MIB * 2**20 // 8
+        self.src, self.dst = np.random.default_rng(0).random(n), np.empty(n)
+        self.now, self.spent, self.on, self.calls = now, 0, True, 0
+
+    def __call__(self) -> None:
+        if self.on:
+            t0 = self.now()
+            self._evict()
+            self.spent += self.now() - t0
+            self.calls += 1
+
+    def _evict(self) -> None:
+        np.copyto(self.dst, self.src)
 
 
 class _Evict(torch.autograd.Function):
@@ -133,9 +198,9 @@ class _Evict(torch.autograd.Function):
 class _Blocks(nn.Module):
     """The blocks in a row, each entered (forward and backward) after an ``_EVICT_MIB`` copy."""
 
-    def __init__(self, k: int, submodules: int = 0) -> None:
+    def __init__(self, k: int, submodules: int = 0, evict: _Evictor | None = None) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Chain(k, submodules) for _ in range(_BLOCKS))
+        self.blocks = nn.ModuleList(_Chain(k, submodules, evict) for _ in range(_BLOCKS))
         n = _EVICT_MIB * 2**20 // 4
         self.src, self.dst, self.evict = torch.rand(n), torch.empty(n), True
 
@@ -172,10 +237,11 @@ class _ChainCosts:
     kernels_ms: float
 
 
-def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bool = False) -> _ChainCosts:
+def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bool = False,
+                 cold: bool = True) -> _ChainCosts:
     """Per block, in ms: full - unplanned, selective (its first op cached) - unplanned, the
     forward without grad (its kernels); medians over paired rounds. ``full_only``: the first
-    alone (the others 0)."""
+    alone (the others 0). ``cold`` False: no copy before each op (the host's caches warm)."""
     x = torch.rand(4, 8, requires_grad=True)
     counter = _Count()
     with counter:
@@ -186,27 +252,31 @@ def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bo
              "selective": [ModulePlan(fqn=n, discard_ratio=0.5, full=False, saved_ops=(first,)) for n in names]}
     if full_only:
         del plans["selective"]
+    evict = _Evictor(now)
+    evict.on = cold
     models = {}
     for kind, mods in plans.items():
-        models[kind] = m = _Blocks(k, submodules)
+        models[kind] = m = _Blocks(k, submodules, evict)
         if mods:
             apply_module_plans(m, mods)
     times: dict[str, list[float]] = {kind: [] for kind in (*models, "no_grad", "selective")}
     for r in range(rounds + 1):  # round 0 warms up
         for kind, m in models.items():
-            t0 = now()
+            t0, spent = now(), evict.spent
             m(x).sum().backward()
-            if r:
-                times[kind].append((now() - t0) / 1e6)
+            if r:  # the evictions' own time left out
+                times[kind].append((now() - t0 - (evict.spent - spent)) / 1e6)
         if full_only:
             continue
         with torch.no_grad():
-            models["none"].evict = False  # the kernels alone
+            # The kernels alone, hot, as the benchmark times them: what the recompute pays
+            # beyond that (cold) is the per-op cost.
+            models["none"].evict, evict.on = False, False
             t0 = now()
             models["none"](x)
             if r:
                 times["no_grad"].append((now() - t0) / 1e6)
-            models["none"].evict = True
+            models["none"].evict, evict.on = True, cold
     full = statistics.median(f - n for f, n in zip(times["full"], times["none"])) / _BLOCKS
     if full_only:
         return _ChainCosts(len(counter.ops), full, 0.0, 0.0)
@@ -228,19 +298,23 @@ def fit_checkpoint_costs(ops: tuple[int, int], full: tuple[float, float], select
 
 
 def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:
-    """The four host costs of a checkpoint on this CPU (see the module docstring). 10-30 s at
-    ``rounds=15`` (the copies between blocks take most of it)."""
+    """The host costs of a checkpoint on this CPU (see the module docstring). 30-60 s at
+    ``rounds=15`` (the copies take most of it)."""
     clock, now = _clock()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         short = _chain_costs(_CHAINS[0], rounds, now, full_only=True)
         long = _chain_costs(_CHAINS[1], rounds, now)
         nested = _chain_costs(_CHAINS[0], rounds, now, _SUBMODULES, full_only=True)
+        short_warm = _chain_costs(_CHAINS[0], rounds, now, full_only=True, cold=False)
+        long_warm = _chain_costs(_CHAINS[1], rounds, now, cold=False)
     call, recompute_op, policy = fit_checkpoint_costs(
         (short.ops, long.ops), (short.full_ms, long.full_ms), long.selective_ms, long.kernels_ms)
+    warm = fit_checkpoint_costs((short.ops, long.ops), (short_warm.full_ms, long_warm.full_ms),
+                                long_warm.selective_ms, long_warm.kernels_ms)[1]
     return CheckpointHostCosts(checkpoint_call_ms=call, recompute_op_ms=recompute_op, selective_op_ms=policy,
                                checkpoint_submodule_ms=max(0.0, (nested.full_ms - short.full_ms) / _SUBMODULES),
-                               clock=clock)
+                               recompute_op_warm_ms=min(warm, recompute_op), clock=clock)
 
 
 def calibrate_device(base: DeviceSpec | str = "cpu", *, device: str | torch.device | None = None,
@@ -254,5 +328,6 @@ def calibrate_device(base: DeviceSpec | str = "cpu", *, device: str | torch.devi
     costs = measure_checkpoint_costs(rounds)
     spec = fit.spec.replace(checkpoint_call_ms=costs.checkpoint_call_ms,
                             checkpoint_submodule_ms=costs.checkpoint_submodule_ms,
-                            recompute_op_ms=costs.recompute_op_ms, selective_op_ms=costs.selective_op_ms)
+                            recompute_op_ms=costs.recompute_op_ms, selective_op_ms=costs.selective_op_ms,
+                            recompute_op_warm_ms=costs.recompute_op_warm_ms, host_cache_bytes=_HOST_CACHE_BYTES)
     return Calibration(spec=spec, fit=fit, checkpoint=costs)

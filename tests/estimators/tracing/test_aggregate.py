@@ -144,6 +144,46 @@ def test_recompute_is_priced_with_the_checkpoints_host_costs():
     assert base.full_recompute_ms == pytest.approx(replay_ms(base.ops, lambda i, o: True))
 
 
+class _Streaming(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = nn.Identity()  # not a leaf: its ops make a table
+
+    def forward(self, x):  # x: (128, 128) fp32, 64 KiB
+        y = x * 2  # reads x, writes y: 128 KiB
+        z = y.view(-1)  # a view: moves nothing
+        w = z.sin()  # 128 KiB
+        return self.out(w.sum())
+
+
+class Streams(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blk = _Streaming()
+
+    def forward(self, x):
+        return self.blk(x)
+
+
+def test_a_rerun_ops_host_cost_is_warm_after_an_op_that_streams_little():
+    """recompute_op_ms (cold, 1 ms here) after an op that read and wrote host_cache_bytes or
+    more (or first in the module), recompute_op_warm_ms (0) after a view, and in proportion to
+    the bytes in between: mul first (1.0), the view after mul's 128 KiB of 256 (0.5), sin
+    after the view (0), sum after sin's 128 KiB (0.5). Without a warm cost, all at 1 ms."""
+    from estimators.runtime.device import get_device_spec
+
+    step = TrainStep(inputs=(torch.randn(128, 128, requires_grad=True),))
+    plain = get_device_spec("cpu")
+    base = estimate(Streams(), step, device=plain).module_info.stats("Streams.blk")
+    cold = plain.replace(recompute_op_ms=1.0)
+    spec = cold.replace(recompute_op_warm_ms=0.0, host_cache_bytes=256 * 1024)
+    s = estimate(Streams(), step, device=spec).module_info.stats("Streams.blk")
+    assert [o.func for o in s.ops] == ["aten.mul.Tensor", "aten.view.default", "aten.sin.default", "aten.sum.default"]
+    assert [a.runtime_ms - o.runtime_ms for o, a in zip(base.ops, s.ops)] == pytest.approx([1.0, 0.5, 0.0, 0.5])
+    c = estimate(Streams(), step, device=cold).module_info.stats("Streams.blk")
+    assert [a.runtime_ms - o.runtime_ms for o, a in zip(base.ops, c.ops)] == pytest.approx([1.0] * 4)
+
+
 class Nested(nn.Module):
     """A block with four modules nested in it, two levels deep, called once."""
 

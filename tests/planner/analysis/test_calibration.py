@@ -37,7 +37,51 @@ def test_a_calibrated_spec_plans_and_reports_what_it_measured(one_intra_op_threa
     assert (spec.checkpoint_call_ms, spec.checkpoint_submodule_ms, spec.recompute_op_ms, spec.selective_op_ms) == (
         cal.checkpoint.checkpoint_call_ms, cal.checkpoint.checkpoint_submodule_ms, cal.checkpoint.recompute_op_ms,
         cal.checkpoint.selective_op_ms)
+    assert spec.recompute_op_warm_ms == cal.checkpoint.recompute_op_warm_ms <= spec.recompute_op_ms
+    assert spec.host_cache_bytes > 0 and "warm" in cal.report()
     report = cal.report()
     assert spec.summary() in report and "mm 512x512x512" in report and "per call" in report and "per submodule" in report
     assert PlanOptions(device=spec).spec is spec
     assert torch.get_num_threads() == 1
+
+
+def test_every_op_of_a_block_runs_cold_in_the_forward_and_in_the_recompute(one_intra_op_thread):
+    """A step's kernels evict the host's caches between two ops of a module, so the calibration
+    evicts before every dispatching call of a block: once per call in the unplanned forward, and
+    again in a checkpoint's recompute (the same Python runs twice)."""
+    import time
+
+    from planner.analysis import calibration as cal
+    from planner.applying.checkpointing import apply_module_plans
+    from planner.plan import ModulePlan
+
+    per_forward = 2 + 7  # two nested modules, seven calls a step of the chain
+    x = torch.rand(4, 8, requires_grad=True)
+    for full, passes in ((False, 1), (True, 2)):
+        ev = cal._Evictor(time.thread_time_ns)
+        m = cal._Blocks(1, 2, ev)
+        m.evict = False  # the copies between blocks are another thing
+        if full:
+            apply_module_plans(m, [ModulePlan(fqn=f"_Blocks.blocks.{i}", discard_ratio=1.0, full=True)
+                                   for i in range(cal._BLOCKS)])
+        m(x).sum().backward()
+        assert ev.calls == cal._BLOCKS * per_forward * passes
+        assert ev.spent > 0
+
+
+def test_the_evictions_own_time_is_left_out(one_intra_op_thread, monkeypatch):
+    """Each eviction here takes 2 ms of the thread's time; a full checkpoint's recompute runs 7
+    of them a block (14 ms), which the per-block cost must not include."""
+    import time
+
+    from planner.analysis import calibration as cal
+
+    class Slow(cal._Evictor):
+        def _evict(self):
+            t0 = time.thread_time()
+            while time.thread_time() - t0 < 0.002:
+                pass
+
+    monkeypatch.setattr(cal, "_Evictor", Slow)
+    costs = cal._chain_costs(1, 1, time.thread_time_ns, full_only=True)
+    assert 0 < costs.full_ms < 7.0
