@@ -60,6 +60,43 @@ def _fake_cpu_empty(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
+def _fake_cpu_parameter(t: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter:
+    """Inside a fake mode: ``torch.nn.Parameter(_fake_cpu_empty(t), requires_grad=requires_grad)``.
+
+    For a tensor subclass the constructor returns ``data.detach().requires_grad_(requires_grad)``
+    flagged ``_is_param``: the detach, one more op through the mode per parameter, makes a second
+    tensor over the new tensor's storage, which nothing else holds. The flag and ``requires_grad``
+    are set on the new tensor itself instead, once the first parameter made in this process both
+    ways showed the two the same (:func:`_same_parameter`); the constructor wherever they differ."""
+    global _SHORTCUT
+    if _SHORTCUT:
+        new = _fake_cpu_empty(t).requires_grad_(requires_grad)
+        new._is_param = True
+        return new
+    made = torch.nn.Parameter(_fake_cpu_empty(t), requires_grad=requires_grad)
+    if _SHORTCUT is None:
+        short = _fake_cpu_empty(t).requires_grad_(requires_grad)
+        short._is_param = True
+        _SHORTCUT = _same_parameter(made, short)
+    return made
+
+
+_SHORTCUT: bool | None = None
+"""Whether :func:`_fake_cpu_parameter` sets the flag itself (None: not checked yet in this process)."""
+
+
+def _same_parameter(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are the same kind of parameter: class, instance attributes, dispatch keys,
+    autograd state, metadata, each over a storage of its own."""
+    return (type(a) is type(b) and vars(a) == vars(b)
+            and torch._C._dispatch_key_set(a) == torch._C._dispatch_key_set(b)
+            and (a.requires_grad, a.is_leaf, a.grad_fn, a._version, a._is_view(), a._base)
+            == (b.requires_grad, b.is_leaf, b.grad_fn, b._version, b._is_view(), b._base)
+            and (a.dtype, a.shape, a.stride(), a.storage_offset(), a.device, a.untyped_storage().nbytes())
+            == (b.dtype, b.shape, b.stride(), b.storage_offset(), b.device, b.untyped_storage().nbytes())
+            and a.untyped_storage() is not b.untyped_storage())
+
+
 def fake_tensor(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     """A fake copy of ``t`` (a DTensor: over a fake copy of its local shard)."""
     return fake_copy_of(t, lambda inner: _fake_plain(mode, inner))
@@ -151,7 +188,7 @@ def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] 
         # makes them, in one visit to the mode and through the memo.
         with mode, MemoMode(mode):
             for p, t in off_cpu:
-                memo[id(p)] = mapping[id(p)] = torch.nn.Parameter(_fake_cpu_empty(t), requires_grad=p.requires_grad)
+                memo[id(p)] = mapping[id(p)] = _fake_cpu_parameter(t, p.requires_grad)
     for b in model.buffers():
         if id(b) not in memo and id(b) not in skipped:
             memo[id(b)] = fake_buffer(mode, b)

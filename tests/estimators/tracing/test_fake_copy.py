@@ -143,3 +143,41 @@ def test_a_process_group_a_module_keeps_is_shared_not_copied():
         model.tp_group = dist.group.WORLD  # as torchtitan's vocab-parallel Embedding keeps its TP group
         copy, _ = fake_copy(model, FakeTensorMode())
         assert copy.tp_group is model.tp_group
+
+
+_META_PARAMS = [
+    (torch.empty(4, 6, device="meta"), True),
+    (torch.empty(6, 4, device="meta").t(), True),  # strides (1, 4)
+    (torch.empty(3, device="meta", dtype=torch.bfloat16), False),
+    (torch.empty(2, 3, 5, device="meta", dtype=torch.float16)[:, 1], True),  # offset 5, strides (15, 1)
+]
+
+
+def test_a_parameter_made_without_its_detach_is_the_constructors(monkeypatch):
+    """A meta parameter's fake copy gets ``_is_param`` and ``requires_grad`` set on the new tensor
+    itself, not on ``detach()`` of it as ``nn.Parameter`` does: the same parameter, checked once
+    per process; the constructor again where the check finds them different."""
+    from estimators.tracing import fake_copy as module
+    from estimators.tracing.fake_dispatch import MemoMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    monkeypatch.setattr(module, "_SHORTCUT", None)
+    with mode, MemoMode(mode):
+        for t, grad in _META_PARAMS:
+            ours = module._fake_cpu_parameter(t, grad)
+            theirs = nn.Parameter(module._fake_cpu_empty(t), requires_grad=grad)
+            assert module._SHORTCUT is True  # set by the first parameter, on this torch
+            assert module._same_parameter(ours, theirs)
+            assert ours._is_param and isinstance(ours, nn.Parameter) and type(ours) is FakeTensor
+            assert (ours.shape, ours.stride(), ours.dtype, ours.requires_grad) == (t.shape, t.stride(), t.dtype, grad)
+
+        detached = []
+        real_new = nn.Parameter.__new__
+        monkeypatch.setattr(nn.Parameter, "__new__", lambda cls, data=None, requires_grad=True:
+                            detached.append(data) or real_new(cls, data, requires_grad))
+        monkeypatch.setattr(module, "_SHORTCUT", None)
+        monkeypatch.setattr(module, "_same_parameter", lambda a, b: False)
+        for t, grad in _META_PARAMS:
+            made = module._fake_cpu_parameter(t, grad)
+            assert made._is_param and made.requires_grad == grad
+        assert module._SHORTCUT is False and len(detached) == len(_META_PARAMS)  # the constructor each time
