@@ -202,6 +202,7 @@ def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] 
                 memo[id(mod)] = _unit_copy(mod, hooks[id(mod)], memo)
         if stacks:
             truncate_in_memo(model, stacks, memo)
+        _copy_module_tables(model, memo)
         out = memo[id(model)] if id(model) in memo else copy.deepcopy(model, memo)
     except Exception as e:  # noqa: BLE001 - user modules can hold anything
         raise FakeCopyError(
@@ -209,6 +210,41 @@ def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] 
             "give the model on the meta device, or trace in real mode") from e
     rebind_functions(out, memo)
     return out, mapping
+
+
+_PLAIN = frozenset({type(None), bool, int, float, str})
+"""What ``copy.deepcopy`` returns as is (its atomic types; a conservative few)."""
+
+
+def _copy_module_tables(model: torch.nn.Module, memo: dict[int, Any]) -> None:
+    """Put in ``memo`` the copy ``copy.deepcopy(model, memo)`` would make of each module's
+    ``OrderedDict`` tables (its eleven hook tables) and sets (``_non_persistent_buffers_set``)
+    whose keys and values it would return as they are or as ``memo`` maps them: a new table of
+    the same class, those keys and values, in that order; deepcopy finds them there. It would
+    copy each through ``__reduce_ex__``, whose ``copyreg._slotnames`` raises and catches two
+    exceptions per table (``OrderedDict`` and ``set`` cannot keep the ``__slotnames__`` it
+    computes): about half of a model copy's time. Anything else (a subclass, a table with
+    instance attributes, a value of another type: a hook bound to its module) is left to
+    deepcopy, and so are the plain dicts (``_parameters``, ``_modules``: its fast path)."""
+    for mod in model.modules():
+        if id(mod) in memo:  # copied already (an FSDP unit), or not copied (a skipped block)
+            continue
+        for table in vars(mod).values():
+            kind = type(table)
+            if (kind is not collections.OrderedDict and kind is not set) or id(table) in memo:
+                continue
+            items = table.items() if kind is collections.OrderedDict else ((x, None) for x in table)
+            copied = []
+            for k, v in items:
+                k_, v_ = memo.get(id(k), k), memo.get(id(v), v)
+                if (k_ is k and type(k) not in _PLAIN) or (v_ is v and type(v) not in _PLAIN):
+                    break
+                copied.append((k_, v_))
+            else:
+                if kind is set:
+                    memo[id(table)] = set([k for k, _ in copied])
+                elif not vars(table):
+                    memo[id(table)] = collections.OrderedDict(copied)
 
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
