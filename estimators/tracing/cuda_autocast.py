@@ -344,7 +344,7 @@ def _leave_alone(op, composite: bool, *args, **kwargs):
     """An op only the CPU's lists hold: CUDA runs it as called. A composite one decomposes here and
     its parts meet the policy (as on CUDA: their CPU kernels are excluded, and the policy's read
     autocast as on through :func:`_enabled`); any other runs past both autocast keys."""
-    if composite:
+    if composite and _enabled():  # outside autocast CUDA runs it as called too: no policy for its parts
         _local.decomposing = getattr(_local, "decomposing", 0) + 1
         try:
             with _Exclude(_CPU):

@@ -324,3 +324,34 @@ def test_the_cached_copy_lives_until_the_forward_s_autocast_region_ends():
     copy = tr.storages[cast.new_sids[0]]
     last_fw = max(op.index for op in tr.ops if op.phase.name == "FW")
     assert copy.free_op == last_fw  # not freed after einsum: held to the end of the region
+
+
+def test_a_composite_left_alone_outside_autocast_runs_as_called():
+    """cross_entropy_loss decomposes with CUDA's policy for its parts only under autocast: a
+    bfloat16 model trained without autocast keeps nll_loss in bfloat16 (no float32 copy of the
+    log-probabilities), as the trace without the CUDA policy does."""
+    target = torch.randint(0, 100, (32,))
+    model = Probe(lambda x: F.cross_entropy(x, target, reduction="none"))
+    step = TrainStep(inputs=(_x(torch.bfloat16, 32, 100),))
+
+    def fw_ops(cuda_autocast):
+        est = estimate(model, step=step, device="h100", options=EstimateOptions(cuda_autocast=cuda_autocast))
+        return [(str(op.func), [est.trace.storages[s].nbytes for s in op.new_sids])
+                for op in est.trace.ops if op.phase.name == "FW"]
+
+    ops = fw_ops(None)
+    assert [f for f, _ in ops].count("aten._to_copy.default") == 1  # Probe's out.float() only
+    assert ops == fw_ops(False)
+
+
+def test_a_float32_convolution_with_same_padding_is_not_cast_without_autocast():
+    """conv2d.padding (padding="same") is a composite only the CPU's lists hold; outside autocast
+    its convolution (CUDA's lower-precision list) ran the policy and the float32 model's step was
+    traced in bfloat16 (three casts, a smaller peak)."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding="same"))
+    step = TrainStep(inputs=(torch.randn(2, 3, 16, 16),), loss_fn=lambda out, _: out.sum(), optimizer="sgd")
+    est = estimate(model, step=step, device="h100")
+    plain = estimate(model, step=step, device="h100", options=EstimateOptions(cuda_autocast=False))
+    assert [str(op.func) for op in est.trace.ops if op.phase.name == "FW"] == [
+        "aten.convolution.default", "aten.sum.default"]
+    assert est.module_info.peak_bytes == plain.module_info.peak_bytes
