@@ -152,6 +152,8 @@ class StepTracer(HotPathMode):
         self.random_value_reads: list[str] = []
         """Modules (fqns) whose Python code read the value of a small tensor drawn from torch's
         RNG (LayerDrop's ``torch.rand([]) < p``): the trace followed that one draw."""
+        self.autocast_watch: Any = None
+        """Shown every op (``estimators.tracing.cuda_autocast.AutocastWatch``), where set."""
         self.run_op: Callable[[Any, tuple, dict], Any] = _call
         """Runs each op the step dispatches; a mode below the tracer may lend its own work here
         instead of being entered (``RealKernelsMode.run``): one dispatch level less per op."""
@@ -269,6 +271,9 @@ class StepTracer(HotPathMode):
 
     def _dispatch(self, func, types, args, kwargs):
         kwargs = kwargs or {}
+        watch = self.autocast_watch
+        if watch is not None and not watch.seen:
+            watch.note()
         if defers(types):
             # A DTensor (or other wrapper) op: the rank runs its local ops and collectives, which
             # come back through this mode at local shapes (estimators.tracing.subclasses).

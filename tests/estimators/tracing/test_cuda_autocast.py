@@ -355,3 +355,59 @@ def test_a_float32_convolution_with_same_padding_is_not_cast_without_autocast():
     assert [str(op.func) for op in est.trace.ops if op.phase.name == "FW"] == [
         "aten.convolution.default", "aten.sum.default"]
     assert est.module_info.peak_bytes == plain.module_info.peak_bytes
+
+
+def _registered() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::layer_norm", "AutocastPrivateUse1")
+
+
+class _OpensAutocast(nn.Module):
+    """Opens CPU autocast itself for part of its forward, or not (``opens``); notes whether
+    CUDA's kernels are registered before and inside (``seen``, which the fake copy shares)."""
+
+    def __init__(self, opens: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.opens = opens
+        self.seen = _Seen()
+
+    def forward(self, x):
+        self.seen.dtypes.append(_registered())
+        y = torch.exp(self.lin(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.opens):
+            z = F.layer_norm(self.lin(y), (y.shape[-1],))  # linear: cast down; layer_norm: float32 on CUDA
+            self.seen.dtypes.append(_registered())
+        return F.cross_entropy(z, torch.zeros(z.shape[0], dtype=torch.long, device=z.device))
+
+
+def test_kernels_are_registered_only_for_a_step_that_turns_autocast_on(monkeypatch):
+    """A step that never turns CPU autocast on is traced without CUDA's autocast kernels (outside
+    autocast each runs its op as called; registering them is a twentieth of a small trace); one
+    that turns it on where nothing announced it (the model itself) is traced again with them. The
+    estimates are those made with the kernels registered from the start."""
+    from estimators.tracing import estimation
+    from tests.estimators.tracing.trace_equivalence import estimate_difference
+
+    step = TrainStep(inputs=(torch.randn(8, 64),), optimizer="adam")
+    plain, opens = _OpensAutocast(opens=False), _OpensAutocast()
+    lazy = [estimate(m, step=step, device="h100") for m in (plain, opens)]
+    assert plain.seen.dtypes == [False, False]  # one trace, no kernels
+    assert opens.seen.dtypes == [False, False, True, True]  # traced again, with them
+    assert not _registered()
+
+    monkeypatch.setattr(estimation, "AutocastWatch", lambda: None)  # registered from the start
+    plain.seen.dtypes.clear(), opens.seen.dtypes.clear()
+    eager = [estimate(m, step=step, device="h100") for m in (plain, opens)]
+    assert plain.seen.dtypes == opens.seen.dtypes == [True, True]
+    for a, b in zip(lazy, eager):
+        assert estimate_difference(a, b) == ""
+        assert a.module_info == b.module_info
+    casts = [op for op in lazy[1].trace.ops if op.phase.name == "FW" and op.func is _TO_COPY]
+    assert len(casts) >= 3  # the policy ran: weight and input cast down, layer_norm's input up
+
+
+def test_a_step_that_opens_autocast_registers_the_kernels_from_the_start():
+    model = _OpensAutocast(opens=False)
+    estimate(model, step=TrainStep(inputs=(torch.randn(8, 64),), autocast_dtype=torch.bfloat16), device="h100")
+    assert model.seen.dtypes == [True, True]
+    assert not _registered()
