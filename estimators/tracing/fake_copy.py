@@ -200,9 +200,9 @@ def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] 
         for mod in reversed(list(model.modules())):  # FSDP units bottom-up: children are in memo first
             if id(mod) in hooks:
                 memo[id(mod)] = _unit_copy(mod, hooks[id(mod)], memo)
+        _copy_module_tables(model, memo, _skipped_blocks(model, stacks))
         if stacks:
             truncate_in_memo(model, stacks, memo)
-        _copy_module_tables(model, memo)
         out = memo[id(model)] if id(model) in memo else copy.deepcopy(model, memo)
     except Exception as e:  # noqa: BLE001 - user modules can hold anything
         raise FakeCopyError(
@@ -216,7 +216,16 @@ _PLAIN = frozenset({type(None), bool, int, float, str})
 """What ``copy.deepcopy`` returns as is (its atomic types; a conservative few)."""
 
 
-def _copy_module_tables(model: torch.nn.Module, memo: dict[int, Any]) -> None:
+def _skipped_blocks(model: torch.nn.Module, stacks: list[Stack]) -> set[int]:
+    """ids of the blocks a truncated copy leaves out."""
+    out: set[int] = set()
+    for st in stacks:
+        container = model.get_submodule(st.container) if st.container else model
+        out.update(id(container._modules[key]) for key in st.skipped_keys)
+    return out
+
+
+def _copy_module_tables(model: torch.nn.Module, memo: dict[int, Any], skipped: set[int] = frozenset()) -> None:
     """Put in ``memo`` the copy ``copy.deepcopy(model, memo)`` would make of each module's
     ``OrderedDict`` tables (its eleven hook tables) and sets (``_non_persistent_buffers_set``)
     whose keys and values it would return as they are or as ``memo`` maps them: a new table of
@@ -225,10 +234,17 @@ def _copy_module_tables(model: torch.nn.Module, memo: dict[int, Any]) -> None:
     exceptions per table (``OrderedDict`` and ``set`` cannot keep the ``__slotnames__`` it
     computes): about half of a model copy's time. Anything else (a subclass, a table with
     instance attributes, a value of another type: a hook bound to its module) is left to
-    deepcopy, and so are the plain dicts (``_parameters``, ``_modules``: its fast path)."""
-    for mod in model.modules():
-        if id(mod) in memo:  # copied already (an FSDP unit), or not copied (a skipped block)
+    deepcopy, and so are the plain dicts (``_parameters``, ``_modules``: its fast path). Not
+    visited: the ``skipped`` blocks (never copied) and modules in ``memo`` (FSDP units, copied
+    already), with what they hold."""
+    seen: set[int] = set()
+    todo = [model]
+    while todo:
+        mod = todo.pop()
+        if id(mod) in seen or id(mod) in memo or id(mod) in skipped:
             continue
+        seen.add(id(mod))
+        todo.extend(m for m in mod._modules.values() if m is not None)
         for table in vars(mod).values():
             kind = type(table)
             if (kind is not collections.OrderedDict and kind is not set) or id(table) in memo:

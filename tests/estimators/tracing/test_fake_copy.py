@@ -239,7 +239,7 @@ def test_module_tables_are_copied_as_deepcopy_copies_them(monkeypatch):
     # Left to deepcopy: the root's _modules (its module is not copied yet), the bound hook's table.
     assert reduced.count(collections.OrderedDict) == 2 and set not in reduced
     reduced.clear()
-    monkeypatch.setattr(module, "_copy_module_tables", lambda model, memo: None)
+    monkeypatch.setattr(module, "_copy_module_tables", lambda model, memo, skipped: None)
     theirs, _ = fake_copy(model, FakeTensorMode(allow_non_fake_inputs=True))
     assert reduced.count(collections.OrderedDict) > 20 and set in reduced  # deepcopy's own path, for reference
     assert _tables(ours) == _tables(theirs)
@@ -253,3 +253,32 @@ def test_module_tables_are_copied_as_deepcopy_copies_them(monkeypatch):
     x = torch.randn(2, 4)
     with FakeTensorMode(allow_non_fake_inputs=True):
         assert ours(x).shape == (2, 3)
+
+
+def test_a_truncated_copy_copies_the_kept_blocks_tables_and_never_visits_the_skipped_ones(monkeypatch):
+    """With blocks left out (a replicated trace), the tables are put in the memo before the kept
+    blocks are copied (truncate_in_memo deep-copies them), and the left-out blocks are not walked."""
+    import copyreg
+
+    from estimators.tracing import fake_copy as module
+    from estimators.tracing.stacks import find_stacks
+    from examples.gpt import gpt_bench
+
+    model, _ = gpt_bench(device="meta", n_layer=8)
+    stacks = find_stacks(model)
+    skipped = [model.blocks._modules[k] for st in stacks for k in st.skipped_keys]
+    assert len(skipped) == 4
+    memos = []
+    real = module._copy_module_tables
+    monkeypatch.setattr(module, "_copy_module_tables",
+                        lambda model, memo, skip: (real(model, memo, skip), memos.append(memo)))
+    reduced = []
+    slotnames = copyreg._slotnames
+    monkeypatch.setattr(copyreg, "_slotnames", lambda cls: reduced.append(cls) or slotnames(cls))
+    copy, _ = fake_copy(model, FakeTensorMode(allow_non_fake_inputs=True), stacks)
+    assert len(copy.blocks) == 4
+    assert collections.OrderedDict not in reduced and set not in reduced
+    memo = memos[0]
+    assert all(id(m._forward_hooks) not in memo for b in skipped for m in b.modules())
+    kept = model.blocks[0]
+    assert all(memo[id(m._forward_hooks)] is c._forward_hooks for m, c in zip(kept.modules(), copy.blocks[0].modules()))
