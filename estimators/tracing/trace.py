@@ -421,9 +421,16 @@ class StepTracer(HotPathMode):
 
     # ------------------------------------------------------------------ module calls
     def _peek_seq(self) -> int:
-        """The autograd sequence number the next Node will get (consumes one number)."""
-        with torch._C._DisableTorchDispatch(), torch.enable_grad():
-            return self._seq_probe.view_as(self._seq_probe).grad_fn._sequence_nr() + 1
+        """The autograd sequence number the next Node will get (consumes one number). Torch-function
+        modes off too: the step's (CudaSemanticsMode) act on none of these calls, and saw three per
+        module call (grad mode set, ``view_as``, grad mode restored)."""
+        with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+            enabled = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(True)
+            try:
+                return self._seq_probe.view_as(self._seq_probe).grad_fn._sequence_nr() + 1
+            finally:
+                torch._C._set_grad_enabled(enabled)
 
     def attach(self) -> None:
         """Install the module hooks that attribute forward ops to module calls."""
