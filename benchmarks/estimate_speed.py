@@ -1,6 +1,6 @@
 """How fast is our fake-mode estimation, next to torch.distributed._tools' own pipeline?
 
-    python benchmarks/estimate_speed.py                      # full run (about a minute on 2 cores)
+    python benchmarks/estimate_speed.py                      # full run (about 25 s on 2 cores)
     python benchmarks/estimate_speed.py --skip-torch --layers 4 8
     python -m benchmarks.estimate_speed --repeats 1
 
@@ -38,6 +38,9 @@ each timed call is printed (``gc s``).
 
 Wall and CPU time of this process are both printed: on a shared machine the CPU time moves less
 with the other processes' load (the load average is printed too). The checks read wall times.
+Part of torch's pipeline runs on two threads (its CPU time exceeds its wall time on an idle
+machine: 1.96 s against 1.62 s), ours on one: on a loaded machine its wall time grows more than
+ours and the wall ratio flatters ours; the CPU ratio is then the steadier figure.
 
 Checks (exit code 1 if one fails):
 * speed:     ours / theirs <= 1/25 at ``--compare-layers`` layers;
