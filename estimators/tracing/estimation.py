@@ -429,6 +429,7 @@ def _trace_step(
         grad_hooks = [p.register_post_accumulate_grad_hook(lambda _, n=n: graded.add(n)) for n, p in trainable.items()]
         grad_hooks += grad_placement_hooks(trainable, placed := {}, kept=step.grads_alive_at_start)
         tracer.attach()
+        watch = None
         try:
             with contextlib.ExitStack() as modes:
                 # The step's eager ops are traced: compiled code runs eagerly in this thread (see thread_state)
@@ -466,10 +467,14 @@ def _trace_step(
                             micro_batches=step.micro_batches, passes=1, autocast_dtype=step.autocast_dtype,
                             keep_output=step.keep_output, context=step.context,
                         )
-        except StepError as e:
-            raise TraceError(str(e)) from e.__cause__
-        except (FakeKernelError, InplaceModifiedError) as e:
-            raise TraceError(uneven_shards(model, str(e)) + str(e)) from e
+        except Exception as e:
+            if watch is not None and watch.seen:
+                raise _AutocastSeen() from e  # the step may fail only without the kernels: retraced with them
+            if isinstance(e, StepError):
+                raise TraceError(str(e)) from e.__cause__
+            if isinstance(e, (FakeKernelError, InplaceModifiedError)):
+                raise TraceError(uneven_shards(model, str(e)) + str(e)) from e
+            raise
         finally:
             tracer.detach()
             if full_lists is not None:

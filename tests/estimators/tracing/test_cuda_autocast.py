@@ -4,6 +4,8 @@ under a cpu target what CPU autocast gives it, measured here on real tensors."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -411,3 +413,30 @@ def test_a_step_that_opens_autocast_registers_the_kernels_from_the_start():
     estimate(model, step=TrainStep(inputs=(torch.randn(8, 64),), autocast_dtype=torch.bfloat16), device="h100")
     assert model.seen.dtypes == [True, True]
     assert not _registered()
+
+
+class _DotsInAutocast(nn.Module):
+    """dot(float32, bfloat16) inside an autocast region the model opens: CUDA promotes both to
+    float32; without CUDA's kernels CPU autocast leaves them mixed and the kernel refuses them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(256))
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.dot(self.w * 2, x.to(torch.bfloat16))
+
+
+def test_a_step_that_fails_without_the_kernels_while_autocast_is_on_is_traced_with_them(monkeypatch):
+    from estimators.tracing import estimation
+    from tests.estimators.tracing.trace_equivalence import estimate_difference
+
+    step = TrainStep(inputs=(torch.randn(256),), loss_fn=lambda out, _: out.float(), optimizer="sgd")
+    lazy = estimate(_DotsInAutocast(), step=step, device="h100")
+    monkeypatch.setattr(estimation, "AutocastWatch", lambda: None)
+    eager = estimate(_DotsInAutocast(), step=step, device="h100")
+    assert estimate_difference(lazy, eager) == "" and lazy.module_info == eager.module_info
+    monkeypatch.setattr(estimation, "CudaAutocast", lambda: contextlib.nullcontext())  # no kernels at all
+    with pytest.raises(TraceError):
+        estimate(_DotsInAutocast(), step=step, device="h100")
