@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import io
 import time
 from collections.abc import Callable, Iterator
@@ -78,6 +79,8 @@ class TorchPipelineResult:
     """Ops costed by the roofline (RuntimeEstimator step + SACEstimator forward)."""
     n_mod_stats: int
     """Modules in the resulting ModuleInfo."""
+    gc_s: float = 0.0
+    """Seconds the cyclic garbage collector ran within ``total_s``'s span (0 without a clock)."""
     cpu_s: float = 0.0
     """CPU time of this process over the pipeline proper (``total_s``'s span); on a shared machine
     less sensitive to the other processes than wall time."""
@@ -175,11 +178,16 @@ def _run_sac_estimator(model: nn.Module, inputs: tuple, loss_fn: LossFn) -> SACE
     return sac_estimator
 
 
-def run_torch_pipeline(build: ModelBuilder, loss_fn: LossFn, spec: DeviceSpec) -> TorchPipelineResult:
+def run_torch_pipeline(
+    build: ModelBuilder, loss_fn: LossFn, spec: DeviceSpec, gc_clock: Callable[[], float] | None = None,
+) -> TorchPipelineResult:
     """Run torch.distributed._tools' pipeline on the model ``build()`` makes; time each stage.
 
     ``build`` is called under the pipeline's ``FakeTensorMode`` with ``cpu`` as default device.
-    The optimizer is Adam(lr=1e-2, foreach=True), as in the test.
+    The optimizer is Adam(lr=1e-2, foreach=True), as in the test. A full ``gc.collect()`` runs
+    between the build and the timed part (as ``benchmarks/estimate_speed.py`` does before our
+    side's timed call); ``gc_clock`` (seconds the collector has run so far), where given, is read
+    over the timed part (``gc_s``).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.ilp_utils import aggregate_stats
@@ -191,6 +199,8 @@ def run_torch_pipeline(build: ModelBuilder, loss_fn: LossFn, spec: DeviceSpec) -
         with torch.device("cpu"):
             model, inputs = build()
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+        gc.collect()
+        g1 = gc_clock() if gc_clock is not None else 0.0
         t1, c1 = time.perf_counter(), time.process_time()
         mem_tracker = _run_mem_tracker(model, inputs, loss_fn, optimizer)
         t2 = time.perf_counter()
@@ -202,8 +212,10 @@ def run_torch_pipeline(build: ModelBuilder, loss_fn: LossFn, spec: DeviceSpec) -
             model, mem_tracker, runtime_estimator, sac_estimator, torch.device("cpu")
         )
         t5, c5 = time.perf_counter(), time.process_time()
+        g5 = gc_clock() if gc_clock is not None else 0.0
     return TorchPipelineResult(
         cpu_s=c5 - c1,
+        gc_s=g5 - g1,
         build_s=t1 - t0,
         mem_tracker_s=t2 - t1,
         runtime_estimator_s=t3 - t2,

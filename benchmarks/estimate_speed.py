@@ -1,6 +1,6 @@
 """How fast is our fake-mode estimation, next to torch.distributed._tools' own pipeline?
 
-    python benchmarks/estimate_speed.py                      # full run (about a minute on 2 cores)
+    python benchmarks/estimate_speed.py                      # full run (about 25 s on 2 cores)
     python benchmarks/estimate_speed.py --skip-torch --layers 4 8
     python -m benchmarks.estimate_speed --repeats 1
 
@@ -19,11 +19,28 @@ What is timed (wall clock, ``time.perf_counter``), model construction excluded o
           (warm-up step + 1 estimated step), SACEstimator (forward + backward), ``aggregate_stats``
           (incl. its pwlf fits) -- see ``benchmarks/_torch_pipeline.py``.
 
-Both sides first run once on ``gpt_tiny`` so one-time import and dispatch-cache costs are paid
-before timing. Each measurement is repeated ``--repeats`` times; the median is reported.
+Both sides first run once on ``gpt_tiny``, then once, untimed, at ``--compare-layers``: one-time
+import costs are paid, and the process-wide caches hold the compared shapes' entries before either
+side is timed, as they do for every candidate after the first in a search: FakeTensorMode's
+dispatch cache (a class attribute both sides share), and on our side the memo of its entries and
+the roofline's prices. That first call's times are printed too. Each measurement is repeated
+``--repeats`` times; the median is reported.
+
+The same process state for both sides: right before each timed call (after its model is built) a
+full ``gc.collect()`` runs, and the side that goes first alternates between repeats. Without it
+the cyclic collector's full passes over the heap (about 0.1-0.2 s each over the ~350k objects that
+importing torch leaves) fell into whichever call crossed the threshold, and which one did depended
+on what the previous calls had left: our 0.07 s call took 0.13-0.16 s in the repeats a full pass
+fell into, more often after torch's pipeline had run (measured with ``gc.callbacks``; round 22's
+"the side-by-side figure moved with the process's state after torch's run"). Each
+side now pays for the collections its own allocations cause, no more; the collector's time inside
+each timed call is printed (``gc s``).
 
 Wall and CPU time of this process are both printed: on a shared machine the CPU time moves less
 with the other processes' load (the load average is printed too). The checks read wall times.
+Part of torch's pipeline runs on two threads (its CPU time exceeds its wall time on an idle
+machine: 1.96 s against 1.62 s), ours on one: on a loaded machine its wall time grows more than
+ours and the wall ratio flatters ours; the CPU ratio is then the steadier figure.
 
 Checks (exit code 1 if one fails):
 * speed:     ours / theirs <= 1/25 at ``--compare-layers`` layers;
@@ -35,6 +52,7 @@ Checks (exit code 1 if one fails):
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -74,6 +92,29 @@ class OurRun:
     wall_s: float
     n_ops: int | None
     cpu_s: float = 0.0
+    gc_s: float = 0.0
+
+
+class GcClock:
+    """Seconds the cyclic garbage collector has run in this process (``gc.callbacks``) since
+    :meth:`install`."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._start = 0.0
+
+    def install(self) -> None:
+        if self._callback not in gc.callbacks:
+            gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._start
+
+
+GC_CLOCK = GcClock()
 
 
 def _our_estimate() -> Callable:
@@ -87,24 +128,37 @@ def run_ours(n_layer: int, loss_fn: LossFn) -> OurRun:
     """Build the benchmark decoder on meta (untimed), then time one ``estimate`` call."""
     estimate = _our_estimate()
     model, inputs = gpt_bench(device="meta", n_layer=n_layer)
+    gc.collect()  # the same start for both sides (module docstring)
+    gc_start = GC_CLOCK.total_s
     start, cpu = time.perf_counter(), time.process_time()
     est = estimate(model, TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer="adam"), device=DEVICE)
     wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     trace = getattr(est, "trace", None)
     ops = getattr(trace, "ops", None)
-    return OurRun(wall_s=wall_s, n_ops=len(ops) if ops is not None else None, cpu_s=cpu_s)
+    return OurRun(wall_s=wall_s, n_ops=len(ops) if ops is not None else None, cpu_s=cpu_s,
+                  gc_s=GC_CLOCK.total_s - gc_start)
 
 
 def run_theirs(n_layer: int, loss_fn: LossFn) -> TorchPipelineResult:
-    return run_torch_pipeline(lambda: gpt_bench(n_layer=n_layer), loss_fn, get_device_spec(DEVICE))
+    # run_torch_pipeline collects right before its timed part, and reads the clock over it.
+    return run_torch_pipeline(lambda: gpt_bench(n_layer=n_layer), loss_fn, get_device_spec(DEVICE),
+                              gc_clock=lambda: GC_CLOCK.total_s)
 
 
-def _warm_up(loss_fn: LossFn, skip_torch: bool) -> None:
+def _warm_up(loss_fn: LossFn, skip_torch: bool, n_layer: int | None = None) -> None:
+    """One untimed run of each side on ``gpt_tiny`` and, with ``n_layer``, at that depth (its
+    times are printed: the first call at a new shape, before any cache holds its entries)."""
     estimate = _our_estimate()
     model, inputs = gpt_tiny(device="meta")
     estimate(model, TrainStep(inputs=inputs, loss_fn=loss_fn, optimizer="adam"), device=DEVICE)
     if not skip_torch:
         run_torch_pipeline(gpt_tiny, loss_fn, get_device_spec(DEVICE))
+    if n_layer is not None:
+        ours = run_ours(n_layer, loss_fn)
+        line = f"first call at {n_layer} layers (not in the table): ours {ours.wall_s:.3f} s"
+        if not skip_torch:
+            line += f", torch's {run_theirs(n_layer, loss_fn).total_s:.3f} s"
+        print(line)
 
 
 def _median(values: Sequence[float]) -> float:
@@ -129,24 +183,30 @@ def _verdict(ok: bool) -> str:
 
 def compare(n_layer: int, loss_fn: LossFn, repeats: int, skip_torch: bool) -> bool:
     """Print the side-by-side table; True when the speed target is met (or not checked).
-    The two pipelines run alternately, so a change in the machine's load meets both."""
+    The two pipelines run alternately, each from a collected heap, the one that goes first
+    alternating (module docstring), so a change in the machine's load meets both."""
     ours: list[OurRun] = []
     theirs: list[TorchPipelineResult] = []
-    for _ in range(repeats):
+    for i in range(repeats):
+        if i % 2 == 1 and not skip_torch:
+            theirs.append(run_theirs(n_layer, loss_fn))
         ours.append(run_ours(n_layer, loss_fn))
-        if not skip_torch:
+        if i % 2 == 0 and not skip_torch:
             theirs.append(run_theirs(n_layer, loss_fn))
     ours_s, ours_cpu = _median([r.wall_s for r in ours]), _median([r.cpu_s for r in ours])
     print(f"\n== Side by side: gpt_bench, {n_layer} layers, Adam, device={DEVICE}, median of {repeats} ==")
-    print(f"{'pipeline':<34}{'layers':>7}{'wall s':>10}{'CPU s':>10}{'ops traced':>12}")
+    print(f"{'pipeline':<34}{'layers':>7}{'wall s':>10}{'CPU s':>10}{'gc s':>8}{'ops traced':>12}")
     print(f"{'ours (estimators.tracing.estimation)':<34}{n_layer:>7}{ours_s:>10.3f}{ours_cpu:>10.3f}"
-          f"{_fmt_ops(ours[0].n_ops):>12}")
+          f"{_median([r.gc_s for r in ours]):>8.3f}{_fmt_ops(ours[0].n_ops):>12}")
+    print("  ours, each repeat (wall/CPU/gc s): " + ", ".join(f"{r.wall_s:.3f}/{r.cpu_s:.3f}/{r.gc_s:.3f}" for r in ours))
     if skip_torch:
         print("torch.distributed._tools: skipped (--skip-torch)")
         return True
     theirs_s, theirs_cpu = _median([r.total_s for r in theirs]), _median([r.cpu_s for r in theirs])
     print(f"{'torch.distributed._tools':<34}{n_layer:>7}{theirs_s:>10.3f}{theirs_cpu:>10.3f}"
-          f"{theirs[0].roofline_calls:>12}")
+          f"{_median([r.gc_s for r in theirs]):>8.3f}{theirs[0].roofline_calls:>12}")
+    print("  theirs, each repeat (wall/CPU/gc s): "
+          + ", ".join(f"{r.total_s:.3f}/{r.cpu_s:.3f}/{r.gc_s:.3f}" for r in theirs))
     for label, attr in (
         ("  MemTracker (2 steps)", "mem_tracker_s"),
         ("  RuntimeEstimator (warm-up + 1)", "runtime_estimator_s"),
@@ -228,7 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, loss={args.loss}, "
           f"load average {load} on {os.cpu_count()} cores")
-    _warm_up(loss_fn, args.skip_torch)
+    GC_CLOCK.install()
+    _warm_up(loss_fn, args.skip_torch, args.compare_layers)
     speed_ok = compare(args.compare_layers, loss_fn, args.repeats, args.skip_torch)
     depth_ok = scaling(args.layers, loss_fn, args.repeats)
     return 0 if speed_ok and depth_ok else 1

@@ -132,11 +132,24 @@ def _call_formula(func: Any, formula: FlopFormula, args: Args, kwargs: Kwargs, o
 _ANNOUNCED: set[str] = set()
 
 
+_PRICES: dict[tuple, dict[tuple, float]] = {}
+"""The figures a price is made of (:func:`_pricing_figures`) -> that cache: shared by every
+RooflineRuntime with those figures in the process (a trace makes its own runtime; a search plans
+hundreds of candidates that run the same ops)."""
+
+
+def _pricing_figures(spec: DeviceSpec) -> tuple:
+    """Everything of ``spec`` that :meth:`RooflineRuntime.price` reads."""
+    return (spec.memory_bandwidth_bytes_per_s, spec.bandwidth_efficiency, spec.compute_efficiency,
+            spec.kernel_launch_ms, tuple(sorted((str(k), v) for k, v in spec.peak_flops_per_s.items())))
+
+
 class RooflineRuntime:
     """Roofline time of each op on a DeviceSpec; see the module docstring for what is modelled.
 
     Results are cached by (func, input shapes / strides / dtypes, non-tensor args), so a step with
-    tens of thousands of ops prices each distinct op once.
+    tens of thousands of ops prices each distinct op once; the cache is shared by every instance
+    whose spec has the same pricing figures (a price is a function of the key and those alone).
     """
 
     def __init__(self, spec: DeviceSpec) -> None:
@@ -146,7 +159,7 @@ class RooflineRuntime:
         if summary not in _ANNOUNCED:  # which spec and efficiencies price the ops, once per spec
             _ANNOUNCED.add(summary)
             logger.info("roofline on %s", summary)
-        self._cache: dict[tuple, float] = {}
+        self._cache: dict[tuple, float] = _PRICES.setdefault(_pricing_figures(spec), {})
         self._bytes_per_ms = spec.memory_bandwidth_bytes_per_s * spec.bandwidth_efficiency / 1e3
 
     def op_runtime_ms(self, func: OpOverload, args: Args, kwargs: Kwargs, out: Any) -> float:

@@ -31,7 +31,14 @@ that turns autocast off for ``x.device.type`` turns it off here too). The lists 
 How: a Python kernel per op that differs is registered, while any ``CudaAutocast`` is active, on
 the ``AutocastPrivateUse1`` dispatch key (no kernels there on a torch without a PrivateUse1
 backend; dispatched before ``AutocastCPU``), which is switched on in the active thread only. Each
-kernel acts while CPU autocast is enabled and skips the CPU's kernel.
+kernel acts while CPU autocast is enabled and skips the CPU's kernel; outside autocast each runs
+its op as called. Registering them (a backend fallback and about two hundred kernels: every
+operator's dispatch table updated, and again when they go) is a twentieth of a small model's
+trace, so a step that does not announce autocast (no autocast dtype, no context of the user's, no
+TorchScript) is traced without them under an :class:`AutocastWatch`, and again with them if the
+watch saw CPU autocast on (``estimation._trace_step``). Registering them mid-step instead is not
+safe: a guard that restores the thread's dispatch keys (``torch._C._DisableTorchDispatch``, which
+the tracer's module hooks enter) drops the routing key a call inside it switched on.
 
 The weight-cast cache: CUDA autocast keeps the low-precision copy of each float32 leaf that
 requires grad (the parameters) until the outermost autocast region ends. Ops on CUDA's
@@ -62,7 +69,7 @@ import torch
 from estimators.contract.module_info import Phase
 from estimators.tracing.autocast_policy import CastPolicy, PolicyUnavailableError, autocast_kernel_ops, cuda_policy
 
-__all__ = ["CudaAutocast", "taken_over"]
+__all__ = ["AutocastWatch", "CudaAutocast", "taken_over"]
 
 _aten = torch.ops.aten
 _ROUTE = torch._C.DispatchKey.AutocastPrivateUse1
@@ -132,6 +139,23 @@ class CudaAutocast:
             self._cache[id(t)] = (weakref.ref(t), out)
             return out
         return t.to(to)
+
+
+class AutocastWatch:
+    """Whether CPU autocast was on at any call or op it was shown (``note``), for a step traced
+    without :class:`CudaAutocast`: outside autocast its kernels run every op as called, so such a
+    step's trace is the one it would make with them; one that saw autocast on is traced again
+    with them. Shown every torch-function call (``CudaSemanticsMode(watch=...)``, before the
+    call's ops reach the autocast keys) and every op the tracer records (``StepTracer``)."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def note(self) -> None:
+        if torch.is_autocast_enabled("cpu"):
+            self.seen = True
 
 
 # ----------------------------------------------------------------------------- registration
@@ -344,7 +368,7 @@ def _leave_alone(op, composite: bool, *args, **kwargs):
     """An op only the CPU's lists hold: CUDA runs it as called. A composite one decomposes here and
     its parts meet the policy (as on CUDA: their CPU kernels are excluded, and the policy's read
     autocast as on through :func:`_enabled`); any other runs past both autocast keys."""
-    if composite:
+    if composite and _enabled():  # outside autocast CUDA runs it as called too: no policy for its parts
         _local.decomposing = getattr(_local, "decomposing", 0) + 1
         try:
             with _Exclude(_CPU):

@@ -80,9 +80,17 @@ class SdpaKernel(enum.Enum):
 
 
 class CudaSemanticsMode(TorchFunctionMode):
-    """Route dropout and SDPA calls to the kernels CUDA would run (see module docstring)."""
+    """Route dropout and SDPA calls to the kernels CUDA would run (see module docstring).
+    ``watch``: an ``AutocastWatch`` (``estimators.tracing.cuda_autocast``) shown every call."""
+
+    def __init__(self, watch=None) -> None:
+        super().__init__()
+        self._watch = watch
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        watch = self._watch
+        if watch is not None and not watch.seen:
+            watch.note()
         kwargs = kwargs or {}
         rule = _RULES.get(func)
         if rule is not None:

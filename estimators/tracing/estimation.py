@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from estimators.step import host_rng
 from estimators.tracing.aggregate import build_module_info
 from estimators.tracing.comm_overlap import apply_comm_overlap
-from estimators.tracing.cuda_autocast import CudaAutocast
+from estimators.tracing.cuda_autocast import AutocastWatch, CudaAutocast
 from estimators.tracing.cuda_rules import CudaSemanticsMode
 from estimators.tracing.fake_dispatch import MemoMode
 from estimators.tracing.fake_kernels import FakeKernelError, RealKernelsMode
@@ -324,25 +324,48 @@ def _trace(
     where that trace cannot stand for the full one, of the full model (and no stacks)."""
     fake = options.mode is TraceMode.FAKE
     if stacks:
-        why = ""
+        out = _step_in_mode(fake, model, step, spec, options, prepare, cuda_rules, without_grad, stacks,
+                            grad_placements, replicable=True)
+        if not isinstance(out, str):
+            trace, got_no_grad, placed = out
+            return trace, got_no_grad, stacks, placed
+        logger.debug("%s: every block traced (%s)", type(model).__name__, out)
+    trace, got_no_grad, placed = _step_in_mode(fake, model, step, spec, options, prepare, cuda_rules,
+                                               without_grad, (), grad_placements)
+    return trace, got_no_grad, [], placed
+
+
+class _AutocastSeen(Exception):
+    """A trace without CUDA's autocast kernels saw CPU autocast on: it is traced again with them."""
+
+
+def _step_in_mode(fake: bool, model, step, spec, options, prepare, cuda_rules, without_grad, stacks,
+                  grad_placements, *, replicable: bool = False):
+    """``_trace_step`` in a trace mode of its own; traced again with CUDA's autocast kernels
+    registered from the start where the first trace, without them, saw CPU autocast on.
+
+    ``replicable`` (stacks laid in): where the truncated trace cannot stand for the full one, the
+    reason (a str) instead. Both are caught inside the mode: the exception's traceback (the
+    trace's frames) is dropped before the mode ends, so the mode dies with it and its end needs
+    no heap scan for caches holding its tensors (one per zero-bubble stage cost seconds)."""
+    why = ""
+    for kernels in (False, True):
+        seen = False
         with _trace_mode(fake) as box:
-            # The fallback is caught inside the mode: its traceback (the truncated trace's frames)
-            # is dropped before the mode ends, so the mode dies with it and its end needs no heap
-            # scan for caches holding its tensors (one per zero-bubble stage cost seconds).
             try:
-                trace, got_no_grad, placed = _trace_step(model, step, spec, options, prepare, cuda_rules,
-                                                         without_grad, box.mode, stacks, grad_placements)
+                return _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad, box.mode, stacks,
+                                   grad_placements, autocast_kernels=kernels)
+            except _AutocastSeen:
+                if kernels:
+                    raise
+                seen = True
             except (NotReplicable, TraceError) as e:
-                if not isinstance(e, NotReplicable) and not may_index_blocks(e):
+                if not replicable or (not isinstance(e, NotReplicable) and not may_index_blocks(e)):
                     raise  # the model's own error: the full model raises it too
                 why = f"{type(e).__name__}: {e}"
-        if not why:
-            return trace, got_no_grad, stacks, placed
-        logger.debug("%s: every block traced (%s)", type(model).__name__, why)
-    with _trace_mode(fake) as box:
-        trace, got_no_grad, placed = _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad,
-                                                 box.mode, (), grad_placements)
-    return trace, got_no_grad, [], placed
+        if not seen:
+            return why
+    raise AssertionError("unreachable: the second trace registers the autocast kernels")
 
 
 def _trace_mode(fake: bool) -> contextlib.AbstractContextManager[fake_leaks.FakeTrace]:
@@ -355,13 +378,19 @@ def _trace_step(
     model: torch.nn.Module, step: TrainStep, spec: DeviceSpec, options: EstimateOptions,
     prepare: Callable[[torch.nn.Module], Any] | None, cuda_rules: bool, without_grad: frozenset[str],
     fake_mode: FakeTensorMode | None, stacks: list[Stack] = (), grad_placements: dict[str, tuple] | None = None,
+    autocast_kernels: bool = False,
 ) -> tuple[StepTrace, frozenset[str], dict[str, tuple]]:
     """One traced step of the steady state, the trainable parameters that got no gradient in
     it, and the DTensor ones whose gradient the backward made in other placements than it had
     (-> those). ``without_grad``: parameters that start the step with neither gradient nor
     optimizer state; ``grad_placements``: gradients that start in these placements (both seen
     in a previous trace). ``fake_mode``: the mode of a fake trace, None for a real one. ``stacks``
-    (fake mode): run four blocks of each and lay the others in (``estimators.tracing.replicate``)."""
+    (fake mode): run four blocks of each and lay the others in (``estimators.tracing.replicate``).
+    ``autocast_kernels``: register CUDA's autocast kernels for the whole step; otherwise they are
+    registered only where the step may open CPU autocast in a way a watch could miss (its autocast
+    dtype, a context of the user's, TorchScript, autocast on already), and a step that turns it on
+    anyway raises _AutocastSeen (traced again with them): registering them updates every
+    operator's dispatch table twice, a twentieth of a small model's trace."""
     fake = fake_mode is not None
     if fake:
         try:
@@ -422,6 +451,7 @@ def _trace_step(
         grad_hooks = [p.register_post_accumulate_grad_hook(lambda _, n=n: graded.add(n)) for n, p in trainable.items()]
         grad_hooks += grad_placement_hooks(trainable, placed := {}, kept=step.grads_alive_at_start)
         tracer.attach()
+        watch = None
         try:
             with contextlib.ExitStack() as modes:
                 # The step's eager ops are traced: compiled code runs eagerly in this thread (see thread_state)
@@ -437,10 +467,14 @@ def _trace_step(
                 modes.enter_context(tracer)
                 if options.local_foreach:
                     modes.enter_context(local_foreach())
-                if cuda_rules:
-                    modes.enter_context(CudaSemanticsMode())
                 amp = options.cuda_autocast if options.cuda_autocast is not None else (cuda_rules and fake)
-                autocast = modes.enter_context(CudaAutocast()) if amp else None
+                watch = AutocastWatch() if amp and cuda_rules and not autocast_kernels and not (
+                    step.autocast_dtype is not None or step.context is not None or torch.is_autocast_enabled("cpu")
+                    or any(isinstance(m, torch.jit.ScriptModule) for m in traced.modules())) else None
+                tracer.autocast_watch = watch
+                if cuda_rules:
+                    modes.enter_context(CudaSemanticsMode(watch=watch))
+                autocast = modes.enter_context(CudaAutocast()) if amp and watch is None else None
                 modes.enter_context(step_mode(traced, step.train_mode))
                 with torch.autograd.graph.saved_tensors_hooks(tracer.pack_hook, tracer.unpack_hook):
                     on_phase = autocast.on_phase(tracer.set_phase) if autocast else tracer.set_phase
@@ -455,10 +489,14 @@ def _trace_step(
                             micro_batches=step.micro_batches, passes=1, autocast_dtype=step.autocast_dtype,
                             keep_output=step.keep_output, context=step.context,
                         )
-        except StepError as e:
-            raise TraceError(str(e)) from e.__cause__
-        except (FakeKernelError, InplaceModifiedError) as e:
-            raise TraceError(uneven_shards(model, str(e)) + str(e)) from e
+        except Exception as e:
+            if watch is not None and watch.seen:
+                raise _AutocastSeen() from e  # the step may fail only without the kernels: retraced with them
+            if isinstance(e, StepError):
+                raise TraceError(str(e)) from e.__cause__
+            if isinstance(e, (FakeKernelError, InplaceModifiedError)):
+                raise TraceError(uneven_shards(model, str(e)) + str(e)) from e
+            raise
         finally:
             tracer.detach()
             if full_lists is not None:
@@ -469,6 +507,8 @@ def _trace_step(
             for h in grad_hooks:
                 h.remove()
             _undo(applied)
+        if watch is not None and watch.seen:
+            raise _AutocastSeen()
         if read:
             names = [n for n, p in model.named_parameters() if any(p is t for t in read)]
             raise _TheModelItself(f"reads the model's own parameters ({', '.join(names[:3])}"

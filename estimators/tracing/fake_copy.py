@@ -60,6 +60,43 @@ def _fake_cpu_empty(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
+def _fake_cpu_parameter(t: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter:
+    """Inside a fake mode: ``torch.nn.Parameter(_fake_cpu_empty(t), requires_grad=requires_grad)``.
+
+    For a tensor subclass the constructor returns ``data.detach().requires_grad_(requires_grad)``
+    flagged ``_is_param``: the detach, one more op through the mode per parameter, makes a second
+    tensor over the new tensor's storage, which nothing else holds. The flag and ``requires_grad``
+    are set on the new tensor itself instead, once the first parameter made in this process both
+    ways showed the two the same (:func:`_same_parameter`); the constructor wherever they differ."""
+    global _SHORTCUT
+    if _SHORTCUT:
+        new = _fake_cpu_empty(t).requires_grad_(requires_grad)
+        new._is_param = True
+        return new
+    made = torch.nn.Parameter(_fake_cpu_empty(t), requires_grad=requires_grad)
+    if _SHORTCUT is None:
+        short = _fake_cpu_empty(t).requires_grad_(requires_grad)
+        short._is_param = True
+        _SHORTCUT = _same_parameter(made, short)
+    return made
+
+
+_SHORTCUT: bool | None = None
+"""Whether :func:`_fake_cpu_parameter` sets the flag itself (None: not checked yet in this process)."""
+
+
+def _same_parameter(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are the same kind of parameter: class, instance attributes, dispatch keys,
+    autograd state, metadata, each over a storage of its own."""
+    return (type(a) is type(b) and vars(a) == vars(b)
+            and torch._C._dispatch_key_set(a) == torch._C._dispatch_key_set(b)
+            and (a.requires_grad, a.is_leaf, a.grad_fn, a._version, a._is_view(), a._base)
+            == (b.requires_grad, b.is_leaf, b.grad_fn, b._version, b._is_view(), b._base)
+            and (a.dtype, a.shape, a.stride(), a.storage_offset(), a.device, a.untyped_storage().nbytes())
+            == (b.dtype, b.shape, b.stride(), b.storage_offset(), b.device, b.untyped_storage().nbytes())
+            and a.untyped_storage() is not b.untyped_storage())
+
+
 def fake_tensor(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     """A fake copy of ``t`` (a DTensor: over a fake copy of its local shard)."""
     return fake_copy_of(t, lambda inner: _fake_plain(mode, inner))
@@ -151,7 +188,7 @@ def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] 
         # makes them, in one visit to the mode and through the memo.
         with mode, MemoMode(mode):
             for p, t in off_cpu:
-                memo[id(p)] = mapping[id(p)] = torch.nn.Parameter(_fake_cpu_empty(t), requires_grad=p.requires_grad)
+                memo[id(p)] = mapping[id(p)] = _fake_cpu_parameter(t, p.requires_grad)
     for b in model.buffers():
         if id(b) not in memo and id(b) not in skipped:
             memo[id(b)] = fake_buffer(mode, b)
@@ -163,6 +200,7 @@ def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] 
         for mod in reversed(list(model.modules())):  # FSDP units bottom-up: children are in memo first
             if id(mod) in hooks:
                 memo[id(mod)] = _unit_copy(mod, hooks[id(mod)], memo)
+        _copy_module_tables(model, memo, _skipped_blocks(model, stacks))
         if stacks:
             truncate_in_memo(model, stacks, memo)
         out = memo[id(model)] if id(model) in memo else copy.deepcopy(model, memo)
@@ -172,6 +210,57 @@ def fake_copy(model: torch.nn.Module, mode: FakeTensorMode, stacks: list[Stack] 
             "give the model on the meta device, or trace in real mode") from e
     rebind_functions(out, memo)
     return out, mapping
+
+
+_PLAIN = frozenset({type(None), bool, int, float, str})
+"""What ``copy.deepcopy`` returns as is (its atomic types; a conservative few)."""
+
+
+def _skipped_blocks(model: torch.nn.Module, stacks: list[Stack]) -> set[int]:
+    """ids of the blocks a truncated copy leaves out."""
+    out: set[int] = set()
+    for st in stacks:
+        container = model.get_submodule(st.container) if st.container else model
+        out.update(id(container._modules[key]) for key in st.skipped_keys)
+    return out
+
+
+def _copy_module_tables(model: torch.nn.Module, memo: dict[int, Any], skipped: set[int] = frozenset()) -> None:
+    """Put in ``memo`` the copy ``copy.deepcopy(model, memo)`` would make of each module's
+    ``OrderedDict`` tables (its eleven hook tables) and sets (``_non_persistent_buffers_set``)
+    whose keys and values it would return as they are or as ``memo`` maps them: a new table of
+    the same class, those keys and values, in that order; deepcopy finds them there. It would
+    copy each through ``__reduce_ex__``, whose ``copyreg._slotnames`` raises and catches two
+    exceptions per table (``OrderedDict`` and ``set`` cannot keep the ``__slotnames__`` it
+    computes): about half of a model copy's time. Anything else (a subclass, a table with
+    instance attributes, a value of another type: a hook bound to its module) is left to
+    deepcopy, and so are the plain dicts (``_parameters``, ``_modules``: its fast path). Not
+    visited: the ``skipped`` blocks (never copied) and modules in ``memo`` (FSDP units, copied
+    already), with what they hold."""
+    seen: set[int] = set()
+    todo = [model]
+    while todo:
+        mod = todo.pop()
+        if id(mod) in seen or id(mod) in memo or id(mod) in skipped:
+            continue
+        seen.add(id(mod))
+        todo.extend(m for m in mod._modules.values() if m is not None)
+        for table in vars(mod).values():
+            kind = type(table)
+            if (kind is not collections.OrderedDict and kind is not set) or id(table) in memo:
+                continue
+            items = table.items() if kind is collections.OrderedDict else ((x, None) for x in table)
+            copied = []
+            for k, v in items:
+                k_, v_ = memo.get(id(k), k), memo.get(id(v), v)
+                if (k_ is k and type(k) not in _PLAIN) or (v_ is v and type(v) not in _PLAIN):
+                    break
+                copied.append((k_, v_))
+            else:
+                if kind is set:
+                    memo[id(table)] = set([k for k, _ in copied])
+                elif not vars(table):
+                    memo[id(table)] = collections.OrderedDict(copied)
 
 
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",

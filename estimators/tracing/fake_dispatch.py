@@ -177,7 +177,10 @@ class FakeDispatchMemo:
                     with no_dispatch():
                         ours = self._outputs.build(entry, mode_key, func, args)
                     built_here = self._outputs.enabled and _same_outputs(again, ours, args, attributes=True)
-            if _same_outputs(tuple(out) if as_list else out, again, args, attributes=as_list):
+            # A list the op returned, of views (``split``), where the mode's entry is a tuple: its
+            # own hits return the tuple, as the memo's do (entry.is_output_tuple).
+            listed = as_list or type(out) is list
+            if _same_outputs(tuple(out) if listed else out, again, args, attributes=listed):
                 _MEMO[key] = (mode_key, entry, built_here, as_list)
             else:  # e.g. the mode's first run of a view kept requires_grad, its cache hits do not
                 if key in _MISMATCHED:
@@ -206,7 +209,7 @@ class FakeDispatchMemo:
             if (a.fake_mode is not self.mode or a.constant is not None or a.layout is not torch.strided
                     or a._has_symbolic_sizes_strides):
                 raise _NotKeyable
-            return (a.dtype, a.shape, a.stride(), a.__dict__.get("_fake_device") if self._fake_device_attr else a.device,
+            return (a.dtype, a.size(), a.stride(), a.__dict__.get("_fake_device") if self._fake_device_attr else a.device,
                     a.storage_offset(), a.untyped_storage().nbytes(),
                     a.requires_grad, a.is_conj(), a.is_neg(), a.is_inference(), a.is_quantized)
         if kind in _SCALARS:

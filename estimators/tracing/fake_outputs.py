@@ -52,6 +52,7 @@ _REPLICATED = {
 2.13 (``_source_hashes()`` prints them for the installed torch)."""
 
 _CPU = torch.device("cpu")
+_META = torch.device("meta")  # a device object: a string is parsed at every call
 
 
 def _source_hashes() -> dict[str, str]:
@@ -126,7 +127,7 @@ class OutputBuilder:
         if info.inplace_idx is not None:
             return args[info.inplace_idx]
         md = info.metadata
-        empty = torch.empty_strided(md.shape, md.stride, dtype=md.dtype, layout=md.layout, device="meta",
+        empty = torch.empty_strided(md.shape, md.stride, dtype=md.dtype, layout=md.layout, device=_META,
                                     requires_grad=md.requires_grad)
         if md.is_conj:
             torch._C._set_conj(empty, True)

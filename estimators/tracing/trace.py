@@ -152,6 +152,8 @@ class StepTracer(HotPathMode):
         self.random_value_reads: list[str] = []
         """Modules (fqns) whose Python code read the value of a small tensor drawn from torch's
         RNG (LayerDrop's ``torch.rand([]) < p``): the trace followed that one draw."""
+        self.autocast_watch: Any = None
+        """Shown every op (``estimators.tracing.cuda_autocast.AutocastWatch``), where set."""
         self.run_op: Callable[[Any, tuple, dict], Any] = _call
         """Runs each op the step dispatches; a mode below the tracer may lend its own work here
         instead of being entered (``RealKernelsMode.run``): one dispatch level less per op."""
@@ -269,6 +271,9 @@ class StepTracer(HotPathMode):
 
     def _dispatch(self, func, types, args, kwargs):
         kwargs = kwargs or {}
+        watch = self.autocast_watch
+        if watch is not None and not watch.seen:
+            watch.note()
         if defers(types):
             # A DTensor (or other wrapper) op: the rank runs its local ops and collectives, which
             # come back through this mode at local shapes (estimators.tracing.subclasses).
@@ -416,9 +421,16 @@ class StepTracer(HotPathMode):
 
     # ------------------------------------------------------------------ module calls
     def _peek_seq(self) -> int:
-        """The autograd sequence number the next Node will get (consumes one number)."""
-        with torch._C._DisableTorchDispatch(), torch.enable_grad():
-            return self._seq_probe.view_as(self._seq_probe).grad_fn._sequence_nr() + 1
+        """The autograd sequence number the next Node will get (consumes one number). Torch-function
+        modes off too: the step's (CudaSemanticsMode) act on none of these calls, and saw three per
+        module call (grad mode set, ``view_as``, grad mode restored)."""
+        with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+            enabled = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(True)
+            try:
+                return self._seq_probe.view_as(self._seq_probe).grad_fn._sequence_nr() + 1
+            finally:
+                torch._C._set_grad_enabled(enabled)
 
     def attach(self) -> None:
         """Install the module hooks that attribute forward ops to module calls."""

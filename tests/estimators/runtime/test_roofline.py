@@ -183,6 +183,10 @@ def test_op_flops_zero_without_formula():
 
 
 def test_roofline_caches_by_signature(h100, monkeypatch):
+    from estimators.runtime import roofline
+
+    monkeypatch.setattr(roofline, "_PRICES", {})  # not what earlier tests priced
+    h100 = RooflineRuntime(get_device_spec("h100"))
     calls = []
     original = RooflineRuntime.price
 
@@ -196,6 +200,26 @@ def test_roofline_caches_by_signature(h100, monkeypatch):
     third = price(h100, aten.mm.default, torch.ones(8, 4), torch.ones(4, 3))  # new shape
     assert first == second and third != first
     assert len(calls) == 2
+
+
+def test_runtimes_with_the_same_pricing_figures_share_their_prices(monkeypatch):
+    """Each trace makes its own runtime; a price depends on the op's key and the spec's pricing
+    figures alone, so runtimes of specs with the same figures share one cache, others do not."""
+    from estimators.runtime import roofline
+
+    monkeypatch.setattr(roofline, "_PRICES", {})
+    calls = []
+    original = RooflineRuntime.price
+    monkeypatch.setattr(RooflineRuntime, "price", lambda self, *a, **kw: calls.append(a[0]) or original(self, *a, **kw))
+    spec = get_device_spec("h100")
+    args = (torch.ones(8, 4), torch.ones(4, 2))
+    first = price(RooflineRuntime(spec), aten.mm.default, *args)
+    again = price(RooflineRuntime(spec.replace(name="renamed", checkpoint_call_ms=1.0)), aten.mm.default, *args)
+    assert first == again and len(calls) == 1
+    slower = spec.replace(memory_bandwidth_bytes_per_s=spec.memory_bandwidth_bytes_per_s / 100)
+    assert price(RooflineRuntime(slower), aten.mm.default, *args) > first and len(calls) == 2
+    fewer = spec.replace(peak_flops_per_s={k: v / 1e6 for k, v in spec.peak_flops_per_s.items()})
+    assert price(RooflineRuntime(fewer), aten.mm.default, *args) > first and len(calls) == 3
 
 
 def test_symbolic_shapes_are_priced_by_their_hints(h100):

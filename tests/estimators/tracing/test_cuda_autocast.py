@@ -4,6 +4,8 @@ under a cpu target what CPU autocast gives it, measured here on real tensors."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -324,3 +326,117 @@ def test_the_cached_copy_lives_until_the_forward_s_autocast_region_ends():
     copy = tr.storages[cast.new_sids[0]]
     last_fw = max(op.index for op in tr.ops if op.phase.name == "FW")
     assert copy.free_op == last_fw  # not freed after einsum: held to the end of the region
+
+
+def test_a_composite_left_alone_outside_autocast_runs_as_called():
+    """cross_entropy_loss decomposes with CUDA's policy for its parts only under autocast: a
+    bfloat16 model trained without autocast keeps nll_loss in bfloat16 (no float32 copy of the
+    log-probabilities), as the trace without the CUDA policy does."""
+    target = torch.randint(0, 100, (32,))
+    model = Probe(lambda x: F.cross_entropy(x, target, reduction="none"))
+    step = TrainStep(inputs=(_x(torch.bfloat16, 32, 100),))
+
+    def fw_ops(cuda_autocast):
+        est = estimate(model, step=step, device="h100", options=EstimateOptions(cuda_autocast=cuda_autocast))
+        return [(str(op.func), [est.trace.storages[s].nbytes for s in op.new_sids])
+                for op in est.trace.ops if op.phase.name == "FW"]
+
+    ops = fw_ops(None)
+    assert [f for f, _ in ops].count("aten._to_copy.default") == 1  # Probe's out.float() only
+    assert ops == fw_ops(False)
+
+
+def test_a_float32_convolution_with_same_padding_is_not_cast_without_autocast():
+    """conv2d.padding (padding="same") is a composite only the CPU's lists hold; outside autocast
+    its convolution (CUDA's lower-precision list) ran the policy and the float32 model's step was
+    traced in bfloat16 (three casts, a smaller peak)."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding="same"))
+    step = TrainStep(inputs=(torch.randn(2, 3, 16, 16),), loss_fn=lambda out, _: out.sum(), optimizer="sgd")
+    est = estimate(model, step=step, device="h100")
+    plain = estimate(model, step=step, device="h100", options=EstimateOptions(cuda_autocast=False))
+    assert [str(op.func) for op in est.trace.ops if op.phase.name == "FW"] == [
+        "aten.convolution.default", "aten.sum.default"]
+    assert est.module_info.peak_bytes == plain.module_info.peak_bytes
+
+
+def _registered() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::layer_norm", "AutocastPrivateUse1")
+
+
+class _OpensAutocast(nn.Module):
+    """Opens CPU autocast itself for part of its forward, or not (``opens``); notes whether
+    CUDA's kernels are registered before and inside (``seen``, which the fake copy shares)."""
+
+    def __init__(self, opens: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.opens = opens
+        self.seen = _Seen()
+
+    def forward(self, x):
+        self.seen.dtypes.append(_registered())
+        y = torch.exp(self.lin(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.opens):
+            z = F.layer_norm(self.lin(y), (y.shape[-1],))  # linear: cast down; layer_norm: float32 on CUDA
+            self.seen.dtypes.append(_registered())
+        return F.cross_entropy(z, torch.zeros(z.shape[0], dtype=torch.long, device=z.device))
+
+
+def test_kernels_are_registered_only_for_a_step_that_turns_autocast_on(monkeypatch):
+    """A step that never turns CPU autocast on is traced without CUDA's autocast kernels (outside
+    autocast each runs its op as called; registering them is a twentieth of a small trace); one
+    that turns it on where nothing announced it (the model itself) is traced again with them. The
+    estimates are those made with the kernels registered from the start."""
+    from estimators.tracing import estimation
+    from tests.estimators.tracing.trace_equivalence import estimate_difference
+
+    step = TrainStep(inputs=(torch.randn(8, 64),), optimizer="adam")
+    plain, opens = _OpensAutocast(opens=False), _OpensAutocast()
+    lazy = [estimate(m, step=step, device="h100") for m in (plain, opens)]
+    assert plain.seen.dtypes == [False, False]  # one trace, no kernels
+    assert opens.seen.dtypes == [False, False, True, True]  # traced again, with them
+    assert not _registered()
+
+    monkeypatch.setattr(estimation, "AutocastWatch", lambda: None)  # registered from the start
+    plain.seen.dtypes.clear(), opens.seen.dtypes.clear()
+    eager = [estimate(m, step=step, device="h100") for m in (plain, opens)]
+    assert plain.seen.dtypes == opens.seen.dtypes == [True, True]
+    for a, b in zip(lazy, eager):
+        assert estimate_difference(a, b) == ""
+        assert a.module_info == b.module_info
+    casts = [op for op in lazy[1].trace.ops if op.phase.name == "FW" and op.func is _TO_COPY]
+    assert len(casts) >= 3  # the policy ran: weight and input cast down, layer_norm's input up
+
+
+def test_a_step_that_opens_autocast_registers_the_kernels_from_the_start():
+    model = _OpensAutocast(opens=False)
+    estimate(model, step=TrainStep(inputs=(torch.randn(8, 64),), autocast_dtype=torch.bfloat16), device="h100")
+    assert model.seen.dtypes == [True, True]
+    assert not _registered()
+
+
+class _DotsInAutocast(nn.Module):
+    """dot(float32, bfloat16) inside an autocast region the model opens: CUDA promotes both to
+    float32; without CUDA's kernels CPU autocast leaves them mixed and the kernel refuses them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(256))
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.dot(self.w * 2, x.to(torch.bfloat16))
+
+
+def test_a_step_that_fails_without_the_kernels_while_autocast_is_on_is_traced_with_them(monkeypatch):
+    from estimators.tracing import estimation
+    from tests.estimators.tracing.trace_equivalence import estimate_difference
+
+    step = TrainStep(inputs=(torch.randn(256),), loss_fn=lambda out, _: out.float(), optimizer="sgd")
+    lazy = estimate(_DotsInAutocast(), step=step, device="h100")
+    monkeypatch.setattr(estimation, "AutocastWatch", lambda: None)
+    eager = estimate(_DotsInAutocast(), step=step, device="h100")
+    assert estimate_difference(lazy, eager) == "" and lazy.module_info == eager.module_info
+    monkeypatch.setattr(estimation, "CudaAutocast", lambda: contextlib.nullcontext())  # no kernels at all
+    with pytest.raises(TraceError):
+        estimate(_DotsInAutocast(), step=step, device="h100")

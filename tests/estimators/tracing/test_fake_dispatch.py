@@ -175,10 +175,11 @@ def test_one_memo_key_is_one_key_of_the_mode(monkeypatch):
     assert len(seen) > 100
 
 
-def test_a_list_of_new_tensors_is_memoised_and_views_are_not():
+def test_a_list_of_new_tensors_is_memoised_and_so_is_a_split():
     """The mode does not cache list outputs ("to avoid the complexity"); a _foreach_ op whose
-    outputs are new tensors is memoised with an entry made as the mode makes its own, an op
-    whose list holds views of its input (split) is left to the mode."""
+    outputs are new tensors is memoised with an entry made as the mode makes its own. ``split``
+    returns a list of views the first time and the mode caches it as a tuple: the memo's hits
+    return what the mode's own hits return (its entry, views of the input's storage)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     memo = FakeDispatchMemo(mode)
     with mode, torch._C._AutoDispatchBelowADInplaceOrView():
@@ -192,10 +193,19 @@ def test_a_list_of_new_tensors_is_memoised_and_views_are_not():
         for a, b, c in zip(plain, first, second):
             assert _meta(a) == _meta(b) == _meta(c) and vars(a) == vars(c)
             assert c.untyped_storage() is not a.untyped_storage()
-        x = torch.empty(6, 4)
-        for _ in range(3):
-            parts = memo(aten.split.Tensor, (x, 2), {})
-        assert memo.hits == hits + 1 and all(p.untyped_storage() is x.untyped_storage() for p in parts)
+        x = torch.empty(6, 5).t()  # (5, 6), strides (1, 5): the views' strides are not contiguous ones
+        first = memo(aten.split.Tensor, (x, 2), {})
+        hits = memo.hits
+        built = [memo(aten.split.Tensor, (x, 2), {}) for _ in range(2)]
+        assert memo.hits == hits + 2
+        theirs = aten.split.Tensor(x, 2)  # the mode's own cache hit, for reference
+        assert type(first) is list and len(theirs) == len(first) == 3
+        for parts in built:
+            assert len(parts) == 3
+            for a, b, c in zip(first, parts, theirs):
+                assert _meta(a) == _meta(b) == _meta(c) and vars(b) == vars(c)
+                assert b.untyped_storage() is x.untyped_storage() and b is not c
+                assert torch._C._dispatch_key_set(b) == torch._C._dispatch_key_set(c)
 
 
 def test_the_hot_path_modes_dispatch_without_torchs_per_call_dynamo_wrapper():

@@ -147,3 +147,26 @@ def test_estimates_equal_the_warm_up_steps(kw, monkeypatch):
     stepped = estimate(model, step, device="h100")
     assert estimate_difference(stepped, made) == ""
     assert (stepped.module_info, stepped.first_step_peak_bytes) == (made.module_info, made.first_step_peak_bytes)
+
+
+def test_a_step_count_is_the_fake_tensor_torch_tensor_makes(monkeypatch):
+    """Adam's step count, made directly (Python dispatch off while its tensors are built, the
+    FakeTensor constructor), is what ``torch.tensor(1.0)`` makes under the mode, with the memo's
+    mode above it as while the state is made; the converter where the constructor does not fit."""
+    from estimators.tracing.fake_dispatch import MemoMode
+
+    def describe(t):
+        return (type(t), t.dtype, tuple(t.shape), t.device, float(t.constant), type(t.constant), t.constant.device,
+                torch._C._dispatch_key_set(t), sorted(k for k in vars(t) if k != "constant"),
+                {k: v for k, v in vars(t).items() if k not in ("constant", "fake_mode")}, t.fake_mode is mode)
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode, MemoMode(mode):
+        ours = optimizer_state._step_count()
+        theirs = torch.tensor(1.0, dtype=optimizer_state._scalar_dtype(), device="cpu")
+        assert describe(ours) == describe(theirs)
+        assert mode.fake_tensor_converter._get_memo(ours.constant) is ours  # a kernel on the constant maps back
+        assert torch._C._len_torch_dispatch_stack() == 2  # the modes are still on
+        monkeypatch.setattr(optimizer_state, "FakeTensor", lambda *a, **k: (_ for _ in ()).throw(TypeError()))
+        fallback = optimizer_state._step_count()
+        assert describe(fallback) == describe(theirs)

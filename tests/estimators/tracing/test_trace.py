@@ -253,3 +253,30 @@ def test_a_loss_closing_over_the_batch_it_is_given_counts_it_once():
     measured = measure_steps(model, TrainStep(inputs=(x,), loss_fn=lambda out, batch: F.l1_loss(out, x),
                                               optimizer="sgd"), n_steps=2)[1].peak_bytes
     assert {v for pair in peaks.values() for v in pair} == {measured}, peaks
+
+
+def test_peeking_the_autograd_sequence_number_calls_no_torch_function_mode():
+    """Each module call peeks the number autograd's next Node gets (ModuleCall.seq_start/seq_end):
+    the number is that Node's, grad mode is left as it was, and the step's torch-function modes
+    (CudaSemanticsMode) see none of the probe's calls."""
+    from torch.overrides import TorchFunctionMode
+
+    from estimators.runtime.roofline import RooflineRuntime
+    from estimators.runtime.device import get_device_spec
+    from estimators.tracing.trace import StepTracer
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    tracer = StepTracer(nn.Linear(2, 2), "Linear", RooflineRuntime(get_device_spec("h100")))
+    x = torch.ones(2, requires_grad=True)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), Counting():
+            peeked = tracer._peek_seq()
+            assert Counting.calls == 0 and torch.is_grad_enabled() == grad
+        with torch.enable_grad():
+            assert (x * 2).grad_fn._sequence_nr() == peeked
