@@ -232,8 +232,12 @@ class RankPlanner:
         """The smallest peak the MILP reaches over the schedule (the smallest budget it takes)."""
         return self.milp.min_reachable_peak_bytes()
 
-    def plan(self, budget_gib: float, *, on_device: bool = True) -> dict[int, Plan]:
+    def plan(self, budget_gib: float, *, on_device: bool = True, settle: bool = True) -> dict[int, Plan]:
         """One plan per local stage for ``budget_gib`` (see ``solve_pipeline_rank``).
+
+        ``settle=False``: the MILP's plan as solved, priced on its modules' convex envelopes, not
+        moved onto the steps its op plans take (``_on_op_steps``): a search screens every layout
+        on the MILP's figures, and settles only the plans it verifies.
 
         ``on_device=False``: the budget is a stand-in's, not one GPU's, and may exceed its memory
         (the search plans an FSDP2 pipeline rank as one process holding its stages whole, for the
@@ -260,7 +264,8 @@ class RankPlanner:
                     f"the smallest reachable peak over its schedule is {fmt_bytes(floor)} ({floor / GiB:.6f} GiB); "
                     f"unplanned {fmt_bytes(self.unplanned_peak_bytes)}. Raise the budget, or use more micro-batches "
                     "of fewer samples, or more stages") from e
-            res = self._on_op_steps(res, target)
+            if settle:
+                res = self._on_op_steps(res, target)
             modules = _stage_modules(res.discarded_bytes, self.names, self.traced, options)
             if not options.verify:  # the MILP's figure
                 verified, profiles = _MilpFigure(res.predicted_peak_bytes), {s: v.profile for s, v in self._views.items()}

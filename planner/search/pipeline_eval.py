@@ -134,8 +134,10 @@ class PipelineCases:
         if usable - shift < 1:
             return self._over(t, r, rp, shift, f"its state alone, {fmt_bytes(shift)}, is over the budget")
         try:
-            # Planned as one process holding its stages whole: its budget is not one GPU's.
-            got = {s: replace(p, step_ref=None) for s, p in rp.plan((usable - shift) / GiB, on_device=False).items()}
+            # Planned as one process holding its stages whole: its budget is not one GPU's. Screened
+            # on the MILP's figures, as whole-model layouts are; a verified plan is settled on op steps.
+            got = {s: replace(p, step_ref=None) for s, p in
+                   rp.plan((usable - shift) / GiB, on_device=False, settle=rp.options.verify).items()}
         except PlanningError as e:
             return self._over(t, r, rp, shift, str(e))
         if any(p.modules for p in got.values()):
