@@ -80,6 +80,7 @@ from estimators.tracing.replicate import NotReplicable, expand_stacks
 from estimators.tracing.routing import ExpertLoad, stated_routing
 from estimators.tracing.stacks import Stack, find_stacks
 from estimators.tracing.fake_copy import FakeCopyError, fake_copy, fake_tensor
+from estimators.tracing.real_mode import restored, undo
 from estimators.tracing.thread_state import eager_in_this_thread, gc_paused, torch_rng_restored
 from estimators.tracing.truncation import FullListsRuntime, may_index_blocks, pre_step_owners
 
@@ -413,7 +414,7 @@ def _trace_step(
         # The user's `random` / numpy streams go on where they were; what the step drew is noted.
         draws = restore.enter_context(host_rng.Draws())
         if not fake:
-            restore.enter_context(_restored(model))
+            restore.enter_context(restored(model))
         else:
             # Fake tensors draw nothing, but the model's Python code may touch the generators
             # itself (Reformer calls torch.seed() in train mode): planning leaves them as they were.
@@ -506,7 +507,7 @@ def _trace_step(
             tracer.restore_foreign_grads()
             for h in grad_hooks:
                 h.remove()
-            _undo(applied)
+            undo(applied)
         if watch is not None and watch.seen:
             raise _AutocastSeen()
         if read:
@@ -593,37 +594,3 @@ def _refuse_unsized_workspaces(trace: StepTrace) -> None:
                 "trace would under-predict the peak; trace in real mode: solve_sac(..., "
                 "options=PlanOptions(trace=EstimateOptions(mode=TraceMode.REAL))), --mode real on the command line"
             )
-
-
-def _undo(applied: Any) -> None:
-    """``prepare`` may return something with ``remove()`` (an applied plan): undo it on the
-    real model once the trace is over, so real-mode planning leaves the model as it was."""
-    remove = getattr(applied, "remove", None)
-    if callable(remove):
-        remove()
-
-
-@contextlib.contextmanager
-def _restored(model: torch.nn.Module):
-    """Real mode: parameters, buffers and gradients (the same objects, the same bits) and the RNG
-    state as they were before, however the trace ends."""
-    saved = []
-    for mod in model.modules():
-        for table in (mod._parameters, mod._buffers):
-            for name, t in table.items():
-                if t is not None:
-                    saved.append((table, name, t, t.detach().clone()))
-    grads = {id(p): (p, p.grad) for p in model.parameters()}
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch_rng_restored(devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for table, name, t, value in saved:
-                    table[name] = t
-                    t.copy_(value)
-            for p, g in grads.values():
-                p.grad = g
-
-

@@ -44,6 +44,7 @@ from estimators.tracing.records import (
 from estimators.runtime.op_facts import op_facts, written_args
 from estimators.tracing.foreign_leaves import ForeignLeaves
 from estimators.tracing.subclasses import WAIT, defers, in_sharding_propagation, mark_sharding_propagation
+from estimators.tracing.module_tree import module_tree
 from estimators.tracing.subclasses import storage_of as _storage_of  # a DTensor's: its local shard's
 
 if TYPE_CHECKING:
@@ -555,7 +556,7 @@ class StepTracer(HotPathMode):
             for s in self.storages
         ]
         held = self._previous_output_records(storages)
-        leaves, param_bytes, grad_bytes = self._module_tree()
+        leaves, param_bytes, grad_bytes = module_tree(self.model, self.root_name, self.round_bytes)
         trace = StepTrace(
             ops=self.ops, storages=storages + held, calls=self.calls, leaf_fqns=leaves,
             param_bytes_by_module=param_bytes, grad_bytes_by_module=grad_bytes, device=self.device,
@@ -587,26 +588,3 @@ class StepTracer(HotPathMode):
                     call.bw_first_op = op.index
                 call.bw_last_op = op.index
                 c = call.parent
-
-    def _module_tree(self) -> tuple[set[str], dict[str, int], dict[str, int]]:
-        """Leaf fqns, and unique parameter / gradient bytes of every module's subtree."""
-        leaves: set[str] = set()
-        param_bytes: dict[str, int] = {}
-        grad_bytes: dict[str, int] = {}
-        for name, mod in self.model.named_modules():
-            fqn = f"{self.root_name}.{name}" if name else self.root_name
-            if next(mod.children(), None) is None:
-                leaves.add(fqn)
-            seen: set[int] = set()
-            pbytes = gbytes = 0
-            for p in mod.parameters():
-                st = _storage_of(p)  # a DTensor parameter: this rank's shard
-                if st is None or id(st) in seen:
-                    continue
-                seen.add(id(st))
-                nb = self.round_bytes(st.nbytes())
-                pbytes += nb
-                gbytes += nb if p.requires_grad else 0
-            param_bytes[fqn], grad_bytes[fqn] = pbytes, gbytes
-        return leaves, param_bytes, grad_bytes
-

@@ -73,6 +73,8 @@ class Evaluator:
         self.progress_ticks = True
         self.traced = 0
         self.trace_s = 0.0
+        self._speculative = None
+        """(layout, the Forked verifying it) while the pipelines are screened (``_speculate``)."""
         self.stage_cache: dict = {}
         """Stage traces and rank planners, kept across the search's Worlds (``World.trace_stages``)."""
         self.t0 = time.perf_counter()
@@ -117,8 +119,26 @@ class Evaluator:
                 self.traced += traced
                 self.trace_s += trace_s
                 self.done += done
+        self._speculate(out)
         self._screen_pipelines(pending, out)
         return [out[t] for t in layouts]
+
+    def _speculate(self, out: dict) -> None:
+        """With workers to spare, the fastest planned whole-model layout is verified in a forked
+        worker while the pipelines are screened (``verify`` takes its result where that layout is
+        still the one to verify, and ends the worker otherwise): the same verification, earlier."""
+        self._speculative = None
+        if self.workers < 2 or self.verify_all or self.verify_top < 1:
+            return
+        runs = sorted((e for e in out.values() if e.runs and e.layout.pp == 1), key=lambda e: (e.step_ms, e.layout))
+        if runs and runs[0].status is Status.PLANNED:
+            self._speculative = (runs[0].layout, Forked(self._verify_in_child, runs[0]))
+
+    def _verify_in_child(self, e: Evaluation) -> tuple:
+        traced, trace_s = self.traced, self.trace_s
+        got = self._verify_one(e)
+        got = replace(got, plans=tuple(replace(p, step_ref=None) for p in got.plans))  # a weak ref does not pickle
+        return got, self.traced - traced, self.trace_s - trace_s
 
     def _screen_in_child(self, items) -> tuple:
         self.progress_ticks = False  # the parent counts the layouts evaluated
@@ -299,14 +319,26 @@ class Evaluator:
                     done[e.layout] = self._verify_one(e)
             return [done.get(e.layout, e) for e in evaluations]
         tried = 0
-        while tried < self.verify_top:
-            ranked = sorted((done.get(e.layout, e) for e in evaluations if done.get(e.layout, e).runs),
-                            key=lambda e: (e.step_ms, e.layout))
-            if not ranked or ranked[0].status is Status.FITS:
-                break
-            e = ranked[0]
-            done[e.layout] = self._verify_one(e)
-            tried += 1
+        speculative = getattr(self, "_speculative", None)
+        try:
+            while tried < self.verify_top:
+                ranked = sorted((done.get(e.layout, e) for e in evaluations if done.get(e.layout, e).runs),
+                                key=lambda e: (e.step_ms, e.layout))
+                if not ranked or ranked[0].status is Status.FITS:
+                    break
+                e = ranked[0]
+                got = None
+                if speculative is not None and speculative[0] == e.layout:
+                    res, speculative = speculative[1].result(), None
+                    if res is not None:
+                        got, traced, trace_s = res
+                        self.traced += traced
+                        self.trace_s += trace_s
+                done[e.layout] = got if got is not None else self._verify_one(e)
+                tried += 1
+        finally:
+            if speculative is not None:
+                speculative[1].close()
         return [done.get(e.layout, e) for e in evaluations]
 
     def _verify_one(self, e: Evaluation) -> Evaluation:

@@ -88,18 +88,33 @@ def _rows(r):
 
 @pytest.mark.multiproc
 def test_screening_workers_give_the_result_of_one_process(caplog):
-    """The whole-model worlds screened in forked workers give what one process gives, row for
-    row; a worker that fails has its worlds screened by the parent (and says so)."""
+    """The whole-model worlds screened in forked workers, and the fastest of them verified in one
+    while the pipelines are screened, give what one process gives, row for row; a worker that
+    fails has its worlds screened by the parent (and says so)."""
     from planner.search.evaluate import Evaluator
 
     space = SearchSpace(cp=(1, 2), micro_batches=(1, 2), schedules=("1F1B",))
-    cluster = Cluster.parse("4xcpu", budget_gib=1.6 / 1024)
+    cluster = Cluster.parse("4xcpu", budget_gib=1.0 / 1024)  # the winner (TP 2 x FSDP 2) needs a plan
 
     def run(workers):
         return search(llama_tiny, cluster, global_batch=8, seq_len=32,
                       options=SearchOptions(space=space, workers=workers, bound=False))
 
-    one, two = run(1), run(2)
+    speculated = []
+    real = Evaluator._speculate
+
+    def spy(self, out):
+        real(self, out)
+        speculated.append(self._speculative is not None)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Evaluator, "_speculate", spy)
+    try:
+        one, two = run(1), run(2)
+    finally:
+        mp.undo()
+    assert speculated == [False, True]  # with 2 workers the winner was verified while pipelines were screened
+    assert one.winner is not None and one.winner.layout.pp == 1 and one.winner.checkpointed
     assert _rows(one) == _rows(two) and one.programs_traced == two.programs_traced
     assert one.table_text().split("\n")[2:] == two.table_text().split("\n")[2:]  # past the timing line
 
