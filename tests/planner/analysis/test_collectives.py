@@ -39,6 +39,28 @@ def _held_after_wait(rounds: int) -> int:
     return held
 
 
+def _reduced_held_below_modes(rounds: int) -> tuple[int, list]:
+    """How many of ``rounds`` all-reduces called from Python below the dispatch modes (as
+    DTensor's loss_parallel handlers call ``funcol.all_reduce``) left their output's storage
+    referenced once the caller dropped it, and the last output's values."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    held, values = 0, []
+    for i in range(rounds):
+        x = torch.full((252, 1), float(i + dist.get_rank()))
+        with _disable_current_modes():
+            y = funcol.all_reduce(x, "sum", dist.group.WORLD)
+            y = y.wait() if isinstance(y, funcol.AsyncCollectiveTensor) else funcol.wait_tensor(y)
+        storage = y.untyped_storage()
+        refs_with_y = torch._C._storage_Use_Count(storage._cdata)
+        values = y.flatten()[:3].tolist()
+        del y
+        held += torch._C._storage_Use_Count(storage._cdata) >= refs_with_y
+    return held, values
+
+
 def _results() -> dict:
     """Each functional collective DTensor issues, its outputs (as lists) for comparison."""
     import torch.distributed as dist
@@ -65,9 +87,11 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     out = {"plain_values": _results(), "plain_held": _held_after_wait(ROUNDS)}
+    out["plain_below_held"], out["plain_below_values"] = _reduced_held_below_modes(ROUNDS)
     with CallerHeldCollectives():
         out["mode_values"] = _results()
         out["mode_held"] = _held_after_wait(ROUNDS)
+        out["mode_below_held"], out["mode_below_values"] = _reduced_held_below_modes(ROUNDS)
     (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(out))
     leave_rank()
 
@@ -78,8 +102,12 @@ def test_collectives_free_what_the_caller_drops_and_keep_their_values(tmp_path):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         print(f"rank {rank}: input held by gloo after the wait in {r['plain_held']} of {ROUNDS} plain "
               f"all-gathers, {r['mode_held']} under CallerHeldCollectives")
+        print(f"rank {rank}: all-reduce output held after the caller let go, called below the modes: "
+              f"{r['plain_below_held']} of {ROUNDS} plain, {r['mode_below_held']} under CallerHeldCollectives")
         assert r["mode_held"] == 0
         assert r["mode_values"] == r["plain_values"]
+        assert r["mode_below_held"] == 0  # loss_parallel's all-reduces (funcol wrapped at the Python level)
+        assert r["mode_below_values"] == r["plain_below_values"]
 
 
 def test_ops_of_the_namespace_that_run_no_collective_pass_through():
