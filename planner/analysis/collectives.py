@@ -27,7 +27,7 @@ import functools
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_map_only
 
 __all__ = ["CallerHeldCollectives"]
@@ -107,8 +107,9 @@ def _caller_held_call(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def run(tensor, *args, **kwargs):
-        if type(tensor) is not torch.Tensor:
-            return fn(tensor, *args, **kwargs)
+        if type(tensor) is not torch.Tensor or any(
+                isinstance(m, CallerHeldCollectives) for m in _get_current_dispatch_mode_stack()):
+            return fn(tensor, *args, **kwargs)  # the mode sees its op (a call above DTensor's handlers)
         with _disable_current_modes():
             out = fn(tensor.clone(), *args, **kwargs)
             out = out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else funcol.wait_tensor(out)
