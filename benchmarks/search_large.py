@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, help="screening processes (default: one per core, at most 4)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from planner.search.workers import cpu_s
+    from planner.search.workers import cpu_s, default_workers
 
     t0, c0 = time.perf_counter(), cpu_s()
     import examples.llama as llama
@@ -68,18 +68,11 @@ def main(argv=None) -> int:
           f"{'PASS' if evaluated >= 100 else 'FAIL'}")
     print(f"search, imports included: wall {wall:6.1f} s, CPU {cpu:6.1f} s (imports {imports_s:.1f} s CPU)   "
           f"target <= {target_s:.0f} s wall on an idle machine: {'PASS' if wall <= target_s else 'FAIL'} "
-          f"(load average {load} on {os.cpu_count()} cores; {result_workers(args)} screening process(es))")
+          f"(load average {load} on {os.cpu_count()} cores; {args.workers or default_workers()} screening process(es))")
     print(f"per-rank programs traced {result.programs_traced} ({result.trace_s:.1f} s wall); max RSS "
           f"{result.max_rss_bytes / 2**30:.2f} GiB; winner: "
           f"{result.winner.layout.describe() if result.winner else 'none fits'}")
     return 0 if result.winner is not None and evaluated >= 100 and wall <= target_s else 1
-
-
-def result_workers(args) -> int:
-    from planner.search.workers import default_workers
-
-    return args.workers or default_workers()
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -349,9 +349,7 @@ def _step_in_mode(fake: bool, model, step, spec, options, prepare, cuda_rules, w
     reason (a str) instead. Both are caught inside the mode: the exception's traceback (the
     trace's frames) is dropped before the mode ends, so the mode dies with it and its end needs
     no heap scan for caches holding its tensors (one per zero-bubble stage cost seconds)."""
-    why = ""
     for kernels in (False, True):
-        seen = False
         with _trace_mode(fake) as box:
             try:
                 return _trace_step(model, step, spec, options, prepare, cuda_rules, without_grad, box.mode, stacks,
@@ -359,13 +357,12 @@ def _step_in_mode(fake: bool, model, step, spec, options, prepare, cuda_rules, w
             except _AutocastSeen:
                 if kernels:
                     raise
-                seen = True
+                continue
             except (NotReplicable, TraceError) as e:
                 if not replicable or (not isinstance(e, NotReplicable) and not may_index_blocks(e)):
                     raise  # the model's own error: the full model raises it too
                 why = f"{type(e).__name__}: {e}"
-        if not seen:
-            return why
+        return why
     raise AssertionError("unreachable: the second trace registers the autocast kernels")
 
 

@@ -156,12 +156,19 @@ class hf_cache_off:
             cfg.use_cache = True
 
 
-def _root_relative(fqn: str, root: str) -> str:
+def root_relative(fqn: str, root: str) -> str | None:
+    """A plan's module name relative to the model's root (``""`` for the root itself), or None
+    where it is not under the root."""
     if fqn == root:
         return ""
-    if not is_submodule(fqn, root):
+    return fqn[len(root) + 1 :] if is_submodule(fqn, root) else None
+
+
+def _root_relative(fqn: str, root: str) -> str:
+    name = root_relative(fqn, root)
+    if name is None:
         raise PlanMismatchError(f"plan module {fqn!r} is not under the model {root!r}")
-    return fqn[len(root) + 1 :]
+    return name
 
 
 _APPLIED = "_sac_planner_applied"

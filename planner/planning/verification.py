@@ -23,6 +23,7 @@ from estimators.tracing.estimation import Estimate, estimate
 from estimators.tracing.stacks import find_stacks
 from estimators.tracing.sharded_model import original_class_name
 from estimators.tracing.steady_state import first_step_module_info
+from planner.applying.checkpointing import root_relative
 from planner.distributed.fsdp import per_rank_info
 from solver import predict_peak_bytes
 
@@ -134,7 +135,7 @@ def plan_on_stacks(modules, stacks, root: str) -> bool:
         prefix = f"{st.container}." if st.container else ""
         middle = {k: set() for k in st.keys[1:-1]}
         for mp in modules:
-            rel = _relative(mp.fqn, root)
+            rel = root_relative(mp.fqn, root)
             if rel is None or rel == "" or st.container == rel or st.container.startswith(rel + "."):
                 return False  # the root, or a module holding the stack: its checkpoint spans the blocks
             if mp.offloaded_ops:
@@ -153,7 +154,7 @@ def _present(model, modules, root: str, skipped: list[str]) -> list:
     a truncated copy leaves out (``skipped``: their names; laid in from block 2's trace)."""
     out = []
     for mp in modules:
-        rel = _relative(mp.fqn, root) or ""
+        rel = root_relative(mp.fqn, root) or ""
         block = next((b for b in skipped if rel == b or rel.startswith(b + ".")), None)
         if block is not None and not _has_module(model, block):
             continue
@@ -167,12 +168,6 @@ def _has_module(model, name: str) -> bool:
     except AttributeError:
         return False
     return True
-
-
-def _relative(fqn: str, root: str) -> str | None:
-    if fqn == root:
-        return ""
-    return fqn[len(root) + 1:] if fqn.startswith(root + ".") else None
 
 
 def per_rank_peaks(planned: Estimate, fsdp_units, world_size: int, mp_policy: Any = None) -> tuple[int, int]:

@@ -100,25 +100,25 @@ class Evaluator:
         out: dict[Layout, Evaluation] = {}
         pending: dict[Layout, Any] = {}
         try:
-            got = [self._screen_worlds(shards[0]) if shards else None]
+            got = [self._screen_worlds(shards[0])] if shards else []  # its counts are in self already
             for child, shard in zip(children, shards[1:]):
                 res = child.result()
                 if res is None:
                     logger.warning("a screening worker failed; its worlds are screened here:\n%s", child.error)
-                    res = self._screen_worlds(shard)
+                    got.append(self._screen_worlds(shard))
+                    continue
                 got.append(res)
-        finally:
-            for child in children:
-                child.close()
-        for res in filter(None, got):
-            part_out, part_pending, full_ac, traced, trace_s, done = res
-            out.update(part_out)
-            pending.update(part_pending)
-            self.full_ac_results.update(full_ac)
-            if res is not got[0]:  # the parent's own counts are in self already
+                traced, trace_s, done = res[3:]
                 self.traced += traced
                 self.trace_s += trace_s
                 self.done += done
+        finally:
+            for child in children:
+                child.close()
+        for part_out, part_pending, full_ac, *_counts in got:
+            out.update(part_out)
+            pending.update(part_pending)
+            self.full_ac_results.update(full_ac)
         self._speculate(out)
         self._screen_pipelines(pending, out)
         return [out[t] for t in layouts]
@@ -319,7 +319,7 @@ class Evaluator:
                     done[e.layout] = self._verify_one(e)
             return [done.get(e.layout, e) for e in evaluations]
         tried = 0
-        speculative = getattr(self, "_speculative", None)
+        speculative = self._speculative
         try:
             while tried < self.verify_top:
                 ranked = sorted((done.get(e.layout, e) for e in evaluations if done.get(e.layout, e).runs),
