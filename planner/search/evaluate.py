@@ -34,7 +34,7 @@ from planner.search.layouts import Cluster, Layout
 from planner.search.pipeline_eval import PipelineCases
 from planner.search.programs import World
 from planner.search.results import Evaluation, Status
-from planner.search.workers import Forked, balanced_shards, default_workers
+from planner.search.workers import default_workers, pull_map
 from solver import InfeasibleBudgetError, SACMilp, SolverOptions, predict_peak_bytes
 from solver.plan_cost import MemoryModel
 
@@ -62,7 +62,7 @@ class Evaluator:
                  workers: int | None = None) -> None:
         self.family, self.cluster, self.global_batch = family, cluster, global_batch
         self.workers = default_workers() if workers is None else workers
-        """Processes that screen the whole-model worlds (1: this one alone)."""
+        """Processes that screen the (TP, CP) worlds (1: this one alone)."""
         self.full_ac = frozenset(full_ac)
         """Whole-model layouts also evaluated with every block fully checkpointed (a recipe's FullAC)."""
         self.full_ac_results: dict[Layout, Evaluation] = {}
@@ -73,8 +73,12 @@ class Evaluator:
         self.progress_ticks = True
         self.traced = 0
         self.trace_s = 0.0
-        self._speculative = None
-        """(layout, the Forked verifying it) while the pipelines are screened (``_speculate``)."""
+        self._speculated: tuple[Layout, Evaluation] | None = None
+        """(layout, its verification) made beside the pipeline screening (``_screen_pipelines``)."""
+        self._open: World | None = None
+        self._pending: dict[Layout, Any] = {}
+        self._seen: dict[Layout, Evaluation] = {}
+        """The pipeline screening's bounds, and what this process has evaluated (``_pipeline_task``)."""
         self.stage_cache: dict = {}
         """Stage traces and rank planners, kept across the search's Worlds (``World.trace_stages``)."""
         self.t0 = time.perf_counter()
@@ -86,79 +90,68 @@ class Evaluator:
         """Every layout planned per rank (MILP) and timed; one World per (TP, CP) at a time.
 
         First every whole-model layout, and each pipeline layout's bounds (``cost.pipeline_bound``,
-        from the whole-model program); then the pipeline layouts in the order of their step bound
-        over every (TP, CP), so that one is traced only while its bound is under the fastest
-        planned step found so far, whichever degrees that step has. The first part runs its
-        (TP, CP) worlds in ``workers`` processes (``planner.search.workers``): they share nothing."""
+        from the whole-model program); then the pipeline layouts, each traced only while its step
+        bound is under the fastest planned step (``_screen_pipelines``). Both parts run their
+        (TP, CP) worlds in ``workers`` processes (``planner.search.workers.pull_map``): they share
+        nothing, and the result is one process's."""
         self.total = len(layouts)
         groups: dict[tuple[int, int], list[Layout]] = {}
         for t in layouts:
             groups.setdefault((t.tp, t.cp), []).append(t)
-        items = sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1]))
-        shards = balanced_shards(items, _world_cost, self.workers)
-        children = [Forked(self._screen_in_child, shard) for shard in shards[1:]]
+        items = sorted(groups.items(), key=lambda kv: (-_world_cost(kv), kv[0]))
         out: dict[Layout, Evaluation] = {}
         pending: dict[Layout, Any] = {}
-        try:
-            got = [self._screen_worlds(shards[0])] if shards else []  # its counts are in self already
-            for child, shard in zip(children, shards[1:]):
-                res = child.result()
-                if res is None:
-                    logger.warning("a screening worker failed; its worlds are screened here:\n%s", child.error)
-                    got.append(self._screen_worlds(shard))
-                    continue
-                got.append(res)
-                traced, trace_s, done = res[3:]
-                self.traced += traced
-                self.trace_s += trace_s
-                self.done += done
-        finally:
-            for child in children:
-                child.close()
-        for part_out, part_pending, full_ac, *_counts in got:
+        for ((part_out, part_pending, full_ac, done), *_), in_child in self._pull(self._screen_worlds, items):
             out.update(part_out)
             pending.update(part_pending)
             self.full_ac_results.update(full_ac)
-        self._speculate(out)
+            if in_child:
+                self.done += done
         self._screen_pipelines(pending, out)
         return [out[t] for t in layouts]
 
-    def _speculate(self, out: dict) -> None:
-        """With workers to spare, the fastest planned whole-model layout is verified in a forked
-        worker while the pipelines are screened (``verify`` takes its result where that layout is
-        still the one to verify, and ends the worker otherwise): the same verification, earlier."""
-        self._speculative = None
-        if self.workers < 2 or self.verify_all or self.verify_top < 1:
-            return
-        runs = sorted((e for e in out.values() if e.runs and e.layout.pp == 1), key=lambda e: (e.step_ms, e.layout))
-        if runs and runs[0].status is Status.PLANNED:
-            self._speculative = (runs[0].layout, Forked(self._verify_in_child, runs[0]))
+    def _pull(self, fn, items) -> list[tuple[Any, bool]]:
+        """``pull_map`` over the workers: each task returns ``(value, programs traced, trace
+        seconds)``; what a child traced is added to this process's counts."""
+        got = pull_map(fn, items, self.workers, child_setup=self._as_child, finish=self._close_world)
+        for (_value, traced, trace_s), in_child in got:
+            if in_child:
+                self.traced += traced
+                self.trace_s += trace_s
+        return got
 
-    def _verify_in_child(self, e: Evaluation) -> tuple:
-        traced, trace_s = self.traced, self.trace_s
-        got = self._verify_one(e)
-        got = replace(got, plans=tuple(replace(p, step_ref=None) for p in got.plans))  # a weak ref does not pickle
-        return got, self.traced - traced, self.trace_s - trace_s
-
-    def _screen_in_child(self, items) -> tuple:
+    def _as_child(self) -> None:
         self.progress_ticks = False  # the parent counts the layouts evaluated
-        return self._screen_worlds(items)
 
-    def _screen_worlds(self, items) -> tuple:
-        """The whole-model layouts and pipeline bounds of these (TP, CP) worlds: (evaluations,
-        pipeline bounds, FullAC evaluations, programs traced, trace seconds, layouts done)."""
+    def _world(self, tp: int, cp: int) -> World:
+        """The (TP, CP) world the pipeline tasks of this process run in: kept open while the next
+        task has the same degrees (``_close_world`` after the last)."""
+        if self._open is not None and (self._open.tp, self._open.cp) != (tp, cp):
+            self._close_world()
+        if self._open is None:
+            self._open = World(self.family, self.cluster, tp=tp, cp=cp, progress=self.progress,
+                               stage_cache=self.stage_cache).__enter__()
+        return self._open
+
+    def _close_world(self) -> None:
+        if self._open is not None:
+            world, self._open = self._open, None
+            world.__exit__(None, None, None)
+
+    def _screen_worlds(self, item) -> tuple:
+        """The whole-model layouts and pipeline bounds of one (TP, CP) world: ((evaluations,
+        pipeline bounds, FullAC evaluations, layouts done), programs traced, trace seconds)."""
         out: dict[Layout, Evaluation] = {}
         pending: dict[Layout, Any] = {}
         traced, trace_s, done = self.traced, self.trace_s, self.done
-        for (tp, cp), group in items:
-            if cp > 1:  # checked before a world is built: the stage step has no context
-                for t in (t for t in group if t.pp > 1):
-                    out[t] = Evaluation(layout=t, status=Status.NOT_EVALUATED, why=(
-                        "PP x CP is not planned: a pipeline stage's step runs no context (context_parallel)"))
-                    self._tick()
-                group = [t for t in group if t.pp == 1]
-            if not group:
-                continue
+        (tp, cp), group = item
+        if cp > 1:  # checked before a world is built: the stage step has no context
+            for t in (t for t in group if t.pp > 1):
+                out[t] = Evaluation(layout=t, status=Status.NOT_EVALUATED, why=(
+                    "PP x CP is not planned: a pipeline stage's step runs no context (context_parallel)"))
+                self._tick()
+            group = [t for t in group if t.pp == 1]
+        if group:
             with World(self.family, self.cluster, tp=tp, cp=cp, progress=self.progress,
                        stage_cache=self.stage_cache) as world:
                 pipes = PipelineCases(self, world)
@@ -175,31 +168,71 @@ class Evaluator:
                 self.traced += world.traced
                 self.trace_s += world.trace_s
         full_ac = {t: e for t, e in self.full_ac_results.items() if t in out}
-        return (out, pending, full_ac, self.traced - traced, self.trace_s - trace_s, self.done - done)
+        return (out, pending, full_ac, self.done - done), self.traced - traced, self.trace_s - trace_s
 
     def _screen_pipelines(self, pending: dict, out: dict) -> None:
-        """The pipeline layouts by their step bound, fastest first (see ``screen``)."""
-        world = pipes = None
-        try:
-            for t in sorted(pending, key=lambda t: (pending[t].step_ms, t)):
-                e = self._untraced(t, pending[t], out)
-                if e is None:
-                    if world is None or (world.tp, world.cp) != (t.tp, t.cp):
-                        self._close(world)
-                        world = World(self.family, self.cluster, tp=t.tp, cp=t.cp, progress=self.progress,
-                                  stage_cache=self.stage_cache).__enter__()
-                        pipes = PipelineCases(self, world)
-                    e = replace(pipes.evaluate(t), bound_ms=pending[t].step_ms, floor_bytes=pending[t].floor_bytes)
-                out[t] = e
-                self._tick()
-        finally:
-            self._close(world)
+        """The pipeline layouts, as one process screening them by their step bound, fastest first,
+        would: a layout is traced only while its bound is under the fastest step planned before it
+        (whichever degrees that has), else it is ``BOUNDED``.
 
-    def _close(self, world: World | None) -> None:
-        if world is not None:
-            world.__exit__(None, None, None)
-            self.traced += world.traced
-            self.trace_s += world.trace_s
+        Run by split in the workers (a split's stage traces serve all its layouts; a process keeps
+        its (TP, CP) world open for the next split of the same degrees), each split's layouts in
+        bound order against what its process planned so far; with workers to spare, the fastest
+        planned whole-model layout is verified beside them (``verify`` takes that result where the
+        layout is still the one to verify). A process knows no more than one process would at any
+        layout, so together they trace a superset of what one process would; the final pass below
+        keeps one process's verdict, layout by layout."""
+        order = sorted(pending, key=lambda t: (pending[t].step_ms, t))
+        self._pending, self._seen = pending, dict(out)
+        splits: dict[tuple, list[Layout]] = {}
+        for t in order:
+            if self._untraced(t, pending[t], out) is None:
+                splits.setdefault((t.tp, t.cp, t.pp, t.virtual_stages, t.split_backward, t.micro_batch), []).append(t)
+        tasks: list[tuple[str, Any]] = [("verify", e) for e in [self._speculation(out)] if e is not None]
+        tasks += sorted((("pipelines", layouts) for layouts in splits.values()),
+                        key=lambda task: (-task[1][0].tp, task[1][0].cp, -len(task[1]), task[1][0]))
+        planned: dict[Layout, Evaluation] = {}
+        self._speculated = None
+        for (kind, arg), (res, _in_child) in zip(tasks, self._pull(self._pipeline_task, tasks)):
+            if kind == "verify":
+                self._speculated = (arg.layout, res[0])
+            else:
+                planned.update(res[0])
+        for t in order:
+            e = self._untraced(t, pending[t], out)
+            out[t] = planned[t] if e is None else e
+            self._tick()
+
+    def _speculation(self, out: dict) -> Evaluation | None:
+        """The whole-model layout to verify beside the pipeline screening: the fastest planned one,
+        where there are workers to spare and it needs verifying."""
+        if self.workers < 2 or self.verify_all or self.verify_top < 1:
+            return None
+        runs = sorted((e for e in out.values() if e.runs and e.layout.pp == 1), key=lambda e: (e.step_ms, e.layout))
+        return runs[0] if runs and runs[0].status is Status.PLANNED else None
+
+    def _pipeline_task(self, task) -> tuple:
+        """("verify", evaluation) or ("pipelines", the layouts of one split in bound order):
+        (the verified evaluation or the layouts' evaluations, programs traced, trace seconds)."""
+        kind, arg = task
+        traced, trace_s = self.traced, self.trace_s
+        if kind == "verify":
+            self._close_world()  # one fake process group at a time
+            got = self._verify_one(arg)
+            value: Any = replace(got, plans=tuple(replace(p, step_ref=None) for p in got.plans))  # may cross a pipe
+        else:
+            world = self._world(arg[0].tp, arg[0].cp)
+            traced0, trace_s0 = world.traced, world.trace_s
+            pipes, value = PipelineCases(self, world), {}
+            for t in arg:
+                bound = self._pending[t]
+                e = self._untraced(t, bound, self._seen)
+                if e is None:
+                    e = replace(pipes.evaluate(t), bound_ms=bound.step_ms, floor_bytes=bound.floor_bytes)
+                self._seen[t] = value[t] = e
+            self.traced += world.traced - traced0
+            self.trace_s += world.trace_s - trace_s0
+        return value, self.traced - traced, self.trace_s - trace_s
 
     def _untraced(self, t: Layout, bound, out: dict) -> Evaluation | None:
         """Over budget or slower by its bound (not traced), or None: it must be planned."""
@@ -319,26 +352,17 @@ class Evaluator:
                     done[e.layout] = self._verify_one(e)
             return [done.get(e.layout, e) for e in evaluations]
         tried = 0
-        speculative = self._speculative
-        try:
-            while tried < self.verify_top:
-                ranked = sorted((done.get(e.layout, e) for e in evaluations if done.get(e.layout, e).runs),
-                                key=lambda e: (e.step_ms, e.layout))
-                if not ranked or ranked[0].status is Status.FITS:
-                    break
-                e = ranked[0]
-                got = None
-                if speculative is not None and speculative[0] == e.layout:
-                    res, speculative = speculative[1].result(), None
-                    if res is not None:
-                        got, traced, trace_s = res
-                        self.traced += traced
-                        self.trace_s += trace_s
-                done[e.layout] = got if got is not None else self._verify_one(e)
-                tried += 1
-        finally:
-            if speculative is not None:
-                speculative[1].close()
+        while tried < self.verify_top:
+            ranked = sorted((done.get(e.layout, e) for e in evaluations if done.get(e.layout, e).runs),
+                            key=lambda e: (e.step_ms, e.layout))
+            if not ranked or ranked[0].status is Status.FITS:
+                break
+            e = ranked[0]
+            if self._speculated is not None and self._speculated[0] == e.layout:
+                done[e.layout] = self._speculated[1]
+            else:
+                done[e.layout] = self._verify_one(e)
+            tried += 1
         return [done.get(e.layout, e) for e in evaluations]
 
     def _verify_one(self, e: Evaluation) -> Evaluation:
@@ -412,3 +436,5 @@ def _world_cost(item) -> float:
     layout, a bound per pipeline layout."""
     (_tp, _cp), group = item
     return 4.0 * len({t.micro_batch for t in group}) + sum(1.0 if t.pp == 1 else 0.2 for t in group)
+
+

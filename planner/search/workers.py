@@ -1,18 +1,22 @@
-"""Screening shards run in forked processes: the search's whole-model programs of different
-(TP, CP) degrees are independent, so on a machine with several cores they are traced and planned
-side by side (``SearchOptions.workers``). Each child computes its shard exactly as the parent
-would and sends back what it found; a child that fails is re-run here, so the result never
-depends on how the work was split."""
+"""Screening tasks run in forked processes: the search's programs of different (TP, CP) degrees
+are independent, so on a machine with several cores they are traced and planned side by side
+(``SearchOptions.workers``). This process and its children each take the next task none has taken
+(``pull_map``), so a long task does not leave the others idle; each child sends back what it
+computed, exactly as the parent would have, and a child that fails has its tasks re-run here, so
+the result never depends on how the work was split."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import time
 import traceback
 from typing import Any, Callable
 
-__all__ = ["Forked", "balanced_shards", "default_workers", "cpu_s"]
+__all__ = ["Forked", "pull_map", "default_workers", "cpu_s"]
+
+logger = logging.getLogger(__name__)
 
 
 def cpu_s() -> float:
@@ -69,18 +73,60 @@ def _run(fn: Callable[[Any], Any], arg: Any, send) -> None:
         send.close()
 
 
-def balanced_shards(items: list, cost: Callable[[Any], float], n: int) -> list[list]:
-    """``items`` in at most ``n`` shards of about equal total ``cost`` (largest first to the
-    lightest shard), each shard in the items' own order; empty shards dropped."""
-    n = max(1, min(n, len(items)))
-    load = [0.0] * n
-    where: dict[int, int] = {}
-    for i in sorted(range(len(items)), key=lambda i: -cost(items[i])):
-        k = min(range(n), key=load.__getitem__)
-        where[i] = k
-        load[k] += cost(items[i])
-    shards = [[x for i, x in enumerate(items) if where[i] == k] for k in range(n)]
-    return [s for s in shards if s]
+def pull_map(fn: Callable[[Any], Any], items: list, workers: int, *,
+             child_setup: Callable[[], None] | None = None,
+             finish: Callable[[], None] | None = None) -> list[tuple[Any, bool]]:
+    """``fn(item)`` for every item, by this process and up to ``workers - 1`` forked children, each
+    taking the next item none has taken (give the costliest first: the rest then even out). Returns
+    ``(fn(item), whether a child computed it)`` in the items' order: what a child computed it
+    counted in its own copy of the caller's state, which the caller adds. ``child_setup`` runs
+    first in each child, ``finish`` last in every process (e.g. to close what ``fn`` kept open
+    for the next item). A child that fails is logged and its items are computed here."""
+    n = len(items)
+    ctx = multiprocessing.get_context("fork")
+    taken = ctx.Value("i", 0)
+
+    def take() -> int | None:
+        with taken.get_lock():
+            i = taken.value
+            taken.value = i + 1
+        return i if i < n else None
+
+    def loop(in_child: bool) -> dict[int, Any]:
+        if in_child and child_setup is not None:
+            child_setup()
+        got = {}
+        try:
+            while (i := take()) is not None:
+                c0 = time.process_time()
+                got[i] = fn(items[i])
+                logger.debug("task %d of %d: %.1f s CPU in process %d", i, n, time.process_time() - c0, os.getpid())
+        finally:
+            if finish is not None:
+                finish()
+        return got
+
+    children = [Forked(loop, True) for _ in range(max(0, min(workers, n) - 1))]
+    try:
+        got = {i: (v, False) for i, v in loop(False).items()}
+        for child in children:
+            res = child.result()
+            if res is None:
+                logger.warning("a screening worker failed; its tasks are run here:\n%s", child.error)
+                continue
+            got.update({i: (v, True) for i, v in res.items()})
+    finally:
+        for child in children:
+            child.close()
+    missing = [i for i in range(n) if i not in got]
+    if missing:
+        try:
+            for i in missing:
+                got[i] = (fn(items[i]), False)
+        finally:
+            if finish is not None:
+                finish()
+    return [got[i] for i in range(n)]
 
 
 def default_workers() -> int:

@@ -3,6 +3,8 @@ distinct program is traced once, the table says what it left out and why."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -101,14 +103,15 @@ def test_screening_workers_give_the_result_of_one_process(caplog):
                       options=SearchOptions(space=space, workers=workers, bound=False))
 
     speculated = []
-    real = Evaluator._speculate
+    real = Evaluator._speculation
 
     def spy(self, out):
-        real(self, out)
-        speculated.append(self._speculative is not None)
+        got = real(self, out)
+        speculated.append(got is not None)
+        return got
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(Evaluator, "_speculate", spy)
+    mp.setattr(Evaluator, "_speculation", spy)
     try:
         one, two = run(1), run(2)
     finally:
@@ -118,11 +121,16 @@ def test_screening_workers_give_the_result_of_one_process(caplog):
     assert _rows(one) == _rows(two) and one.programs_traced == two.programs_traced
     assert one.table_text().split("\n")[2:] == two.table_text().split("\n")[2:]  # past the timing line
 
-    def broken(self, items):
-        raise RuntimeError("worker broke")
+    parent = os.getpid()
+    real_worlds = Evaluator._screen_worlds
+
+    def broken(self, item):
+        if os.getpid() != parent:
+            raise RuntimeError("worker broke")
+        return real_worlds(self, item)
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(Evaluator, "_screen_in_child", broken)
+    mp.setattr(Evaluator, "_screen_worlds", broken)
     try:
         again = run(2)
     finally:
@@ -131,13 +139,22 @@ def test_screening_workers_give_the_result_of_one_process(caplog):
     assert "a screening worker failed" in caplog.text and "worker broke" in caplog.text
 
 
-def test_balanced_shards_keep_order_and_split_the_work():
-    from planner.search.workers import balanced_shards
+@pytest.mark.multiproc
+def test_pull_map_runs_every_item_once_in_order_and_reruns_a_failed_childs():
+    from planner.search.workers import pull_map
 
-    shards = balanced_shards(list(range(6)), cost=lambda i: [5, 1, 1, 1, 1, 1][i], n=2)
-    assert shards == [[0], [1, 2, 3, 4, 5]]
-    assert balanced_shards([1, 2], cost=float, n=8) == [[2], [1]] or balanced_shards([1, 2], cost=float, n=8) == [[1], [2]]
-    assert balanced_shards([], cost=float, n=2) == []
+    got = pull_map(lambda x: (x * x, os.getpid()), list(range(9)), workers=3)
+    assert [v for (v, _pid), _child in got] == [x * x for x in range(9)]
+    assert all(child == (pid != os.getpid()) for (_v, pid), child in got)
+    parent = os.getpid()
+
+    def fails_in_a_child(x):
+        if os.getpid() != parent:
+            raise ValueError("no")
+        return -x
+
+    assert pull_map(fails_in_a_child, [1, 2, 3], workers=2) == [(-1, False), (-2, False), (-3, False)]
+    assert pull_map(str, [], workers=4) == []
 
 
 def _llama_16_layers(*, seq_len: int):
