@@ -70,6 +70,7 @@ def result_text(result, *, top: int = 20) -> str:
     lines += [units.row(result, i, e) for i, e in enumerate(ranked[:top], 1)]
     if len(ranked) > top:
         lines.append(f"{'':>4} ... {len(ranked) - top} more")
+    lines += _headroom(result)
     lines += ["", *_legend(result, units), "", *_left_out(result), "", *_published(result, units)]
     return "\n".join(lines)
 
@@ -95,6 +96,23 @@ def _legend(result, units: _Units) -> list[str]:
         "+ FSDP2 under PP by a rule, not traced: each pipeline rank planned holding its stages whole, its peak",
         "  shifted by + its parameter shard - the optimizer state other ranks hold (docs/search.md).",
     ] if any(_fsdp_under_pp(e.layout) for e in result.evaluations) else [])
+
+
+def _headroom(result) -> list[str]:
+    """A hint where the winner runs the largest micro-batch tried, accumulates, and keeps less than
+    half the budget: twice its micro-batch would likely fit and may be faster (fewer, larger
+    micro-batches expose less communication), but the search did not try it."""
+    win = result.winner
+    if win is None or win.layout.pp > 1 or win.layout.accumulation < 2 or not win.peak_bytes:
+        return []
+    largest = max(e.layout.micro_batch for e in result.evaluations)
+    usable = result.cluster.usable_bytes
+    if win.layout.micro_batch < largest or 2 * win.peak_bytes > usable:
+        return []
+    tried = sorted({e.layout.micro_batch for e in result.evaluations})
+    more = ",".join(map(str, [*tried, 2 * largest]))
+    return [f"{'':>4} the winner runs the largest micro-batch tried ({largest}) at {fmt_bytes(win.peak_bytes)} of "
+            f"{fmt_bytes(usable)}: a larger one may be faster; try --micro-batches {more} (SearchSpace.micro_batches)"]
 
 
 def _fsdp_under_pp(layout) -> bool:
