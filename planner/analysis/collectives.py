@@ -14,6 +14,15 @@ completion on copies no tracker sees, and hands back outputs allocated where the
 them. Values are those of the collective itself, bit for bit; only which thread holds what
 changes. Enter it inside the tracker, so the tracker sees the outputs' allocations.
 
+``torch.distributed``'s own collectives (the ``c10d`` ops, which return a ``Work``: FSDP2's
+all-gathers and reduce-scatters) are run the same way, with more at stake: gloo's reduce-scatter
+all-reduces a clone of its whole input and copies this rank's chunk out in ``wait()``; the clone
+is held by the all-reduce's work too, so once the caller drops its ``Work`` the worker thread
+frees it (a unit's unsharded gradients in size) when it loops round: now and then after the step
+has gone on to allocate more, and a reading on that rank counts it. Run on copies, the
+collective's own buffers are made and freed where no tracker counts them, as NCCL's are; the
+caller's tensors get the results.
+
 Some collectives never reach a dispatch mode: DTensor's own handlers run below them, and
 loss_parallel's log-softmax and NLL call ``funcol.all_reduce`` from Python there (each rank's
 per-token maxima and sums, (tokens, 1) float32). While the mode is on, that Python function is
@@ -28,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 __all__ = ["CallerHeldCollectives"]
 
@@ -43,6 +52,16 @@ of the namespace: ``wait_tensor``, ``_wrap_tensor_autograd`` (an alias of its in
 would be a second buffer the step never has), point-to-point sends and receives."""
 
 
+_C10D_COLLECTIVES = frozenset({
+    "allreduce_", "allreduce_coalesced_", "allgather_", "_allgather_base_", "allgather_coalesced_",
+    "allgather_into_tensor_coalesced_", "reduce_scatter_", "_reduce_scatter_base_",
+    "reduce_scatter_tensor_coalesced_", "broadcast_", "alltoall_", "alltoall_base_",
+})
+"""The ``c10d`` ops (``torch.distributed``'s collectives, which FSDP2 calls) that run a collective
+on the group's worker thread, their outputs in the first argument. Not point-to-point sends and
+receives (a pipeline's, whose ``Work`` the caller holds) nor barriers."""
+
+
 _PYTHON_LEVEL = ("all_reduce",)
 """``torch.distributed._functional_collectives`` functions wrapped while the mode is on (called
 below the dispatch modes by DTensor's handlers: loss_parallel's)."""
@@ -53,7 +72,8 @@ class CallerHeldCollectives(TorchDispatchMode):
     arguments; an in-place one writes its result back into its arguments, an out-of-place one
     returns tensors allocated through the modes below this one (the tracker's), filled from the
     collective's own outputs. ``wait_tensor`` on those finds no pending work and returns. The
-    functions of ``_PYTHON_LEVEL`` do the same wherever they are called from."""
+    ``c10d`` collectives of ``_C10D_COLLECTIVES`` run the same way and hand back a completed
+    ``Work``. The functions of ``_PYTHON_LEVEL`` do the same wherever they are called from."""
 
     def __enter__(self):
         import torch.distributed._functional_collectives as funcol
@@ -74,6 +94,8 @@ class CallerHeldCollectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func.namespace == "c10d" and func._opname in _C10D_COLLECTIVES:
+            return _c10d_caller_held(func, args, kwargs)
         if func.namespace != "_c10d_functional" or func._opname not in _COLLECTIVES:
             return func(*args, **kwargs)
         originals: dict[int, torch.Tensor] = {}
@@ -97,6 +119,25 @@ class CallerHeldCollectives(TorchDispatchMode):
             return orig
 
         return tree_map_only(torch.Tensor, caller_held, out)
+
+
+def _c10d_caller_held(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A ``c10d`` collective run to completion on untracked copies of its tensors (gloo's own
+    buffers for it made below no tracker either); its results then written into the caller's
+    output tensors (the schema's first argument) through the modes below, so the tracker sees a
+    write where it saw the collective. The ``Work`` handed back has completed: the caller's
+    ``wait()`` returns at once and runs nothing (gloo's reduce-scatter ``Work`` runs its copy-out
+    in ``wait()``: here it ran on the copies)."""
+    with _disable_current_modes():
+        copy_args, copy_kwargs = tree_map_only(torch.Tensor, torch.Tensor.clone, (args, kwargs))
+        out = func(*copy_args, **copy_kwargs)
+        (out[-1] if isinstance(out, tuple) else out).wait()
+    for copy, orig in zip(tree_flatten(copy_args[0])[0], tree_flatten(args[0])[0]):
+        orig.copy_(copy)
+    done = torch.futures.Future()
+    done.set_result(None)
+    work = torch._C._distributed_c10d._create_work_from_future(done).boxed()
+    return (args[0], work) if isinstance(out, tuple) else work
 
 
 def _caller_held_call(fn: Callable) -> Callable:

@@ -1,6 +1,7 @@
-"""CallerHeldCollectives on two gloo ranks: after a functional collective's wait, the tensors the
-caller drops are freed at once (gloo's worker thread holds none of them), and every collective
-gives the values it gives without the mode, bit for bit."""
+"""CallerHeldCollectives on two gloo ranks: after a collective's wait (a functional one, or
+``torch.distributed``'s own as FSDP2 calls them), the tensors the caller drops are freed at once
+(gloo's worker thread holds none of them), gloo's own buffers are not in a tracker's peak, and
+every collective gives the values it gives without the mode, bit for bit."""
 
 from __future__ import annotations
 
@@ -78,6 +79,59 @@ def _results() -> dict:
     }
 
 
+def _c10d_held_after_wait(rounds: int) -> int:
+    """How many of ``rounds`` asynchronous ``all_gather_single`` calls (FSDP2's all-gather)
+    left their output's storage referenced once the caller, its wait returned, let go of it."""
+    import torch.distributed as dist
+
+    held = 0
+    for _ in range(rounds):
+        x = torch.randn(4, 64, 64)
+        y = torch.empty(2 * 4, 64, 64)
+        dist.all_gather_single(y, x, async_op=True).wait()
+        storage = y.untyped_storage()
+        refs_with_y = torch._C._storage_Use_Count(storage._cdata)
+        del x, y
+        held += torch._C._storage_Use_Count(storage._cdata) >= refs_with_y
+    return held
+
+
+def _c10d_results() -> dict:
+    """``torch.distributed``'s collectives (the ``c10d`` ops), their outputs as lists."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6) * (rank + 1) / 7
+    gathered, scattered = torch.empty(4 * world, 6), torch.empty(4 // world, 6)
+    dist.all_gather_single(gathered, base, async_op=True).wait()
+    dist.reduce_scatter_single(scattered, base)
+    reduced, sent, to_all = base.clone(), base.clone() + rank, torch.empty(4, 6)
+    dist.all_reduce(reduced)
+    dist.broadcast(sent, src=1)
+    dist.all_to_all_single(to_all, base)
+    listed = [torch.empty(4, 6) for _ in range(world)]
+    dist.all_gather(listed, base)
+    return {"all_gather_single": gathered.tolist(), "reduce_scatter_single": scattered.tolist(),
+            "all_reduce": reduced.tolist(), "broadcast": sent.tolist(), "all_to_all_single": to_all.tolist(),
+            "all_gather": [t.tolist() for t in listed]}
+
+
+def _reduce_scatter_peak() -> tuple[int, int]:
+    """A reduce-scatter (FSDP2's, synchronous) measured as ``measure_run`` measures a step: the
+    tracker's peak, and the bytes of the caller's input and output."""
+    import torch.distributed as dist
+
+    from planner.analysis.measure import _memory_tracker, _tracking
+
+    mt, _ = _memory_tracker()
+    with _tracking(mt):
+        x = torch.randn(2 * 4096)
+        out = torch.empty(4096)
+        dist.reduce_scatter_single(out, x)
+        del x, out
+    return int(mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]), (2 * 4096 + 4096) * 4
+
+
 def _worker(rank: int, world: int, tmp: str) -> None:
     import torch.distributed as dist
 
@@ -88,7 +142,10 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     out = {"plain_values": _results(), "plain_held": _held_after_wait(ROUNDS)}
     out["plain_below_held"], out["plain_below_values"] = _reduced_held_below_modes(ROUNDS)
+    out["plain_c10d_values"], out["plain_c10d_held"] = _c10d_results(), _c10d_held_after_wait(ROUNDS)
+    out["rs_peak"], out["rs_caller_bytes"] = _reduce_scatter_peak()
     with CallerHeldCollectives():
+        out["mode_c10d_values"], out["mode_c10d_held"] = _c10d_results(), _c10d_held_after_wait(ROUNDS)
         out["mode_values"] = _results()
         out["mode_held"] = _held_after_wait(ROUNDS)
         out["mode_below_held"], out["mode_below_values"] = _reduced_held_below_modes(ROUNDS)
@@ -108,6 +165,12 @@ def test_collectives_free_what_the_caller_drops_and_keep_their_values(tmp_path):
         assert r["mode_values"] == r["plain_values"]
         assert r["mode_below_held"] == 0  # loss_parallel's all-reduces (funcol wrapped at the Python level)
         assert r["mode_below_values"] == r["plain_below_values"]
+        print(f"rank {rank}: all_gather_single output held by gloo after the wait in {r['plain_c10d_held']} "
+              f"of {ROUNDS} plain, {r['mode_c10d_held']} under CallerHeldCollectives; a reduce-scatter measured "
+              f"{r['rs_peak']} B, its caller's tensors {r['rs_caller_bytes']} B")
+        assert r["mode_c10d_held"] == 0
+        assert r["mode_c10d_values"] == r["plain_c10d_values"]
+        assert r["rs_peak"] == r["rs_caller_bytes"]  # gloo's clone of the input is not the caller's
 
 
 def test_ops_of_the_namespace_that_run_no_collective_pass_through():
