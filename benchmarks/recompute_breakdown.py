@@ -5,7 +5,8 @@
 For each family and plan of ``time_fidelity.py`` (same calibration, same benchmarked kernels), on
 one intra-op thread, by the thread's CPU time:
 
-* forward and backward of the step, unplanned and planned, interleaved rounds: the overhead split
+* forward and backward of the step, unplanned and planned, interleaved rounds, each timed step
+  right after an untimed one of the same variant (as ``time_fidelity.py``): the overhead split
   into what the forward adds (the checkpoint's entry, saved-tensor hooks, the policy's recording)
   and what the backward adds (the recompute and what wraps it);
 * inside the backward, each planned module's recompute timed whole (``StateKeeper``'s second
@@ -268,6 +269,7 @@ def main(argv=None) -> int:
                 for k in range(len(runs)):
                     v, m, opt = runs[(r + k) % len(runs)]
                     probe.mode = "off"
+                    _fw_bw(m, step, opt)  # settles: the timed step follows one of its own (time_fidelity)
                     f, b = _fw_bw(m, step, opt)
                     fw[v.name].append(f)
                     bw[v.name].append(b)

@@ -1,7 +1,7 @@
 """Time fidelity on this CPU: each plan's recompute overhead, predicted beside measured.
 
     python benchmarks/time_fidelity.py                          # 3 families, a few minutes idle
-    python benchmarks/time_fidelity.py --families gpt --rounds 11
+    python benchmarks/time_fidelity.py --families hf_llama --rounds 11
 
 Run on an idle machine for figures to publish; it prints the load average beside every figure.
 
@@ -17,11 +17,19 @@ intra-op thread:
    0.8 and 0.6 of the way from it to the no-AC peak) and at full AC's peak, and build full AC
    (every block plainly checkpointed);
 3. train the unplanned model, the three plans and full AC, AdamW, round-robin: each round runs one
-   step of each, in a rotating order, after warm-up steps. Every step is timed by the wall clock
-   and by its thread's CPU time (``time.thread_time``). glibc's malloc is told to keep freed
+   timed step of each, in a rotating order, after warm-up steps; each timed step comes right
+   after an untimed step of the same variant, as in a training loop (a step straight after
+   another variant's inherits that variant's heap and caches, and in a rotating order a variant
+   follows the same other one in most rounds: a bias, not noise). Garbage is collected before
+   every step, outside the timed region. Every step is timed by the wall clock and by its
+   thread's CPU time (``time.thread_time``). glibc's malloc is told to keep freed
    memory (as CUDA's caching allocator does): otherwise a step re-faults pages the step before
    handed back, by amounts that depend on which variant ran before it in the shared heap, and
    the runtime model does not price page faults.
+
+The median over 21 rounds (the default): a step varies by several per cent from round to round
+even idle, so a paired difference spreads over 10-20 ms, and the 3 ms floor below is what a small
+plan (a few calls, 15-25 ms) is held to.
 
 Printed per variant: the measured step (median over rounds, and the spread min..max), the
 predicted step (no-AC step + the plan's recompute), the measured overhead (the median over rounds
@@ -156,9 +164,13 @@ class Sample:
 
 
 def time_variants(model: torch.nn.Module, step: TrainStep, variants: list[Variant], rounds: int,
-                  warmup: int = 2) -> dict[str, list[Sample]]:
+                  warmup: int = 2, settle: int = 1) -> dict[str, list[Sample]]:
     """Each variant's steps, ``rounds`` of them, round-robin in a rotating order (a model copy and
-    an AdamW each; ``warmup`` untimed steps first)."""
+    an AdamW each; ``warmup`` untimed steps first). Each timed step comes right after ``settle``
+    untimed steps of the same variant, as a training loop runs one step after another of the same
+    model: a step run straight after another variant's inherits that variant's heap and caches,
+    and in a rotating order each variant follows the same other one in most rounds, so what it
+    inherits biases its figure instead of averaging out."""
     runs = []
     for v in variants:
         m = copy.deepcopy(model)
@@ -181,6 +193,8 @@ def time_variants(model: torch.nn.Module, step: TrainStep, variants: list[Varian
     for r in range(rounds):
         for k in range(len(runs)):
             name, m, opt = runs[(r + k) % len(runs)]
+            for _ in range(settle):
+                one(m, opt)
             samples[name].append(one(m, opt))
     return samples
 
@@ -288,7 +302,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES),
                    help="families to run (default all)")
-    p.add_argument("--rounds", type=int, default=11, help="timed rounds of every variant (default 11)")
+    p.add_argument("--rounds", type=int, default=21, help="timed rounds of every variant (default 21)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")

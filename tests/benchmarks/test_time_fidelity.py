@@ -50,6 +50,26 @@ def test_pass_needs_every_overhead_within_tolerance_and_the_plan_faster_than_ful
     assert ok and "the same plan as full AC" in line  # the same plan cannot be faster than itself
 
 
+def test_each_timed_step_follows_an_untimed_step_of_its_own_variant(monkeypatch):
+    """A timed step never follows another variant's step: it would inherit that variant's heap and
+    caches, and in a rotating order mostly the same variant's (a bias per variant)."""
+    import types
+
+    import torch
+
+    ran: list[int] = []  # the model copy of every step, in the order run
+    monkeypatch.setattr(tf, "run_step", lambda m, *a, **k: ran.append(id(m)))
+    # A clock that reads len(ran) ** 2 s: a sample of (2n + 1) * 1000 ms timed the n-th step run.
+    monkeypatch.setattr(tf.time, "thread_time", lambda: len(ran) ** 2)
+    variants = [tf.Variant(name=n, plan=None, predicted_recompute_ms=0.0, predicted_step_ms=1.0,
+                           predicted_peak_bytes=1) for n in ("a", "b", "c")]
+    step = types.SimpleNamespace(inputs=None, loss_fn=None)
+    samples = tf.time_variants(torch.nn.Linear(2, 2), step, variants, rounds=4, warmup=1)
+    timed = sorted(round((s.cpu_ms / 1000 - 1) / 2) for ss in samples.values() for s in ss)
+    assert all(len(s) == 4 for s in samples.values()) and len(ran) == 3 + 2 * 12 and len(timed) == 12
+    assert all(ran[n - 1] == ran[n] and n - 1 not in timed for n in timed)
+
+
 def _rows_and(samples, pred_at: float, pred_full: float, at: Plan = SELECTIVE):
     return tf.rows_of(_variants(at, pred_at, pred_full), samples), samples
 
