@@ -55,8 +55,8 @@ class SearchOptions:
     progress: bool = False
     """Progress lines on stderr (candidates evaluated / total, programs traced)."""
     workers: int | None = None
-    """Processes that screen the whole-model layouts of different (TP, CP) side by side (forked;
-    the result does not depend on it). None: one per core, at most 4; 1: this process alone."""
+    """Processes that screen layouts of different (TP, CP), and pipeline splits, side by side
+    (forked; the result does not depend on it). None: one per core, at most 4; 1: this process alone."""
 
     def __post_init__(self) -> None:
         if isinstance(self.verify_top, bool) or not isinstance(self.verify_top, int) or self.verify_top < 0:
