@@ -436,5 +436,3 @@ def _world_cost(item) -> float:
     layout, a bound per pipeline layout."""
     (_tp, _cp), group = item
     return 4.0 * len({t.micro_batch for t in group}) + sum(1.0 if t.pp == 1 else 0.2 for t in group)
-
-
