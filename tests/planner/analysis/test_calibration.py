@@ -30,7 +30,7 @@ def test_a_calibrated_spec_plans_and_reports_what_it_measured(one_intra_op_threa
     planner's own checkpoints, and it is accepted wherever a device name is."""
     from planner.options import PlanOptions
 
-    cal = calibrate_device("cpu", rounds=3)
+    cal = calibrate_device("cpu", rounds=1)
     spec = cal.spec
     assert spec.name == "cpu-calibrated" and 0 < spec.compute_efficiency <= 1 and spec.kernel_launch_ms > 0
     assert cal.checkpoint is not None and cal.checkpoint.clock == "thread"

@@ -4,6 +4,7 @@ torchtitan's DeepSeek-V3 at its own dimensions planned per rank in seconds of CP
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -36,13 +37,20 @@ def _plan_rank(dims, world: int, ep: int, rank: int, budget_gib: float, options:
         return result, time.thread_time() - cpu, time.perf_counter() - wall
 
 
-def test_one_plan_for_every_rank_each_rank_its_own_peak():
+@functools.lru_cache(maxsize=None)
+def _tiny_rank(rank: int, verify: bool = True):
+    """Rank ``rank`` of TINY on EP 2, loads (1.5, 0.5), at 15.5 MB: planned once for the module
+    (rank 1's verified plan is both tests' own)."""
     from examples.expert_parallel import TINY
 
     load = ExpertLoad(capacity_factor=(1.5, 0.5))
-    options = PlanOptions(reserve_gib=0, expert_load=load)
-    (hot, _, _), (cold, _, _) = (_plan_rank(TINY, 2, 2, r, 15_500_000 / GiB, options, seq_len=64, batch=4)
-                                 for r in (0, 1))
+    result, _, _ = _plan_rank(TINY, 2, 2, rank, 15_500_000 / GiB,
+                              PlanOptions(reserve_gib=0, expert_load=load, verify=verify), seq_len=64, batch=4)
+    return result
+
+
+def test_one_plan_for_every_rank_each_rank_its_own_peak():
+    hot, cold = _tiny_rank(0), _tiny_rank(1)
     print(hot.summary(), cold.summary(), sep="\n")
     assert plan_hash(hot.plan) == plan_hash(cold.plan) and hot.plan.checkpointed
     assert hot.planned_capacity_factor == cold.planned_capacity_factor == 1.5
@@ -54,13 +62,7 @@ def test_one_plan_for_every_rank_each_rank_its_own_peak():
 
 
 def test_without_verification_the_figures_are_the_milp_s():
-    from examples.expert_parallel import TINY
-
-    load = ExpertLoad(capacity_factor=(1.5, 0.5))
-    traced, _, _ = _plan_rank(TINY, 2, 2, 1, 15_500_000 / GiB, PlanOptions(reserve_gib=0, expert_load=load),
-                              seq_len=64, batch=4)
-    milp, _, _ = _plan_rank(TINY, 2, 2, 1, 15_500_000 / GiB,
-                            PlanOptions(reserve_gib=0, expert_load=load, verify=False), seq_len=64, batch=4)
+    traced, milp = _tiny_rank(1), _tiny_rank(1, verify=False)
     print(f"rank 1 at 0.5: traced {traced.peak_bytes:,} MILP {milp.peak_bytes:,}; worst traced "
           f"{traced.worst_case_peak_bytes:,} MILP {milp.worst_case_peak_bytes:,}")
     assert abs(milp.peak_bytes - traced.peak_bytes) <= 0.02 * traced.peak_bytes
