@@ -1,4 +1,4 @@
-"""Byte counts as people read and type them: the one place tables, messages and plot axes choose a
+"""Byte counts and durations as people read and type them: the one place tables, messages and plot axes choose a
 unit, and where a number of GiB a user typed is checked."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 from planner.errors import PlanningError
 
-__all__ = ["GiB", "byte_unit", "fmt_bytes", "check_budget_gib"]
+__all__ = ["GiB", "byte_unit", "fmt_bytes", "fmt_ms", "check_budget_gib"]
 
 GiB = 2**30
 _PIB_IN_GIB = 2**20
@@ -35,6 +35,15 @@ def fmt_bytes(n: float, digits: int = 2) -> str:
     """
     div, unit = byte_unit(n)
     return f"{int(n)} B" if div == 1 else f"{n / div:.{digits}f} {unit}"
+
+
+def fmt_ms(ms: float) -> str:
+    """A duration in seconds from 1 s up, else in ms.
+
+    >>> fmt_ms(103_100.0), fmt_ms(44.7), fmt_ms(1500)
+    ('103.10 s', '44.7 ms', '1.50 s')
+    """
+    return f"{ms / 1000:,.2f} s" if abs(ms) >= 1000 else f"{ms:,.1f} ms"
 
 
 def check_budget_gib(budget_gib: Any, name: str = "budget_gib", hint: str = "") -> float:

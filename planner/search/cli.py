@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedules", default="1F1B,Interleaved1F1B,InterleavedZeroBubble",
                    help="pipeline schedules (torchtitan's names; default 1F1B,Interleaved1F1B,InterleavedZeroBubble)")
     p.add_argument("--micro-batches", type=_ints, default=(1, 2), help="sequences per forward to try (default 1,2)")
+    p.add_argument("--no-bound", action="store_true",
+                   help="plan every layout, also those a lower bound of their step proves slower than one planned "
+                        "(a longer search; the table then ranks them all)")
     p.add_argument("--no-hsdp", action="store_true", help="shard over every data-parallel rank (no HSDP)")
     p.add_argument("--verify-top", type=int, default=3,
                    help="trace at most this many of the fastest planned layouts with their plans (default 3)")
@@ -87,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         space = SearchSpace(tp=args.tp, cp=args.cp, pp=args.pp, schedules=tuple(args.schedules.split(",")),
                             micro_batches=args.micro_batches, hsdp=not args.no_hsdp)
         options = SearchOptions(space=space, verify_top=args.verify_top, progress=not args.quiet,
-                                workers=args.workers)
+                                workers=args.workers, bound=not args.no_bound)
         result = search(_factory(args.model), cluster, global_batch=args.global_batch, seq_len=args.seq_len,
                         options=options)
     except (PlanningError, ValueError) as e:

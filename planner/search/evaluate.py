@@ -19,6 +19,7 @@ per-rank peak is what the table reports. Only a verified candidate is said to fi
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -27,7 +28,7 @@ from typing import Any
 from estimators.tracing.steady_state import first_step_module_info
 from planner.distributed.fsdp import fsdp_module_info
 from planner.errors import PlanningError
-from planner.format import fmt_bytes
+from planner.format import fmt_bytes, fmt_ms
 from planner.planning.candidates import allowed_units
 from planner.search.cost import model_step_time, unit_comms
 from planner.search.layouts import Cluster, Layout
@@ -79,6 +80,8 @@ class Evaluator:
         self._pending: dict[Layout, Any] = {}
         self._seen: dict[Layout, Evaluation] = {}
         """The pipeline screening's bounds, and what this process has evaluated (``_pipeline_task``)."""
+        self._best_model: Any = None
+        """The fastest whole-model step planned so far by any screening process (a shared double)."""
         self.stage_cache: dict = {}
         """Stage traces and rank planners, kept across the search's Worlds (``World.trace_stages``)."""
         self.t0 = time.perf_counter()
@@ -101,12 +104,14 @@ class Evaluator:
         items = sorted(groups.items(), key=lambda kv: (-_world_cost(kv), kv[0]))
         out: dict[Layout, Evaluation] = {}
         pending: dict[Layout, Any] = {}
+        self._best_model = multiprocessing.get_context("fork").Value("d", float("inf"))
         for ((part_out, part_pending, full_ac, done), *_), in_child in self._pull(self._screen_worlds, items):
             out.update(part_out)
             pending.update(part_pending)
             self.full_ac_results.update(full_ac)
             if in_child:
                 self.done += done
+        self._settle_models(out)
         self._screen_pipelines(pending, out)
         return [out[t] for t in layouts]
 
@@ -156,8 +161,10 @@ class Evaluator:
                        stage_cache=self.stage_cache) as world:
                 pipes = PipelineCases(self, world)
                 refusal = pp_tp_refusal(world) if tp > 1 and any(t.pp > 1 for t in group) else ""
-                for t in sorted((t for t in group if t.pp == 1), key=lambda t: (t.micro_batch, -t.dp_shard)):
-                    out[t] = self._model_candidate(world, t)
+                models = sorted((t for t in group if t.pp == 1), key=lambda t: (t.micro_batch, -t.dp_shard))
+                bounds = {t: self._model_bound(world, t) for t in models}
+                for t in sorted(models, key=lambda t: (bounds[t].step_ms, t)):
+                    out[t] = self._model_candidate(world, t, bounds[t])
                     self._tick()
                 for t in (t for t in group if t.pp > 1):
                     if refusal:
@@ -247,8 +254,8 @@ class Evaluator:
         if self.bound and bound.step_ms >= best:
             return Evaluation(layout=t, status=Status.BOUNDED, bound_ms=bound.step_ms, floor_bytes=bound.floor_bytes, why=(
                 f"a lower bound of its step (its schedule's compute and the recompute its micro-batches in flight "
-                f"force, no communication) is {bound.step_ms:,.4g} ms, over the fastest planned layout's "
-                f"{best:,.4g} ms; not traced"))
+                f"force, no communication) is {fmt_ms(bound.step_ms)}, over the fastest planned layout's "
+                f"{fmt_ms(best)}; not traced"))
         return None
 
     def _tick(self) -> None:
@@ -264,23 +271,68 @@ class Evaluator:
             cache[key] = _ModelCase(info=info, first_info=first_step_module_info(info))
         return cache[key]
 
-    def _model_candidate(self, world: World, t: Layout) -> Evaluation:
+    def _model_bound(self, world: World, t: Layout):
+        """``t``'s step with nothing recomputed (its program traced, no plan): a lower bound of its
+        step under any plan, as recompute only adds to a segment of the step's fixed-order timeline."""
+        est = world.trace_model(micro_batch=t.micro_batch, accumulation=t.accumulation)
+        case = self._case(world, est, t.fsdp_size, world.cache)
+        return model_step_time(est, case.info, {}, self._comm(case, world, t), accumulation=t.accumulation)
+
+    def _model_candidate(self, world: World, t: Layout, bound) -> Evaluation:
+        """``t`` planned at the usable budget, or ``BOUNDED`` without its MILP where it needs one and
+        ``bound`` (``_model_bound``) is over the fastest whole-model step planned so far."""
         est = world.trace_model(micro_batch=t.micro_batch, accumulation=t.accumulation)
         w = t.fsdp_size
         case = self._case(world, est, w, world.cache)
-        if case.outcome is None:
-            case.outcome = self._plan_points(case, world.units, w)
-        discards, peak, floor, why = case.outcome
         program = f"TP {t.tp} x CP {t.cp}, micro-batch {t.micro_batch} ({len(est.trace.ops):,} ops traced)"
         comm = self._comm(case, world, t)
         if t in self.full_ac:
             self.full_ac_results[t] = self._full_ac(est, case, comm, t, program)
+        if case.outcome is None:
+            unplanned = self._peak(case, {}, w)
+            if unplanned <= self.cluster.usable_bytes:
+                case.outcome = ({}, unplanned, None, "")
+            elif self.bound and t not in self.full_ac and bound.step_ms > self._best_model.value:
+                return self._bounded_model(t, bound.step_ms, self._best_model.value, program)
+            else:
+                case.outcome = self._plan_points(case, world.units, w)
+        discards, peak, floor, why = case.outcome
         if peak is None:
             return Evaluation(layout=t, status=Status.OVER, peak_bytes=floor, binding="every rank",
-                              why=why, program=program)
-        st = model_step_time(est, case.info, discards, comm, accumulation=t.accumulation)
+                              why=why, program=program, bound_ms=bound.step_ms)
+        st = bound if not discards else model_step_time(est, case.info, discards, comm, accumulation=t.accumulation)
+        with self._best_model.get_lock():
+            self._best_model.value = min(self._best_model.value, st.step_ms)
         return Evaluation(layout=t, status=Status.FITS if not discards else Status.PLANNED, peak_bytes=peak,
-                          binding="every rank", checkpointed=len(discards), time=st, program=program)
+                          binding="every rank", checkpointed=len(discards), time=st, program=program,
+                          bound_ms=bound.step_ms)
+
+    @staticmethod
+    def _bounded_model(t: Layout, bound_ms: float, best_ms: float, program: str) -> Evaluation:
+        return Evaluation(layout=t, status=Status.BOUNDED, bound_ms=bound_ms, program=program, why=(
+            f"a lower bound of its step (its traced compute and exposed communication, nothing recomputed) is "
+            f"{fmt_ms(bound_ms)}, over the fastest planned layout's {fmt_ms(best_ms)}; not planned"))
+
+    def _settle_models(self, out: dict) -> None:
+        """The whole-model verdicts one process would reach screening them by bound, fastest first:
+        a layout that needs a plan is ``BOUNDED`` where its bound is over the fastest step planned
+        before it. A process bounds a layout only where a planned one's step (at least that one's
+        bound, so earlier in this order) is under its bound, so each one bounded there is bounded
+        here, and every other one here was planned there: the result does not depend on the split."""
+        if not self.bound:
+            return
+        best = float("inf")
+        models = [t for t, e in out.items() if t.pp == 1 and e.bound_ms is not None]
+        for t in sorted(models, key=lambda t: (out[t].bound_ms, t)):
+            e = out[t]
+            needs_plan = not (e.status is Status.FITS and e.checkpointed == 0)
+            if needs_plan and t not in self.full_ac and e.bound_ms > best:
+                out[t] = self._bounded_model(t, e.bound_ms, best, e.program)
+            elif e.status is Status.BOUNDED:
+                raise RuntimeError(f"search: {t.describe()} was bounded by a screening process but not by the "
+                                   "one-process order; this is a bug, please report it")
+            elif e.runs:
+                best = min(best, e.step_ms)
 
     def _comm(self, case: _ModelCase, world: World, t: Layout):
         w = t.fsdp_size
@@ -292,25 +344,22 @@ class Evaluator:
         from planner.planning.baselines import find_blocks
 
         discards = {b: case.info.stats(b).sac_memory_bytes for b in find_blocks(case.info)}
-        w = t.fsdp_size
-        peak = max(predict_peak_bytes(case.first_info, discards, world_size=w),
-                   predict_peak_bytes(case.info, discards, world_size=w))
+        peak = self._peak(case, discards, t.fsdp_size)
         st = model_step_time(est, case.info, discards, comm, accumulation=t.accumulation)
         status = Status.PLANNED if peak <= self.cluster.usable_bytes else Status.OVER
         return Evaluation(layout=t, status=status, peak_bytes=peak, binding="every rank",
                           checkpointed=len(discards), time=st, program=program + ", every block checkpointed")
 
+    @staticmethod
+    def _peak(case: _ModelCase, discards, w: int) -> int:
+        """The per-rank peak with these discards, first step and steady state (FSDP rules applied)."""
+        return max(predict_peak_bytes(case.first_info, discards, world_size=w),
+                   predict_peak_bytes(case.info, discards, world_size=w))
+
     def _plan_points(self, case: _ModelCase, units, w: int):
-        """(discards, per-rank peak, floor, why) of the MILP's plan at the usable budget. A
-        step that fits unplanned needs no plan: its peak is the trace's, sharded by the FSDP rules."""
+        """(discards, per-rank peak, floor, why) of the MILP's plan at the usable budget, for a
+        step that does not fit unplanned."""
         usable = self.cluster.usable_bytes
-
-        def peak_of(d):
-            return max(predict_peak_bytes(case.first_info, d, world_size=w), predict_peak_bytes(case.info, d, world_size=w))
-
-        unplanned = peak_of({})
-        if unplanned <= usable:
-            return {}, unplanned, None, ""
         allowed, _ = allowed_units(case.info, self.ac_units)
         case.milp = SACMilp(case.info, world_size=w, ac_units=allowed, fsdp_units=units, options=self.solver)
         target = usable
@@ -319,7 +368,7 @@ class Evaluator:
                 res = case.milp.solve(target)
             except InfeasibleBudgetError as e:
                 return None, None, e.min_reachable_peak_bytes, self._floor_text(case, w, e.min_reachable_peak_bytes)
-            peak = peak_of(res.discarded_bytes)
+            peak = self._peak(case, res.discarded_bytes, w)
             if peak <= usable:
                 return dict(res.discarded_bytes), peak, None, ""
             target -= peak - usable  # the first step binds: ask the steady state for less

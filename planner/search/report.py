@@ -61,7 +61,8 @@ def result_text(result, *, top: int = 20) -> str:
         f"(usable {fmt_bytes(c.usable_bytes)} per GPU after the reserve)",
         f"{result.enumerated.raw_count} layouts enumerated, {len(result.enumerated.rejected)} rejected before "
         f"planning, {len(result.evaluations)} evaluated ({len(ranked)} run under the budget, "
-        f"{sum(e.status is Status.FITS for e in ranked)} verified); {result.programs_traced} per-rank programs "
+        f"{sum(e.status is Status.FITS for e in ranked)} verified, {_bounded(result)} proven slower than the "
+        f"fastest by a lower bound of their step and not ranked); {result.programs_traced} per-rank programs "
         f"traced in {result.trace_s:.1f} s; search {result.wall_s:.1f} s wall, {result.cpu_s:.1f} s CPU "
         f"(load average {', '.join(f'{x:.1f}' for x in result.load_average)})",
         "",
@@ -73,6 +74,10 @@ def result_text(result, *, top: int = 20) -> str:
     lines += _headroom(result)
     lines += ["", *_legend(result, units), "", *_left_out(result), "", *_published(result, units)]
     return "\n".join(lines)
+
+
+def _bounded(result) -> int:
+    return sum(e.status is Status.BOUNDED for e in result.evaluations)
 
 
 def _legend(result, units: _Units) -> list[str]:

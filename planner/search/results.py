@@ -19,7 +19,8 @@ class Status(str, enum.Enum):
     OVER = "over budget"
     """No plan reaches the budget on some rank."""
     BOUNDED = "bounded"
-    """Not planned: a lower bound of its step time is over the fastest planned layout's."""
+    """Not planned (a pipeline layout: not traced either): a lower bound of its step time is over
+    the fastest planned layout's."""
     NOT_EVALUATED = "not evaluated"
     """A layout the planner cannot plan yet (the reason says which capability is missing)."""
 
@@ -43,7 +44,8 @@ class Evaluation:
     why: str = ""
     """Over budget or not evaluated: which rank, what fills it / what is missing."""
     bound_ms: float | None = None
-    """Pipeline layouts: the lower bound of the step computed before tracing (``cost.pipeline_bound``)."""
+    """The lower bound of the step the screening ranked it by: a pipeline layout's before tracing
+    (``cost.pipeline_bound``), a whole-model layout's before its MILP (its step, nothing recomputed)."""
     floor_bytes: int | None = None
     """Pipeline layouts: the lower bound of the largest rank's peak computed before tracing."""
     program: str = ""

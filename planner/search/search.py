@@ -47,8 +47,11 @@ class SearchOptions:
     verify_all: bool = False
     """Trace every planned layout with its plan (every one that fits is then called so)."""
     bound: bool = True
-    """Skip planning a pipeline layout whose makespan with no recompute and no communication
-    (from the whole-model program's layer times) is over the fastest planned step."""
+    """Skip planning a layout that is proven slower than one planned before it: a whole-model
+    layout that needs a MILP whose step with nothing recomputed is over the fastest planned step,
+    a pipeline layout (not traced either) whose makespan with no recompute and no communication
+    (from the whole-model program's layer times) is. The winner is the same; False plans every
+    layout, and the table ranks them all."""
     published: bool = True
     """Also place the published configurations (torchtitan's recipes, the Llama 3 paper's layout)."""
     solver: SolverOptions = field(default_factory=SolverOptions)
