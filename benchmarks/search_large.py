@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print()
     print(f"candidates evaluated {evaluated:>6}: {planned} planned per rank (fits, planned or over), {bounded} proven "
-          f"slower than a planned one by a lower bound of their step (not traced)   target >= 100   "
+          f"slower than a planned one by a lower bound of their step (not planned)   target >= 100   "
           f"{'PASS' if evaluated >= 100 else 'FAIL'}")
     print(f"search, imports included: wall {wall:6.1f} s, CPU {cpu:6.1f} s (imports {imports_s:.1f} s CPU)   "
           f"target <= {target_s:.0f} s wall on an idle machine: {'PASS' if wall <= target_s else 'FAIL'} "
