@@ -34,3 +34,24 @@ def test_bad_input_is_one_error_line(bad, says, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and says in err[0]
+
+
+def test_no_bound_plans_every_layout(monkeypatch):
+    import importlib
+
+    search_module = importlib.import_module("planner.search.search")  # the package's `search` is the function
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_search(model_fn, cluster, *, global_batch, seq_len, options):
+        seen.append(options.bound)
+        raise Stop
+
+    monkeypatch.setattr(search_module, "search", fake_search)  # the CLI imports it when it runs
+    for extra, bound in (([], True), (["--no-bound"], False)):
+        with pytest.raises(Stop):
+            main([*ARGS, *extra])
+    assert seen == [True, False]
