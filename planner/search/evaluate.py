@@ -9,7 +9,9 @@ trace per distinct per-rank program (``planner.search.programs``).
 applied by numbers (``planner.distributed.fsdp.fsdp_module_info``: the FSDP rules on the traced
 points) and its plan is the MILP's at the usable budget, the figure ``solve_sac`` reports per rank
 without tracing (``verify=False``); a step that fits without a plan needs none (its per-rank peak
-is the trace's). Pipeline ranks are planned over their schedule (``RankPlanner``).
+is the trace's). Whole-model layouts go fastest bound first (their step with nothing recomputed),
+and one whose bound is over the fastest step planned so far is ``BOUNDED`` without its MILP
+(``_settle_models``). Pipeline ranks are planned over their schedule (``RankPlanner``).
 
 **Verification** (the ``verify_top`` best of screening, and every candidate the table would call
 "fits"): the plan is made as ``solve_sac`` makes it, traced with the plan applied, and its traced
