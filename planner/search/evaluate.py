@@ -165,8 +165,8 @@ class Evaluator:
                 refusal = pp_tp_refusal(world) if tp > 1 and any(t.pp > 1 for t in group) else ""
                 models = sorted((t for t in group if t.pp == 1), key=lambda t: (t.micro_batch, -t.dp_shard))
                 bounds = {t: self._model_bound(world, t) for t in models}
-                for t in sorted(models, key=lambda t: (bounds[t].step_ms, t)):
-                    out[t] = self._model_candidate(world, t, bounds[t])
+                for t in sorted(models, key=lambda t: (bounds[t][1].step_ms, t)):
+                    out[t] = self._model_candidate(world, t, *bounds[t])
                     self._tick()
                 for t in (t for t in group if t.pp > 1):
                     if refusal:
@@ -273,21 +273,22 @@ class Evaluator:
             cache[key] = _ModelCase(info=info, first_info=first_step_module_info(info))
         return cache[key]
 
-    def _model_bound(self, world: World, t: Layout):
-        """``t``'s step with nothing recomputed (its program traced, no plan): a lower bound of its
-        step under any plan, as recompute only adds to a segment of the step's fixed-order timeline."""
+    def _model_bound(self, world: World, t: Layout) -> tuple:
+        """(FSDP2's unit collectives, ``t``'s step with nothing recomputed): its program traced, no
+        plan; a lower bound of its step under any plan, as recompute only adds to a segment of the
+        step's fixed-order timeline."""
         est = world.trace_model(micro_batch=t.micro_batch, accumulation=t.accumulation)
         case = self._case(world, est, t.fsdp_size, world.cache)
-        return model_step_time(est, case.info, {}, self._comm(case, world, t), accumulation=t.accumulation)
+        comm = self._comm(case, world, t)
+        return comm, model_step_time(est, case.info, {}, comm, accumulation=t.accumulation)
 
-    def _model_candidate(self, world: World, t: Layout, bound) -> Evaluation:
+    def _model_candidate(self, world: World, t: Layout, comm, bound) -> Evaluation:
         """``t`` planned at the usable budget, or ``BOUNDED`` without its MILP where it needs one and
         ``bound`` (``_model_bound``) is over the fastest whole-model step planned so far."""
         est = world.trace_model(micro_batch=t.micro_batch, accumulation=t.accumulation)
         w = t.fsdp_size
         case = self._case(world, est, w, world.cache)
         program = f"TP {t.tp} x CP {t.cp}, micro-batch {t.micro_batch} ({len(est.trace.ops):,} ops traced)"
-        comm = self._comm(case, world, t)
         if t in self.full_ac:
             self.full_ac_results[t] = self._full_ac(est, case, comm, t, program)
         if case.outcome is None:
