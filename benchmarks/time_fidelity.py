@@ -10,8 +10,10 @@ intra-op thread:
 
 1. calibrate the ``cpu`` spec here (``planner.analysis.calibration.calibrate_device``: the
    roofline's figures and the checkpoint's host costs: per call, per submodule a call, per
-   re-run op, per op a selective policy sees), trace the step with every kernel timed here
-   (``RuntimeKind.BENCHMARK``, thread CPU time; no kernel priced below its bytes at the
+   re-run op, per op a selective policy sees), trace the step with every kernel priced by its
+   median time in 5 unplanned steps of the model run here (``--kernels step``, the default:
+   ``planner.analysis.kernel_profile``; thread CPU time), or timed alone, warm
+   (``--kernels benchmark``: ``RuntimeKind.BENCHMARK``, no kernel priced below its bytes at the
    streaming bandwidth the runtime measures, which is printed);
 2. plan it at 0.8x and 0.6x of the no-AC peak (where that is below the smallest reachable peak,
    0.8 and 0.6 of the way from it to the no-AC peak) and at full AC's peak, and build full AC
@@ -68,6 +70,7 @@ from estimators.tracing.estimation import EstimateOptions, estimate  # noqa: E40
 from examples.convnet import ConvNetConfig, build_convnet  # noqa: E402
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
 from planner.analysis.calibration import calibrate_device  # noqa: E402
+from planner.analysis.kernel_profile import profile_step_kernels  # noqa: E402
 from planner.applying.checkpointing import apply_plan, hf_cache_off  # noqa: E402
 from planner.options import PlanOptions  # noqa: E402
 from planner.plan import ModulePlan, Plan  # noqa: E402
@@ -303,6 +306,8 @@ def main(argv=None) -> int:
     p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES),
                    help="families to run (default all)")
     p.add_argument("--rounds", type=int, default=21, help="timed rounds of every variant (default 21)")
+    p.add_argument("--kernels", choices=("step", "benchmark"), default="step",
+                   help="price kernels by their time in unplanned steps run here (default) or timed alone")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
@@ -322,11 +327,16 @@ def main(argv=None) -> int:
                 print(f"skip {family}: transformers is not installed\n")
                 continue
         model, step = FAMILIES[family]()
-        bench = BenchmarkRuntime(stream_floor=True)
+        if args.kernels == "step":
+            profile = profile_step_kernels(model, step)
+            bench = profile.runtime()
+            how = f"kernels priced in the step: {profile.summary()}"
+        else:
+            bench = BenchmarkRuntime(stream_floor=True)
+            how = f"kernels timed alone, floored at {bench.stream_bytes_per_ms / 1e6:.3g} GB/s (streaming copy)"
         with benchmark_runtime_override(bench):  # one timing per kernel, verification traces too
             variants, est = variants_of(model, step, options)
-        print(f"{family}: kernels floored at {bench.stream_bytes_per_ms / 1e6:.3g} GB/s (streaming copy, "
-              f"load {_load()})")
+        print(f"{family}: {how}; {bench.measurements} benchmarked alone (load {_load()})")
         before = _load()
         samples = time_variants(model, step, variants, args.rounds)
         rows = rows_of(variants, samples)
