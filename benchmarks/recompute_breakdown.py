@@ -2,7 +2,7 @@
 
     python benchmarks/recompute_breakdown.py --families gpt --rounds 7
 
-For each family and plan of ``time_fidelity.py`` (same calibration, same benchmarked kernels), on
+For each family and plan of ``time_fidelity.py`` (same calibration, same kernel prices), on
 one intra-op thread, by the thread's CPU time:
 
 * forward and backward of the step, unplanned and planned, interleaved rounds, each timed step
@@ -235,6 +235,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", default=["gpt"], choices=list(tf.FAMILIES))
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--kernels", choices=("step", "benchmark"), default="step",
+                   help="as time_fidelity.py: kernels priced by their time in unplanned steps (default) or alone")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -244,7 +246,9 @@ def main(argv=None) -> int:
     options = PlanOptions(device=cal.spec, reserve_gib=0, trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
     for family in args.families:
         model, step = tf.FAMILIES[family]()
-        with benchmark_runtime_override(BenchmarkRuntime(stream_floor=True)):
+        bench, how = tf.kernel_runtime(model, step, args.kernels)
+        print(f"{family}: {how}")
+        with benchmark_runtime_override(bench):
             variants, est = tf.variants_of(model, step, options)
         info = est.module_info
         runs = []

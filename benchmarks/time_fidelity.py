@@ -278,6 +278,17 @@ def verdict(rows: list[Row], samples: dict[str, list[Sample]]) -> tuple[bool, st
     return ok, f"{'PASS' if ok else 'FAIL'}: {why}{vs} (CPU time)"
 
 
+def kernel_runtime(model: torch.nn.Module, step: TrainStep, kernels: str) -> tuple[BenchmarkRuntime, str]:
+    """The runtime the plans are priced by, and a line saying how: ``"step"``, each kernel's
+    median time in 5 unplanned steps of the model (``profile_step_kernels``); ``"benchmark"``,
+    each timed alone, warm, floored at the streaming bandwidth."""
+    if kernels == "step":
+        profile = profile_step_kernels(model, step)
+        return profile.runtime(), f"kernels priced in the step: {profile.summary()}"
+    bench = BenchmarkRuntime(stream_floor=True)
+    return bench, f"kernels timed alone, floored at {bench.stream_bytes_per_ms / 1e6:.3g} GB/s (streaming copy)"
+
+
 def keep_freed_memory() -> str:
     """Make glibc's malloc keep freed memory in the process (no trimming, no mmap for large
     blocks), as CUDA's caching allocator does: otherwise a step re-faults the pages the previous
@@ -327,13 +338,7 @@ def main(argv=None) -> int:
                 print(f"skip {family}: transformers is not installed\n")
                 continue
         model, step = FAMILIES[family]()
-        if args.kernels == "step":
-            profile = profile_step_kernels(model, step)
-            bench = profile.runtime()
-            how = f"kernels priced in the step: {profile.summary()}"
-        else:
-            bench = BenchmarkRuntime(stream_floor=True)
-            how = f"kernels timed alone, floored at {bench.stream_bytes_per_ms / 1e6:.3g} GB/s (streaming copy)"
+        bench, how = kernel_runtime(model, step, args.kernels)
         with benchmark_runtime_override(bench):  # one timing per kernel, verification traces too
             variants, est = variants_of(model, step, options)
         print(f"{family}: {how}; {bench.measurements} benchmarked alone (load {_load()})")

@@ -264,8 +264,8 @@ class ModStats:
     nested in it): paid by every checkpoint of the module."""
     selective_policy_ms: float = 0.0
     """Host time of a selective policy over the module's calls: ``DeviceSpec.selective_op_ms``
-    for every forward op and every op the recompute replays up to the last saved one. Paid by
-    a selective checkpoint, not by a full one."""
+    for every forward op and every op the recompute replays up to the last saved one, and
+    ``selective_call_ms`` a call. Paid by a selective checkpoint, not by a full one."""
     full_recompute_ms: float = 0.0
     """Recompute time of a plain (full) checkpoint of this module: every op up to the last one
     autograd saves, and ``checkpoint_call_ms``; no policy. 0: discarding everything is not a

@@ -198,9 +198,13 @@ class DeviceSpec:
     selective_op_ms: float = 0.0
     """Host time a selective policy adds per op it sees: each forward op of the module and each
     op its recompute replays up to the last saved one, cached or re-run. A plain (full)
-    checkpoint runs no policy and does not pay it.
+    checkpoint runs no policy and does not pay it."""
+    selective_call_ms: float = 0.0
+    """Host time a selective checkpoint adds per call beside ``checkpoint_call_ms`` and its
+    policy's ops: its recording and replay modes entered and left, its op log and cache made
+    and walked. A small selective module pays it as a large one does.
 
-    The four host costs add to the step on a CPU, where the host runs the kernels. On a GPU
+    The five host costs add to the step on a CPU, where the host runs the kernels. On a GPU
     the host runs ahead of the device's queue and they are hidden where kernels are longer, so
     the CUDA specs leave them at 0 (not modelled). They are the host's, not the chip's: every
     built-in spec has 0 (not priced); ``planner.analysis.calibration.calibrate_device`` measures
@@ -257,7 +261,8 @@ class DeviceSpec:
             raise ValueError("DeviceSpec efficiencies must be in (0, 1]")
         if self.allocator_block_bytes < 1:
             raise ValueError("DeviceSpec.allocator_block_bytes must be >= 1")
-        for name in ("checkpoint_call_ms", "checkpoint_submodule_ms", "recompute_op_ms", "selective_op_ms"):
+        for name in ("checkpoint_call_ms", "checkpoint_submodule_ms", "recompute_op_ms", "selective_op_ms",
+                     "selective_call_ms"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"DeviceSpec.{name} must be finite and >= 0, got {v}")
@@ -335,6 +340,7 @@ class DeviceSpec:
             + (f" ({self.recompute_op_warm_ms * 1e3:.3g} us warm, cold after {self.host_cache_bytes / 2**20:.3g} MiB)"
                if self.recompute_op_warm_ms is not None and self.host_cache_bytes else "")
             + f" + {self.selective_op_ms * 1e3:.3g} us per selective-policy op"
+            + (f" + {self.selective_call_ms * 1e3:.3g} us per selective call" if self.selective_call_ms else "")
         )
 
 

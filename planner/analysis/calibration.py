@@ -21,9 +21,10 @@ grad) are timed hot, as the benchmark runtime times them: what a re-run op costs
 its recompute cost. The same two chains without the copies between ops give the warm cost of a
 re-run op (``DeviceSpec.recompute_op_warm_ms``: after an op that streams little). Per block, a full
 checkpoint adds ``call + n * (kernel + recompute_op)`` and a selective one
-``call + (n - 1) * (kernel + recompute_op) + 2 n * selective_op`` (its policy sees n forward
-ops and n replayed ones); blocks of two lengths give the three costs, the kernel time being the
-block's forward without grad. A third model, the short blocks each with S nested modules that
+``call + selective_call + (n - 1) * (kernel + recompute_op) + 2 n * selective_op`` (its policy
+sees n forward ops and n replayed ones; its modes and op log cost a call beside them); blocks of
+two lengths, each checkpointed fully and selectively, give the four costs, the kernel time being
+the block's forward without grad. A third model, the short blocks each with S nested modules that
 run no op, gives the cost per submodule a call (its full checkpoint less the short one's, over
 S): the wrapper walks the checkpointed module's tree on every call. On a CUDA device they are
 left at 0: the host runs ahead of the kernels there and the model does not add them
@@ -86,6 +87,7 @@ class CheckpointHostCosts:
     checkpoint_submodule_ms: float
     recompute_op_ms: float
     selective_op_ms: float
+    selective_call_ms: float
     recompute_op_warm_ms: float
     """``recompute_op_ms`` measured with the host's caches warm (no copy between ops); the spec
     prices a re-run op between the two (``DeviceSpec.recompute_op_host_ms``)."""
@@ -113,7 +115,7 @@ class Calibration:
             lines.append(f"checkpoint host costs ({c.clock} clock): {c.checkpoint_call_ms * 1e3:.1f} us per call, "
                          f"{c.checkpoint_submodule_ms * 1e3:.1f} us per submodule a call, {c.recompute_op_ms * 1e3:.1f} us per re-run op "
                          f"({c.recompute_op_warm_ms * 1e3:.1f} us warm), {c.selective_op_ms * 1e3:.1f} us per "
-                         "op a selective policy sees")
+                         f"op a selective policy sees, {c.selective_call_ms * 1e3:.1f} us per selective call")
         return "\n".join(lines)
 
 
@@ -284,17 +286,20 @@ def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bo
     return _ChainCosts(len(counter.ops), full, sel, statistics.median(times["no_grad"]) / _BLOCKS)
 
 
-def fit_checkpoint_costs(ops: tuple[int, int], full: tuple[float, float], selective: float,
-                         kernels: float) -> tuple[float, float, float]:
-    """(call, recompute_op, selective_op) ms from per-block figures of two chains of ``ops``
-    forward ops: ``full`` overheads of both, the ``selective`` overhead and the no-grad forward
-    ``kernels`` of the longer (the model of the module docstring, solved; each at least 0)."""
-    (n1, n2), (f1, f2) = ops, full
+def fit_checkpoint_costs(ops: tuple[int, int], full: tuple[float, float], selective: tuple[float, float],
+                         kernels: float) -> tuple[float, float, float, float]:
+    """(call, recompute_op, selective_op, selective_call) ms from per-block figures of two
+    chains of ``ops`` forward ops: the ``full`` and ``selective`` overheads of both and the
+    no-grad forward ``kernels`` of the longer (the model of the module docstring, solved; each
+    at least 0)."""
+    (n1, n2), (f1, f2), (s1, s2) = ops, full, selective
     per_op = (f2 - f1) / (n2 - n1)  # kernel + recompute_op
     call = f1 - n1 * per_op
     recompute_op = per_op - kernels / n2
-    policy = (selective - f2 + per_op) / (2 * n2)
-    return max(0.0, call), max(0.0, recompute_op), max(0.0, policy)
+    # s(n) - f(n) = selective_call - per_op + 2 n selective_op
+    policy = ((s2 - f2) - (s1 - f1)) / (2 * (n2 - n1))
+    selective_call = (s2 - f2) + per_op - 2 * n2 * policy
+    return max(0.0, call), max(0.0, recompute_op), max(0.0, policy), max(0.0, selective_call)
 
 
 def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:
@@ -303,16 +308,18 @@ def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:
     clock, now = _clock()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        short = _chain_costs(_CHAINS[0], rounds, now, full_only=True)
+        short = _chain_costs(_CHAINS[0], rounds, now)
         long = _chain_costs(_CHAINS[1], rounds, now)
         nested = _chain_costs(_CHAINS[0], rounds, now, _SUBMODULES, full_only=True)
-        short_warm = _chain_costs(_CHAINS[0], rounds, now, full_only=True, cold=False)
+        short_warm = _chain_costs(_CHAINS[0], rounds, now, cold=False)
         long_warm = _chain_costs(_CHAINS[1], rounds, now, cold=False)
-    call, recompute_op, policy = fit_checkpoint_costs(
-        (short.ops, long.ops), (short.full_ms, long.full_ms), long.selective_ms, long.kernels_ms)
+    call, recompute_op, policy, selective_call = fit_checkpoint_costs(
+        (short.ops, long.ops), (short.full_ms, long.full_ms), (short.selective_ms, long.selective_ms),
+        long.kernels_ms)
     warm = fit_checkpoint_costs((short.ops, long.ops), (short_warm.full_ms, long_warm.full_ms),
-                                long_warm.selective_ms, long_warm.kernels_ms)[1]
+                                (short_warm.selective_ms, long_warm.selective_ms), long_warm.kernels_ms)[1]
     return CheckpointHostCosts(checkpoint_call_ms=call, recompute_op_ms=recompute_op, selective_op_ms=policy,
+                               selective_call_ms=selective_call,
                                checkpoint_submodule_ms=max(0.0, (nested.full_ms - short.full_ms) / _SUBMODULES),
                                recompute_op_warm_ms=min(warm, recompute_op), clock=clock)
 
@@ -329,5 +336,6 @@ def calibrate_device(base: DeviceSpec | str = "cpu", *, device: str | torch.devi
     spec = fit.spec.replace(checkpoint_call_ms=costs.checkpoint_call_ms,
                             checkpoint_submodule_ms=costs.checkpoint_submodule_ms,
                             recompute_op_ms=costs.recompute_op_ms, selective_op_ms=costs.selective_op_ms,
+                            selective_call_ms=costs.selective_call_ms,
                             recompute_op_warm_ms=costs.recompute_op_warm_ms, host_cache_bytes=_HOST_CACHE_BYTES)
     return Calibration(spec=spec, fit=fit, checkpoint=costs)

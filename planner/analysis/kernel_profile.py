@@ -42,7 +42,6 @@ from estimators.runtime.kernel_bench import BenchmarkRuntime
 from estimators.runtime.op_facts import timed_key
 from estimators.step.optimizer import resolve_optimizer
 from estimators.step.train_step import TrainStep, run_step, step_mode, zero_grads
-from planner.analysis.measure import _optimizer_of
 
 __all__ = ["KernelProfile", "profile_step_kernels"]
 
@@ -98,10 +97,11 @@ def _copy_optimizer(optimizer: Any, model: torch.nn.Module, copied: torch.nn.Mod
     instance, whose state would change."""
     if optimizer is None:
         return None
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        return _optimizer_of(copied, optimizer)
-    twin = {id(p): q for p, q in zip(model.parameters(), copied.parameters())}
-    groups = [{"params": [twin[id(p)] for p in g["params"] if id(p) in twin]} for g in optimizer.param_groups]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        twin = {id(p): q for p, q in zip(model.parameters(), copied.parameters())}
+        groups = [{"params": [twin[id(p)] for p in g["params"] if id(p) in twin]} for g in optimizer.param_groups]
+    else:
+        groups = [{"params": [p for p in copied.parameters() if p.requires_grad]}]
     return resolve_optimizer(optimizer, groups, get_device_spec("cpu"), fake=False)
 
 
@@ -115,8 +115,9 @@ def profile_step_kernels(model: torch.nn.Module, step: TrainStep, *, steps: int 
         raise ValueError(f"steps must be an int >= 1 and warmup an int >= 0, got {steps!r}, {warmup!r}")
     devices = {t.device.type for t in [*model.parameters(), *model.buffers()]}
     if devices - {"cpu"}:
-        raise ValueError(f"profile_step_kernels times kernels on the CPU, the model is on {sorted(devices)}: "
-                         "on a GPU use BenchmarkRuntime(device='cuda') (CUDA events)")
+        raise ValueError(f"profile_step_kernels runs real steps on the CPU and the model is on {sorted(devices)}: "
+                         "materialize a meta model on the CPU first; a GPU's kernels are timed by "
+                         "BenchmarkRuntime(device='cuda') (CUDA events)")
     if next(model.parameters(), None) is None:
         raise ValueError("the model has no parameters: there is no training step to profile")
     clock, now = ("thread", time.thread_time_ns) if torch.get_num_threads() == 1 else ("wall", time.perf_counter_ns)

@@ -130,13 +130,15 @@ def test_host_copy_latency():
 def test_checkpoint_host_costs_are_validated_and_summarised():
     """The checkpoint's host costs: >= 0 and finite; 0 on the CUDA specs (hidden behind the
     kernels there, not modelled); the one-line summary names the spec, its efficiencies and them."""
-    for name in ("checkpoint_call_ms", "checkpoint_submodule_ms", "recompute_op_ms", "selective_op_ms"):
+    for name in ("checkpoint_call_ms", "checkpoint_submodule_ms", "recompute_op_ms", "selective_op_ms",
+                 "selective_call_ms"):
         for bad in (-1.0, float("nan"), float("inf")):
             with pytest.raises(ValueError, match=name):
                 DEVICE_SPECS["cpu"].replace(**{name: bad})
-    assert all(s.checkpoint_call_ms == s.checkpoint_submodule_ms == s.recompute_op_ms == s.selective_op_ms == 0
-               for s in DEVICE_SPECS.values() if s.is_cuda)
+    assert all(s.checkpoint_call_ms == s.checkpoint_submodule_ms == s.recompute_op_ms == s.selective_op_ms
+               == s.selective_call_ms == 0 for s in DEVICE_SPECS.values() if s.is_cuda)
     line = DEVICE_SPECS["cpu"].replace(compute_efficiency=0.3, selective_op_ms=0.05,
                                        checkpoint_submodule_ms=0.02).summary()
     assert line.startswith("cpu (cpu): fp32 0.2 TFLOP/s x 0.3 eff") and "50 us per selective-policy op" in line
-    assert "20 us per submodule" in line
+    assert "20 us per submodule" in line and "per selective call" not in line
+    assert "400 us per selective call" in DEVICE_SPECS["cpu"].replace(selective_call_ms=0.4).summary()

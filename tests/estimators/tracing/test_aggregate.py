@@ -125,19 +125,20 @@ class Twice(nn.Module):
 def test_recompute_is_priced_with_the_checkpoints_host_costs():
     """A spec's checkpoint host costs, over a block's two calls: every re-run op (views too)
     costs recompute_op_ms more, each call checkpoint_call_ms, and a selective policy
-    selective_op_ms for each op it sees (forward ops and ops replayed up to the last saved one),
-    which a full checkpoint does not pay."""
+    selective_op_ms for each op it sees (forward ops and ops replayed up to the last saved one)
+    and selective_call_ms a call, which a full checkpoint does not pay."""
     from estimators.runtime.device import get_device_spec
     from estimators.tracing.sac import fixed_recompute_ms, last_saved, replay_ms
 
     step = TrainStep(inputs=(torch.randn(3, 4),))
-    spec = get_device_spec("cpu").replace(checkpoint_call_ms=1.0, recompute_op_ms=0.5, selective_op_ms=0.25)
+    spec = get_device_spec("cpu").replace(checkpoint_call_ms=1.0, recompute_op_ms=0.5, selective_op_ms=0.25,
+                                          selective_call_ms=0.75)
     base = estimate(Twice(), step, device="cpu").module_info.stats("Twice.blk")
     s = estimate(Twice(), step, device=spec).module_info.stats("Twice.blk")
     assert s.n_calls == 2 and any(o.is_view for o in s.ops)
     assert [o.runtime_ms for o in s.ops] == pytest.approx([o.runtime_ms + 2 * 0.5 for o in base.ops])
     assert s.checkpoint_call_ms == 2 * 1.0
-    assert s.selective_policy_ms == 2 * 0.25 * (len(s.ops) + last_saved(s.ops) + 1)
+    assert s.selective_policy_ms == pytest.approx(2 * (0.25 * (len(s.ops) + last_saved(s.ops) + 1) + 0.75))
     assert s.recompute_fixed_ms == pytest.approx(fixed_recompute_ms(s.ops) + 2.0 + s.selective_policy_ms)
     assert s.full_recompute_ms == pytest.approx(replay_ms(s.ops, lambda i, o: True) + 2.0)
     assert (base.checkpoint_call_ms, base.selective_policy_ms) == (0.0, 0.0)

@@ -10,18 +10,23 @@ from planner.analysis.calibration import calibrate_device, fit_checkpoint_costs
 
 
 def test_fit_recovers_the_costs_the_model_was_built_from():
-    """Per block of n ops: full(n) = call + n (kernel + rc), selective(n) = call + (n - 1)
-    (kernel + rc) + 2 n policy. With call 1, rc 0.05, kernel 0.01, policy 0.1 ms at n = 9 and
-    36, the fit gives them back; a negative estimate (noise) is clamped to 0."""
-    call, rc, kernel, policy = 1.0, 0.05, 0.01, 0.1
+    """Per block of n ops: full(n) = call + n (kernel + rc), selective(n) = call + sel_call +
+    (n - 1) (kernel + rc) + 2 n policy. With call 1, rc 0.05, kernel 0.01, policy 0.1, sel_call
+    0.4 ms at n = 9 and 36, the fit gives them back; a negative estimate (noise) is clamped to 0.
+    A per-call cost is not a per-op one: fitted from the long block alone it would have read as
+    0.4 / 72 ms more per policy op, a sixth of what a 9-op module pays for it."""
+    call, rc, kernel, policy, sel_call = 1.0, 0.05, 0.01, 0.1, 0.4
 
     def full(n):
         return call + n * (kernel + rc)
 
-    sel36 = call + 35 * (kernel + rc) + 2 * 36 * policy
-    fit = fit_checkpoint_costs((9, 36), (full(9), full(36)), sel36, 36 * kernel)
-    assert fit == pytest.approx((call, rc, policy))
-    assert fit_checkpoint_costs((9, 36), (full(9), full(36)), full(36) - 5.0, 36 * kernel)[2] == 0.0
+    def sel(n):
+        return call + sel_call + (n - 1) * (kernel + rc) + 2 * n * policy
+
+    fit = fit_checkpoint_costs((9, 36), (full(9), full(36)), (sel(9), sel(36)), 36 * kernel)
+    assert fit == pytest.approx((call, rc, policy, sel_call))
+    cheap = fit_checkpoint_costs((9, 36), (full(9), full(36)), (full(9), full(36) - 5.0), 36 * kernel)
+    assert cheap[2] == 0.0 and cheap[3] >= 0.0
 
 
 @pytest.mark.slow
@@ -34,13 +39,15 @@ def test_a_calibrated_spec_plans_and_reports_what_it_measured(one_intra_op_threa
     spec = cal.spec
     assert spec.name == "cpu-calibrated" and 0 < spec.compute_efficiency <= 1 and spec.kernel_launch_ms > 0
     assert cal.checkpoint is not None and cal.checkpoint.clock == "thread"
-    assert (spec.checkpoint_call_ms, spec.checkpoint_submodule_ms, spec.recompute_op_ms, spec.selective_op_ms) == (
+    assert (spec.checkpoint_call_ms, spec.checkpoint_submodule_ms, spec.recompute_op_ms, spec.selective_op_ms,
+            spec.selective_call_ms) == (
         cal.checkpoint.checkpoint_call_ms, cal.checkpoint.checkpoint_submodule_ms, cal.checkpoint.recompute_op_ms,
-        cal.checkpoint.selective_op_ms)
+        cal.checkpoint.selective_op_ms, cal.checkpoint.selective_call_ms)
     assert spec.recompute_op_warm_ms == cal.checkpoint.recompute_op_warm_ms <= spec.recompute_op_ms
     assert spec.host_cache_bytes > 0 and "warm" in cal.report()
     report = cal.report()
     assert spec.summary() in report and "mm 512x512x512" in report and "per call" in report and "per submodule" in report
+    assert "per selective call" in report
     assert PlanOptions(device=spec).spec is spec
     assert torch.get_num_threads() == 1
 
