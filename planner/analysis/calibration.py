@@ -296,10 +296,11 @@ def fit_checkpoint_costs(ops: tuple[int, int], full: tuple[float, float], select
     per_op = (f2 - f1) / (n2 - n1)  # kernel + recompute_op
     call = f1 - n1 * per_op
     recompute_op = per_op - kernels / n2
-    # s(n) - f(n) = selective_call - per_op + 2 n selective_op
-    policy = ((s2 - f2) - (s1 - f1)) / (2 * (n2 - n1))
-    selective_call = (s2 - f2) + per_op - 2 * n2 * policy
-    return max(0.0, call), max(0.0, recompute_op), max(0.0, policy), max(0.0, selective_call)
+    # s(n) - f(n) = selective_call - per_op + 2 n selective_op; the per-call cost is solved
+    # from the clamped per-op one (a negative policy cost would otherwise inflate it)
+    policy = max(0.0, ((s2 - f2) - (s1 - f1)) / (2 * (n2 - n1)))
+    selective_call = ((s1 - f1) + (s2 - f2)) / 2 + per_op - (n1 + n2) * policy
+    return max(0.0, call), max(0.0, recompute_op), policy, max(0.0, selective_call)
 
 
 def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:

@@ -18,7 +18,8 @@ only a plan's recompute runs) is benchmarked as before.
 
 The steps run on a deep copy of the model with its own optimizer (the loop of ``step``:
 micro-batches, autocast, gradient reset), under ``torch.random.fork_rng``: the model, its
-gradients and the caller's random state are as they were. The step has to run: where the
+gradients and the caller's random state are as they were (the gradients of inputs and of tensors
+the loss closes over, which the copy's backward can reach, are put back). The step has to run: where the
 unplanned step does not fit, profile a copy with a plan applied (full AC runs every forward op,
 twice). CPU only, one process: a GPU's kernels are timed by ``BenchmarkRuntime(device="cuda")``
 with CUDA events, where the host's cache state does not move them.
@@ -26,6 +27,7 @@ with CUDA events, where the host's cache state does not move them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import statistics
@@ -35,12 +37,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from estimators.runtime.device import get_device_spec
 from estimators.runtime.kernel_bench import BenchmarkRuntime
 from estimators.runtime.op_facts import timed_key
-from estimators.step.optimizer import resolve_optimizer
+from estimators.step.optimizer import check_optimizer_params, resolve_optimizer
 from estimators.step.train_step import TrainStep, run_step, step_mode, zero_grads
 
 __all__ = ["KernelProfile", "profile_step_kernels"]
@@ -59,8 +62,15 @@ class KernelProfile:
     """"thread" (the calling thread's CPU time, one intra-op thread) or "wall"."""
 
     def runtime(self, **kwargs: Any) -> BenchmarkRuntime:
-        """A CPU ``BenchmarkRuntime`` (``kwargs`` passed on) that prices these signatures by
-        their in-step times and benchmarks any other."""
+        """A CPU ``BenchmarkRuntime`` on this profile's clock (``kwargs`` passed on) that prices
+        these signatures by their in-step times and benchmarks any other. No cache file: in-step
+        times are not the isolated timings a cache file holds for later runs."""
+        if "cache_path" in kwargs or kwargs.get("device", "cpu") != "cpu":
+            raise ValueError("KernelProfile.runtime() is a CPU runtime without a cache file: in-step times "
+                             "are not isolated benchmarks; drop cache_path / device")
+        if kwargs.setdefault("clock", self.clock) != self.clock:
+            raise ValueError(f"the profile was timed by the {self.clock} clock; its runtime must be too, "
+                             f"got clock={kwargs['clock']!r}")
         bench = BenchmarkRuntime(**kwargs)
         bench.import_cache(self.timings_ms)
         return bench
@@ -99,10 +109,29 @@ def _copy_optimizer(optimizer: Any, model: torch.nn.Module, copied: torch.nn.Mod
         return None
     if isinstance(optimizer, torch.optim.Optimizer):
         twin = {id(p): q for p, q in zip(model.parameters(), copied.parameters())}
-        groups = [{"params": [twin[id(p)] for p in g["params"] if id(p) in twin]} for g in optimizer.param_groups]
+        check_optimizer_params(model, optimizer, twin.keys(), "profile",
+                               ": over another copy its step would not be timed")
+        groups = [{"params": [twin[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
     else:
         groups = [{"params": [p for p in copied.parameters() if p.requires_grad]}]
     return resolve_optimizer(optimizer, groups, get_device_spec("cpu"), fake=False)
+
+
+@contextlib.contextmanager
+def _grads_kept(model: torch.nn.Module, step: TrainStep):
+    """The gradients of what the copy's steps can still reach, as they were on the way out: the
+    batch's tensors and those the loss closes over are not copied (an input that requires grad,
+    a loss that reads the user's model, e.g. a tied head), so their backward writes there."""
+    reach = [*model.parameters(), *(t for t in tree_flatten(step.inputs)[0] if isinstance(t, torch.Tensor)),
+             *step.loss_closure_tensors(model)]
+    kept = [(t, t.grad, None if t.grad is None else t.grad.detach().clone()) for t in reach if t.requires_grad]
+    try:
+        yield
+    finally:
+        for t, grad, values in kept:
+            if grad is not None:
+                grad.copy_(values)  # accumulation writes into the same tensor
+            t.grad = grad
 
 
 def profile_step_kernels(model: torch.nn.Module, step: TrainStep, *, steps: int = 5,
@@ -114,10 +143,12 @@ def profile_step_kernels(model: torch.nn.Module, step: TrainStep, *, steps: int 
             isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"steps must be an int >= 1 and warmup an int >= 0, got {steps!r}, {warmup!r}")
     devices = {t.device.type for t in [*model.parameters(), *model.buffers()]}
+    if "meta" in devices:
+        raise ValueError("the model is on the meta device: profiling runs real steps; materialize it on the "
+                         "CPU first (model.to_empty(device='cpu') and initialize its weights)")
     if devices - {"cpu"}:
-        raise ValueError(f"profile_step_kernels runs real steps on the CPU and the model is on {sorted(devices)}: "
-                         "materialize a meta model on the CPU first; a GPU's kernels are timed by "
-                         "BenchmarkRuntime(device='cuda') (CUDA events)")
+        raise ValueError(f"profile_step_kernels times kernels on the CPU and the model is on {sorted(devices)}: "
+                         "a GPU's kernels are timed by BenchmarkRuntime(device='cuda') (CUDA events)")
     if next(model.parameters(), None) is None:
         raise ValueError("the model has no parameters: there is no training step to profile")
     clock, now = ("thread", time.thread_time_ns) if torch.get_num_threads() == 1 else ("wall", time.perf_counter_ns)
@@ -125,7 +156,7 @@ def profile_step_kernels(model: torch.nn.Module, step: TrainStep, *, steps: int 
     opt = _copy_optimizer(step.optimizer, model, m)
     timer = _OpTimer(now)
     held: list = [None]
-    with torch.random.fork_rng(devices=[]), step_mode(m, step.train_mode):
+    with torch.random.fork_rng(devices=[]), step_mode(m, step.train_mode), _grads_kept(model, step):
         for i in range(warmup + steps):
             if i:
                 zero_grads(m, opt, step.zero_grad)

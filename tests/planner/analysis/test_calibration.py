@@ -25,8 +25,10 @@ def test_fit_recovers_the_costs_the_model_was_built_from():
 
     fit = fit_checkpoint_costs((9, 36), (full(9), full(36)), (sel(9), sel(36)), 36 * kernel)
     assert fit == pytest.approx((call, rc, policy, sel_call))
-    cheap = fit_checkpoint_costs((9, 36), (full(9), full(36)), (full(9), full(36) - 5.0), 36 * kernel)
-    assert cheap[2] == 0.0 and cheap[3] >= 0.0
+    # Noise: selective no dearer than full, cheaper at length. The policy cost clamps to 0 and the
+    # per-call one is what the two lengths say with it (not inflated by the negative estimate).
+    cheap = fit_checkpoint_costs((9, 36), (full(9), full(36)), (full(9), full(36) - 0.1), 36 * kernel)
+    assert cheap[2] == 0.0 and cheap[3] == pytest.approx((0.0 - 0.1) / 2 + (kernel + rc))
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ def test_profiling_leaves_the_model_its_optimizer_and_the_random_state_as_they_w
     prof = profile_step_kernels(model, step, steps=2, warmup=1)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert all(p.grad is None for p in model.parameters()) and not opt.state
-    assert torch.equal(rng, torch.get_rng_state()) and model.training
+    assert torch.equal(rng, torch.get_rng_state())
     # Dropout draws, the forward's and backward's matmuls, AdamW's update: all timed, per call.
     names = " ".join(prof.timings_ms)  # keys as the benchmark cache names them: repr(OpOverload), layouts
     assert all(f"op='aten.{op}'" in names for op in ("addmm", "bernoulli_", "mm", "gelu_backward"))
@@ -56,14 +56,48 @@ def test_a_trace_prices_the_profiled_signatures_and_benchmarks_only_the_others(o
     assert slow_est.module_info.step_runtime_ms - est.module_info.step_runtime_ms > 1900
 
 
-@pytest.mark.parametrize("kwargs, match", [({"steps": 0}, "steps must be"), ({"warmup": -1}, "warmup an int")])
+@pytest.mark.parametrize("kwargs, match", [({"steps": 0}, "got 0, 2"), ({"warmup": -1}, "got 5, -1")])
 def test_bad_counts_say_what_is_expected(kwargs, match):
     model, step = _mlp_step()
     with pytest.raises(ValueError, match=match):
         profile_step_kernels(model, step, **kwargs)
 
 
-def test_a_model_off_the_cpu_is_refused_with_what_to_use_instead():
+def test_a_meta_model_is_refused_with_what_to_do():
     model, step = _mlp_step()
-    with pytest.raises(ValueError, match="BenchmarkRuntime"):
+    with pytest.raises(ValueError, match="meta device.*materialize"):
         profile_step_kernels(model.to("meta"), step)
+
+
+def test_gradients_the_copy_can_reach_and_the_train_flags_are_put_back(one_intra_op_thread):
+    """The batch and the loss's closure are not copied: an input that requires grad, and a loss
+    that reads the user's own weight (a tied head), get gradients from the copy's backward
+    unless put back; an eval-mode model trained in train mode (train_mode=True) is left in eval."""
+    model, step = _mlp_step()
+    model.eval()
+    x = torch.rand(32, 64, requires_grad=True)
+    head = model[3].weight
+    head.grad = torch.full_like(head, 7.0)
+    before = head.grad
+    step = TrainStep(inputs=(x,), loss_fn=lambda out, inputs: (out @ head).square().mean(), optimizer="sgd",
+                     train_mode=True)
+    prof = profile_step_kernels(model, step, steps=1, warmup=1)
+    assert x.grad is None and head.grad is before and bool((head.grad == 7.0).all())
+    assert all(not m.training for m in model.modules())
+    assert any("op='aten.bernoulli_'" in k for k in prof.timings_ms)  # dropout ran: trained in train mode
+
+
+def test_an_optimizer_over_another_copy_is_refused():
+    model, step = _mlp_step()
+    other = torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="not this Sequential's parameters"):
+        profile_step_kernels(model, TrainStep(inputs=step.inputs, loss_fn=step.loss_fn, optimizer=other))
+
+
+def test_its_runtime_keeps_the_profiles_clock_and_writes_no_cache_file(tmp_path, one_intra_op_thread):
+    model, step = _mlp_step()
+    prof = profile_step_kernels(model, step, steps=1, warmup=0)
+    assert prof.runtime().clock == prof.clock == "thread"
+    for bad in ({"cache_path": tmp_path / "c.json"}, {"clock": "wall"}):
+        with pytest.raises(ValueError, match="cache_path|clock"):
+            prof.runtime(**bad)
