@@ -115,7 +115,8 @@ def _local_stats(
     units = greedy_units(ops, groups) if ops else []
     curve = cumulative_curve(units)
     forced = set(forced_recompute_ops(ops, groups)) if ops else set()
-    policy_ms = (host.selective_op_ms * policy_ops(ops) + host.selective_call_ms) * n if host is not None and ops else 0.0
+    policy_ms = ((host.selective_op_ms * policy_ops(ops) + host.selective_call_ms) * n
+                 if host is not None and ops else 0.0)
     full_ms = full_recompute_ms(ops, groups) if ops else 0.0
     return dict(
         is_leaf=is_leaf,

@@ -224,7 +224,9 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _clock():
+def host_clock():
+    """("thread", thread_time_ns) with one intra-op thread: the calling thread's CPU time, what
+    the work ran and not what other processes took from it; else ("wall", perf_counter_ns)."""
     if torch.get_num_threads() == 1:
         return "thread", time.thread_time_ns
     return "wall", time.perf_counter_ns
@@ -286,6 +288,13 @@ def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bo
     return _ChainCosts(len(counter.ops), full, sel, statistics.median(times["no_grad"]) / _BLOCKS)
 
 
+def _fit_full(ops: tuple[int, int], full: tuple[float, float], kernels: float) -> tuple[float, float, float]:
+    """(call, recompute_op, kernel + recompute_op) ms from the full checkpoints of two chains."""
+    (n1, n2), (f1, f2) = ops, full
+    per_op = (f2 - f1) / (n2 - n1)
+    return f1 - n1 * per_op, per_op - kernels / n2, per_op
+
+
 def fit_checkpoint_costs(ops: tuple[int, int], full: tuple[float, float], selective: tuple[float, float],
                          kernels: float) -> tuple[float, float, float, float]:
     """(call, recompute_op, selective_op, selective_call) ms from per-block figures of two
@@ -293,9 +302,7 @@ def fit_checkpoint_costs(ops: tuple[int, int], full: tuple[float, float], select
     no-grad forward ``kernels`` of the longer (the model of the module docstring, solved; each
     at least 0)."""
     (n1, n2), (f1, f2), (s1, s2) = ops, full, selective
-    per_op = (f2 - f1) / (n2 - n1)  # kernel + recompute_op
-    call = f1 - n1 * per_op
-    recompute_op = per_op - kernels / n2
+    call, recompute_op, per_op = _fit_full(ops, full, kernels)
     # s(n) - f(n) = selective_call - per_op + 2 n selective_op; the per-call cost is solved
     # from the clamped per-op one (a negative policy cost would otherwise inflate it)
     policy = max(0.0, ((s2 - f2) - (s1 - f1)) / (2 * (n2 - n1)))
@@ -306,19 +313,18 @@ def fit_checkpoint_costs(ops: tuple[int, int], full: tuple[float, float], select
 def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:
     """The host costs of a checkpoint on this CPU (see the module docstring). 30-60 s at
     ``rounds=15`` (the copies take most of it)."""
-    clock, now = _clock()
+    clock, now = host_clock()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         short = _chain_costs(_CHAINS[0], rounds, now)
         long = _chain_costs(_CHAINS[1], rounds, now)
         nested = _chain_costs(_CHAINS[0], rounds, now, _SUBMODULES, full_only=True)
-        short_warm = _chain_costs(_CHAINS[0], rounds, now, cold=False)
+        short_warm = _chain_costs(_CHAINS[0], rounds, now, full_only=True, cold=False)
         long_warm = _chain_costs(_CHAINS[1], rounds, now, cold=False)
     call, recompute_op, policy, selective_call = fit_checkpoint_costs(
         (short.ops, long.ops), (short.full_ms, long.full_ms), (short.selective_ms, long.selective_ms),
         long.kernels_ms)
-    warm = fit_checkpoint_costs((short.ops, long.ops), (short_warm.full_ms, long_warm.full_ms),
-                                (short_warm.selective_ms, long_warm.selective_ms), long_warm.kernels_ms)[1]
+    warm = _fit_full((short.ops, long.ops), (short_warm.full_ms, long_warm.full_ms), long_warm.kernels_ms)[1]
     return CheckpointHostCosts(checkpoint_call_ms=call, recompute_op_ms=recompute_op, selective_op_ms=policy,
                                selective_call_ms=selective_call,
                                checkpoint_submodule_ms=max(0.0, (nested.full_ms - short.full_ms) / _SUBMODULES),

@@ -31,7 +31,6 @@ import contextlib
 import copy
 import gc
 import statistics
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +44,8 @@ from estimators.runtime.kernel_bench import BenchmarkRuntime
 from estimators.runtime.op_facts import timed_key
 from estimators.step.optimizer import check_optimizer_params, resolve_optimizer
 from estimators.step.train_step import TrainStep, run_step, step_mode, zero_grads
+from planner.analysis.calibration import host_clock
+from planner.analysis.measure import check_real
 
 __all__ = ["KernelProfile", "profile_step_kernels"]
 
@@ -142,28 +143,27 @@ def profile_step_kernels(model: torch.nn.Module, step: TrainStep, *, steps: int 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or \
             isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"steps must be an int >= 1 and warmup an int >= 0, got {steps!r}, {warmup!r}")
+    check_real(model, "profiling")
     devices = {t.device.type for t in [*model.parameters(), *model.buffers()]}
-    if "meta" in devices:
-        raise ValueError("the model is on the meta device: profiling runs real steps; materialize it on the "
-                         "CPU first (model.to_empty(device='cpu') and initialize its weights)")
     if devices - {"cpu"}:
         raise ValueError(f"profile_step_kernels times kernels on the CPU and the model is on {sorted(devices)}: "
                          "a GPU's kernels are timed by BenchmarkRuntime(device='cuda') (CUDA events)")
-    if next(model.parameters(), None) is None:
-        raise ValueError("the model has no parameters: there is no training step to profile")
-    clock, now = ("thread", time.thread_time_ns) if torch.get_num_threads() == 1 else ("wall", time.perf_counter_ns)
+    clock, now = host_clock()
     m = copy.deepcopy(model)
     opt = _copy_optimizer(step.optimizer, model, m)
     timer = _OpTimer(now)
     held: list = [None]
+
+    def run() -> None:
+        run_step(m, step.inputs, step.loss_fn, opt, micro_batches=step.micro_batches,
+                 autocast_dtype=step.autocast_dtype, keep_output=step.keep_output, held_output=held,
+                 context=step.context)
+
     with torch.random.fork_rng(devices=[]), step_mode(m, step.train_mode), _grads_kept(model, step):
         for i in range(warmup + steps):
             if i:
                 zero_grads(m, opt, step.zero_grad)
             gc.collect()
-            run = lambda: run_step(m, step.inputs, step.loss_fn, opt, micro_batches=step.micro_batches,  # noqa: E731
-                                   autocast_dtype=step.autocast_dtype, keep_output=step.keep_output,
-                                   held_output=held, context=step.context)
             if i < warmup:
                 run()
             else:

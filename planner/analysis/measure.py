@@ -55,7 +55,7 @@ def measure_step(
 ) -> MeasuredStep:
     """Run one training step (one micro-batch, then ``optimizer.step()``) and measure its peak;
     ``train_mode`` as ``TrainStep.train_mode``."""
-    _check_real(model)
+    check_real(model)
     with step_mode(model, train_mode):
         return _measure(model, inputs, optimizer, lambda on_phase: run_step(model, inputs, loss_fn, optimizer, on_phase))
 
@@ -79,7 +79,7 @@ def measure_steps(
     """
     if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
         raise ValueError(f"n_steps must be an int >= 1, got {n_steps!r}")
-    _check_real(model)
+    check_real(model)
     if optimizer is None and step.optimizer is not None:
         # Measured without an optimizer step, a step named "adamw" would lose AdamW's state from
         # the peak and train nothing.
@@ -117,15 +117,17 @@ def _drop_grads(params: list[torch.nn.Parameter]):
             p.grad = None
 
 
-def _check_real(model: torch.nn.Module) -> None:
+def check_real(model: torch.nn.Module, doing: str = "measuring") -> None:
+    """Raise, saying what to do, where ``model`` cannot run a real training step: on the meta
+    device, or without parameters. ``doing``: what runs the steps ("measuring", "profiling")."""
     if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
         raise ValueError(
-            "the model is on the meta device: measuring runs real training steps, which need "
+            f"the model is on the meta device: {doing} runs real training steps, which need "
             "real weights; materialize it first (model.to_empty(device='cpu') and initialize or "
             "load its weights) -- planning (solve_sac) works on the meta model as it is"
         )
     if next(model.parameters(), None) is None:
-        raise ValueError("the model has no parameters: there is no training step to measure")
+        raise ValueError(f"the model has no parameters: there is no training step for {doing}")
 
 
 def _optimizer_of(model: torch.nn.Module, optimizer: Any) -> torch.optim.Optimizer:
@@ -332,7 +334,7 @@ class StepPeaks:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  external: tuple = ()) -> None:
-        _check_real(model)
+        check_real(model)
         self.model, self.optimizer, self.external = model, optimizer, tuple(external)
         self.device = next(model.parameters()).device
         self.peaks_bytes: list[int] = []
