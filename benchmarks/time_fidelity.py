@@ -10,7 +10,7 @@ intra-op thread:
 
 1. calibrate the ``cpu`` spec here (``planner.analysis.calibration.calibrate_device``: the
    roofline's figures and the checkpoint's host costs: per call, per submodule a call, per
-   re-run op, per op a selective policy sees), trace the step with every kernel priced by its
+   re-run op, per op a selective policy sees, per selective call), trace the step with every kernel priced by its
    median time in 5 unplanned steps of the model run here (``--kernels step``, the default:
    ``planner.analysis.kernel_profile``; thread CPU time), or timed alone, warm
    (``--kernels benchmark``: ``RuntimeKind.BENCHMARK``, no kernel priced below its bytes at the

@@ -66,7 +66,7 @@ class KernelProfile:
         """A CPU ``BenchmarkRuntime`` on this profile's clock (``kwargs`` passed on) that prices
         these signatures by their in-step times and benchmarks any other. No cache file: in-step
         times are not the isolated timings a cache file holds for later runs."""
-        if "cache_path" in kwargs or kwargs.get("device", "cpu") != "cpu":
+        if "cache_path" in kwargs or torch.device(kwargs.get("device", "cpu")).type != "cpu":
             raise ValueError("KernelProfile.runtime() is a CPU runtime without a cache file: in-step times "
                              "are not isolated benchmarks; drop cache_path / device")
         if kwargs.setdefault("clock", self.clock) != self.clock:

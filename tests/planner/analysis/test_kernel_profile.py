@@ -97,7 +97,7 @@ def test_an_optimizer_over_another_copy_is_refused():
 def test_its_runtime_keeps_the_profiles_clock_and_writes_no_cache_file(tmp_path, one_intra_op_thread):
     model, step = _mlp_step()
     prof = profile_step_kernels(model, step, steps=1, warmup=0)
-    assert prof.runtime().clock == prof.clock == "thread"
-    for bad in ({"cache_path": tmp_path / "c.json"}, {"clock": "wall"}):
+    assert prof.runtime().clock == prof.clock == "thread" == prof.runtime(device=torch.device("cpu")).clock
+    for bad in ({"cache_path": tmp_path / "c.json"}, {"clock": "wall"}, {"device": "meta"}):
         with pytest.raises(ValueError, match="cache_path|clock"):
             prof.runtime(**bad)
