@@ -49,6 +49,7 @@ from estimators.step.train_step import split_inputs  # noqa: E402
 from estimators.tracing.estimation import EstimateOptions  # noqa: E402
 from estimators.tracing.sac import last_saved, module_ops  # noqa: E402
 from planner.analysis.calibration import calibrate_device  # noqa: E402
+from planner.analysis.kernel_profile import gc_frozen  # noqa: E402
 from planner.applying import forward_state  # noqa: E402
 from planner.applying.checkpointing import apply_plan  # noqa: E402
 from planner.options import PlanOptions  # noqa: E402
@@ -257,7 +258,7 @@ def main(argv=None) -> int:
             if v.plan is not None:
                 apply_plan(m, v.plan)
             runs.append((v, m, torch.optim.AdamW(m.parameters(), lr=1e-4)))
-        with _Probe() as probe:
+        with _Probe() as probe, gc_frozen():
             for v, m, _ in runs:
                 for fqn, mod in m.named_modules():
                     probe.names[id(mod)] = fqn
