@@ -43,7 +43,6 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks import time_fidelity as tf  # noqa: E402
-from estimators.runtime.kernel_bench import BenchmarkRuntime  # noqa: E402
 from estimators.runtime.models import RuntimeKind, benchmark_runtime_override  # noqa: E402
 from estimators.step.train_step import split_inputs  # noqa: E402
 from estimators.tracing.estimation import EstimateOptions  # noqa: E402
