@@ -48,7 +48,7 @@ from estimators.step.train_step import split_inputs  # noqa: E402
 from estimators.tracing.estimation import EstimateOptions  # noqa: E402
 from estimators.tracing.sac import last_saved, module_ops  # noqa: E402
 from planner.analysis.calibration import calibrate_device  # noqa: E402
-from planner.analysis.kernel_profile import gc_frozen  # noqa: E402
+from planner.analysis.measure import gc_frozen  # noqa: E402
 from planner.applying import forward_state  # noqa: E402
 from planner.applying.checkpointing import apply_plan  # noqa: E402
 from planner.options import PlanOptions  # noqa: E402
@@ -242,7 +242,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     tf.keep_freed_memory()
     cal = calibrate_device("cpu")
-    print(f"load {tf._load()}\n{cal.report()}\n")
+    print(f"load {tf.load_average()}\n{cal.report()}\n")
     options = PlanOptions(device=cal.spec, reserve_gib=0, trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
     for family in args.families:
         model, step = tf.FAMILIES[family]()
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
                         probe.mode, probe.ops = "ops", defaultdict(list)
                         _fw_bw(m, step, opt)
                         ops[v.name] = [x for lst in probe.ops.values() for x in lst]
-        print(f"== {family}  load {tf._load()}")
+        print(f"== {family}  load {tf.load_average()}")
         base = variants[0].name
         for v, m, _ in runs[1:]:
             d_fw = statistics.median(a - b for a, b in zip(fw[v.name], fw[base]))

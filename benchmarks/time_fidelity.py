@@ -24,28 +24,30 @@ intra-op thread:
    another variant's inherits that variant's heap and caches, and in a rotating order a variant
    follows the same other one in most rounds: a bias, not noise). The steps' garbage is
    collected before every step, outside the timed region, with the heap that was there before
-   frozen (``kernel_profile.gc_frozen``: a full collection walks 200,000 objects and leaves the
-   caches cold, as a training loop's step does not find them). Every step is timed by the wall clock and by its
-   thread's CPU time (``time.thread_time``). glibc's malloc is told to keep freed
+   frozen (``planner.analysis.measure.gc_frozen``: a full collection walks the whole heap and
+   leaves the caches cold, as a training loop's step does not find them). Every step is timed by
+   the wall clock and by its thread's CPU time (``time.thread_time``). glibc's malloc is told to keep freed
    memory (as CUDA's caching allocator does): otherwise a step re-faults pages the step before
    handed back, by amounts that depend on which variant ran before it in the shared heap, and
    the runtime model does not price page faults.
 
-The median over 41 rounds (the default; 6-7 minutes for the three families idle): a step varies by
-several per cent from round to round even idle, so a paired difference spreads over 10-20 ms and
+The median over 41 rounds (the default): a step varies by several per cent from round to round even idle, so a paired difference spreads over 10-20 ms and
 its median's interval over several ms; the 3 ms floor below is what a small plan (a few calls,
 15-25 ms) is held to.
 
 Printed per variant: the measured step (median over rounds, and the spread min..max), the
 predicted step (no-AC step + the plan's recompute), the measured overhead (the median over rounds
-of the step less that round's unplanned step, and that median's 95 % bootstrap interval) beside
-the predicted one (``plan.recompute_ms``).
+of the step less that round's unplanned step, and that median's 95 % interval, ``median_ci``)
+beside the predicted one (``plan.recompute_ms``). Where a family's unplanned step measured more
+than 15 % away from its prediction, a line says so: the machine ran at another speed while it
+timed than while it profiled the kernels, and every figure of the family moved with it.
 
 PASS needs, per family: every plan's and full AC's overhead within 15 % of the prediction or 3 ms,
 and the plan at full AC's peak faster than full AC (or the same plan). FAIL: a prediction off
-beyond the noise (the whole interval outside prediction +- tolerance), or that plan slower than
-full AC over the whole interval. NOISY otherwise: a median outside the tolerance whose interval
-still reaches it says nothing either way. The verdict reads the CPU time: on a shared
+beyond this run's timing noise (the whole interval outside prediction +- tolerance), or that
+plan slower than full AC over the whole interval. NOISY otherwise: a median outside the
+tolerance whose interval still reaches it says nothing either way. The interval covers the
+rounds' noise only, not the drift of the calibration and the kernel prices between minutes. The verdict reads the CPU time: on a shared
 machine other processes stretch a step's wall time by whole time slices, which the thread's CPU
 time does not count. Exit status 0 when every family passes, 1 on a FAIL, 2 otherwise.
 """
@@ -56,7 +58,7 @@ import argparse
 import copy
 import dataclasses
 import gc
-import random
+import math
 import statistics
 import sys
 import time
@@ -77,7 +79,8 @@ from estimators.tracing.estimation import EstimateOptions, estimate  # noqa: E40
 from examples.convnet import ConvNetConfig, build_convnet  # noqa: E402
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
 from planner.analysis.calibration import calibrate_device  # noqa: E402
-from planner.analysis.kernel_profile import gc_frozen, profile_step_kernels  # noqa: E402
+from planner.analysis.kernel_profile import profile_step_kernels  # noqa: E402
+from planner.analysis.measure import gc_frozen  # noqa: E402
 from planner.applying.checkpointing import apply_plan, hf_cache_off  # noqa: E402
 from planner.options import PlanOptions  # noqa: E402
 from planner.plan import ModulePlan, Plan  # noqa: E402
@@ -241,12 +244,19 @@ class Row:
         return hi < pred - tol or lo > pred + tol
 
 
-def median_ci(xs: list[float], level: float = 0.95, resamples: int = 2000) -> tuple[float, float]:
-    """The ``level`` interval of the median of ``xs`` (percentile bootstrap, a fixed seed: the same
-    samples give the same interval)."""
-    rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
-    return meds[int((1 - level) / 2 * resamples)], meds[int((1 + level) / 2 * resamples) - 1]
+def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float]:
+    """The distribution-free ``level`` interval of the median of ``xs``: the order statistics
+    ``k`` and ``n + 1 - k`` for the largest ``k`` whose binomial coverage (each sample below the
+    median with probability 1/2) is at least ``level``. Too few samples for any (5 or fewer at
+    95 %): ``(-inf, inf)``, which can tell nothing."""
+    n, xs = len(xs), sorted(xs)
+    below, k = 0.0, 0  # P(fewer than k+1 of n samples below the median), k the rank so far
+    while k < n // 2:
+        below += math.comb(n, k) / 2**n
+        if 1 - 2 * below < level:
+            break
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k else (-math.inf, math.inf)
 
 
 def _paired(a: list[Sample], b: list[Sample], field: str) -> list[float]:
@@ -306,12 +316,30 @@ def verdict(rows: list[Row], samples: dict[str, list[Sample]]) -> tuple[str, str
         f"plan @ full-AC peak vs full AC: {diff:+.1f} ms measured [{lo:+.1f} {hi:+.1f}], "
         f"{at.variant.predicted_recompute_ms - full.variant.predicted_recompute_ms:+.1f} ms predicted")
     status = "FAIL" if off or slower else "PASS" if not noisy and faster else "NOISY"
-    why = f"overhead off by more than {TOLERANCE:.0%} / {FLOOR_MS:g} ms beyond the noise: {', '.join(off)}; " if off else ""
+    why = f"overhead off by more than {TOLERANCE:.0%} / {FLOOR_MS:g} ms beyond this run's noise: {', '.join(off)}; " if off else ""
     if noisy:
         why += (f"outside the tolerance but not beyond the noise (the 95% interval reaches it): {', '.join(noisy)}; ")
     if not faster and not slower:
         why += "not faster than full AC, not slower beyond the noise; "
     return status, f"{status}: {why}{vs} (CPU time)"
+
+
+def exit_status(verdicts: list[str]) -> int:
+    """0 when every family passed, 1 when one failed, 2 otherwise (NOISY, or no family ran)."""
+    return 1 if "FAIL" in verdicts else 0 if verdicts and all(v == "PASS" for v in verdicts) else 2
+
+
+def drift_note(rows: list[Row]) -> str | None:
+    """A line when the unplanned step measured more than ``TOLERANCE`` away from its prediction
+    (the kernels profiled on the same machine minutes before): the machine's speed moved."""
+    base = rows[0]
+    pred = base.variant.predicted_step_ms
+    off = (base.step_cpu_ms - pred) / pred
+    if abs(off) <= TOLERANCE:
+        return None
+    return (f"the unplanned step measured {base.step_cpu_ms:.1f} ms, {off:+.0%} from the {pred:.1f} predicted "
+            "from kernels profiled here minutes before: the machine ran at another speed, and every figure "
+            "of this family moved with it")
 
 
 def kernel_runtime(model: torch.nn.Module, step: TrainStep, kernels: str) -> tuple[BenchmarkRuntime, str]:
@@ -344,7 +372,7 @@ def keep_freed_memory() -> str:
             else "allocator left as it is (no glibc mallopt here): page faults may add to some steps")
 
 
-def _load() -> str:
+def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "n/a"
 
 
@@ -363,7 +391,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     heap = keep_freed_memory()
     cal = calibrate_device("cpu")
-    print(f"load {_load()}; one intra-op thread; {heap}; calibrated here:\n{cal.report()}\n")
+    print(f"load {load_average()}; one intra-op thread; {heap}; calibrated here:\n{cal.report()}\n")
     options = PlanOptions(device=cal.spec, reserve_gib=0, trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
     verdicts = []
     for family in args.families:
@@ -377,17 +405,19 @@ def main(argv=None) -> int:
         bench, how = kernel_runtime(model, step, args.kernels)
         with benchmark_runtime_override(bench):  # one timing per kernel, verification traces too
             variants, est = variants_of(model, step, options)
-        print(f"{family}: {how}; {bench.measurements} benchmarked alone (load {_load()})")
-        before = _load()
+        print(f"{family}: {how}; {bench.measurements} benchmarked alone (load {load_average()})")
+        before = load_average()
         samples = time_variants(model, step, variants, args.rounds)
         rows = rows_of(variants, samples)
-        print(render(f"{family}: {FAMILIES[family].__doc__}", rows, (before, _load())))
+        print(render(f"{family}: {FAMILIES[family].__doc__}", rows, (before, load_average())))
         status, line = verdict(rows, samples)
         verdicts.append(status)
+        if (note := drift_note(rows)) is not None:
+            print(f"{family}: note: {note}")
         print(f"{family}: {line}\n")
     print(f"overhead = step - the same round's unplanned step; pred = plan.recompute_ms; spread = min..max "
-          f"over {args.rounds} rounds; ci = the median's 95 % bootstrap interval; M = MiB. {time.perf_counter() - t0:.0f} s")
-    return 0 if all(v == "PASS" for v in verdicts) else 1 if "FAIL" in verdicts else 2
+          f"over {args.rounds} rounds; ci = the median's 95 % interval; M = MiB. {time.perf_counter() - t0:.0f} s")
+    return exit_status(verdicts)
 
 
 if __name__ == "__main__":

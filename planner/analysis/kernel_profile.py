@@ -45,28 +45,9 @@ from estimators.runtime.op_facts import timed_key
 from estimators.step.optimizer import check_optimizer_params, resolve_optimizer
 from estimators.step.train_step import TrainStep, run_step, step_mode, zero_grads
 from planner.analysis.calibration import host_clock
-from planner.analysis.measure import check_real
+from planner.analysis.measure import check_real, gc_frozen
 
-__all__ = ["KernelProfile", "gc_frozen", "profile_step_kernels"]
-
-
-@contextlib.contextmanager
-def gc_frozen():
-    """Within: the objects that existed on entry are out of the garbage collector's reach
-    (``gc.freeze``), so a ``gc.collect()`` before each timed step frees the steps' own garbage
-    without walking the whole heap. A full collection walks every Python object (200,000 with
-    transformers imported here: 110-200 ms) and leaves the caches cold for the step after it,
-    which a training loop's steps are not. On the way out they are collectable again. Where the
-    caller has frozen objects already, nothing is done: ``gc.unfreeze`` would release theirs too."""
-    mine = gc.get_freeze_count() == 0
-    if mine:
-        gc.collect()
-        gc.freeze()
-    try:
-        yield
-    finally:
-        if mine:
-            gc.unfreeze()
+__all__ = ["KernelProfile", "profile_step_kernels"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -30,7 +31,7 @@ from estimators.step.train_step import TrainStep, run_step, step_mode, zero_grad
 from estimators.tracing.trace import held_tensors
 from planner.analysis.collectives import CallerHeldCollectives
 
-__all__ = ["MeasuredStep", "StepPeaks", "measure_step", "measure_steps", "measure_run"]
+__all__ = ["MeasuredStep", "StepPeaks", "gc_frozen", "measure_step", "measure_steps", "measure_run"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,28 @@ def _drop_grads(params: list[torch.nn.Parameter]):
     finally:
         for p in params:
             p.grad = None
+
+
+@contextlib.contextmanager
+def gc_frozen():
+    """For timing steps: within, the objects that existed on entry are out of the garbage
+    collector's reach (``gc.freeze``), so a ``gc.collect()`` before each timed step frees the
+    steps' own garbage without walking the whole heap: a full collection walks every Python
+    object, for long in a process with large libraries imported, and leaves the caches cold for
+    the step after it, as a training loop's steps do not find them. On the way out (an exception
+    too) everything is collectable again. Where the caller has frozen objects already, nothing is
+    done: ``gc.unfreeze`` would release theirs too. Meanwhile a garbage cycle that reaches an
+    object frozen on entry waits for the exit to be freed, and a freeze another thread makes is
+    released with ours."""
+    mine = gc.get_freeze_count() == 0
+    if mine:
+        gc.collect()
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if mine:
+            gc.unfreeze()
 
 
 def check_real(model: torch.nn.Module, doing: str = "measuring") -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -37,41 +38,63 @@ def test_overhead_is_the_median_of_paired_rounds():
     samples = _samples([100, 200, 100], [110, 212, 111], [120, 220, 121])
     rows = tf.rows_of(_variants(SELECTIVE, 10.0, 20.0), samples)
     assert [r.overhead_cpu_ms for r in rows] == [0, 11, 20]
-    assert rows[1].overhead_cpu_ci == (10, 12) and rows[1].step_cpu_ms == 111
-    assert all(r.within for r in rows[1:])
+    assert rows[1].step_cpu_ms == 111 and all(r.within for r in rows[1:])
+    assert rows[1].overhead_cpu_ci == (-math.inf, math.inf)  # 3 rounds bound no median at 95 %
 
 
-def test_median_ci_brackets_the_median_and_narrows_with_more_rounds():
+def test_median_ci_is_the_order_statistics_of_binomial_coverage():
     xs = [(x * 37) % 101 / 10 for x in range(21)]  # 21 distinct values, 0.0-10.0
-    lo, hi = tf.median_ci(xs)
-    assert lo <= statistics.median(xs) <= hi and 0 < hi - lo
-    lo4, hi4 = tf.median_ci(xs * 4)
-    assert hi4 - lo4 < hi - lo and tf.median_ci(xs) == (lo, hi)  # seeded: the same interval again
-    assert tf.median_ci([5.0] * 9) == (5.0, 5.0)
+    s = sorted(xs)
+    assert tf.median_ci(xs) == (s[5], s[15])  # ranks 6 and 16: 97.3 % coverage, ranks 7 and 15 92.2 %
+    assert tf.median_ci(list(range(41))) == (13, 27)
+    assert tf.median_ci(list(range(6))) == (0, 5)  # 1 - 2 / 64 = 96.9 %
+    assert tf.median_ci(list(range(5))) == (-math.inf, math.inf)  # 1 - 2 / 32 = 93.8 %: none
+    lo, hi = tf.median_ci(xs * 4)
+    assert s[5] < lo <= statistics.median(xs) <= hi < s[15]  # more rounds, a narrower interval
 
 
 def test_pass_needs_every_overhead_within_tolerance_and_the_plan_faster_than_full_ac():
-    status, line = tf.verdict(*_rows_and(_samples([100] * 3, [110] * 3, [120] * 3), 10.0, 20.0))
+    status, line = tf.verdict(*_rows_and(_samples([100] * 7, [110] * 7, [120] * 7), 10.0, 20.0))
     assert status == "PASS" and line.startswith("PASS") and "-10.0 ms measured" in line
-    status, line = tf.verdict(*_rows_and(_samples([100] * 3, [125] * 3, [120] * 3), 25.0, 20.0))
+    status, line = tf.verdict(*_rows_and(_samples([100] * 7, [125] * 7, [120] * 7), 25.0, 20.0))
     assert status == "FAIL" and "vs full AC: +5.0 ms measured" in line  # within tolerance, but slower
-    status, line = tf.verdict(*_rows_and(_samples([100] * 3, [110] * 3, [150] * 3), 10.0, 20.0))
+    status, line = tf.verdict(*_rows_and(_samples([100] * 7, [110] * 7, [150] * 7), 10.0, 20.0))
     assert status == "FAIL" and "off by more than 15%" in line and "full AC" in line  # 50 ms measured, 20 predicted
-    status, line = tf.verdict(*_rows_and(_samples([100] * 3, [122] * 3, [120] * 3), 20.0, 20.0, at=FULL))
+    status, line = tf.verdict(*_rows_and(_samples([100] * 7, [122] * 7, [120] * 7), 20.0, 20.0, at=FULL))
     assert status == "PASS" and "the same plan as full AC" in line  # the same plan cannot be faster than itself
+    status, _ = tf.verdict(*_rows_and(_samples([100] * 3, [110] * 3, [150] * 3), 10.0, 20.0))
+    assert status == "NOISY"  # 3 rounds cannot show a prediction off
 
 
 def test_a_median_outside_the_tolerance_whose_interval_reaches_it_is_noisy_not_a_pass():
-    """Full AC predicted at 20 ms: its median overhead 26 (over 15 % and 3 ms), but two of five
-    rounds measured 20-21, so the median's interval reaches 17-23: NOISY. With every round at
-    26-27 the interval misses it: FAIL."""
-    noisy = _samples([100] * 5, [110] * 5, [120, 121, 126, 126, 127])
+    """Full AC predicted at 20 ms (17-23 allowed): its median overhead 26, but the median's
+    interval over 9 rounds (ranks 2 and 8) reaches 21: NOISY. With the second-lowest round at 26
+    it misses: FAIL. The plan at full AC's peak neither faster nor slower over its interval: NOISY."""
+    noisy = _samples([100] * 9, [110] * 9, [120, 121, 126, 126, 126, 126, 127, 127, 127])
     status, line = tf.verdict(*_rows_and(noisy, 10.0, 20.0))
     rows = tf.rows_of(_variants(SELECTIVE, 10.0, 20.0), noisy)
-    assert rows[2].overhead_cpu_ms == 26 and not rows[2].within and not rows[2].off
+    assert rows[2].overhead_cpu_ms == 26 and rows[2].overhead_cpu_ci == (21, 27)
+    assert not rows[2].within and not rows[2].off
     assert status == "NOISY" and "not beyond the noise" in line and "full AC" in line
-    status, _ = tf.verdict(*_rows_and(_samples([100] * 5, [110] * 5, [126, 126, 126, 127, 127]), 10.0, 20.0))
+    status, _ = tf.verdict(*_rows_and(_samples([100] * 9, [110] * 9, [125] + [126] * 5 + [127] * 3), 10.0, 20.0))
     assert status == "FAIL"
+    at = [115, 119, 119, 119, 122, 122, 122, 123, 130]  # vs full AC's 120: median +2, interval -1..+3
+    status, line = tf.verdict(*_rows_and(_samples([100] * 9, at, [120] * 9), 20.0, 20.0))
+    assert status == "NOISY" and "not faster than full AC, not slower beyond the noise" in line
+
+
+def test_exit_status_fail_first_then_pass_only_when_every_family_passed():
+    assert tf.exit_status(["PASS", "PASS"]) == 0
+    assert tf.exit_status(["PASS", "NOISY", "FAIL"]) == 1
+    assert tf.exit_status(["PASS", "NOISY"]) == 2
+    assert tf.exit_status([]) == 2  # nothing ran (the HF family skipped alone): not a pass
+
+
+def test_a_drifted_unplanned_step_is_named():
+    rows = tf.rows_of(_variants(SELECTIVE, 10.0, 20.0), _samples([117] * 3, [127] * 3, [137] * 3))
+    assert tf.drift_note(rows) is not None and "+17%" in tf.drift_note(rows)  # 117 vs 100 predicted
+    rows = tf.rows_of(_variants(SELECTIVE, 10.0, 20.0), _samples([110] * 3, [120] * 3, [130] * 3))
+    assert tf.drift_note(rows) is None
 
 
 def test_each_timed_step_follows_an_untimed_step_of_its_own_variant(monkeypatch):

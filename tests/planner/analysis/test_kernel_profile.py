@@ -101,25 +101,3 @@ def test_its_runtime_keeps_the_profiles_clock_and_writes_no_cache_file(tmp_path,
     for bad in ({"cache_path": tmp_path / "c.json"}, {"clock": "wall"}, {"device": "meta"}):
         with pytest.raises(ValueError, match="cache_path|clock"):
             prof.runtime(**bad)
-
-
-def test_gc_frozen_freezes_the_heap_within_and_gives_it_back():
-    """Within, a collection walks only what was made since entry; after, everything is collectable
-    again (a user's process is left as it was)."""
-    import gc
-
-    from planner.analysis.kernel_profile import gc_frozen
-
-    gc.unfreeze()  # the suite freezes its heap after collection (tests/conftest.py)
-    try:
-        with gc_frozen():
-            assert gc.get_freeze_count() > 0
-        assert gc.get_freeze_count() == 0
-        gc.freeze()  # a caller that froze its own: left frozen, not released with ours
-        n = gc.get_freeze_count()
-        with gc_frozen():
-            pass
-        assert gc.get_freeze_count() == n
-    finally:
-        gc.collect()
-        gc.freeze()  # as the suite had it

@@ -289,3 +289,29 @@ def test_steps_leave_no_gradients_behind(how):
     model.a.weight.grad = torch.ones_like(model.a.weight)  # gradients the caller had are the caller's
     measure_steps(model, step, n_steps=1)
     assert model.a.weight.grad is not None and model.b.weight.grad is None
+
+
+def test_gc_frozen_freezes_the_heap_within_and_gives_it_back():
+    """Within, a collection walks only what was made since entry; after, everything is collectable
+    again (a user's process is left as it was)."""
+    import gc
+
+    from planner.analysis.measure import gc_frozen
+
+    gc.unfreeze()  # the suite freezes its heap after collection (tests/conftest.py)
+    try:
+        with gc_frozen():
+            assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() == 0
+        gc.freeze()  # a caller that froze its own: left frozen, not released with ours
+        n = gc.get_freeze_count()
+        with gc_frozen():
+            pass
+        assert gc.get_freeze_count() == n
+        gc.unfreeze()
+        with pytest.raises(KeyError), gc_frozen():  # an exception in the block: given back too
+            raise KeyError("x")
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.collect()
+        gc.freeze()  # frozen again: the suite froze its heap (and now what earlier tests left alive)
