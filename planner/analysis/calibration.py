@@ -328,7 +328,7 @@ def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:
     return CheckpointHostCosts(checkpoint_call_ms=call, recompute_op_ms=recompute_op, selective_op_ms=policy,
                                selective_call_ms=selective_call,
                                checkpoint_submodule_ms=max(0.0, (nested.full_ms - short.full_ms) / _SUBMODULES),
-                               recompute_op_warm_ms=min(warm, recompute_op), clock=clock)
+                               recompute_op_warm_ms=max(0.0, min(warm, recompute_op)), clock=clock)
 
 
 def calibrate_device(base: DeviceSpec | str = "cpu", *, device: str | torch.device | None = None,

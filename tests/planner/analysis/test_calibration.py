@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from estimators.runtime.device import get_device_spec
 from planner.analysis.calibration import calibrate_device, fit_checkpoint_costs
 
 
@@ -94,3 +95,21 @@ def test_the_evictions_own_time_is_left_out(one_intra_op_thread, monkeypatch):
     monkeypatch.setattr(cal, "_Evictor", Slow)
     costs = cal._chain_costs(1, 1, time.thread_time_ns, full_only=True)
     assert 0 < costs.full_ms < 7.0
+
+
+def test_a_noisy_warm_chain_gives_a_warm_cost_of_zero_not_a_spec_that_refuses_it(monkeypatch):
+    """On a busy machine the warm chains' fit can come out below 0 (the long chain's kernels
+    timed slower than its whole checkpoint's per-op cost): the warm cost is clamped like the
+    others, and the spec accepts it (it refused a negative one and the calibration crashed)."""
+    from planner.analysis import calibration as cal
+
+    def costs(k, rounds, now, submodules=0, *, full_only=False, cold=True):
+        ops = 15 if k == cal._CHAINS[0] else 90
+        if cold:
+            return cal._ChainCosts(ops, full_ms=1.0 + ops * 0.05, selective_ms=1.2 + ops * 0.06, kernels_ms=ops * 0.02)
+        return cal._ChainCosts(ops, full_ms=ops * 0.02, selective_ms=0.0, kernels_ms=ops * 0.03)  # warm: negative
+
+    monkeypatch.setattr(cal, "_chain_costs", costs)
+    c = cal.measure_checkpoint_costs(rounds=1)
+    assert c.recompute_op_warm_ms == 0.0 and c.recompute_op_ms > 0
+    get_device_spec("cpu").replace(recompute_op_ms=c.recompute_op_ms, recompute_op_warm_ms=c.recompute_op_warm_ms)
