@@ -139,7 +139,9 @@ def profile_step_kernels(model: torch.nn.Module, step: TrainStep, *, steps: int 
                          warmup: int = 2) -> KernelProfile:
     """Run ``warmup`` + ``steps`` real training steps of ``step`` on a copy of ``model`` and
     time every op of the last ``steps`` (see the module docstring). Time it with one intra-op
-    thread (``torch.set_num_threads(1)``) for thread CPU time, as the benchmark runtime does."""
+    thread (``torch.set_num_threads(1)``) for thread CPU time, as the benchmark runtime does.
+    The steps run under ``measure.gc_frozen``: a full ``gc.collect()`` on entry, the heap frozen
+    until the profile returns."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or \
             isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"steps must be an int >= 1 and warmup an int >= 0, got {steps!r}, {warmup!r}")
