@@ -245,6 +245,11 @@ class Row:
         lo, hi = self.overhead_cpu_ci
         return hi < pred - tol or lo > pred + tol
 
+    @property
+    def state(self) -> str:
+        """"ok" within the tolerance, "OFF" beyond the noise (``off``), "noisy" neither."""
+        return "ok" if self.within else "OFF" if self.off else "noisy"
+
 
 def median_ci(xs: list[float], level: float = 0.95) -> tuple[float, float]:
     """The distribution-free ``level`` interval of the median of ``xs``: the order statistics
@@ -288,7 +293,7 @@ def render(family: str, rows: list[Row], load: tuple[str, str]) -> str:
         err = "" if v.plan is None else (
             f"{(r.overhead_cpu_ms - v.predicted_recompute_ms) / v.predicted_recompute_ms:+.0%}"
             if v.predicted_recompute_ms else "n/a")
-        mark = "" if v.plan is None else ("  ok" if r.within else "  OFF" if r.off else "  noisy")
+        mark = "" if v.plan is None else f"  {r.state}"
         lines.append(
             f"{v.name:20} {v.predicted_peak_bytes / MiB:8.1f}M "
             f"{r.step_cpu_ms:8.1f} [{r.step_cpu_spread[0]:6.1f}-{r.step_cpu_spread[1]:6.1f}] "
@@ -306,8 +311,8 @@ def verdict(rows: list[Row], samples: dict[str, list[Sample]]) -> tuple[str, str
     slower than full AC in the whole interval. NOISY: neither; the measurement cannot tell."""
     by = {r.variant.name: r for r in rows}
     plans = [r for r in rows if r.variant.plan is not None]
-    off = [r.variant.name for r in plans if r.off]
-    noisy = [r.variant.name for r in plans if not r.within and not r.off]
+    off = [r.variant.name for r in plans if r.state == "OFF"]
+    noisy = [r.variant.name for r in plans if r.state == "noisy"]
     at, full = by["plan @ full-AC peak"], by["full AC"]
     same = {m.fqn: (m.full, m.saved_ops) for m in at.variant.plan.modules} == \
         {m.fqn: (m.full, m.saved_ops) for m in full.variant.plan.modules}
