@@ -57,6 +57,7 @@ time does not count. Exit status 0 when every family passes, 1 on a FAIL, 2 othe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -81,7 +82,7 @@ from estimators.tracing.estimation import EstimateOptions, estimate  # noqa: E40
 from examples.convnet import ConvNetConfig, build_convnet  # noqa: E402
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
 from planner.analysis.calibration import calibrate_device  # noqa: E402
-from planner.analysis.kernel_profile import profile_step_kernels  # noqa: E402
+from planner.analysis.kernel_profile import OpTimer, profile_step_kernels  # noqa: E402
 from planner.analysis.measure import gc_frozen  # noqa: E402
 from planner.applying.checkpointing import apply_plan, hf_cache_off  # noqa: E402
 from planner.options import PlanOptions  # noqa: E402
@@ -133,6 +134,9 @@ class Variant:
     predicted_recompute_ms: float
     predicted_step_ms: float
     predicted_peak_bytes: int
+    planned_recompute_ms: float | None = None
+    """What the plan was made with (``plan.recompute_ms``), where ``predicted_recompute_ms`` is a
+    re-pricing of it (``repriced``); None where they are one."""
 
 
 def full_ac_plan(like: Plan, info) -> Plan:
@@ -169,6 +173,22 @@ def variants_of(model: torch.nn.Module, step: TrainStep, options: PlanOptions) -
     return out, est
 
 
+def repriced(model: torch.nn.Module, step: TrainStep, variants: list[Variant], options: PlanOptions,
+             runtime: BenchmarkRuntime) -> list[Variant]:
+    """The same variants, the same plans, priced again with ``runtime``'s kernel times by the
+    planner's rule (``recompute_ms_with_saved`` of each module's cached ops, the no-AC step of a
+    new trace): the runtime model's prediction from kernels timed at another moment."""
+    with benchmark_runtime_override(runtime), hf_cache_off(model):
+        info = estimate(model, step, device=options.spec, options=options.trace).module_info
+    base, out = info.step_runtime_ms, []
+    for v in variants:
+        ms = 0.0 if v.plan is None else sum(recompute_ms_with_saved(info.stats(m.fqn), frozenset(m.saved_ops))
+                                            for m in v.plan.modules)
+        out.append(dataclasses.replace(v, predicted_recompute_ms=ms, predicted_step_ms=base + ms,
+                                       planned_recompute_ms=v.predicted_recompute_ms))
+    return out
+
+
 # ----------------------------------------------------------------------------- timing
 
 
@@ -178,14 +198,19 @@ class Sample:
     cpu_ms: float
 
 
+PROFILED = "no AC, op-timed"
+
+
 def time_variants(model: torch.nn.Module, step: TrainStep, variants: list[Variant], rounds: int,
-                  warmup: int = 2, settle: int = 1) -> dict[str, list[Sample]]:
+                  warmup: int = 2, settle: int = 1, timer: OpTimer | None = None) -> dict[str, list[Sample]]:
     """Each variant's steps, ``rounds`` of them, round-robin in a rotating order (a model copy and
     an AdamW each; ``warmup`` untimed steps first). Each timed step comes right after ``settle``
     untimed steps of the same variant, as a training loop runs one step after another of the same
     model: a step run straight after another variant's inherits that variant's heap and caches,
     and in a rotating order each variant follows the same other one in most rounds, so what it
-    inherits biases its figure instead of averaging out."""
+    inherits biases its figure instead of averaging out. With a ``timer``, one more copy of the
+    unplanned model takes its turn in every round, its step run under the timer (``PROFILED``,
+    sampled but not a variant): the kernels priced in the minutes the variants are timed in."""
     runs = []
     for v in variants:
         m = copy.deepcopy(model)
@@ -193,13 +218,17 @@ def time_variants(model: torch.nn.Module, step: TrainStep, variants: list[Varian
         if v.plan is not None:
             apply_plan(m, v.plan)
         runs.append((v.name, m, opt))
+    if timer is not None:
+        m = copy.deepcopy(model)
+        runs.append((PROFILED, m, torch.optim.AdamW(m.parameters(), lr=1e-4)))
 
-    def one(m, opt) -> Sample:
+    def one(m, opt, mode=contextlib.nullcontext()) -> Sample:
         m.zero_grad(set_to_none=True)
         gc.collect()
-        w, c = time.perf_counter(), time.thread_time()
-        run_step(m, step.inputs, step.loss_fn, opt)
-        return Sample((time.perf_counter() - w) * 1e3, (time.thread_time() - c) * 1e3)
+        with mode:
+            w, c = time.perf_counter(), time.thread_time()
+            run_step(m, step.inputs, step.loss_fn, opt)
+            return Sample((time.perf_counter() - w) * 1e3, (time.thread_time() - c) * 1e3)
 
     samples: dict[str, list[Sample]] = {name: [] for name, _, _ in runs}
     with gc_frozen():
@@ -211,7 +240,7 @@ def time_variants(model: torch.nn.Module, step: TrainStep, variants: list[Varian
                 name, m, opt = runs[(r + k) % len(runs)]
                 for _ in range(settle):
                     one(m, opt)
-                samples[name].append(one(m, opt))
+                samples[name].append(one(m, opt, timer if name == PROFILED else contextlib.nullcontext()))
     return samples
 
 
@@ -286,7 +315,7 @@ def rows_of(variants: list[Variant], samples: dict[str, list[Sample]]) -> list[R
 
 def render(family: str, rows: list[Row], load: tuple[str, str]) -> str:
     head = (f"{'variant':20} {'peak pred':>9} {'step cpu [min-max]':>23} {'step wall [min-max]':>24} "
-            f"{'step pred':>9} {'overhead cpu [95% ci]':>26} {'wall':>7} {'pred':>7} {'err':>6}")
+            f"{'step pred':>9} {'overhead cpu [95% ci]':>26} {'wall':>7} {'pred':>7} {'err':>6} {'planned':>8}")
     lines = [f"== {family}   load before {load[0]}, after {load[1]}", head, "-" * len(head)]
     for r in rows:
         v = r.variant
@@ -294,13 +323,14 @@ def render(family: str, rows: list[Row], load: tuple[str, str]) -> str:
             f"{(r.overhead_cpu_ms - v.predicted_recompute_ms) / v.predicted_recompute_ms:+.0%}"
             if v.predicted_recompute_ms else "n/a")
         mark = "" if v.plan is None else f"  {r.state}"
+        planned = "" if v.planned_recompute_ms is None or v.plan is None else f"{v.planned_recompute_ms:.1f}"
         lines.append(
             f"{v.name:20} {v.predicted_peak_bytes / MiB:8.1f}M "
             f"{r.step_cpu_ms:8.1f} [{r.step_cpu_spread[0]:6.1f}-{r.step_cpu_spread[1]:6.1f}] "
             f"{r.step_wall_ms:8.1f} [{r.step_wall_spread[0]:6.1f}-{r.step_wall_spread[1]:7.1f}] "
             f"{v.predicted_step_ms:9.1f} "
             f"{r.overhead_cpu_ms:+8.1f} [{r.overhead_cpu_ci[0]:+7.1f} {r.overhead_cpu_ci[1]:+7.1f}] "
-            f"{r.overhead_wall_ms:+7.1f} {v.predicted_recompute_ms:7.1f} {err:>6}{mark}")
+            f"{r.overhead_wall_ms:+7.1f} {v.predicted_recompute_ms:7.1f} {err:>6} {planned:>8}{mark}")
     return "\n".join(lines)
 
 
@@ -416,7 +446,13 @@ def main(argv=None) -> int:
             variants, est = variants_of(model, step, options)
         print(f"{family}: {how}; {bench.measurements} benchmarked alone (load {load_average()})")
         before = load_average()
-        samples = time_variants(model, step, variants, args.rounds)
+        timer = OpTimer() if args.kernels == "step" else None
+        samples = time_variants(model, step, variants, args.rounds, timer=timer)
+        if timer is not None:
+            now = timer.profile(args.rounds).runtime()
+            # a signature the unplanned steps do not run (only a recompute does): benchmarked once
+            now.import_cache({k: v for k, v in bench.export_cache().items() if k not in timer.samples})
+            variants = repriced(model, step, variants, options, now)
         rows = rows_of(variants, samples)
         print(render(f"{family}: {FAMILIES[family].__doc__}", rows, (before, load_average())))
         status, line = verdict(rows, samples)

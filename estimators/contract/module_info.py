@@ -116,6 +116,12 @@ class SACOp:
     """Draws random numbers; all random ops of a module are recomputed together or not at all."""
     is_saved: bool = False
     """Autograd saved (part of) an output of this op for backward."""
+    saved_inside: bool | None = None
+    """An op of this module saves (part of) this op's output, or the storage it writes in place:
+    torch's recompute stops early after the last such op (:func:`estimators.tracing.sac.last_saved`),
+    and an output only later modules save (a block's output, which the next block saves) does
+    not keep it going. None: not recorded (a hand-built table, a file from before this field),
+    taken as ``is_saved``."""
     cache_cost_bytes: int = 0
     """Bytes a selective checkpoint would hold *only because it caches this op*: outputs autograd
     does not save (e.g. batch norm's output when only its statistics are saved). Such ops are

@@ -81,12 +81,13 @@ def _call_ops(trace: StepTrace, call: ModuleCall, host_op_ms: HostOpMs) -> list[
         seen[name] = occ + 1
         i = len(ops)
         memory = unsaved = 0
-        saved = False
+        saved = inner = False
         param_cast = rec.func is _TO_COPY and any(trace.storages[a].kind is StorageKind.PARAM for a in rec.arg_sids)
         for sid in rec.new_sids:
             st = trace.storages[sid]
             creator[sid] = i
             saved |= st.saved
+            inner |= bool(st.saved_by_calls & inside)
             if st.saved and st.saved_by_calls <= inside and not param_cast:
                 memory += st.nbytes
             elif not st.saved or not (st.saved_by_calls & inside):
@@ -103,6 +104,7 @@ def _call_ops(trace: StepTrace, call: ModuleCall, host_op_ms: HostOpMs) -> list[
         if rec.mutated_sids:
             parent = creator.get(rec.mutated_sids[0], i)
             saved |= any(trace.storages[s].saved for s in rec.mutated_sids)
+            inner |= any(trace.storages[s].saved_by_calls & inside for s in rec.mutated_sids)
         ops.append(
             SACOp(
                 func=name,
@@ -114,6 +116,7 @@ def _call_ops(trace: StepTrace, call: ModuleCall, host_op_ms: HostOpMs) -> list[
                 reads_before_mutation=stale,
                 is_random=rec.is_random,
                 is_saved=saved,
+                saved_inside=inner,
                 cache_cost_bytes=unsaved if saved else 0,
             )
         )
@@ -168,9 +171,13 @@ def cumulative_curve(units: list[SACGroup]) -> TradeoffCurve:
 
 
 def last_saved(ops: tuple[SACOp, ...]) -> int:
-    """Index of the last op whose output autograd saves (-1: none): torch's recompute stops
-    early after it, and without one nothing is unpacked, so nothing is recomputed."""
-    return max((i for i, o in enumerate(ops) if o.is_saved), default=-1)
+    """Index of the last op whose output an op of the module saves (``SACOp.saved_inside``; -1:
+    none): torch's recompute stops early once the module's saved tensors are all packed again,
+    and an op that saves only its inputs packs them before its kernel runs, so nothing after
+    that op's last saved input runs again (a Llama layer's down projection does not; measured).
+    Without one nothing is unpacked, so nothing is recomputed."""
+    return max((i for i, o in enumerate(ops) if (o.is_saved if o.saved_inside is None else o.saved_inside)),
+               default=-1)
 
 
 def replay_ms(ops: tuple[SACOp, ...], rerun: Callable[[int, SACOp], bool]) -> float:

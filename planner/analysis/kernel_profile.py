@@ -47,7 +47,7 @@ from estimators.step.train_step import TrainStep, run_step, step_mode, zero_grad
 from planner.analysis.calibration import host_clock
 from planner.analysis.measure import check_real, gc_frozen
 
-__all__ = ["KernelProfile", "profile_step_kernels"]
+__all__ = ["KernelProfile", "OpTimer", "profile_step_kernels"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,13 +81,16 @@ class KernelProfile:
                 f"({self.calls:,} calls, {self.clock} clock)")
 
 
-class _OpTimer(TorchDispatchMode):
-    """Times every op that launches a kernel by ``now``, under its benchmark key. Entered
-    outermost, it times the kernel alone: modes entered inside it (a checkpoint's) run first."""
+class OpTimer(TorchDispatchMode):
+    """Times every op that launches a kernel by ``host_clock`` (fixed when it is built), under
+    its benchmark key, while entered; it may be entered around many steps, and ``profile``
+    gives each signature's median over them. Entered outermost, it times the kernel alone:
+    modes entered inside it (a checkpoint's) run first. Keeps every sample: one profiled step
+    of a small model is a few thousand calls."""
 
-    def __init__(self, now) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.now = now
+        self.clock, self.now = host_clock()
         self.samples: defaultdict[str, list[int]] = defaultdict(list)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -100,6 +103,11 @@ class _OpTimer(TorchDispatchMode):
         if key is not None:
             self.samples[key[1]].append(elapsed)
         return out
+
+    def profile(self, steps: int) -> KernelProfile:
+        """The medians of what was timed, as a profile of ``steps`` steps."""
+        return KernelProfile(timings_ms={k: statistics.median(v) / 1e6 for k, v in self.samples.items()},
+                             calls=sum(map(len, self.samples.values())), steps=steps, clock=self.clock)
 
 
 def _copy_optimizer(optimizer: Any, model: torch.nn.Module, copied: torch.nn.Module) -> torch.optim.Optimizer | None:
@@ -150,10 +158,9 @@ def profile_step_kernels(model: torch.nn.Module, step: TrainStep, *, steps: int 
     if devices - {"cpu"}:
         raise ValueError(f"profile_step_kernels times kernels on the CPU and the model is on {sorted(devices)}: "
                          "a GPU's kernels are timed by BenchmarkRuntime(device='cuda') (CUDA events)")
-    clock, now = host_clock()
     m = copy.deepcopy(model)
     opt = _copy_optimizer(step.optimizer, model, m)
-    timer = _OpTimer(now)
+    timer = OpTimer()
     held: list = [None]
 
     def run() -> None:
@@ -171,5 +178,4 @@ def profile_step_kernels(model: torch.nn.Module, step: TrainStep, *, steps: int 
             else:
                 with timer:
                     run()
-    timings = {k: statistics.median(v) / 1e6 for k, v in timer.samples.items()}
-    return KernelProfile(timings_ms=timings, calls=sum(map(len, timer.samples.values())), steps=steps, clock=clock)
+    return timer.profile(steps)

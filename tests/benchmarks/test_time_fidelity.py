@@ -111,9 +111,10 @@ def test_each_timed_step_follows_an_untimed_step_of_its_own_variant(monkeypatch)
     variants = [tf.Variant(name=n, plan=None, predicted_recompute_ms=0.0, predicted_step_ms=1.0,
                            predicted_peak_bytes=1) for n in ("a", "b", "c")]
     step = types.SimpleNamespace(inputs=None, loss_fn=None)
-    samples = tf.time_variants(torch.nn.Linear(2, 2), step, variants, rounds=4, warmup=1)
+    samples = tf.time_variants(torch.nn.Linear(2, 2), step, variants, rounds=4, warmup=1, timer=tf.OpTimer())
     timed = sorted(round((s.cpu_ms / 1000 - 1) / 2) for ss in samples.values() for s in ss)
-    assert all(len(s) == 4 for s in samples.values()) and len(ran) == 3 + 2 * 12 and len(timed) == 12
+    assert set(samples) == {"a", "b", "c", tf.PROFILED}  # the op-timed copy takes its turn too
+    assert all(len(s) == 4 for s in samples.values()) and len(ran) == 4 + 2 * 16 and len(timed) == 16
     assert all(ran[n - 1] == ran[n] and n - 1 not in timed for n in timed)
 
 
@@ -134,5 +135,34 @@ def test_one_round_of_the_convnet_family_runs(one_intra_op_thread):
     full = variants[-1]
     assert all(m.full for m in full.plan.modules) and full.predicted_recompute_ms > 0
     assert variants[3].predicted_recompute_ms <= full.predicted_recompute_ms  # the solver beats full AC's price
-    samples = tf.time_variants(model, step, variants, rounds=1, warmup=0)
-    assert all(len(s) == 1 and s[0].cpu_ms > 0 for s in samples.values())
+    timer = tf.OpTimer()
+    samples = tf.time_variants(model, step, variants, rounds=1, warmup=0, timer=timer)
+    assert all(len(s) == 1 and s[0].cpu_ms > 0 for s in samples.values()) and timer.samples
+
+
+def test_repricing_with_the_planning_kernels_gives_the_plans_own_prices(one_intra_op_thread):
+    """``repriced`` prices a plan by the planner's rule: with the kernels it was planned with, it
+    gives back ``plan.recompute_ms`` and the no-AC step; with others, the plan is kept and its
+    price moves (what the verdict reads when the kernels are timed in the rounds)."""
+    from estimators.runtime.device import get_device_spec
+    from estimators.runtime.models import RuntimeKind, benchmark_runtime_override
+    from estimators.tracing.estimation import EstimateOptions
+    from planner.options import PlanOptions
+
+    model, step = tf.FAMILIES["convnet"]()
+    options = PlanOptions(device=get_device_spec("cpu"), reserve_gib=0,
+                          trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
+    planned_with = tf.profile_step_kernels(model, step, steps=1, warmup=0).runtime()
+    with benchmark_runtime_override(planned_with):
+        variants, _ = tf.variants_of(model, step, options)
+    again = tf.repriced(model, step, variants, options, planned_with)
+    for v, w in zip(variants, again):
+        assert w.plan is v.plan and w.planned_recompute_ms == v.predicted_recompute_ms
+        assert w.predicted_recompute_ms == pytest.approx(v.predicted_recompute_ms, rel=1e-9)
+        assert w.predicted_step_ms == pytest.approx(v.predicted_step_ms, rel=1e-9)
+    slower = tf.BenchmarkRuntime()
+    slower.import_cache({k: 2 * t for k, t in planned_with.export_cache().items()})
+    doubled = tf.repriced(model, step, variants, options, slower)
+    assert all(w.plan is v.plan for v, w in zip(variants, doubled))
+    assert doubled[0].predicted_step_ms == pytest.approx(2 * variants[0].predicted_step_ms, rel=0.05)
+    assert all(w.predicted_recompute_ms > v.predicted_recompute_ms for v, w in zip(variants[1:], doubled[1:]))
