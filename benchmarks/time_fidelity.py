@@ -29,16 +29,24 @@ intra-op thread:
    the wall clock and by its thread's CPU time (``time.thread_time``). glibc's malloc is told to keep freed
    memory (as CUDA's caching allocator does): otherwise a step re-faults pages the step before
    handed back, by amounts that depend on which variant ran before it in the shared heap, and
-   the runtime model does not price page faults.
+   the runtime model does not price page faults. One more copy of the unplanned model takes its
+   turn in every round, its step under an op timer (``planner.analysis.kernel_profile.OpTimer``);
+4. price the same plans again (``repriced``) with those kernels: each signature's median over the
+   rounds, in the minutes the variants ran (a signature only a recompute runs keeps its price
+   from step 1). The machine's speed drifts between minutes by more than a small plan's
+   tolerance (round 29: the unplanned step up to 16 % off a profile taken a minute before), so the kernels the plans were chosen with are not the ones they ran with;
+   repriced, the figure tests the runtime model (which ops re-run, the checkpoint's host costs),
+   not the machine's steadiness. ``plan.recompute_ms`` is printed beside it ("planned").
+   ``--kernels benchmark`` prices with kernels timed alone and does not reprice.
 
 The median over 41 rounds (the default): a step varies by several per cent from round to round
 even idle, so a paired difference spreads widely and one median is known only to its interval;
 the 3 ms floor below is what a plan of a few calls is held to.
 
 Printed per variant: the measured step (median over rounds, and the spread min..max), the
-predicted step (no-AC step + the plan's recompute), the measured overhead (the median over rounds
-of the step less that round's unplanned step, and that median's 95 % interval, ``median_ci``)
-beside the predicted one (``plan.recompute_ms``). Where a family's unplanned step measured more
+predicted step (no-AC step + the plan's recompute, repriced), the measured overhead (the median
+over rounds of the step less that round's unplanned step, and that median's 95 % interval,
+``median_ci``) beside the predicted one (repriced; ``plan.recompute_ms`` as "planned"). Where a family's unplanned step measured more
 than 15 % away from its prediction, a line says so: the machine ran at another speed while it
 timed than while it profiled the kernels, and every figure of the family moved with it.
 
@@ -61,6 +69,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import json
 import math
 import statistics
 import sys
@@ -367,8 +376,9 @@ def exit_status(verdicts: list[str]) -> int:
 
 
 def drift_note(rows: list[Row]) -> str | None:
-    """A line when the unplanned step measured more than ``TOLERANCE`` away from its prediction
-    (the kernels profiled on the same machine minutes before): the machine's speed moved."""
+    """A line when the unplanned step measured more than ``TOLERANCE`` away from its prediction:
+    with kernels profiled minutes before (not repriced), the machine's speed moved; repriced
+    with kernels timed in the same rounds, the step's own model (its host costs) is that far off."""
     base = rows[0]
     pred = base.variant.predicted_step_ms
     if pred <= 0:
@@ -376,9 +386,11 @@ def drift_note(rows: list[Row]) -> str | None:
     off = (base.step_cpu_ms - pred) / pred
     if abs(off) <= TOLERANCE:
         return None
-    return (f"the unplanned step measured {base.step_cpu_ms:.1f} ms, {off:+.0%} from the {pred:.1f} predicted "
-            "from kernels profiled here minutes before: the machine ran at another speed, and every figure "
-            "of this family moved with it")
+    when = ("timed in the same rounds: the step's model misses beside the plans'"
+            if base.variant.planned_recompute_ms is not None else
+            "profiled here minutes before: the machine ran at another speed, and every figure of this "
+            "family moved with it")
+    return f"the unplanned step measured {base.step_cpu_ms:.1f} ms, {off:+.0%} from the {pred:.1f} predicted from kernels {when}"
 
 
 def kernel_runtime(model: torch.nn.Module, step: TrainStep, kernels: str) -> tuple[BenchmarkRuntime, str]:
@@ -422,6 +434,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=41, help="timed rounds of every variant (default 41)")
     p.add_argument("--kernels", choices=("step", "benchmark"), default="step",
                    help="price kernels by their time in unplanned steps run here (default) or timed alone")
+    p.add_argument("--json", type=Path, metavar="PATH",
+                   help="also write every family's samples (ms, in the order timed) and predictions to PATH")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
@@ -432,7 +446,7 @@ def main(argv=None) -> int:
     cal = calibrate_device("cpu")
     print(f"load {load_average()}; one intra-op thread; {heap}; calibrated here:\n{cal.report()}\n")
     options = PlanOptions(device=cal.spec, reserve_gib=0, trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
-    verdicts = []
+    verdicts, record = [], {}
     for family in args.families:
         if family.startswith("hf_"):
             try:
@@ -457,6 +471,13 @@ def main(argv=None) -> int:
         print(render(f"{family}: {FAMILIES[family].__doc__}", rows, (before, load_average())))
         status, line = verdict(rows, samples)
         verdicts.append(status)
+        record[family] = {"verdict": status, "load": [before, load_average()], "variants": [
+            {"name": v.name, "predicted_recompute_ms": v.predicted_recompute_ms, "planned_recompute_ms":
+             v.planned_recompute_ms, "predicted_step_ms": v.predicted_step_ms,
+             "cpu_ms": [x.cpu_ms for x in samples[v.name]], "wall_ms": [x.wall_ms for x in samples[v.name]]}
+            for v in variants]}
+        if args.json is not None:  # after every family: a long run stopped midway keeps what it timed
+            args.json.write_text(json.dumps({"rounds": args.rounds, "kernels": args.kernels, "families": record}, indent=1))
         if (note := drift_note(rows)) is not None:
             print(f"{family}: note: {note}")
         print(f"{family}: {line}\n")
