@@ -90,7 +90,7 @@ from estimators.step.train_step import TrainStep, run_step  # noqa: E402
 from estimators.tracing.estimation import EstimateOptions, estimate  # noqa: E402
 from examples.convnet import ConvNetConfig, build_convnet  # noqa: E402
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
-from planner.analysis.calibration import calibrate_device  # noqa: E402
+from planner.analysis.calibration import CheckpointCostRounds, calibrate_device, with_host_costs  # noqa: E402
 from planner.analysis.kernel_profile import OpTimer, profile_step_kernels  # noqa: E402
 from planner.analysis.measure import gc_frozen  # noqa: E402
 from planner.applying.checkpointing import apply_plan, hf_cache_off  # noqa: E402
@@ -211,7 +211,8 @@ PROFILED = "no AC, op-timed"
 
 
 def time_variants(model: torch.nn.Module, step: TrainStep, variants: list[Variant], rounds: int,
-                  warmup: int = 2, settle: int = 1, timer: OpTimer | None = None) -> dict[str, list[Sample]]:
+                  warmup: int = 2, settle: int = 1, timer: OpTimer | None = None,
+                  each_round: Callable[[], None] | None = None) -> dict[str, list[Sample]]:
     """Each variant's steps, ``rounds`` of them, round-robin in a rotating order (a model copy and
     an AdamW each; ``warmup`` untimed steps first). Each timed step comes right after ``settle``
     untimed steps of the same variant, as a training loop runs one step after another of the same
@@ -219,7 +220,9 @@ def time_variants(model: torch.nn.Module, step: TrainStep, variants: list[Varian
     and in a rotating order each variant follows the same other one in most rounds, so what it
     inherits biases its figure instead of averaging out. With a ``timer``, one more copy of the
     unplanned model takes its turn in every round, its step run under the timer (``PROFILED``,
-    sampled but not a variant): the kernels priced in the minutes the variants are timed in."""
+    sampled but not a variant): the kernels priced in the minutes the variants are timed in.
+    ``each_round`` runs after every timed round (``CheckpointCostRounds.run``: the checkpoint's
+    host costs measured in the same minutes)."""
     runs = []
     for v in variants:
         m = copy.deepcopy(model)
@@ -250,6 +253,8 @@ def time_variants(model: torch.nn.Module, step: TrainStep, variants: list[Varian
                 for _ in range(settle):
                     one(m, opt)
                 samples[name].append(one(m, opt, timer if name == PROFILED else contextlib.nullcontext()))
+            if each_round is not None:
+                each_round()
     return samples
 
 
@@ -460,13 +465,16 @@ def main(argv=None) -> int:
             variants, est = variants_of(model, step, options)
         print(f"{family}: {how}; {bench.measurements} benchmarked alone (load {load_average()})")
         before = load_average()
-        timer = OpTimer() if args.kernels == "step" else None
-        samples = time_variants(model, step, variants, args.rounds, timer=timer)
+        timer, host = (OpTimer(), CheckpointCostRounds()) if args.kernels == "step" else (None, None)
+        samples = time_variants(model, step, variants, args.rounds, timer=timer,
+                                each_round=None if host is None else host.run)
         if timer is not None:
             now = timer.profile(args.rounds).runtime()
             # a signature the unplanned steps do not run (only a recompute does): benchmarked once
             now.import_cache({k: v for k, v in bench.export_cache().items() if k not in timer.samples})
-            variants = repriced(model, step, variants, options, now)
+            costs = host.costs()
+            print(f"{family}: repriced with the kernels and the {costs.summary()}, timed in the same rounds")
+            variants = repriced(model, step, variants, dataclasses.replace(options, device=with_host_costs(cal.spec, costs)), now)
         rows = rows_of(variants, samples)
         print(render(f"{family}: {FAMILIES[family].__doc__}", rows, (before, load_average())))
         status, line = verdict(rows, samples)

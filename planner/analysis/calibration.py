@@ -49,7 +49,8 @@ from estimators.runtime.device import DeviceSpec
 from planner.applying.checkpointing import apply_module_plans
 from planner.plan import ModulePlan, op_key
 
-__all__ = ["CheckpointHostCosts", "Calibration", "calibrate_device", "measure_checkpoint_costs", "fit_checkpoint_costs"]
+__all__ = ["CheckpointCostRounds", "CheckpointHostCosts", "Calibration", "calibrate_device", "fit_chain_costs",
+           "fit_checkpoint_costs", "measure_checkpoint_costs", "with_host_costs"]
 
 _BLOCKS = 8
 """Checkpointed blocks per model: per-block figures are the model's over this many."""
@@ -94,6 +95,12 @@ class CheckpointHostCosts:
     clock: str
     """"thread" (the calling thread's CPU time, one intra-op thread) or "wall"."""
 
+    def summary(self) -> str:
+        return (f"checkpoint host costs ({self.clock} clock): {self.checkpoint_call_ms * 1e3:.1f} us per call, "
+                f"{self.checkpoint_submodule_ms * 1e3:.1f} us per submodule a call, {self.recompute_op_ms * 1e3:.1f} us "
+                f"per re-run op ({self.recompute_op_warm_ms * 1e3:.1f} us warm), {self.selective_op_ms * 1e3:.1f} us per "
+                f"op a selective policy sees, {self.selective_call_ms * 1e3:.1f} us per selective call")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
@@ -112,10 +119,7 @@ class Calibration:
         if c is None:
             lines.append("checkpoint host costs: not modelled on a CUDA device (hidden behind its kernels)")
         else:
-            lines.append(f"checkpoint host costs ({c.clock} clock): {c.checkpoint_call_ms * 1e3:.1f} us per call, "
-                         f"{c.checkpoint_submodule_ms * 1e3:.1f} us per submodule a call, {c.recompute_op_ms * 1e3:.1f} us per re-run op "
-                         f"({c.recompute_op_warm_ms * 1e3:.1f} us warm), {c.selective_op_ms * 1e3:.1f} us per "
-                         f"op a selective policy sees, {c.selective_call_ms * 1e3:.1f} us per selective call")
+            lines.append(c.summary())
         return "\n".join(lines)
 
 
@@ -241,51 +245,70 @@ class _ChainCosts:
     kernels_ms: float
 
 
-def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bool = False,
-                 cold: bool = True) -> _ChainCosts:
-    """Per block, in ms: full - unplanned, selective (its first op cached) - unplanned, the
-    forward without grad (its kernels); medians over paired rounds. ``full_only``: the first
+class _ChainRounds:
+    """One chain's models (unplanned, full, selective), timed a round at a time (``run``), so
+    that the chains a fit compares are timed in the same minutes (``_measure_chains``).
+    ``costs``, per block in ms: full - unplanned, selective (its first op cached) - unplanned,
+    the forward without grad (its kernels); medians over paired rounds. ``full_only``: the first
     alone (the others 0). ``cold`` False: no copy before each op (the host's caches warm)."""
-    x = torch.rand(4, 8, requires_grad=True)
-    counter = _Count()
-    with counter:
-        _Chain(k)(x)
-    first = (counter.ops[0], 0)
-    names = [f"_Blocks.blocks.{i}" for i in range(_BLOCKS)]
-    plans = {"none": None, "full": [ModulePlan(fqn=n, discard_ratio=1.0, full=True) for n in names],
-             "selective": [ModulePlan(fqn=n, discard_ratio=0.5, full=False, saved_ops=(first,)) for n in names]}
-    if full_only:
-        del plans["selective"]
-    evict = _Evictor(now)
-    evict.on = cold
-    models = {}
-    for kind, mods in plans.items():
-        models[kind] = m = _Blocks(k, submodules, evict)
-        if mods:
-            apply_module_plans(m, mods)
-    times: dict[str, list[float]] = {kind: [] for kind in (*models, "no_grad", "selective")}
-    for r in range(rounds + 1):  # round 0 warms up
-        for kind, m in models.items():
+
+    def __init__(self, k: int, now, submodules: int = 0, *, full_only: bool = False, cold: bool = True) -> None:
+        self.x = x = torch.rand(4, 8, requires_grad=True)
+        counter = _Count()
+        with counter:
+            _Chain(k)(x)
+        self.ops = len(counter.ops)
+        first = (counter.ops[0], 0)
+        names = [f"_Blocks.blocks.{i}" for i in range(_BLOCKS)]
+        plans = {"none": None, "full": [ModulePlan(fqn=n, discard_ratio=1.0, full=True) for n in names],
+                 "selective": [ModulePlan(fqn=n, discard_ratio=0.5, full=False, saved_ops=(first,)) for n in names]}
+        if full_only:
+            del plans["selective"]
+        self.now, self.full_only, self.cold = now, full_only, cold
+        self.evict = evict = _Evictor(now)
+        evict.on = cold
+        self.models = {}
+        for kind, mods in plans.items():
+            self.models[kind] = m = _Blocks(k, submodules, evict)
+            if mods:
+                apply_module_plans(m, mods)
+        self.times: dict[str, list[float]] = {kind: [] for kind in (*self.models, "no_grad", "selective")}
+
+    def run(self, record: bool) -> None:
+        now, evict, x = self.now, self.evict, self.x
+        for kind, m in self.models.items():
             t0, spent = now(), evict.spent
             m(x).sum().backward()
-            if r:  # the evictions' own time left out
-                times[kind].append((now() - t0 - (evict.spent - spent)) / 1e6)
-        if full_only:
-            continue
+            if record:  # the evictions' own time left out
+                self.times[kind].append((now() - t0 - (evict.spent - spent)) / 1e6)
+        if self.full_only:
+            return
         with torch.no_grad():
             # The kernels alone, hot, as the benchmark times them: what the recompute pays
             # beyond that (cold) is the per-op cost.
-            models["none"].evict, evict.on = False, False
+            self.models["none"].evict, evict.on = False, False
             t0 = now()
-            models["none"](x)
-            if r:
-                times["no_grad"].append((now() - t0) / 1e6)
-            models["none"].evict, evict.on = True, cold
-    full = statistics.median(f - n for f, n in zip(times["full"], times["none"])) / _BLOCKS
-    if full_only:
-        return _ChainCosts(len(counter.ops), full, 0.0, 0.0)
-    sel = statistics.median(s - n for s, n in zip(times["selective"], times["none"])) / _BLOCKS
-    return _ChainCosts(len(counter.ops), full, sel, statistics.median(times["no_grad"]) / _BLOCKS)
+            self.models["none"](x)
+            if record:
+                self.times["no_grad"].append((now() - t0) / 1e6)
+            self.models["none"].evict, evict.on = True, self.cold
+
+    def costs(self) -> _ChainCosts:
+        t = self.times
+        full = statistics.median(f - n for f, n in zip(t["full"], t["none"])) / _BLOCKS
+        if self.full_only:
+            return _ChainCosts(self.ops, full, 0.0, 0.0)
+        sel = statistics.median(s - n for s, n in zip(t["selective"], t["none"])) / _BLOCKS
+        return _ChainCosts(self.ops, full, sel, statistics.median(t["no_grad"]) / _BLOCKS)
+
+
+def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bool = False,
+                 cold: bool = True) -> _ChainCosts:
+    """One chain's costs (``_ChainRounds``), timed alone; round 0 warms up."""
+    chain = _ChainRounds(k, now, submodules, full_only=full_only, cold=cold)
+    for r in range(rounds + 1):
+        chain.run(record=r > 0)
+    return chain.costs()
 
 
 def _fit_full(ops: tuple[int, int], full: tuple[float, float], kernels: float) -> tuple[float, float, float]:
@@ -310,17 +333,46 @@ def fit_checkpoint_costs(ops: tuple[int, int], full: tuple[float, float], select
     return max(0.0, call), max(0.0, recompute_op), policy, max(0.0, selective_call)
 
 
-def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:
-    """The host costs of a checkpoint on this CPU (see the module docstring). 30-60 s at
-    ``rounds=15`` (the copies take most of it)."""
-    clock, now = host_clock()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        short = _chain_costs(_CHAINS[0], rounds, now)
-        long = _chain_costs(_CHAINS[1], rounds, now)
-        nested = _chain_costs(_CHAINS[0], rounds, now, _SUBMODULES, full_only=True)
-        short_warm = _chain_costs(_CHAINS[0], rounds, now, full_only=True, cold=False)
-        long_warm = _chain_costs(_CHAINS[1], rounds, now, cold=False)
+_CONFIGS = (dict(k=_CHAINS[0]), dict(k=_CHAINS[1]), dict(k=_CHAINS[0], submodules=_SUBMODULES, full_only=True),
+            dict(k=_CHAINS[0], full_only=True, cold=False), dict(k=_CHAINS[1], cold=False))
+"""The chains the fit reads: short and long (cold), the short with nested modules, and the two
+warm (no copies between ops)."""
+
+
+class CheckpointCostRounds:
+    """The checkpoint's host costs measured a round at a time: each ``run()`` times one round of
+    every chain the fit reads (``fit_chain_costs``), one chain after another, and ``costs()``
+    fits what the rounds so far measured. A caller that times something else in rounds runs one
+    of these in each of its own, and the costs it gets are those of the same minutes: the
+    machine's speed drifts between minutes, and these costs with it (the call's cost 1.3-2.5 ms
+    here within a few minutes). Built with one warm-up round; one intra-op thread, as
+    ``calibrate_device``."""
+
+    def __init__(self) -> None:
+        self.clock, now = host_clock()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self._chains = [_ChainRounds(now=now, **c) for c in _CONFIGS]
+            for c in self._chains:
+                c.run(record=False)
+        self.rounds = 0
+
+    def run(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for c in self._chains:
+                c.run(record=True)
+        self.rounds += 1
+
+    def costs(self) -> CheckpointHostCosts:
+        if not self.rounds:
+            raise ValueError("CheckpointCostRounds.costs() before any run(): nothing was timed")
+        return fit_chain_costs([c.costs() for c in self._chains], self.clock)
+
+
+def fit_chain_costs(chains: list[_ChainCosts], clock: str) -> CheckpointHostCosts:
+    """The host costs from the per-block figures of the chains of ``_CONFIGS``, in that order."""
+    short, long, nested, short_warm, long_warm = chains
     call, recompute_op, policy, selective_call = fit_checkpoint_costs(
         (short.ops, long.ops), (short.full_ms, long.full_ms), (short.selective_ms, long.selective_ms),
         long.kernels_ms)
@@ -329,6 +381,27 @@ def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:
                                selective_call_ms=selective_call,
                                checkpoint_submodule_ms=max(0.0, (nested.full_ms - short.full_ms) / _SUBMODULES),
                                recompute_op_warm_ms=max(0.0, min(warm, recompute_op)), clock=clock)
+
+
+def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:
+    """The host costs of a checkpoint on this CPU (see the module docstring), ``rounds`` rounds
+    of every chain, interleaved (``CheckpointCostRounds``): timed one chain after another, the
+    machine's drift between them went into the fitted slope and intercept. 15-20 s at
+    ``rounds=15`` (the copies take most of it)."""
+    timed = CheckpointCostRounds()
+    for _ in range(rounds):
+        timed.run()
+    return timed.costs()
+
+
+def with_host_costs(spec: DeviceSpec, costs: CheckpointHostCosts) -> DeviceSpec:
+    """``spec`` with the checkpoint's host costs of ``costs`` (and the host's cache size the
+    warm cost is fitted for)."""
+    return spec.replace(checkpoint_call_ms=costs.checkpoint_call_ms,
+                        checkpoint_submodule_ms=costs.checkpoint_submodule_ms,
+                        recompute_op_ms=costs.recompute_op_ms, selective_op_ms=costs.selective_op_ms,
+                        selective_call_ms=costs.selective_call_ms,
+                        recompute_op_warm_ms=costs.recompute_op_warm_ms, host_cache_bytes=_HOST_CACHE_BYTES)
 
 
 def calibrate_device(base: DeviceSpec | str = "cpu", *, device: str | torch.device | None = None,
@@ -340,9 +413,4 @@ def calibrate_device(base: DeviceSpec | str = "cpu", *, device: str | torch.devi
     if fit.spec.is_cuda or (device is not None and torch.device(device).type == "cuda"):
         return Calibration(spec=fit.spec, fit=fit, checkpoint=None)
     costs = measure_checkpoint_costs(rounds)
-    spec = fit.spec.replace(checkpoint_call_ms=costs.checkpoint_call_ms,
-                            checkpoint_submodule_ms=costs.checkpoint_submodule_ms,
-                            recompute_op_ms=costs.recompute_op_ms, selective_op_ms=costs.selective_op_ms,
-                            selective_call_ms=costs.selective_call_ms,
-                            recompute_op_warm_ms=costs.recompute_op_warm_ms, host_cache_bytes=_HOST_CACHE_BYTES)
-    return Calibration(spec=spec, fit=fit, checkpoint=costs)
+    return Calibration(spec=with_host_costs(fit.spec, costs), fit=fit, checkpoint=costs)

@@ -97,19 +97,51 @@ def test_the_evictions_own_time_is_left_out(one_intra_op_thread, monkeypatch):
     assert 0 < costs.full_ms < 7.0
 
 
-def test_a_noisy_warm_chain_gives_a_warm_cost_of_zero_not_a_spec_that_refuses_it(monkeypatch):
+def test_a_noisy_warm_chain_gives_a_warm_cost_of_zero_not_a_spec_that_refuses_it():
     """On a busy machine the warm chains' fit can come out below 0 (the long chain's kernels
     timed slower than its whole checkpoint's per-op cost): the warm cost is clamped like the
     others, and the spec accepts it (it refused a negative one and the calibration crashed)."""
     from planner.analysis import calibration as cal
 
-    def costs(k, rounds, now, submodules=0, *, full_only=False, cold=True):
+    def chain(k, submodules=0, *, full_only=False, cold=True):
         ops = 15 if k == cal._CHAINS[0] else 90
         if cold:
             return cal._ChainCosts(ops, full_ms=1.0 + ops * 0.05, selective_ms=1.2 + ops * 0.06, kernels_ms=ops * 0.02)
         return cal._ChainCosts(ops, full_ms=ops * 0.02, selective_ms=0.0, kernels_ms=ops * 0.03)  # warm: negative
 
-    monkeypatch.setattr(cal, "_chain_costs", costs)
-    c = cal.measure_checkpoint_costs(rounds=1)
+    c = cal.fit_chain_costs([chain(**config) for config in cal._CONFIGS], "thread")
     assert c.recompute_op_warm_ms == 0.0 and c.recompute_op_ms > 0
     get_device_spec("cpu").replace(recompute_op_ms=c.recompute_op_ms, recompute_op_warm_ms=c.recompute_op_warm_ms)
+
+
+def test_the_chains_are_timed_in_interleaved_rounds(monkeypatch):
+    """Each ``run()`` times one round of every chain, one after another: timed one chain after
+    another, the machine's drift between them went into the fit (the call's cost 1.3-2.5 ms
+    within minutes here). Costs before any round are refused."""
+    from planner.analysis import calibration as cal
+
+    order: list[int] = []
+
+    class Fake:
+        def __init__(self, k, now, submodules=0, *, full_only=False, cold=True):
+            self.i, Fake.made = Fake.made, Fake.made + 1
+            self.config = dict(k=k, submodules=submodules, full_only=full_only, cold=cold)
+
+        def run(self, record):
+            if record:
+                order.append(self.i)
+
+        def costs(self):
+            ops = 15 if self.config["k"] == cal._CHAINS[0] else 90
+            return cal._ChainCosts(ops, full_ms=1.0 + ops * 0.05, selective_ms=1.2 + ops * 0.06, kernels_ms=ops * 0.02)
+
+    Fake.made = 0
+    monkeypatch.setattr(cal, "_ChainRounds", Fake)
+    timed = cal.CheckpointCostRounds()
+    with pytest.raises(ValueError, match="before any run"):
+        timed.costs()
+    timed.run()
+    timed.run()
+    assert order == [0, 1, 2, 3, 4] * 2 and timed.rounds == 2
+    costs = timed.costs()
+    assert costs.checkpoint_call_ms == pytest.approx(1.0) and costs.recompute_op_ms == pytest.approx(0.03)
