@@ -30,13 +30,17 @@ intra-op thread:
    memory (as CUDA's caching allocator does): otherwise a step re-faults pages the step before
    handed back, by amounts that depend on which variant ran before it in the shared heap, and
    the runtime model does not price page faults. One more copy of the unplanned model takes its
-   turn in every round, its step under an op timer (``planner.analysis.kernel_profile.OpTimer``);
-4. price the same plans again (``repriced``) with those kernels: each signature's median over the
-   rounds, in the minutes the variants ran (a signature only a recompute runs keeps its price
-   from step 1). The machine's speed drifts between minutes by more than a small plan's
-   tolerance (round 29: the unplanned step up to 16 % off a profile taken a minute before), so the kernels the plans were chosen with are not the ones they ran with;
-   repriced, the figure tests the runtime model (which ops re-run, the checkpoint's host costs),
-   not the machine's steadiness. ``plan.recompute_ms`` is printed beside it ("planned").
+   turn in every round, its step under an op timer (``planner.analysis.kernel_profile.OpTimer``),
+   and every round ends with one round of the calibration's checkpoint chains
+   (``planner.analysis.calibration.CheckpointCostRounds``);
+4. price the same plans again (``repriced``) with those kernels (each signature's median over the
+   rounds; a signature only a recompute runs keeps its price from step 1) and those host costs:
+   the figures of the minutes the variants ran in. The machine's speed drifts between minutes
+   by more than a small plan's tolerance (round 29: the unplanned step up to 16 % off a profile
+   taken a minute before; the checkpoint's call 1.3-2.5 ms within minutes), so the prices the
+   plans were chosen with are not the ones they ran with; repriced, the figure tests the
+   runtime model (which ops re-run, what a checkpoint costs the host), not the machine's
+   steadiness. ``plan.recompute_ms`` is printed beside it ("planned").
    ``--kernels benchmark`` prices with kernels timed alone and does not reprice.
 
 The median over 41 rounds (the default): a step varies by several per cent from round to round

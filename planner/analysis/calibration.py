@@ -29,6 +29,11 @@ run no op, gives the cost per submodule a call (its full checkpoint less the sho
 S): the wrapper walks the checkpointed module's tree on every call. On a CUDA device they are
 left at 0: the host runs ahead of the kernels there and the model does not add them
 (``DeviceSpec.selective_op_ms``).
+
+The chains are timed in interleaved rounds, one round of each in turn (``CheckpointCostRounds``):
+the machine's speed drifts over minutes, and chains timed one after another put that drift into
+the fitted slope and intercept. A caller that times something else in rounds can run one of
+these rounds in each of its own, for costs of the same minutes (``time_fidelity.py`` does).
 """
 
 from __future__ import annotations

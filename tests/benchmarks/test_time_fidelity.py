@@ -111,9 +111,12 @@ def test_each_timed_step_follows_an_untimed_step_of_its_own_variant(monkeypatch)
     variants = [tf.Variant(name=n, plan=None, predicted_recompute_ms=0.0, predicted_step_ms=1.0,
                            predicted_peak_bytes=1) for n in ("a", "b", "c")]
     step = types.SimpleNamespace(inputs=None, loss_fn=None)
-    samples = tf.time_variants(torch.nn.Linear(2, 2), step, variants, rounds=4, warmup=1, timer=tf.OpTimer())
+    ends: list[int] = []  # steps run when each round ended (the host costs' rounds run there)
+    samples = tf.time_variants(torch.nn.Linear(2, 2), step, variants, rounds=4, warmup=1, timer=tf.OpTimer(),
+                               each_round=lambda: ends.append(len(ran)))
     timed = sorted(round((s.cpu_ms / 1000 - 1) / 2) for ss in samples.values() for s in ss)
     assert set(samples) == {"a", "b", "c", tf.PROFILED}  # the op-timed copy takes its turn too
+    assert ends == [4 + 8 * r for r in range(1, 5)]
     assert all(len(s) == 4 for s in samples.values()) and len(ran) == 4 + 2 * 16 and len(timed) == 16
     assert all(ran[n - 1] == ran[n] and n - 1 not in timed for n in timed)
 
