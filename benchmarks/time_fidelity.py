@@ -36,9 +36,8 @@ intra-op thread:
 4. price the same plans again (``repriced``) with those kernels (each signature's median over the
    rounds; a signature only a recompute runs keeps its price from step 1) and those host costs:
    the figures of the minutes the variants ran in. The machine's speed drifts between minutes
-   by more than a small plan's tolerance (round 29: the unplanned step up to 16 % off a profile
-   taken a minute before; the checkpoint's call 1.3-2.5 ms within minutes), so the prices the
-   plans were chosen with are not the ones they ran with; repriced, the figure tests the
+   by more than a small plan's tolerance, kernels and host costs alike (docs/accuracy.md,
+   rounds 29 and 30), so the prices the plans were chosen with are not the ones they ran with; repriced, the figure tests the
    runtime model (which ops re-run, what a checkpoint costs the host), not the machine's
    steadiness. ``plan.recompute_ms`` is printed beside it ("planned").
    ``--kernels benchmark`` prices with kernels timed alone and does not reprice.
@@ -190,7 +189,10 @@ def repriced(model: torch.nn.Module, step: TrainStep, variants: list[Variant], o
              runtime: BenchmarkRuntime) -> list[Variant]:
     """The same variants, the same plans, priced again with ``runtime``'s kernel times by the
     planner's rule (``recompute_ms_with_saved`` of each module's cached ops, the no-AC step of a
-    new trace): the runtime model's prediction from kernels timed at another moment."""
+    new trace): the runtime model's prediction from kernels timed at another moment. Plans that
+    offload are refused: their price is the offload timeline's, not a sum over modules."""
+    if any(m.offloaded_ops for v in variants if v.plan is not None for m in v.plan.modules):
+        raise ValueError("repriced() prices recompute only; a plan here offloads")
     with benchmark_runtime_override(runtime), hf_cache_off(model):
         info = estimate(model, step, device=options.spec, options=options.trace).module_info
     base, out = info.step_runtime_ms, []
@@ -395,7 +397,7 @@ def drift_note(rows: list[Row]) -> str | None:
     off = (base.step_cpu_ms - pred) / pred
     if abs(off) <= TOLERANCE:
         return None
-    when = ("timed in the same rounds: the step's model misses beside the plans'"
+    when = ("timed in the same rounds: what the runtime model adds to the kernels misses by that much"
             if base.variant.planned_recompute_ms is not None else
             "profiled here minutes before: the machine ran at another speed, and every figure of this "
             "family moved with it")
@@ -483,7 +485,8 @@ def main(argv=None) -> int:
         print(render(f"{family}: {FAMILIES[family].__doc__}", rows, (before, load_average())))
         status, line = verdict(rows, samples)
         verdicts.append(status)
-        record[family] = {"verdict": status, "load": [before, load_average()], "variants": [
+        record[family] = {"verdict": status, "load": [before, load_average()],
+                          "host_costs_in_rounds": None if host is None else dataclasses.asdict(costs), "variants": [
             {"name": v.name, "predicted_recompute_ms": v.predicted_recompute_ms, "planned_recompute_ms":
              v.planned_recompute_ms, "predicted_step_ms": v.predicted_step_ms,
              "cpu_ms": [x.cpu_ms for x in samples[v.name]], "wall_ms": [x.wall_ms for x in samples[v.name]]}

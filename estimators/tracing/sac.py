@@ -137,6 +137,7 @@ def module_ops(trace: StepTrace, calls: list[ModuleCall], host_op_ms: HostOpMs =
         return tuple(first)
     mem = [o.memory_bytes for o in first]
     rt = [o.runtime_ms for o in first]
+    inner = [o.saved_inside for o in first]  # saved inside in any call: the stop comes after it
     index = {(o.func, o.occurrence): i for i, o in enumerate(first)}
     for call in calls[1:]:
         for o in _call_ops(trace, call, host_op_ms):
@@ -144,8 +145,10 @@ def module_ops(trace: StepTrace, calls: list[ModuleCall], host_op_ms: HostOpMs =
             if i is not None:
                 mem[i] += o.memory_bytes
                 rt[i] += o.runtime_ms
+                inner[i] = inner[i] or o.saved_inside
     return tuple(
-        dataclasses.replace(o, memory_bytes=m, runtime_ms=r) for o, m, r in zip(first, mem, rt)
+        dataclasses.replace(o, memory_bytes=m, runtime_ms=r, saved_inside=s)
+        for o, m, r, s in zip(first, mem, rt, inner)
     )
 
 
@@ -172,10 +175,13 @@ def cumulative_curve(units: list[SACGroup]) -> TradeoffCurve:
 
 def last_saved(ops: tuple[SACOp, ...]) -> int:
     """Index of the last op whose output an op of the module saves (``SACOp.saved_inside``; -1:
-    none): torch's recompute stops early once the module's saved tensors are all packed again,
-    and an op that saves only its inputs packs them before its kernel runs, so nothing after
-    that op's last saved input runs again (a Llama layer's down projection does not; measured).
-    Without one nothing is unpacked, so nothing is recomputed."""
+    none): where the recompute is priced to stop. torch stops it once the module's saved tensors
+    are all packed again, and an op that saves only its inputs packs them before its kernel
+    runs, so that op's kernel does not run again (a Llama layer's down projection). A lower
+    bound where an op between the last saved output's producer and the op that saves it
+    computes something else (a side branch): torch re-runs it, unpriced; the op tables do not
+    record which op packs what. Without a saved output nothing is unpacked, so nothing is
+    recomputed."""
     return max((i for i, o in enumerate(ops) if (o.is_saved if o.saved_inside is None else o.saved_inside)),
                default=-1)
 

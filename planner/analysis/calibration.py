@@ -38,6 +38,7 @@ these rounds in each of its own, for costs of the same minutes (``time_fidelity.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import warnings
@@ -54,8 +55,8 @@ from estimators.runtime.device import DeviceSpec
 from planner.applying.checkpointing import apply_module_plans
 from planner.plan import ModulePlan, op_key
 
-__all__ = ["CheckpointCostRounds", "CheckpointHostCosts", "Calibration", "calibrate_device", "fit_chain_costs",
-           "fit_checkpoint_costs", "measure_checkpoint_costs", "with_host_costs"]
+__all__ = ["CheckpointCostRounds", "CheckpointHostCosts", "Calibration", "calibrate_device", "fit_checkpoint_costs",
+           "measure_checkpoint_costs", "with_host_costs"]
 
 _BLOCKS = 8
 """Checkpointed blocks per model: per-block figures are the model's over this many."""
@@ -206,14 +207,22 @@ class _Evict(torch.autograd.Function):
         return grad, None, None
 
 
+@functools.lru_cache(maxsize=1)
+def _scratch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``_EVICT_MIB`` copy's source and destination, one pair for every model: the chains run
+    one at a time, and ``CheckpointCostRounds`` holds thirteen models at once."""
+    n = _EVICT_MIB * 2**20 // 4
+    return torch.rand(n), torch.empty(n)
+
+
 class _Blocks(nn.Module):
     """The blocks in a row, each entered (forward and backward) after an ``_EVICT_MIB`` copy."""
 
     def __init__(self, k: int, submodules: int = 0, evict: _Evictor | None = None) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(_Chain(k, submodules, evict) for _ in range(_BLOCKS))
-        n = _EVICT_MIB * 2**20 // 4
-        self.src, self.dst, self.evict = torch.rand(n), torch.empty(n), True
+        self.src, self.dst = _scratch()
+        self.evict = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
@@ -252,7 +261,7 @@ class _ChainCosts:
 
 class _ChainRounds:
     """One chain's models (unplanned, full, selective), timed a round at a time (``run``), so
-    that the chains a fit compares are timed in the same minutes (``_measure_chains``).
+    that the chains a fit compares are timed in the same minutes (``CheckpointCostRounds``).
     ``costs``, per block in ms: full - unplanned, selective (its first op cached) - unplanned,
     the forward without grad (its kernels); medians over paired rounds. ``full_only``: the first
     alone (the others 0). ``cold`` False: no copy before each op (the host's caches warm)."""
@@ -307,15 +316,6 @@ class _ChainRounds:
         return _ChainCosts(self.ops, full, sel, statistics.median(t["no_grad"]) / _BLOCKS)
 
 
-def _chain_costs(k: int, rounds: int, now, submodules: int = 0, *, full_only: bool = False,
-                 cold: bool = True) -> _ChainCosts:
-    """One chain's costs (``_ChainRounds``), timed alone; round 0 warms up."""
-    chain = _ChainRounds(k, now, submodules, full_only=full_only, cold=cold)
-    for r in range(rounds + 1):
-        chain.run(record=r > 0)
-    return chain.costs()
-
-
 def _fit_full(ops: tuple[int, int], full: tuple[float, float], kernels: float) -> tuple[float, float, float]:
     """(call, recompute_op, kernel + recompute_op) ms from the full checkpoints of two chains."""
     (n1, n2), (f1, f2) = ops, full
@@ -346,12 +346,11 @@ warm (no copies between ops)."""
 
 class CheckpointCostRounds:
     """The checkpoint's host costs measured a round at a time: each ``run()`` times one round of
-    every chain the fit reads (``fit_chain_costs``), one chain after another, and ``costs()``
+    every chain the fit reads (``_fit_chain_costs``), one chain after another, and ``costs()``
     fits what the rounds so far measured. A caller that times something else in rounds runs one
     of these in each of its own, and the costs it gets are those of the same minutes: the
-    machine's speed drifts between minutes, and these costs with it (the call's cost 1.3-2.5 ms
-    here within a few minutes). Built with one warm-up round; one intra-op thread, as
-    ``calibrate_device``."""
+    machine's speed drifts between minutes, and these costs with it (docs/accuracy.md, round 30).
+    Built with one warm-up round; one intra-op thread, as ``calibrate_device``."""
 
     def __init__(self) -> None:
         self.clock, now = host_clock()
@@ -372,10 +371,10 @@ class CheckpointCostRounds:
     def costs(self) -> CheckpointHostCosts:
         if not self.rounds:
             raise ValueError("CheckpointCostRounds.costs() before any run(): nothing was timed")
-        return fit_chain_costs([c.costs() for c in self._chains], self.clock)
+        return _fit_chain_costs([c.costs() for c in self._chains], self.clock)
 
 
-def fit_chain_costs(chains: list[_ChainCosts], clock: str) -> CheckpointHostCosts:
+def _fit_chain_costs(chains: list[_ChainCosts], clock: str) -> CheckpointHostCosts:
     """The host costs from the per-block figures of the chains of ``_CONFIGS``, in that order."""
     short, long, nested, short_warm, long_warm = chains
     call, recompute_op, policy, selective_call = fit_checkpoint_costs(
@@ -391,8 +390,8 @@ def fit_chain_costs(chains: list[_ChainCosts], clock: str) -> CheckpointHostCost
 def measure_checkpoint_costs(rounds: int = 15) -> CheckpointHostCosts:
     """The host costs of a checkpoint on this CPU (see the module docstring), ``rounds`` rounds
     of every chain, interleaved (``CheckpointCostRounds``): timed one chain after another, the
-    machine's drift between them went into the fitted slope and intercept. 15-20 s at
-    ``rounds=15`` (the copies take most of it)."""
+    machine's drift between them went into the fitted slope and intercept. The copies take most
+    of its time."""
     timed = CheckpointCostRounds()
     for _ in range(rounds):
         timed.run()

@@ -93,8 +93,10 @@ def test_the_evictions_own_time_is_left_out(one_intra_op_thread, monkeypatch):
                 pass
 
     monkeypatch.setattr(cal, "_Evictor", Slow)
-    costs = cal._chain_costs(1, 1, time.thread_time_ns, full_only=True)
-    assert 0 < costs.full_ms < 7.0
+    chain = cal._ChainRounds(1, time.thread_time_ns, full_only=True)
+    chain.run(record=False)  # warm-up
+    chain.run(record=True)
+    assert 0 < chain.costs().full_ms < 7.0
 
 
 def test_a_noisy_warm_chain_gives_a_warm_cost_of_zero_not_a_spec_that_refuses_it():
@@ -109,15 +111,15 @@ def test_a_noisy_warm_chain_gives_a_warm_cost_of_zero_not_a_spec_that_refuses_it
             return cal._ChainCosts(ops, full_ms=1.0 + ops * 0.05, selective_ms=1.2 + ops * 0.06, kernels_ms=ops * 0.02)
         return cal._ChainCosts(ops, full_ms=ops * 0.02, selective_ms=0.0, kernels_ms=ops * 0.03)  # warm: negative
 
-    c = cal.fit_chain_costs([chain(**config) for config in cal._CONFIGS], "thread")
+    c = cal._fit_chain_costs([chain(**config) for config in cal._CONFIGS], "thread")
     assert c.recompute_op_warm_ms == 0.0 and c.recompute_op_ms > 0
     get_device_spec("cpu").replace(recompute_op_ms=c.recompute_op_ms, recompute_op_warm_ms=c.recompute_op_warm_ms)
 
 
 def test_the_chains_are_timed_in_interleaved_rounds(monkeypatch):
     """Each ``run()`` times one round of every chain, one after another: timed one chain after
-    another, the machine's drift between them went into the fit (the call's cost 1.3-2.5 ms
-    within minutes here). Costs before any round are refused."""
+    another, the machine's drift between them went into the fit. Costs before any round are
+    refused."""
     from planner.analysis import calibration as cal
 
     order: list[int] = []
