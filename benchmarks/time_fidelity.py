@@ -37,9 +37,9 @@ intra-op thread:
    rounds; a signature only a recompute runs keeps its price from step 1) and those host costs:
    the figures of the minutes the variants ran in. The machine's speed drifts between minutes
    by more than a small plan's tolerance, kernels and host costs alike (docs/accuracy.md,
-   rounds 29 and 30), so the prices the plans were chosen with are not the ones they ran with; repriced, the figure tests the
-   runtime model (which ops re-run, what a checkpoint costs the host), not the machine's
-   steadiness. ``plan.recompute_ms`` is printed beside it ("planned").
+   rounds 29 and 30), so the prices the plans were chosen with are not the ones they ran with;
+   repriced, the figure tests the runtime model (which ops re-run, what a checkpoint costs the
+   host), not the machine's steadiness. ``plan.recompute_ms`` is printed beside it ("planned").
    ``--kernels benchmark`` prices with kernels timed alone and does not reprice.
 
 The median over 41 rounds (the default): a step varies by several per cent from round to round
@@ -49,9 +49,10 @@ the 3 ms floor below is what a plan of a few calls is held to.
 Printed per variant: the measured step (median over rounds, and the spread min..max), the
 predicted step (no-AC step + the plan's recompute, repriced), the measured overhead (the median
 over rounds of the step less that round's unplanned step, and that median's 95 % interval,
-``median_ci``) beside the predicted one (repriced; ``plan.recompute_ms`` as "planned"). Where a family's unplanned step measured more
-than 15 % away from its prediction, a line says so: the machine ran at another speed while it
-timed than while it profiled the kernels, and every figure of the family moved with it.
+``median_ci``) beside the predicted one (repriced; ``plan.recompute_ms`` as "planned"). Where a
+family's unplanned step measured more than 15 % away from its prediction, a line says so
+(``drift_note``): repriced, the step's model misses by that much beside its kernels; priced by
+kernels profiled before, the machine ran at another speed while it timed.
 
 PASS needs, per family: every plan's and full AC's overhead within 15 % of the prediction or 3 ms,
 and the plan at full AC's peak faster than full AC (or the same plan). FAIL: a prediction off
@@ -401,7 +402,8 @@ def drift_note(rows: list[Row]) -> str | None:
             if base.variant.planned_recompute_ms is not None else
             "profiled here minutes before: the machine ran at another speed, and every figure of this "
             "family moved with it")
-    return f"the unplanned step measured {base.step_cpu_ms:.1f} ms, {off:+.0%} from the {pred:.1f} predicted from kernels {when}"
+    return (f"the unplanned step measured {base.step_cpu_ms:.1f} ms, {off:+.0%} from the {pred:.1f} predicted "
+            f"from kernels {when}")
 
 
 def kernel_runtime(model: torch.nn.Module, step: TrainStep, kernels: str) -> tuple[BenchmarkRuntime, str]:
@@ -480,7 +482,8 @@ def main(argv=None) -> int:
             now.import_cache({k: v for k, v in bench.export_cache().items() if k not in timer.samples})
             costs = host.costs()
             print(f"{family}: repriced with the kernels and the {costs.summary()}, timed in the same rounds")
-            variants = repriced(model, step, variants, dataclasses.replace(options, device=with_host_costs(cal.spec, costs)), now)
+            now_options = dataclasses.replace(options, device=with_host_costs(cal.spec, costs))
+            variants = repriced(model, step, variants, now_options, now)
         rows = rows_of(variants, samples)
         print(render(f"{family}: {FAMILIES[family].__doc__}", rows, (before, load_average())))
         status, line = verdict(rows, samples)
@@ -496,7 +499,9 @@ def main(argv=None) -> int:
         if (note := drift_note(rows)) is not None:
             print(f"{family}: note: {note}")
         print(f"{family}: {line}\n")
-    print(f"overhead = step - the same round's unplanned step; pred = plan.recompute_ms; spread = min..max "
+    pred = ("the plan priced again with the rounds' kernels and host costs; planned = plan.recompute_ms"
+            if args.kernels == "step" else "plan.recompute_ms")
+    print(f"overhead = step - the same round's unplanned step; pred = {pred}; spread = min..max "
           f"over {args.rounds} rounds; ci = the median's 95 % interval; M = MiB. {time.perf_counter() - t0:.0f} s")
     return exit_status(verdicts)
 
