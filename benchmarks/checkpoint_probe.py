@@ -31,17 +31,18 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
 from benchmarks import time_fidelity as tf  # noqa: E402
-from benchmarks.recompute_breakdown import op_host_ms  # noqa: E402
+from benchmarks.recompute_breakdown import predicted_terms  # noqa: E402
 from estimators.runtime.device import get_device_spec  # noqa: E402
 from estimators.runtime.models import RuntimeKind, benchmark_runtime_override  # noqa: E402
 from estimators.tracing.estimation import EstimateOptions, estimate  # noqa: E402
-from estimators.tracing.sac import last_saved  # noqa: E402
+from estimators.tracing.sac import policy_ops  # noqa: E402
 from planner.analysis.calibration import CheckpointCostRounds, with_host_costs  # noqa: E402
 from planner.analysis.kernel_profile import OpTimer  # noqa: E402
 from planner.applying.checkpointing import hf_cache_off  # noqa: E402
@@ -53,73 +54,80 @@ from planner.planning.solve import plan_estimate  # noqa: E402
 KINDS = ("full", "policy")
 
 
-def groups_of(info) -> dict[str, tuple[str, ...]]:
+def groups_of(info) -> tuple[dict[str, tuple[str, ...]], list[str]]:
     """``{"blocks": the blocks, "blocks.*.<child>": that child of every block}`` for each child of
-    the first block that is not a leaf (it runs ops of its own a checkpoint can re-run)."""
+    the first block the trace gives an op table (a leaf, such as a norm, has none: a plan cannot
+    checkpoint it) and every block has; and the children left out because some block lacks them."""
     blocks = find_blocks(info)
-    out = {"blocks": blocks}
+    known = {m.fqn: m for m in info.mod_stats}
+    out, missing = {"blocks": blocks}, []
     for s in info.mod_stats:
         rest = s.fqn[len(blocks[0]) + 1:] if s.fqn.startswith(blocks[0] + ".") else ""
         if rest and "." not in rest and not s.is_leaf:
             fqns = tuple(f"{b}.{rest}" for b in blocks)
-            if all(f in {m.fqn for m in info.mod_stats} for f in fqns):
+            if all(f in known for f in fqns):
                 out[f"blocks.*.{rest}"] = fqns
-    return out
+            else:
+                missing.append(rest)
+    return out, missing
 
 
-def module_plans(fqns: tuple[str, ...], kind: str) -> tuple[ModulePlan, ...]:
-    """``full``: plain checkpoints; ``policy``: the selective path caching nothing."""
-    return tuple(ModulePlan(fqn=f, discard_ratio=1.0 if kind == "full" else 0.5, full=kind == "full") for f in fqns)
+def probe_plans(fqns: tuple[str, ...], kind: str) -> tuple[ModulePlan, ...]:
+    """``full``: plain checkpoints; ``policy``: the selective path caching nothing (so discarding
+    everything, as a plain one)."""
+    return tuple(ModulePlan(fqn=f, discard_ratio=1.0, full=kind == "full") for f in fqns)
 
 
 def terms(info, mods: tuple[ModulePlan, ...], spec, trace=None) -> dict[str, float]:
-    """The runtime model's price of checkpointing ``mods`` (nothing cached), by term, summed over
-    the modules' calls: re-run kernels, host per re-run op, the checkpoint's calls, and the
-    selective policy (forward + replay) where the plan takes the selective path."""
-    out = dict.fromkeys(("kernels", "host/op", "calls", "policy"), 0.0)
-    for m in mods:
-        s = info.stats(m.fqn)
-        for o, host in zip(s.ops[: last_saved(s.ops) + 1], op_host_ms(info, m.fqn, spec, trace)):
-            out["kernels"] += o.runtime_ms - host
-            out["host/op"] += host
-        out["calls"] += s.checkpoint_call_ms
-        out["policy"] += 0.0 if m.full else s.selective_policy_ms
+    """The price of checkpointing ``mods`` (nothing cached) by ``recompute_breakdown``'s terms
+    (``predicted_terms``: re-run kernels, host of the re-run ops, the checkpoint's calls), summed
+    over the modules' calls, with the selective policy (forward and replay) added for a ``policy``
+    module. The planner itself prices a plan caching nothing as a plain checkpoint, with no
+    policy (``recompute_ms_with_saved``): the ``policy`` rows are this probe's construct, what the
+    selective path costs before anything is cached."""
+    out = dict.fromkeys(("kernels", "host/op", "calls"), 0.0)
+    out.update(predicted_terms(info, SimpleNamespace(modules=mods), spec, trace))
+    out["policy"] = sum(info.stats(m.fqn).selective_policy_ms for m in mods if not m.full)
+    out["policy ops"] = sum(policy_ops(info.stats(m.fqn).ops) * info.stats(m.fqn).n_calls for m in mods if not m.full)
     return out
 
 
-def probe_variants(model: torch.nn.Module, step, info, groups: dict[str, tuple[str, ...]],
+def probe_variants(model: torch.nn.Module, est, groups: dict[str, tuple[str, ...]],
                    options: PlanOptions) -> list[tf.Variant]:
-    """The unplanned step and one variant per group and kind, its plan a copy of a no-op plan of
-    ``model`` with the group's modules checkpointed that way (unpriced: ``terms`` prices them)."""
-    with hf_cache_off(model):
-        est = estimate(model, step, device=options.spec, options=options.trace)
+    """The unplanned step and one variant per group and kind, each a copy of a plan of ``model``
+    (from its estimate ``est``) that checkpoints nothing, with the group's modules checkpointed that
+    way (unpriced: ``terms`` prices them). The unplanned step applies the empty plan: it runs as
+    the variants do (an HF model's ``use_cache`` off, as any applied plan sets it)."""
     like = plan_estimate(model, est, 2 * est.module_info.peak_bytes / tf.GiB, options=options)
-    out = [tf.Variant(name="no AC", plan=None, predicted_recompute_ms=0.0, predicted_step_ms=0.0,
+    empty = dataclasses.replace(like, modules=())
+    out = [tf.Variant(name="no AC", plan=empty, predicted_recompute_ms=0.0, predicted_step_ms=0.0,
                       predicted_peak_bytes=0)]
     for g, fqns in groups.items():
         for kind in KINDS:
-            plan = dataclasses.replace(like, modules=module_plans(fqns, kind))
-            out.append(tf.Variant(name=f"{g} {kind}", plan=plan, predicted_recompute_ms=0.0,
-                                  predicted_step_ms=0.0, predicted_peak_bytes=0))
+            out.append(tf.Variant(name=f"{g} {kind}", plan=dataclasses.replace(like, modules=probe_plans(fqns, kind)),
+                                  predicted_recompute_ms=0.0, predicted_step_ms=0.0, predicted_peak_bytes=0))
     return out
 
 
 def report(variants: list[tf.Variant], samples: dict[str, list[tf.Sample]], info, spec, trace) -> list[str]:
-    """One line per variant, per call (see the module docstring)."""
+    """One line per variant, per call (see the module docstring): the measured overhead and its
+    interval, the priced kernels, the measured host (overhead less those kernels) beside the
+    priced host and its terms, and the ops the policy sees."""
     base = [s.cpu_ms for s in samples[variants[0].name]]
-    lines = [f"{'variant':32} {'calls':>5} {'measured':>8} {'(95 % interval)':>16} {'kernels':>8} "
-             f"{'host':>7} {'priced':>7} = {'call':>6} + {'ops':>6} + {'policy':>6}   (ms a call)"]
+    lines = [f"{'variant':28} {'n':>3} {'measured':>8} {'(95 % interval)':>16} {'kernels':>8} {'host':>7} "
+             f"{'host priced':>11} = {'call':>5} + {'op host':>7} + {'policy':>6}  {'policy ops':>10}   (ms a call)"]
     for v in variants[1:]:
         mods = v.plan.modules
         n = sum(info.stats(m.fqn).n_calls for m in mods)
-        d = [s.cpu_ms - b for s, b in zip(samples[v.name], base)]
-        lo, hi = tf.median_ci(d)
-        t = {k: x / n for k, x in terms(info, mods, spec, trace).items()}
-        host = statistics.median(d) / n - t["kernels"]
-        priced = t["calls"] + t["host/op"] + t["policy"]
-        lines.append(f"{v.name:32} {n:5d} {statistics.median(d) / n:+8.2f} {f'({lo / n:+.2f}..{hi / n:+.2f})':>16} "
-                     f"{t['kernels']:8.2f} {host:+7.2f} {priced:7.2f} = {t['calls']:6.2f} + {t['host/op']:6.2f} + "
-                     f"{t['policy']:6.2f}")
+        overheads = [s.cpu_ms - b for s, b in zip(samples[v.name], base)]
+        lo, hi = tf.median_ci(overheads)
+        per_call = {k: x / n for k, x in terms(info, mods, spec, trace).items()}
+        measured = statistics.median(overheads) / n
+        host_priced = per_call["calls"] + per_call["host/op"] + per_call["policy"]
+        lines.append(f"{v.name:28} {n:3d} {measured:+8.2f} {f'({lo / n:+.2f}..{hi / n:+.2f})':>16} "
+                     f"{per_call['kernels']:8.2f} {measured - per_call['kernels']:+7.2f} {host_priced:11.2f} = "
+                     f"{per_call['calls']:5.2f} + {per_call['host/op']:7.2f} + {per_call['policy']:6.2f}  "
+                     f"{per_call['policy ops']:10.0f}")
     return lines
 
 
@@ -132,6 +140,11 @@ def main(argv=None) -> int:
         p.error("--rounds must be >= 1")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
+    if args.family.startswith("hf_"):
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            p.error(f"{args.family} needs transformers (pip install transformers)")
     t0 = time.perf_counter()
     heap = tf.keep_freed_memory()
     model, step = tf.FAMILIES[args.family]()
@@ -139,12 +152,14 @@ def main(argv=None) -> int:
                           trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
     bench, how = tf.kernel_runtime(model, step, "step")
     with benchmark_runtime_override(bench), hf_cache_off(model):
-        info = estimate(model, step, device=options.spec, options=options.trace).module_info
-    groups = groups_of(info)
+        est = estimate(model, step, device=options.spec, options=options.trace)
+    info = est.module_info
+    groups, missing = groups_of(info)
     with benchmark_runtime_override(bench):
-        variants = probe_variants(model, step, info, groups, options)
+        variants = probe_variants(model, est, groups, options)
     print(f"load {tf.load_average()}; one intra-op thread; {heap}\n{args.family}: {how}; groups: "
-          + ", ".join(f"{g} ({len(f)})" for g, f in groups.items()))
+          + ", ".join(f"{g} ({len(f)})" for g, f in groups.items())
+          + (f"; left out (not in every block): {', '.join(missing)}" if missing else ""))
     timer, host = OpTimer(), CheckpointCostRounds()
     samples = tf.time_variants(model, step, variants, args.rounds, timer=timer, each_round=host.run)
     now = timer.profile(args.rounds).runtime()

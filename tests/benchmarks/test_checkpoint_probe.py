@@ -1,18 +1,21 @@
-"""benchmarks/checkpoint_probe.py: the groups, the two ways of checkpointing them, their terms, and
-one real round."""
+"""benchmarks/checkpoint_probe.py: the groups, the two ways of checkpointing them, their terms tied to
+the planner's price, the per-call report, and one real round."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks import checkpoint_probe as cp
 from benchmarks import time_fidelity as tf
 from estimators.runtime.device import get_device_spec
+from estimators.step.train_step import TrainStep
 from estimators.tracing.estimation import estimate
 from examples.gpt import GPTConfig, build_gpt
-from estimators.step.train_step import TrainStep
 from planner.analysis.calibration import CheckpointHostCosts, with_host_costs
 from planner.options import PlanOptions
+from planner.planning.module_plans import recompute_ms_with_saved
 
 
 @pytest.fixture(scope="module")
@@ -27,40 +30,65 @@ def small():
     return model, step, spec, est
 
 
-def test_the_groups_are_the_blocks_and_each_child_that_runs_ops(small):
+def test_the_groups_are_the_blocks_and_each_child_with_an_op_table(small):
     _, _, _, est = small
-    groups = cp.groups_of(est.module_info)
+    groups, missing = cp.groups_of(est.module_info)
     assert groups["blocks"] == ("GPT.blocks.0", "GPT.blocks.1")
     assert groups["blocks.*.mlp"] == ("GPT.blocks.0.mlp", "GPT.blocks.1.mlp")
     # the layer norms are leaves (no op table to re-run): not groups
-    assert set(groups) == {"blocks", "blocks.*.attn", "blocks.*.mlp"}
+    assert set(groups) == {"blocks", "blocks.*.attn", "blocks.*.mlp"} and missing == []
 
 
-def test_policy_is_the_full_recompute_plus_the_selective_policy(small):
-    """Both re-run every op up to the stop; the selective path caching nothing adds its policy
-    (forward and replay) and nothing else."""
+def test_a_child_some_block_lacks_is_named_not_grouped():
+    stats = [SimpleNamespace(fqn=f, is_leaf=False) for f in ("M.b.0", "M.b.0.attn", "M.b.0.cross", "M.b.1",
+                                                             "M.b.1.attn")]
+    groups, missing = cp.groups_of(SimpleNamespace(mod_stats=stats))
+    assert groups == {"blocks": ("M.b.0", "M.b.1"), "blocks.*.attn": ("M.b.0.attn", "M.b.1.attn")}
+    assert missing == ["cross"]
+
+
+def test_full_terms_sum_to_the_planners_price_and_policy_adds_the_policy(small):
+    """A plain checkpoint's terms add up to ``recompute_ms_with_saved`` with nothing saved; the
+    selective path caching nothing re-runs the same ops and adds the policy, and nothing else."""
     _, _, spec, est = small
     info = est.module_info
-    fqns = cp.groups_of(info)["blocks"]
-    full = cp.terms(info, cp.module_plans(fqns, "full"), spec, est.trace)
-    policy = cp.terms(info, cp.module_plans(fqns, "policy"), spec, est.trace)
-    assert all(not m.full and not m.saved_ops for m in cp.module_plans(fqns, "policy"))
+    fqns = cp.groups_of(info)[0]["blocks"]
+    full = cp.terms(info, cp.probe_plans(fqns, "full"), spec, est.trace)
+    policy = cp.terms(info, cp.probe_plans(fqns, "policy"), spec, est.trace)
+    planner = sum(recompute_ms_with_saved(info.stats(f), frozenset()) for f in fqns)
+    assert full["kernels"] + full["host/op"] + full["calls"] == pytest.approx(planner) and planner > 0
+    assert full["policy"] == 0.0 and full["policy ops"] == 0
     for k in ("kernels", "host/op", "calls"):
-        assert policy[k] == pytest.approx(full[k]) and full[k] > 0
-    assert full["policy"] == 0.0
-    assert policy["policy"] == pytest.approx(sum(info.stats(f).selective_policy_ms for f in fqns)) and policy["policy"] > 0
-    assert full["calls"] == pytest.approx(sum(info.stats(f).checkpoint_call_ms for f in fqns))
+        assert policy[k] == pytest.approx(full[k])
+    # the spec's policy costs: 5 us an op the policy sees, 0.3 ms a selective call
+    assert policy["policy"] == pytest.approx(0.005 * policy["policy ops"] + 0.3 * len(fqns))
+    assert all(not m.full and not m.saved_ops and m.discard_ratio == 1.0 for m in cp.probe_plans(fqns, "policy"))
+
+
+def test_the_report_is_per_call_over_every_call_of_the_group():
+    """Two modules, one called twice: the round's overheads over three calls, the terms too."""
+    table = {"M.a": SimpleNamespace(n_calls=1, selective_policy_ms=0.0, checkpoint_call_ms=1.0, ops=()),
+             "M.b": SimpleNamespace(n_calls=2, selective_policy_ms=0.0, checkpoint_call_ms=2.0, ops=())}
+    info = SimpleNamespace(stats=table.__getitem__)
+    plan = SimpleNamespace(modules=cp.probe_plans(("M.a", "M.b"), "full"))
+    variants = [SimpleNamespace(name="no AC", plan=None), SimpleNamespace(name="g full", plan=plan)]
+    samples = {"no AC": [tf.Sample(wall_ms=0, cpu_ms=c) for c in (100, 110, 100)],
+               "g full": [tf.Sample(wall_ms=0, cpu_ms=c) for c in (106, 119, 112)]}
+    (header, row) = cp.report(variants, samples, info, SimpleNamespace(recompute_op_ms=0.0), None)
+    cols = row.split()
+    assert cols[:4] == ["g", "full", "3", "+3.00"]  # median of 6 / 9 / 12 ms over 3 calls
+    assert cols[7] == "1.00"  # host priced: 3 ms of calls over 3 calls
 
 
 @pytest.mark.slow
 def test_one_round_times_every_variant_and_reports_per_call(small, one_intra_op_thread):
     model, step, spec, est = small
     info = est.module_info
-    groups = cp.groups_of(info)
-    variants = cp.probe_variants(model, step, info, groups, PlanOptions(device=spec, reserve_gib=0))
+    groups, _ = cp.groups_of(info)
+    variants = cp.probe_variants(model, est, groups, PlanOptions(device=spec, reserve_gib=0))
     assert [v.name for v in variants] == ["no AC"] + [f"{g} {k}" for g in groups for k in cp.KINDS]
+    assert variants[0].plan.modules == ()  # the unplanned step applies the empty plan
     samples = tf.time_variants(model, step, variants, rounds=1, warmup=0)
     lines = cp.report(variants, samples, info, spec, est.trace)
     assert len(lines) == 1 + 2 * len(groups)
-    row = lines[1].split()
-    assert row[:3] == ["blocks", "full", "2"]  # two blocks, one call each
+    assert lines[1].split()[:3] == ["blocks", "full", "2"]  # two blocks, one call each
