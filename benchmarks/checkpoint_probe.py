@@ -1,6 +1,7 @@
 """What one checkpointed call costs in the step, by module group, beside the runtime model's terms.
 
     python benchmarks/checkpoint_probe.py --family hf_llama --rounds 61
+    python benchmarks/checkpoint_probe.py --family hf_llama --seq 32    # the same model, less streamed
 
 ``time_fidelity.py`` says whether a plan's overhead is priced right; this says which term is
 off. For a family of ``time_fidelity.py``, the groups are its blocks (``find_blocks``) and each
@@ -36,11 +37,13 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
 
 from benchmarks import time_fidelity as tf  # noqa: E402
 from benchmarks.recompute_breakdown import predicted_terms  # noqa: E402
 from estimators.runtime.device import get_device_spec  # noqa: E402
 from estimators.runtime.models import RuntimeKind, benchmark_runtime_override  # noqa: E402
+from estimators.step.train_step import TrainStep  # noqa: E402
 from estimators.tracing.estimation import EstimateOptions, estimate  # noqa: E402
 from estimators.tracing.sac import policy_ops  # noqa: E402
 from planner.analysis.calibration import CheckpointCostRounds, with_host_costs  # noqa: E402
@@ -52,6 +55,21 @@ from planner.planning.baselines import find_blocks  # noqa: E402
 from planner.planning.solve import plan_estimate  # noqa: E402
 
 KINDS = ("full", "policy")
+
+
+def shortened(step: TrainStep, seq: int) -> TrainStep:
+    """``step`` with every integer matrix of its inputs (token ids and labels, batch x sequence)
+    cut to its first ``seq`` positions: the same model at a shorter sequence streams less around
+    each checkpointed call (docs/accuracy.md, round 31). Raises ValueError where the inputs hold
+    no such matrix (a conv net's images) or a shorter one."""
+    flat, spec = tree_flatten(step.inputs)
+    tokens = [isinstance(t, torch.Tensor) and t.ndim == 2 and not t.is_floating_point() for t in flat]
+    if not any(tokens):
+        raise ValueError("--seq needs token inputs (batch x sequence integer tensors); this family has none")
+    if any(ok and t.shape[1] < seq for ok, t in zip(tokens, flat)):
+        raise ValueError(f"--seq {seq} is longer than the family's sequence")
+    cut = [t[:, :seq].contiguous() if ok else t for ok, t in zip(tokens, flat)]
+    return dataclasses.replace(step, inputs=tree_unflatten(cut, spec))
 
 
 def groups_of(info) -> tuple[dict[str, tuple[str, ...]], list[str]]:
@@ -135,9 +153,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", default="hf_llama", choices=list(tf.FAMILIES))
     p.add_argument("--rounds", type=int, default=61, help="timed rounds of every variant (default 61)")
+    p.add_argument("--seq", type=int, metavar="N",
+                   help="cut the family's token inputs to their first N positions (the decoders; default: all)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    if args.seq is not None and args.seq < 2:
+        p.error("--seq must be >= 2 (a next-token loss needs two positions)")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     if args.family.startswith("hf_"):
@@ -148,6 +170,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     heap = tf.keep_freed_memory()
     model, step = tf.FAMILIES[args.family]()
+    if args.seq is not None:
+        try:
+            step = shortened(step, args.seq)
+        except ValueError as e:
+            p.error(str(e))
     options = PlanOptions(device=get_device_spec("cpu"), reserve_gib=0,
                           trace=EstimateOptions(runtime=RuntimeKind.BENCHMARK))
     bench, how = tf.kernel_runtime(model, step, "step")
@@ -157,7 +184,8 @@ def main(argv=None) -> int:
     groups, missing = groups_of(info)
     with benchmark_runtime_override(bench):
         variants = probe_variants(model, est, groups, options)
-    print(f"load {tf.load_average()}; one intra-op thread; {heap}\n{args.family}: {how}; groups: "
+    seq = "" if args.seq is None else f" at seq {args.seq}"
+    print(f"load {tf.load_average()}; one intra-op thread; {heap}\n{args.family}{seq}: {how}; groups: "
           + ", ".join(f"{g} ({len(f)})" for g, f in groups.items())
           + (f"; left out (not in every block): {', '.join(missing)}" if missing else ""))
     timer, host = OpTimer(), CheckpointCostRounds()

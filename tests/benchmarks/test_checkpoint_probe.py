@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from benchmarks import checkpoint_probe as cp
 from benchmarks import time_fidelity as tf
@@ -78,6 +79,20 @@ def test_the_report_is_per_call_over_every_call_of_the_group():
     cols = row.split()
     assert cols[:4] == ["g", "full", "3", "+3.00"]  # median of 6 / 9 / 12 ms over 3 calls
     assert cols[7] == "1.00"  # host priced: 3 ms of calls over 3 calls
+
+
+def test_a_shorter_sequence_cuts_the_token_inputs_and_nothing_else(small):
+    model, step, _, _ = small
+    short = cp.shortened(step, 8)
+    (ids,) = short.inputs
+    assert ids.shape == (2, 8) and ids.equal(step.inputs[0][:, :8])
+    assert short.loss_fn is step.loss_fn and step.inputs[0].shape == (2, 16)  # the original is kept
+    model.loss_fn(model(*short.inputs), short.inputs).backward()  # the model runs at that length
+    with pytest.raises(ValueError, match="longer than"):
+        cp.shortened(step, 17)
+    images = TrainStep(inputs=(torch.rand(2, 3, 8, 8),), loss_fn=lambda out, inputs: out.sum(), optimizer="adamw")
+    with pytest.raises(ValueError, match="token inputs"):
+        cp.shortened(images, 4)
 
 
 @pytest.mark.slow
