@@ -190,9 +190,7 @@ def main(argv=None) -> int:
           + (f"; left out (not in every block): {', '.join(missing)}" if missing else ""))
     timer, host = OpTimer(), CheckpointCostRounds()
     samples = tf.time_variants(model, step, variants, args.rounds, timer=timer, each_round=host.run)
-    now = timer.profile(args.rounds).runtime()
-    now.import_cache({k: v for k, v in bench.export_cache().items() if k not in timer.samples})
-    costs = host.costs()
+    now, costs = tf.priced_in_rounds(timer, args.rounds, bench, host)
     spec = with_host_costs(options.spec, costs)
     with benchmark_runtime_override(now), hf_cache_off(model):
         est = estimate(model, step, device=spec, options=options.trace)

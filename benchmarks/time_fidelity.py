@@ -94,7 +94,8 @@ from estimators.step.train_step import TrainStep, run_step  # noqa: E402
 from estimators.tracing.estimation import EstimateOptions, estimate  # noqa: E402
 from examples.convnet import ConvNetConfig, build_convnet  # noqa: E402
 from examples.gpt import GPTConfig, build_gpt  # noqa: E402
-from planner.analysis.calibration import CheckpointCostRounds, calibrate_device, with_host_costs  # noqa: E402
+from planner.analysis.calibration import (CheckpointCostRounds, CheckpointHostCosts, calibrate_device,  # noqa: E402
+                                          with_host_costs)
 from planner.analysis.kernel_profile import OpTimer, profile_step_kernels  # noqa: E402
 from planner.analysis.measure import gc_frozen  # noqa: E402
 from planner.applying.checkpointing import apply_plan, hf_cache_off  # noqa: E402
@@ -203,6 +204,16 @@ def repriced(model: torch.nn.Module, step: TrainStep, variants: list[Variant], o
         out.append(dataclasses.replace(v, predicted_recompute_ms=ms, predicted_step_ms=base + ms,
                                        planned_recompute_ms=v.predicted_recompute_ms))
     return out
+
+
+def priced_in_rounds(timer: OpTimer, rounds: int, planned_with: BenchmarkRuntime,
+                     host: CheckpointCostRounds) -> tuple[BenchmarkRuntime, CheckpointHostCosts]:
+    """The kernels and the checkpoint's host costs measured in the timing rounds: each signature's
+    median under ``timer`` over ``rounds`` steps, a signature only a recompute runs (the unplanned
+    steps never do) keeping its price from ``planned_with``; and the chains' fit of ``host``."""
+    now = timer.profile(rounds).runtime()
+    now.import_cache({k: v for k, v in planned_with.export_cache().items() if k not in timer.samples})
+    return now, host.costs()
 
 
 # ----------------------------------------------------------------------------- timing
@@ -477,10 +488,7 @@ def main(argv=None) -> int:
         samples = time_variants(model, step, variants, args.rounds, timer=timer,
                                 each_round=None if host is None else host.run)
         if timer is not None:
-            now = timer.profile(args.rounds).runtime()
-            # a signature the unplanned steps do not run (only a recompute does): benchmarked once
-            now.import_cache({k: v for k, v in bench.export_cache().items() if k not in timer.samples})
-            costs = host.costs()
+            now, costs = priced_in_rounds(timer, args.rounds, bench, host)
             print(f"{family}: repriced with the kernels and the {costs.summary()}, timed in the same rounds")
             now_options = dataclasses.replace(options, device=with_host_costs(cal.spec, costs))
             variants = repriced(model, step, variants, now_options, now)

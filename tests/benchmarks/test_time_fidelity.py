@@ -169,3 +169,15 @@ def test_repricing_with_the_planning_kernels_gives_the_plans_own_prices(one_intr
     assert all(w.plan is v.plan for v, w in zip(variants, doubled))
     assert doubled[0].predicted_step_ms == pytest.approx(2 * variants[0].predicted_step_ms, rel=0.05)
     assert all(w.predicted_recompute_ms > v.predicted_recompute_ms for v, w in zip(variants[1:], doubled[1:]))
+
+
+def test_the_rounds_price_their_kernels_and_keep_the_planning_price_of_recompute_only_ones():
+    """A signature the op-timed unplanned steps ran is priced by its median there; one only a
+    recompute runs (never timed in the rounds) keeps the price the plans were made with."""
+    timer = tf.OpTimer()
+    timer.samples["mm"] = [2_000_000, 3_000_000, 4_000_000]  # ns
+    planned_with = tf.BenchmarkRuntime()
+    planned_with.import_cache({"mm": 9.0, "recompute only": 5.0})
+    host = type("Rounds", (), {"costs": lambda self: "the chains' fit"})()
+    now, costs = tf.priced_in_rounds(timer, 3, planned_with, host)
+    assert now.export_cache() == {"mm": 3.0, "recompute only": 5.0} and costs == "the chains' fit"
