@@ -32,7 +32,6 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -40,21 +39,17 @@ import torch  # noqa: E402
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
 
 from benchmarks import time_fidelity as tf  # noqa: E402
-from benchmarks.recompute_breakdown import predicted_terms  # noqa: E402
+from benchmarks.step_host import KINDS, groups_of, probe_plans, terms  # noqa: E402
 from estimators.runtime.device import get_device_spec  # noqa: E402
 from estimators.runtime.models import RuntimeKind, benchmark_runtime_override  # noqa: E402
 from estimators.step.train_step import TrainStep  # noqa: E402
 from estimators.tracing.estimation import EstimateOptions, estimate  # noqa: E402
-from estimators.tracing.sac import policy_ops  # noqa: E402
 from planner.analysis.calibration import CheckpointCostRounds, with_host_costs  # noqa: E402
 from planner.analysis.kernel_profile import OpTimer  # noqa: E402
 from planner.applying.checkpointing import hf_cache_off  # noqa: E402
 from planner.options import PlanOptions  # noqa: E402
-from planner.plan import ModulePlan  # noqa: E402
-from planner.planning.baselines import find_blocks  # noqa: E402
 from planner.planning.solve import plan_estimate  # noqa: E402
 
-KINDS = ("full", "policy")
 
 
 def shortened(step: TrainStep, seq: int) -> TrainStep:
@@ -70,44 +65,6 @@ def shortened(step: TrainStep, seq: int) -> TrainStep:
         raise ValueError(f"--seq {seq} is longer than the family's sequence")
     cut = [t[:, :seq].contiguous() if ok else t for ok, t in zip(tokens, flat)]
     return dataclasses.replace(step, inputs=tree_unflatten(cut, spec))
-
-
-def groups_of(info) -> tuple[dict[str, tuple[str, ...]], list[str]]:
-    """``{"blocks": the blocks, "blocks.*.<child>": that child of every block}`` for each child of
-    the first block the trace gives an op table (a leaf, such as a norm, has none: a plan cannot
-    checkpoint it) and every block has; and the children left out because some block lacks them."""
-    blocks = find_blocks(info)
-    known = {m.fqn: m for m in info.mod_stats}
-    out, missing = {"blocks": blocks}, []
-    for s in info.mod_stats:
-        rest = s.fqn[len(blocks[0]) + 1:] if s.fqn.startswith(blocks[0] + ".") else ""
-        if rest and "." not in rest and not s.is_leaf:
-            fqns = tuple(f"{b}.{rest}" for b in blocks)
-            if all(f in known for f in fqns):
-                out[f"blocks.*.{rest}"] = fqns
-            else:
-                missing.append(rest)
-    return out, missing
-
-
-def probe_plans(fqns: tuple[str, ...], kind: str) -> tuple[ModulePlan, ...]:
-    """``full``: plain checkpoints; ``policy``: the selective path caching nothing (so discarding
-    everything, as a plain one)."""
-    return tuple(ModulePlan(fqn=f, discard_ratio=1.0, full=kind == "full") for f in fqns)
-
-
-def terms(info, mods: tuple[ModulePlan, ...], spec, trace=None) -> dict[str, float]:
-    """The price of checkpointing ``mods`` (nothing cached) by ``recompute_breakdown``'s terms
-    (``predicted_terms``: re-run kernels, host of the re-run ops, the checkpoint's calls), summed
-    over the modules' calls, with the selective policy (forward and replay) added for a ``policy``
-    module. The planner itself prices a plan caching nothing as a plain checkpoint, with no
-    policy (``recompute_ms_with_saved``): the ``policy`` rows are this probe's construct, what the
-    selective path costs before anything is cached."""
-    out = dict.fromkeys(("kernels", "host/op", "calls"), 0.0)
-    out.update(predicted_terms(info, SimpleNamespace(modules=mods), spec, trace))
-    out["policy"] = sum(info.stats(m.fqn).selective_policy_ms for m in mods if not m.full)
-    out["policy ops"] = sum(policy_ops(info.stats(m.fqn).ops) * info.stats(m.fqn).n_calls for m in mods if not m.full)
-    return out
 
 
 def probe_variants(model: torch.nn.Module, est, groups: dict[str, tuple[str, ...]],

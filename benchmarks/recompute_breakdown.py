@@ -43,10 +43,11 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks import time_fidelity as tf  # noqa: E402
+from benchmarks.step_host import op_host_ms, predicted_terms  # noqa: E402
 from estimators.runtime.models import RuntimeKind, benchmark_runtime_override  # noqa: E402
 from estimators.step.train_step import split_inputs  # noqa: E402
 from estimators.tracing.estimation import EstimateOptions  # noqa: E402
-from estimators.tracing.sac import last_saved, module_ops  # noqa: E402
+from estimators.tracing.sac import last_saved  # noqa: E402
 from planner.analysis.calibration import calibrate_device  # noqa: E402
 from planner.analysis.measure import gc_frozen  # noqa: E402
 from planner.applying import forward_state  # noqa: E402
@@ -162,39 +163,6 @@ def _kernel_split(model, step, opt) -> dict[str, float]:
     for tag, _, t in sink:
         out[f"{tag} ops"] += t
         out[f"{tag} n"] += 1
-    return dict(out)
-
-
-def op_host_ms(info, fqn: str, spec, trace=None) -> list[float]:
-    """The host's re-run cost the model adds to each op of ``fqn``'s table, over its calls:
-    ``DeviceSpec.recompute_op_host_ms`` by what the op before it moved, worked out again from
-    ``trace`` where given (and its calls give the same table), else ``recompute_op_ms`` each."""
-    s = info.stats(fqn)
-    if trace is not None:
-        calls = [c for c in trace.calls if c.fqn == fqn]
-        bare = module_ops(trace, calls, 0.0)
-        if len(bare) == len(s.ops):
-            return [a.runtime_ms - b.runtime_ms for a, b in zip(module_ops(trace, calls, spec.recompute_op_host_ms), bare)]
-    return [spec.recompute_op_ms * s.n_calls] * len(s.ops)
-
-
-def predicted_terms(info, plan, spec, trace=None) -> dict[str, float]:
-    """The model's terms of ``plan.recompute_ms``: re-run kernels, host per re-run op, calls,
-    policy (forward + replay), each summed over the plan's modules."""
-    out = defaultdict(float)
-    for m in plan.modules:
-        s = info.stats(m.fqn)
-        saved = frozenset(m.saved_ops)
-        stop = last_saved(s.ops)
-        hosts = op_host_ms(info, m.fqn, spec, trace)
-        for o, host in zip(s.ops[: stop + 1], hosts):
-            if (op_key(o.func), o.occurrence) in saved:
-                continue
-            out["kernels"] += o.runtime_ms - host
-            out["host/op"] += host
-            out["n_rerun"] += 1
-        out["calls"] += s.checkpoint_call_ms
-        out["policy"] += s.selective_policy_ms if saved else 0.0
     return dict(out)
 
 

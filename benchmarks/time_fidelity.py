@@ -88,6 +88,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks import gpu_validate as gv  # noqa: E402
+from benchmarks.step_host import KINDS, HostScales, fit_host_scales, host_groups, probe_plans, terms  # noqa: E402
 from estimators.runtime.kernel_bench import BenchmarkRuntime  # noqa: E402
 from estimators.runtime.models import RuntimeKind, benchmark_runtime_override  # noqa: E402
 from estimators.step.train_step import TrainStep, run_step  # noqa: E402
@@ -151,6 +152,10 @@ class Variant:
     planned_recompute_ms: float | None = None
     """What the plan was made with (``plan.recompute_ms``), where ``predicted_recompute_ms`` is a
     re-pricing of it (``repriced``); None where they are one."""
+    chains_recompute_ms: float | None = None
+    """The same re-pricing with the calibration chains' host costs as they are, where
+    ``predicted_recompute_ms`` scales them by the cold factor measured in the step
+    (``--host step``); None otherwise."""
 
 
 def full_ac_plan(like: Plan, info) -> Plan:
@@ -206,6 +211,40 @@ def repriced(model: torch.nn.Module, step: TrainStep, variants: list[Variant], o
     return out
 
 
+HOST = "host: "
+"""The name prefix of the variants timed for the host's cold factor (``--host step``)."""
+
+
+def host_variants(like: Plan, info) -> list[Variant]:
+    """The checkpoints the cold factor is measured on (``step_host.host_groups``: each child of
+    the blocks, in every block, checkpointed ``full`` and through the selective path caching
+    nothing), as copies of ``like`` (a plan of this model); not judged, not priced here."""
+    return [Variant(name=f"{HOST}{g} {kind}", plan=dataclasses.replace(like, modules=probe_plans(fqns, kind)),
+                    predicted_recompute_ms=0.0, predicted_step_ms=0.0, predicted_peak_bytes=0)
+            for g, fqns in host_groups(info).items() for kind in KINDS]
+
+
+def measured_scales(variants: list[Variant], samples: dict[str, list[Sample]], info, spec,
+                    trace) -> tuple[HostScales, list[str]]:
+    """The cold factor of the host variants among ``variants`` (``fit_host_scales``: their
+    median overhead over the unplanned step, ``variants[0]``, beside their terms priced by
+    ``spec``), and a line per variant: host measured / priced a call."""
+    base, measured, lines = samples[variants[0].name], [], []
+    for v in variants:
+        if not v.name.startswith(HOST):
+            continue
+        mods = v.plan.modules
+        t = terms(info, mods, spec, trace)
+        m = statistics.median(_paired(samples[v.name], base, "cpu_ms"))
+        kind = "full" if all(x.full for x in mods) else "policy"
+        measured.append((kind, m, t))
+        n = sum(info.stats(x.fqn).n_calls for x in mods)
+        priced = t["calls"] + t["host/op"] + (t["policy"] if kind == "policy" else 0.0)
+        lines.append(f"  {v.name[len(HOST):]:26} {n:2d} calls: host {(m - t['kernels']) / n:5.2f} ms a call "
+                     f"measured, {priced / n:5.2f} priced by the chains")
+    return fit_host_scales(measured), lines
+
+
 def priced_in_rounds(timer: OpTimer, rounds: int, planned_with: BenchmarkRuntime,
                      host: CheckpointCostRounds) -> tuple[BenchmarkRuntime, CheckpointHostCosts]:
     """The kernels and the checkpoint's host costs measured in the timing rounds: each signature's
@@ -247,9 +286,12 @@ def time_variants(model: torch.nn.Module, step: TrainStep, variants: list[Varian
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
         if v.plan is not None:
             apply_plan(m, v.plan)
+        else:
+            hf_cache_off(m).__enter__()  # run as every plan runs it (and as traced): no KV cache
         runs.append((v.name, m, opt))
     if timer is not None:
         m = copy.deepcopy(model)
+        hf_cache_off(m).__enter__()
         runs.append((PROFILED, m, torch.optim.AdamW(m.parameters(), lr=1e-4)))
 
     def one(m, opt, mode=contextlib.nullcontext()) -> Sample:
@@ -347,7 +389,7 @@ def rows_of(variants: list[Variant], samples: dict[str, list[Sample]]) -> list[R
 
 def render(family: str, rows: list[Row], load: tuple[str, str]) -> str:
     head = (f"{'variant':20} {'peak pred':>9} {'step cpu [min-max]':>23} {'step wall [min-max]':>24} "
-            f"{'step pred':>9} {'overhead cpu [95% ci]':>26} {'wall':>7} {'pred':>7} {'err':>6} {'planned':>8}")
+            f"{'step pred':>9} {'overhead cpu [95% ci]':>26} {'wall':>7} {'pred':>7} {'err':>6} {'chains':>7} {'planned':>8}")
     lines = [f"== {family}   load before {load[0]}, after {load[1]}", head, "-" * len(head)]
     for r in rows:
         v = r.variant
@@ -356,13 +398,14 @@ def render(family: str, rows: list[Row], load: tuple[str, str]) -> str:
             if v.predicted_recompute_ms else "n/a")
         mark = "" if v.plan is None else f"  {r.state}"
         planned = "" if v.planned_recompute_ms is None or v.plan is None else f"{v.planned_recompute_ms:.1f}"
+        chains = "" if v.chains_recompute_ms is None or v.plan is None else f"{v.chains_recompute_ms:.1f}"
         lines.append(
             f"{v.name:20} {v.predicted_peak_bytes / MiB:8.1f}M "
             f"{r.step_cpu_ms:8.1f} [{r.step_cpu_spread[0]:6.1f}-{r.step_cpu_spread[1]:6.1f}] "
             f"{r.step_wall_ms:8.1f} [{r.step_wall_spread[0]:6.1f}-{r.step_wall_spread[1]:7.1f}] "
             f"{v.predicted_step_ms:9.1f} "
             f"{r.overhead_cpu_ms:+8.1f} [{r.overhead_cpu_ci[0]:+7.1f} {r.overhead_cpu_ci[1]:+7.1f}] "
-            f"{r.overhead_wall_ms:+7.1f} {v.predicted_recompute_ms:7.1f} {err:>6} {planned:>8}{mark}")
+            f"{r.overhead_wall_ms:+7.1f} {v.predicted_recompute_ms:7.1f} {err:>6} {chains:>7} {planned:>8}{mark}")
     return "\n".join(lines)
 
 
@@ -458,6 +501,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=41, help="timed rounds of every variant (default 41)")
     p.add_argument("--kernels", choices=("step", "benchmark"), default="step",
                    help="price kernels by their time in unplanned steps run here (default) or timed alone")
+    p.add_argument("--host", choices=("step", "chains"), default="step",
+                   help="price the checkpoint's host by the calibration chains scaled by the cold factor "
+                        "measured in the step on the blocks' children (default), or by the chains as they are")
     p.add_argument("--json", type=Path, metavar="PATH",
                    help="also write every family's samples (ms, in the order timed) and predictions to PATH")
     args = p.parse_args(argv)
@@ -485,22 +531,38 @@ def main(argv=None) -> int:
         print(f"{family}: {how}; {bench.measurements} benchmarked alone (load {load_average()})")
         before = load_average()
         timer, host = (OpTimer(), CheckpointCostRounds()) if args.kernels == "step" else (None, None)
-        samples = time_variants(model, step, variants, args.rounds, timer=timer,
+        timed = variants
+        if timer is not None and args.host == "step":
+            timed = variants + host_variants(variants[-1].plan, est.module_info)
+            if len(timed) == len(variants):
+                print(f"{family}: its blocks have no child with ops of its own: the chains' host costs as they are")
+        samples = time_variants(model, step, timed, args.rounds, timer=timer,
                                 each_round=None if host is None else host.run)
+        scales = None
         if timer is not None:
             now, costs = priced_in_rounds(timer, args.rounds, bench, host)
             print(f"{family}: repriced with the kernels and the {costs.summary()}, timed in the same rounds")
-            now_options = dataclasses.replace(options, device=with_host_costs(cal.spec, costs))
-            variants = repriced(model, step, variants, now_options, now)
+            chains_options = dataclasses.replace(options, device=with_host_costs(cal.spec, costs))
+            planned, variants = variants, repriced(model, step, variants, chains_options, now)
+            if len(timed) > len(variants):
+                with benchmark_runtime_override(now), hf_cache_off(model):
+                    e = estimate(model, step, device=chains_options.spec, options=options.trace)
+                scales, lines = measured_scales(timed, samples, e.module_info, chains_options.spec, e.trace)
+                print(f"{family}: the host's cold factor measured in the step (blocks' children): plain "
+                      f"checkpoint x{scales.plain:.2f}, selective policy x{scales.policy:.2f}\n" + "\n".join(lines))
+                scaled = with_host_costs(cal.spec, costs.scaled(scales.plain, scales.policy))
+                variants = [dataclasses.replace(v, chains_recompute_ms=c.predicted_recompute_ms) for v, c in
+                            zip(repriced(model, step, planned, dataclasses.replace(options, device=scaled), now), variants)]
         rows = rows_of(variants, samples)
         print(render(f"{family}: {FAMILIES[family].__doc__}", rows, (before, load_average())))
         status, line = verdict(rows, samples)
         verdicts.append(status)
         record[family] = {"verdict": status, "load": [before, load_average()],
-                          "host_costs_in_rounds": None if host is None else dataclasses.asdict(costs), "variants": [
+                          "host_costs_in_rounds": None if host is None else dataclasses.asdict(costs),
+                         "host_scales": None if scales is None else dataclasses.asdict(scales), "variants": [
             {"name": v.name, "predicted_recompute_ms": v.predicted_recompute_ms, "planned_recompute_ms":
              v.planned_recompute_ms, "predicted_step_ms": v.predicted_step_ms,
-             "cpu_ms": [x.cpu_ms for x in samples[v.name]], "wall_ms": [x.wall_ms for x in samples[v.name]]}
+             "chains_recompute_ms": v.chains_recompute_ms, "cpu_ms": [x.cpu_ms for x in samples[v.name]], "wall_ms": [x.wall_ms for x in samples[v.name]]}
             for v in variants]}
         if args.json is not None:  # after every family: a long run stopped midway keeps what it timed
             args.json.write_text(json.dumps({"rounds": args.rounds, "kernels": args.kernels, "families": record}, indent=1))

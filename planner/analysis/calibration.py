@@ -38,11 +38,11 @@ these rounds in each of its own, for costs of the same minutes (``time_fidelity.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -86,7 +86,7 @@ _CHAINS = (1, 6)
 per-op costs, the short block the per-call one."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointHostCosts:
     """The host costs of a checkpoint on this machine, as ``DeviceSpec`` holds them (ms)."""
 
@@ -101,6 +101,16 @@ class CheckpointHostCosts:
     clock: str
     """"thread" (the calling thread's CPU time, one intra-op thread) or "wall"."""
 
+    def scaled(self, plain: float, policy: float) -> "CheckpointHostCosts":
+        """These costs with the plain checkpoint's (call, submodule, re-run op, cold and warm)
+        multiplied by ``plain`` and the selective policy's (per op, per call) by ``policy``: the
+        cold factor a step measured beside the chains (``benchmarks/step_host.py``)."""
+        return dataclasses.replace(
+            self, checkpoint_call_ms=self.checkpoint_call_ms * plain,
+            checkpoint_submodule_ms=self.checkpoint_submodule_ms * plain,
+            recompute_op_ms=self.recompute_op_ms * plain, recompute_op_warm_ms=self.recompute_op_warm_ms * plain,
+            selective_op_ms=self.selective_op_ms * policy, selective_call_ms=self.selective_call_ms * policy)
+
     def summary(self) -> str:
         return (f"checkpoint host costs ({self.clock} clock): {self.checkpoint_call_ms * 1e3:.1f} us per call, "
                 f"{self.checkpoint_submodule_ms * 1e3:.1f} us per submodule a call, {self.recompute_op_ms * 1e3:.1f} us "
@@ -108,7 +118,7 @@ class CheckpointHostCosts:
                 f"op a selective policy sees, {self.selective_call_ms * 1e3:.1f} us per selective call")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Calibration:
     """A spec fitted on this machine and what it was fitted to."""
 
@@ -250,7 +260,7 @@ def host_clock():
     return "wall", time.perf_counter_ns
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _ChainCosts:
     ops: int
     """Forward ops of one block, as a trace counts them."""
