@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: E402
 
 from benchmarks import time_fidelity as tf  # noqa: E402
-from benchmarks.step_host import KINDS, groups_of, probe_plans, terms  # noqa: E402
+from benchmarks.step_host import KINDS, groups_of, host_groups, probe_plans, terms  # noqa: E402
 from estimators.runtime.device import get_device_spec  # noqa: E402
 from estimators.runtime.models import RuntimeKind, benchmark_runtime_override  # noqa: E402
 from estimators.step.train_step import TrainStep  # noqa: E402
@@ -106,6 +106,29 @@ def report(variants: list[tf.Variant], samples: dict[str, list[tf.Sample]], info
     return lines
 
 
+def cross_check(variants: list[tf.Variant], samples: dict[str, list[tf.Sample]], info, spec, trace) -> list[str]:
+    """The cold factor as ``time_fidelity.py --host step`` fits it, from the blocks' children
+    (``step_host.host_groups``), and the blocks' rows priced with it: a check on modules the
+    factor was not fitted on. No children: one line saying so."""
+    children = {f"{g} {k}" for g in host_groups(info) for k in KINDS}
+    if not children:
+        return ["cold factor: the blocks have no child with ops of its own"]
+    scales, _ = tf.measured_scales(variants, samples, info, spec, trace, fitted=lambda v: v.name in children)
+    base = [s.cpu_ms for s in samples[variants[0].name]]
+    lines = [f"cold factor from the children: plain x{scales.plain:.2f}, policy x{scales.policy:.2f}; "
+             "the blocks priced so (host ms a call):"]
+    for v in variants[1:]:
+        if v.name in children:
+            continue
+        t = terms(info, v.plan.modules, spec, trace)
+        n = sum(info.stats(m.fqn).n_calls for m in v.plan.modules)
+        measured = statistics.median(s.cpu_ms - b for s, b in zip(samples[v.name], base)) - t["kernels"]
+        scaled = scales.plain * (t["calls"] + t["host/op"]) + scales.policy * t["policy"]
+        lines.append(f"  {v.name:26} measured {measured / n:5.2f}, scaled {scaled / n:5.2f}, "
+                     f"chains {(t['calls'] + t['host/op'] + t['policy']) / n:5.2f}")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", default="hf_llama", choices=list(tf.FAMILIES))
@@ -153,6 +176,7 @@ def main(argv=None) -> int:
         est = estimate(model, step, device=spec, options=options.trace)
     print(f"priced with the kernels and the {costs.summary()}, timed in the same rounds")
     print("\n".join(report(variants, samples, est.module_info, spec, est.trace)))
+    print("\n".join(cross_check(variants, samples, est.module_info, spec, est.trace)))
     print(f"measured = step - the same round's unplanned step, over the calls; host = measured - kernels "
           f"(priced); {args.rounds} rounds, load {tf.load_average()}, {time.perf_counter() - t0:.0f} s")
     return 0

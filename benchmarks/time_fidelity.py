@@ -224,14 +224,16 @@ def host_variants(like: Plan, info) -> list[Variant]:
             for g, fqns in host_groups(info).items() for kind in KINDS]
 
 
-def measured_scales(variants: list[Variant], samples: dict[str, list[Sample]], info, spec,
-                    trace) -> tuple[HostScales, list[str]]:
-    """The cold factor of the host variants among ``variants`` (``fit_host_scales``: their
-    median overhead over the unplanned step, ``variants[0]``, beside their terms priced by
-    ``spec``), and a line per variant: host measured / priced a call."""
+def measured_scales(variants: list[Variant], samples: dict[str, list[Sample]], info, spec, trace,
+                    fitted: Callable[[Variant], bool] = lambda v: v.name.startswith(HOST)
+                    ) -> tuple[HostScales, list[str]]:
+    """The cold factor of the ``fitted`` variants (the host variants; each checkpoints its
+    modules all plainly or all through the selective path caching nothing) by
+    ``fit_host_scales``: their median overhead over the unplanned step, ``variants[0]``, beside
+    their terms priced by ``spec``; and a line per variant: host measured / priced a call."""
     base, measured, lines = samples[variants[0].name], [], []
     for v in variants:
-        if not v.name.startswith(HOST):
+        if not fitted(v):
             continue
         mods = v.plan.modules
         t = terms(info, mods, spec, trace)
@@ -240,7 +242,7 @@ def measured_scales(variants: list[Variant], samples: dict[str, list[Sample]], i
         measured.append((kind, m, t))
         n = sum(info.stats(x.fqn).n_calls for x in mods)
         priced = t["calls"] + t["host/op"] + (t["policy"] if kind == "policy" else 0.0)
-        lines.append(f"  {v.name[len(HOST):]:26} {n:2d} calls: host {(m - t['kernels']) / n:5.2f} ms a call "
+        lines.append(f"  {v.name.removeprefix(HOST):26} {n:2d} calls: host {(m - t['kernels']) / n:5.2f} ms a call "
                      f"measured, {priced / n:5.2f} priced by the chains")
     return fit_host_scales(measured), lines
 

@@ -54,3 +54,23 @@ def test_one_round_times_every_variant_and_reports_per_call(small, one_intra_op_
     lines = cp.report(variants, samples, info, spec, est.trace)
     assert len(lines) == 1 + 2 * len(groups)
     assert lines[1].split()[:3] == ["blocks", "full", "2"]  # two blocks, one call each
+
+
+def test_the_cross_check_prices_the_blocks_with_the_factor_fitted_on_their_children(small):
+    """Steps made up at 1.5x the plain host and 2x the policy of every group: the factor fitted on
+    the children prices the blocks' rows at what they measured."""
+    model, _, spec, est = small
+    info = est.module_info
+    groups, _ = cp.groups_of(info)
+    variants = cp.probe_variants(model, est, groups, PlanOptions(device=spec, reserve_gib=0))
+    samples = {"no AC": [tf.Sample(wall_ms=0, cpu_ms=c) for c in (100.0, 103.0, 98.0)]}
+    for v in variants[1:]:
+        t = cp.terms(info, v.plan.modules, spec, est.trace)
+        over = t["kernels"] + 1.5 * (t["calls"] + t["host/op"]) + 2.0 * t["policy"]
+        samples[v.name] = [tf.Sample(wall_ms=0, cpu_ms=s.cpu_ms + over) for s in samples["no AC"]]
+    head, *rows = cp.cross_check(variants, samples, info, spec, est.trace)
+    assert "plain x1.50, policy x2.00" in head and [r.split()[:2] for r in rows] == [["blocks", "full"],
+                                                                                     ["blocks", "policy"]]
+    for r in rows:
+        cols = r.replace(",", "").split()
+        assert cols[3] == cols[5] and cols[3] != cols[7]  # measured == scaled, not the chains' price

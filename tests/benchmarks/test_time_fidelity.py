@@ -181,3 +181,48 @@ def test_the_rounds_price_their_kernels_and_keep_the_planning_price_of_recompute
     host = type("Rounds", (), {"costs": lambda self: "the chains' fit"})()
     now, costs = tf.priced_in_rounds(timer, 3, planned_with, host)
     assert now.export_cache() == {"mm": 3.0, "recompute only": 5.0} and costs == "the chains' fit"
+
+
+def test_the_unplanned_copies_run_with_the_hf_cache_off_as_the_plans_and_the_trace(monkeypatch):
+    """HF ``use_cache`` costs the unplanned step a cache the plans (and the trace) never build:
+    every unplanned copy, the op-timed one included, runs with it off; the user's model keeps it."""
+    import types
+
+    import torch
+
+    seen: list[bool] = []
+    monkeypatch.setattr(tf, "run_step", lambda m, *a, **k: seen.append(m.config.use_cache))
+    model = torch.nn.Linear(2, 2)
+    model.config = types.SimpleNamespace(use_cache=True)
+    variants = [tf.Variant(name="no AC", plan=None, predicted_recompute_ms=0.0, predicted_step_ms=1.0,
+                           predicted_peak_bytes=1)]
+    tf.time_variants(model, types.SimpleNamespace(inputs=None, loss_fn=None), variants, rounds=2, warmup=0,
+                     timer=tf.OpTimer())
+    assert seen and not any(seen) and model.config.use_cache is True
+
+
+def test_the_host_variants_checkpoint_each_child_group_both_ways_and_fit_from_their_rounds(small):
+    """``host_variants``: the blocks' children, plain and through the selective path caching
+    nothing, copies of a plan of the model; ``measured_scales`` reads their rounds against the
+    unplanned step's and gives back the factors they were built at."""
+    from benchmarks.step_host import terms
+
+    _, _, spec, est = small
+    info = est.module_info
+    like = _plan()
+    host = tf.host_variants(like, info)
+    assert [v.name for v in host] == ["host: blocks.*.attn full", "host: blocks.*.attn policy",
+                                      "host: blocks.*.mlp full", "host: blocks.*.mlp policy"]
+    assert all(v.plan.model_fingerprint == like.model_fingerprint for v in host)
+    assert [m.full for m in host[0].plan.modules] == [True, True]
+    assert [m.full for m in host[1].plan.modules] == [False, False]
+    base = tf.Variant(name="no AC", plan=None, predicted_recompute_ms=0.0, predicted_step_ms=1.0,
+                      predicted_peak_bytes=1)
+    samples = {"no AC": [tf.Sample(wall_ms=0, cpu_ms=c) for c in (100.0, 101.0, 99.0)]}
+    for v in host:  # each round the unplanned step plus the kernels, 1.5x the plain host, 2x the policy
+        t = terms(info, v.plan.modules, spec, est.trace)
+        over = t["kernels"] + 1.5 * (t["calls"] + t["host/op"]) + 2.0 * t["policy"]
+        samples[v.name] = [tf.Sample(wall_ms=0, cpu_ms=s.cpu_ms + over) for s in samples["no AC"]]
+    scales, lines = tf.measured_scales([base, *host], samples, info, spec, est.trace)
+    assert scales.plain == pytest.approx(1.5) and scales.policy == pytest.approx(2.0)
+    assert len(lines) == 4 and "2 calls" in lines[0]

@@ -147,3 +147,15 @@ def test_the_chains_are_timed_in_interleaved_rounds(monkeypatch):
     assert order == [0, 1, 2, 3, 4] * 2 and timed.rounds == 2
     costs = timed.costs()
     assert costs.checkpoint_call_ms == pytest.approx(1.0) and costs.recompute_op_ms == pytest.approx(0.03)
+
+
+def test_scaled_costs_multiply_the_plain_checkpoints_terms_and_the_policys_apart():
+    from planner.analysis.calibration import CheckpointHostCosts
+
+    c = CheckpointHostCosts(checkpoint_call_ms=1.0, checkpoint_submodule_ms=0.02, recompute_op_ms=0.04,
+                            selective_op_ms=0.01, selective_call_ms=0.3, recompute_op_warm_ms=0.01, clock="thread")
+    s = c.scaled(1.5, 2.0)
+    assert (s.checkpoint_call_ms, s.checkpoint_submodule_ms, s.recompute_op_ms, s.recompute_op_warm_ms) == \
+        pytest.approx((1.5, 0.03, 0.06, 0.015))
+    assert (s.selective_op_ms, s.selective_call_ms) == pytest.approx((0.02, 0.6)) and s.clock == "thread"
+    assert c.scaled(1.0, 1.0) == c
