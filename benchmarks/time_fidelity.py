@@ -40,7 +40,15 @@ intra-op thread:
    rounds 29 and 30), so the prices the plans were chosen with are not the ones they ran with;
    repriced, the figure tests the runtime model (which ops re-run, what a checkpoint costs the
    host), not the machine's steadiness. ``plan.recompute_ms`` is printed beside it ("planned").
-   ``--kernels benchmark`` prices with kernels timed alone and does not reprice.
+   ``--kernels benchmark`` prices with kernels timed alone and does not reprice;
+5. with ``--host step`` (the default), the host costs are the chains' scaled by the cold factor
+   measured in the same rounds on other checkpoints of the model (``benchmarks/step_host.py``):
+   each child of the blocks with ops of its own (an attention, an MLP, a conv stage's branch),
+   in every block, checkpointed plainly and through the selective path caching nothing, four
+   more variants timed like the others but not judged. The chains run behind fixed copies; a
+   step's host runs colder as it streams more (docs/accuracy.md, round 31), by a factor one
+   model's step sets, as it sets its kernels' times. The chains' own price is printed beside
+   ("chains"); ``--host chains`` prices with it and times no extra variant.
 
 The median over 41 rounds (the default): a step varies by several per cent from round to round
 even idle, so a paired difference spreads widely and one median is known only to its interval;
